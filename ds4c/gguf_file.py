@@ -1,0 +1,271 @@
+"""Read and write DeepSeek-V4-Flash GGUF model files (spec gguf-deepseek4.md).
+
+Reading memory-maps the file (``gguf.GGUFReader``), builds the :class:`~ds4c.config.Ds4Config` from the
+metadata, and checks every tensor of :func:`~ds4c.tensors.tensor_specs` for presence, shape and type before
+anything is used, so a bad file fails at open with an error naming the tensor. Tensors are dequantized on
+demand; routed experts one expert at a time.
+
+Writing streams tensor by tensor (and expert by expert) into a temporary file that is renamed into place
+only when complete, so memory stays far below the file size and a failed write leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
+from ds4c.errors import ConfigError, Ds4cError, ModelFileError
+from ds4c.quant import GGMLType, dequantize, nbytes
+from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, tensor_specs
+
+_TYPE_NAMES = {int(t): t.name for t in GGMLType}
+
+
+def _type_name(t: int) -> str:
+    return _TYPE_NAMES.get(int(t), f"type-{int(t)}")
+
+
+def _field_value(field: Any) -> Any:
+    """Python value of a GGUFReader field (scalars, strings, arrays)."""
+    vt = field.types[0] if field.types else None
+    if vt == GGUFValueType.ARRAY:
+        return [_scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return _scalar(field.parts[field.data[0]], vt)
+
+
+def _scalar(part: np.ndarray, vt: Any) -> Any:
+    if vt == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    if vt == GGUFValueType.BOOL:
+        return bool(part[0])
+    v = part[0]
+    return float(v) if np.issubdtype(part.dtype, np.floating) else int(v)
+
+
+class ModelFile:
+    """An opened, validated DeepSeek-V4-Flash GGUF.
+
+    Attributes:
+        path: the file.
+        config: the :class:`Ds4Config` read from its metadata.
+        metadata: every metadata key -> python value.
+        specs: ``name -> TensorSpec`` of the tensors the model needs (extra tensors in the file are ignored).
+
+    Raises (from the constructor):
+        ModelFileError: the file is missing, not GGUF, truncated, of another architecture, or a needed
+            tensor is missing, mis-shaped or of a type its role does not allow. The message names the
+            tensor, what was expected and what was found.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"{self.path}: no such model file")
+        size = self.path.stat().st_size
+        try:
+            self._reader = GGUFReader(self.path)
+        except Ds4cError:
+            raise
+        except Exception as e:  # gguf raises ValueError/IndexError/struct errors on garbage or truncation
+            raise ModelFileError(
+                f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e}); expected a complete GGUF v3 "
+                f"file of architecture {ARCH!r} (file size {size} bytes, truncated?)") from None
+        self.metadata = {name: _field_value(f) for name, f in self._reader.fields.items()
+                         if not name.startswith("GGUF.")}
+        arch = self.metadata.get("general.architecture")
+        if arch != ARCH:
+            raise ModelFileError(f"{self.path}: expected general.architecture = {ARCH!r}, found {arch!r}")
+        try:
+            self.config = from_gguf_metadata(self.metadata, source=str(self.path))
+        except ConfigError as e:
+            raise ModelFileError(str(e)) from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.specs = {s.name: s for s in tensor_specs(self.config)}
+        self._validate(size)
+
+    # ----------------------------------------------------------------------------------------------
+    def _validate(self, file_size: int) -> None:
+        for name, spec in self.specs.items():
+            t = self._tensors.get(name)
+            if t is None:
+                raise ModelFileError(f"{self.path}: missing tensor {name!r} (expected shape {list(spec.shape)} "
+                                     f"in torch order, role {spec.role})")
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if shape != spec.shape:
+                hint = ""
+                if spec.role == "fp4" and shape[1:] == spec.shape[1:] and shape[0] != spec.shape[0]:
+                    hint = " (pruned-expert files are not supported)"
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, expected "
+                                     f"{list(spec.shape)} (torch order){hint}")
+            if int(t.tensor_type) not in [int(x) for x in ACCEPTED_TYPES[spec.role]]:
+                allowed = ", ".join(x.name for x in ACCEPTED_TYPES[spec.role])
+                raise ModelFileError(f"{self.path}: tensor {name!r} has type {_type_name(t.tensor_type)}, "
+                                     f"expected one of {allowed} (role {spec.role})")
+            end = t.data_offset + t.n_bytes
+            if end > file_size or t.data.size * t.data.itemsize != t.n_bytes:
+                raise ModelFileError(f"{self.path}: tensor {name!r} ends at byte {end} but the file has "
+                                     f"{file_size} bytes (truncated file)")
+
+    # ----------------------------------------------------------------------------------------------
+    def ggml_type(self, name: str) -> GGMLType:
+        """The GGUF storage type of tensor ``name``."""
+        return GGMLType(int(self._get(name).tensor_type))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes/values of ``name`` as a read-only memory-mapped numpy array (no copy)."""
+        return self._get(name).data
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor ``name`` dequantized to ``dtype`` (shape = its spec shape, torch order).
+
+        I32 tensors come back as int64. Raises ModelFileError for an unknown name.
+        """
+        t = self._get(name)
+        spec = self.specs.get(name)
+        shape = spec.shape if spec else tuple(int(x) for x in reversed(t.shape.tolist()))
+        if int(t.tensor_type) == int(GGMLType.I32):
+            return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(shape)
+        return dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
+
+    def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert ``e`` of the 3-d expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in]."""
+        t = self._get(name)
+        shape = self.specs[name].shape
+        if not 0 <= e < shape[0]:
+            raise ModelFileError(f"{name}: expert index {e} out of range 0..{shape[0] - 1}")
+        return dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), shape[1:], dtype=dtype)
+
+    def weight_bytes_by_type(self) -> dict[str, tuple[int, int]]:
+        """``type name -> (tensor count, bytes)`` over every tensor in the file."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in self._reader.tensors:
+            k = _type_name(t.tensor_type)
+            n, b = out.get(k, (0, 0))
+            out[k] = (n + 1, b + int(t.n_bytes))
+        return out
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self._reader.tensors)
+
+    def _get(self, name: str) -> Any:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
+
+
+def open_model(path: str | os.PathLike[str]) -> ModelFile:
+    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`)."""
+    return ModelFile(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+# A producer gives the bytes of one tensor as an iterator of numpy chunks (concatenated in order they
+# must hold exactly nbytes(type, spec.shape) bytes).
+Producer = Callable[[TensorSpec, GGMLType], Iterable[np.ndarray]]
+
+
+def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, GGMLType], produce: Producer,
+                extra_metadata: dict[str, Any] | None = None,
+                progress: Callable[[TensorSpec, int], None] | None = None) -> Path:
+    """Write a complete model file for ``cfg``, streaming.
+
+    Args:
+        path: destination; written as ``<path>.tmp-*`` in the same folder and renamed when complete.
+        cfg: the config; its metadata goes to the ``deepseek4.*`` keys.
+        types: role -> GGUF type to store (see :data:`ds4c.tensors.FORMATS`).
+        produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
+        extra_metadata: extra ``ds4c.*`` string/int/float keys.
+        progress: called with ``(spec, bytes)`` after each tensor.
+
+    Returns:
+        the final path. Raises ModelFileError when a producer yields the wrong number of bytes (the
+        temporary file is removed; nothing is left at ``path``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    specs = tensor_specs(cfg)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        w = GGUFWriter(tmp, ARCH)
+        _add_metadata(w, cfg, extra_metadata or {})
+        for s in specs:
+            t = types[s.role]
+            w.add_tensor_info(s.name, s.shape, np.dtype(np.float32) if t == GGMLType.F32 else
+                              np.dtype(np.int32) if t == GGMLType.I32 else np.dtype(np.float16),
+                              nbytes(t, s.shape), raw_dtype=t)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        for s in specs:
+            t = types[s.role]
+            want = nbytes(t, s.shape)
+            w.write_padding(fout, fout.tell())
+            got = 0
+            for chunk in produce(s, t):
+                b = np.ascontiguousarray(chunk).view(np.uint8)
+                got += b.nbytes
+                b.tofile(fout)
+            if got != want:
+                raise ModelFileError(f"writing {s.name}: producer gave {got} bytes, expected {want} "
+                                     f"({t.name} {list(s.shape)})")
+            w.write_padding(fout, want)
+            if progress:
+                progress(s, want)
+        fout.flush()
+        os.fsync(fout.fileno())
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:
+    for key, val, kind in to_gguf_metadata(cfg):
+        if key == "general.architecture":
+            continue  # GGUFWriter adds it from `arch`
+        if kind == "str":
+            w.add_string(key, val)
+        elif kind == "u32":
+            w.add_uint32(key, int(val))
+        elif kind == "f32":
+            w.add_float32(key, float(val))
+        elif kind == "bool":
+            w.add_bool(key, bool(val))
+        elif kind == "arr_i32":
+            w.add_key_value(key, [int(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        elif kind == "arr_f32":
+            w.add_key_value(key, [float(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+        else:  # pragma: no cover - table is static
+            raise AssertionError(kind)
+    for key, val in extra.items():
+        if isinstance(val, bool):
+            w.add_bool(key, val)
+        elif isinstance(val, int):
+            w.add_uint64(key, val)
+        elif isinstance(val, float):
+            w.add_float32(key, val)
+        else:
+            w.add_string(key, str(val))
+
+
+def iter_chunks(arr: np.ndarray) -> Iterator[np.ndarray]:
+    """Yield ``arr`` as one chunk (helper for producers of small tensors)."""
+    yield arr

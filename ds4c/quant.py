@@ -1,0 +1,589 @@
+"""Quantization formats of ds4c: GGUF storage types and the DeepSeek fake/real quantizers.
+
+Two families live here, both vectorized in torch (CPU or any device; no Python loop over blocks --
+large tensors are processed in chunks of ~16M elements only to bound temporary memory):
+
+* **GGUF storage formats** (spec ``gguf-deepseek4.md``, "Tensor types ds4c supports"):
+  F32, F16, BF16, I32 (plain) and the block formats
+
+  - ``Q8_0``: blocks of 32 values in 34 bytes: fp16 scale ``d`` (little-endian) then 32 int8 ``q``;
+    value = ``d * q``. The quantizer is byte-identical to ``gguf.quants.quantize(.., Q8_0)``:
+    ``d = amax / 127`` (fp32), ``id = 1 / d`` computed from the fp32 ``d`` *before* ``d`` is cast to fp16,
+    ``q = round_half_away_from_zero(x * id)``.
+  - ``MXFP4``: blocks of 32 values in 17 bytes: one e8m0 exponent byte ``e`` then 16 bytes; byte ``j`` holds
+    element ``j`` in its low nibble and element ``j + 16`` in its high nibble; nibble -> doubled e2m1 table
+    ``0,1,2,3,4,6,8,12`` (codes 8..15 the same negated); value = ``table[nibble] * 2^(e-128)``, i.e.
+    ``e2m1[nibble] * 2^(e-127)``. Dequantization is bit-identical to ``gguf.quants.dequantize`` for every
+    byte pattern (including ``e < 2``, which ggml decodes to the subnormals ``2^-128``, ``2^-127``).
+    The quantizer uses the DeepSeek scale rule (spec ds4-flash.md P4), not gguf's ``floor(log2 amax) - 2``.
+
+* **DeepSeek numeric primitives** (spec ds4-flash.md section 2.3 step 1, section 3 P3 and P4):
+  ``pow2_ceil_scale`` (UE8M0 power-of-two scale), ``e2m1_round``, ``fp4_fake_quant`` (P4, block 32),
+  ``fp8_fake_quant`` (P3, block 64) and ``act_quant_fp8`` / ``act_quant_dequant`` (2.3 step 1, block 128).
+
+and the exact repack between the official DeepSeek FP4 expert layout (spec ds4-flash.md 2.1: two codes per
+byte, *even* index in the low nibble, ``F8_E8M0`` scale ``2^(e-127)`` per 32 K-elements over the plain e2m1
+table) and GGUF MXFP4 (same codes, same exponent byte, different nibble order).
+
+Shapes follow torch order: the last dim is the row length (GGUF ``ne[0]``) and blocks run along it.
+All errors on bad input are :class:`ds4c.errors.QuantError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Callable, Sequence, Union
+
+import numpy as np
+import torch
+
+from ds4c.errors import QuantError
+
+try:  # re-export gguf's enum so values compare equal with everything gguf returns
+    from gguf import GGMLQuantizationType as GGMLType
+except ImportError:  # pragma: no cover - gguf is a dependency, this is only a fallback
+
+    class GGMLType(enum.IntEnum):  # type: ignore[no-redef]
+        """ggml tensor type ids used by ds4c (subset of ``gguf.GGMLQuantizationType``)."""
+
+        F32 = 0
+        F16 = 1
+        Q8_0 = 8
+        I32 = 26
+        BF16 = 30
+        MXFP4 = 39
+
+
+__all__ = [
+    "GGMLType",
+    "BLOCK",
+    "SUPPORTED_TYPES",
+    "nbytes",
+    "quantize_q8_0",
+    "dequantize_q8_0",
+    "quantize_mxfp4",
+    "dequantize_mxfp4",
+    "e2m1_round",
+    "pow2_ceil_scale",
+    "fp4_fake_quant",
+    "fp8_fake_quant",
+    "act_quant_fp8",
+    "act_quant_dequant",
+    "dequantize",
+    "quantize",
+    "deepseek_fp4_to_mxfp4",
+    "mxfp4_to_deepseek_fp4",
+    "E2M1_VALUES",
+    "FP8_E4M3_MAX",
+    "FP4_E2M1_MAX",
+]
+
+ArrayLike = Union[torch.Tensor, np.ndarray]
+
+#: (values per block, bytes per block) of the block formats.
+BLOCK: dict = {GGMLType.Q8_0: (32, 34), GGMLType.MXFP4: (32, 17)}
+
+#: bytes per element of the plain formats.
+_PLAIN_SIZE = {GGMLType.F32: 4, GGMLType.F16: 2, GGMLType.BF16: 2, GGMLType.I32: 4}
+
+#: every ggml type this module reads and writes.
+SUPPORTED_TYPES = tuple(_PLAIN_SIZE) + tuple(BLOCK)
+
+#: plain e2m1 magnitudes for codes 0..7 (code 8..15 = the same negated).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: the doubled table GGUF MXFP4 uses (``gguf.quants.MXFP4.kvalues``).
+_MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+_FP8_AMAX_FLOOR = 1e-4  # spec 2.3 step 1 and P3 (an fp32 constant in the reference kernel)
+_FP4_AMAX_FLOOR = 6.0 * 2.0**-126  # spec P4
+
+# Elements per chunk for the block kernels: bounds temporaries (~a few x 64 MiB) on 100M-element tensors.
+_CHUNK_ELEMS = 1 << 24
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ggml_type(ggml_type) -> GGMLType:
+    """Normalize an int / enum / name to :class:`GGMLType`; raise QuantError naming anything unsupported."""
+    t = ggml_type
+    try:
+        if isinstance(t, str):
+            t = GGMLType[t.upper()]
+        else:
+            t = GGMLType(int(t))
+    except (KeyError, ValueError, TypeError):
+        raise QuantError(
+            f"unknown ggml type {ggml_type!r}; expected one of "
+            + ", ".join(f"{s.name} ({int(s)})" for s in SUPPORTED_TYPES)
+        ) from None
+    if t not in SUPPORTED_TYPES:
+        raise QuantError(
+            f"ggml type {t.name} ({int(t)}) is not supported by ds4c; expected one of "
+            + ", ".join(f"{s.name} ({int(s)})" for s in SUPPORTED_TYPES)
+        )
+    return t
+
+
+def _shape(shape) -> tuple:
+    try:
+        out = tuple(int(d) for d in shape)
+    except TypeError:
+        raise QuantError(f"expected a shape (sequence of ints), found {shape!r}") from None
+    if any(d < 0 for d in out):
+        raise QuantError(f"expected non-negative dims, found shape {out}")
+    return out
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_block_dim(k: int, block: int, what: str) -> None:
+    if block <= 0 or k % block != 0:
+        raise QuantError(f"{what}: the last dim must be a multiple of the block size {block}, found {k}")
+
+
+def nbytes(ggml_type, shape: Sequence[int]) -> int:
+    """Bytes a tensor of torch-order ``shape`` (last dim = row length) occupies in ``ggml_type``.
+
+    Block formats (Q8_0: 32 values / 34 bytes, MXFP4: 32 values / 17 bytes) need the last dim to be a
+    multiple of 32; otherwise :class:`QuantError`. Spec gguf-deepseek4.md "Tensor types ds4c supports".
+    """
+    t = _ggml_type(ggml_type)
+    shp = _shape(shape)
+    if t in BLOCK:
+        bs, ts = BLOCK[t]
+        if len(shp) == 0:
+            raise QuantError(f"{t.name}: expected a shape with a row dimension, found a scalar shape ()")
+        _check_block_dim(shp[-1], bs, f"{t.name} tensor of shape {shp}")
+        return _numel(shp) // bs * ts
+    return _numel(shp) * _PLAIN_SIZE[t]
+
+
+def _to_tensor(x: ArrayLike) -> torch.Tensor:
+    """torch view of a tensor / numpy array (zero-copy where possible; read-only memmaps are not written)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype.byteorder == ">":
+            raise QuantError(f"expected a little-endian array, found dtype {x.dtype}")
+        if x.dtype.kind not in "biuf":
+            raise QuantError(f"expected a numeric numpy array, found dtype {x.dtype}")
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        with warnings.catch_warnings():  # read-only memmaps: we never write through this view
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                return torch.from_numpy(x)
+            except TypeError:
+                raise QuantError(f"expected a numpy dtype torch can view, found {x.dtype}") from None
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return torch.frombuffer(bytearray(x), dtype=torch.uint8)
+    raise QuantError(f"expected a torch.Tensor or numpy.ndarray, found {type(x).__name__}")
+
+
+def _as_bytes(raw: ArrayLike) -> torch.Tensor:
+    """Flat uint8 view of ``raw``'s bytes (int8, uint16, bf16, fp8, ... are reinterpreted, not converted)."""
+    t = _to_tensor(raw)
+    if t.dtype == torch.bool:
+        raise QuantError("expected raw bytes (uint8 or another fixed-size dtype), found a bool tensor")
+    t = t.contiguous().reshape(-1)
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    return t
+
+
+def _raw_blocks(raw: ArrayLike, ggml_type: GGMLType, shape) -> tuple:
+    shp = _shape(shape)
+    need = nbytes(ggml_type, shp)
+    b = _as_bytes(raw)
+    if b.numel() != need:
+        raise QuantError(
+            f"{ggml_type.name} data for shape {shp}: expected {need} bytes, found {b.numel()} "
+            f"(raw of shape {tuple(_to_tensor(raw).shape)}, dtype {_to_tensor(raw).dtype})"
+        )
+    _, ts = BLOCK[ggml_type]
+    return b.view(-1, ts), shp
+
+
+def _float_input(x: ArrayLike, what: str) -> torch.Tensor:
+    t = _to_tensor(x)
+    if not t.is_floating_point():
+        raise QuantError(f"{what}: expected a floating-point tensor, found dtype {t.dtype}")
+    return t
+
+
+def _map_blocks(fn: Callable[[torch.Tensor], torch.Tensor], blocks: torch.Tensor, out_cols: int,
+                out_dtype: torch.dtype, block_elems: int) -> torch.Tensor:
+    """Apply ``fn`` ([n, in_cols] -> [n, out_cols]) over row chunks of ``blocks`` (bounds temporaries)."""
+    nb = blocks.shape[0]
+    chunk = max(1, _CHUNK_ELEMS // block_elems)
+    if nb <= chunk:
+        return fn(blocks)
+    out = torch.empty((nb, out_cols), dtype=out_dtype, device=blocks.device)
+    for i in range(0, nb, chunk):
+        out[i:i + chunk] = fn(blocks[i:i + chunk])
+    return out
+
+
+def _exp2_int(k: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2^k`` for int32 ``k`` built from bits: normals for k >= -126, subnormals down to 2^-149,
+    0 below that, +inf above 127."""
+    k = k.to(torch.int32)
+    normal = ((k.clamp(-126, 128) + 127) << 23)
+    sub = torch.ones_like(k) << (k.clamp(-149, -127) + 149)
+    bits = torch.where(k >= -126, normal, torch.where(k >= -149, sub, torch.zeros_like(k)))
+    return bits.view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scale and e2m1 primitives (spec 2.3, P3, P4)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def pow2_ceil_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """UE8M0 scale ``s = 2^ceil(log2(amax / qmax))`` (spec 2.3 step 1, P3, P4), exact.
+
+    ``amax``: any shape, converted to float32; ``y = amax / qmax`` is an fp32 division and ``ceil(log2 y)``
+    is taken from the exponent of ``y`` (``torch.frexp``: ``y = m * 2^e``, ``m`` in [0.5, 1); the ceil is
+    ``e - 1`` when ``m == 0.5`` else ``e``), never from a rounded float log2. Returns float32 of the same
+    shape holding exact powers of two (``amax = 448, qmax = 448 -> 1``; ``448.0001 -> 2``).
+
+    For qmax = 448 and 6 this equals the reference kernel's ``amax * fp32(1/qmax)`` bit trick and the
+    mathematically smallest power of two ``s`` with ``s * qmax >= amax`` for every normal fp32 ``amax``.
+    ``amax`` must be positive and finite (callers floor it); ``amax <= 0`` gives ``2^-149``, ``inf`` gives inf.
+    """
+    a = amax.to(torch.float32) if isinstance(amax, torch.Tensor) else torch.as_tensor(amax, dtype=torch.float32)
+    y = a / qmax
+    m, e = torch.frexp(y)
+    k = torch.where(m == 0.5, e - 1, e)
+    k = torch.where(y > 0, k, torch.full_like(k, -149))
+    k = torch.where(torch.isinf(y), torch.full_like(k, 128), k)
+    return _exp2_int(k)
+
+
+def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes (0..15, sign = bit 3, zero always code 0) of float32 ``y``, RNE, saturating at 6."""
+    a = y.abs().clamp_(max=FP4_E2M1_MAX)
+    # [0,2): step 0.5 -> code = 2a ; [2,4): step 1 -> code = a + 2 ; [4,6]: step 2 -> code = a/2 + 4.
+    # torch.round is round-half-to-even on the integer, which is RNE on the e2m1 mantissa bit.
+    c = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a * 0.5) + 4))
+    c = c.to(torch.uint8)
+    neg = (y < 0) & (c != 0)
+    return c | (neg.to(torch.uint8) << 3)
+
+
+def _e2m1_table(device, doubled: bool = False) -> torch.Tensor:
+    vals = _MXFP4_KVALUES if doubled else tuple(v * 0.5 for v in _MXFP4_KVALUES)
+    return torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def _codes_to_values(codes: torch.Tensor, doubled: bool) -> torch.Tensor:
+    table = _e2m1_table(codes.device, doubled)
+    return table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the FP4 e2m1 grid {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, round-to-nearest-even (spec P4).
+
+    Ties go to the even mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. Input is meant to
+    be already clamped to [-6, 6] (values beyond saturate to ±6). Returns float32 of ``x``'s shape; zero and
+    values rounding to zero come back as +0.0.
+    """
+    t = _float_input(x, "e2m1_round").to(torch.float32)
+    return _codes_to_values(_e2m1_codes(t), doubled=False)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4 fake-quant, spec ds4-flash.md P4: per block of ``block`` (32) along the last dim,
+    ``amax = max(max|x|, 6*2^-126)``, ``s = 2^ceil(log2(amax/6))`` (exact), ``x <- bf16(e2m1(clamp(x/s, ±6)) * s)``.
+
+    ``x``: bf16 ``[..., K]`` with ``K % block == 0`` (other float dtypes are accepted and their values used
+    as fp32). Returns bf16 ``[..., K]``; every output is an e2m1 value times a power of two (exact in bf16).
+    """
+    t = _float_input(x, "fp4_fake_quant")
+    if t.dim() == 0:
+        raise QuantError("fp4_fake_quant: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], block, f"fp4_fake_quant of shape {tuple(t.shape)}")
+    xb = t.to(torch.float32).reshape(-1, block)
+
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        amax = b.abs().amax(dim=-1, keepdim=True).clamp_(min=_FP4_AMAX_FLOOR)
+        s = pow2_ceil_scale(amax, FP4_E2M1_MAX)
+        q = e2m1_round((b / s).clamp_(-FP4_E2M1_MAX, FP4_E2M1_MAX))
+        return (q * s).to(torch.bfloat16)
+
+    return _map_blocks(fn, xb, block, torch.bfloat16, block).view(t.shape)
+
+
+def _fp8_quant_blocks(b: torch.Tensor) -> tuple:
+    """fp32 blocks [n, B] -> (q fp32 e4m3 values [n, B], s fp32 [n, 1]); spec 2.3 step 1 / P3."""
+    amax = b.abs().amax(dim=-1, keepdim=True).clamp_(min=_FP8_AMAX_FLOOR)
+    s = pow2_ceil_scale(amax, FP8_E4M3_MAX)
+    q = (b / s).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return q, s
+
+
+def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """FP8 fake-quant ("act_quant inplace"), spec ds4-flash.md P3: per block of ``block`` (64) along the last
+    dim, ``amax = max(max|x|, 1e-4)``, ``s = 2^ceil(log2(amax/448))`` (exact), ``x <- bf16(fp32(e4m3(clamp(x/s,
+    ±448))) * s)`` with e4m3 (``torch.float8_e4m3fn``) round-to-nearest-even.
+
+    ``x``: bf16 ``[..., K]``, ``K % block == 0`` (the caller applies it to the first 448 dims of each KV row).
+    Returns bf16 ``[..., K]``.
+    """
+    t = _float_input(x, "fp8_fake_quant")
+    if t.dim() == 0:
+        raise QuantError("fp8_fake_quant: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], block, f"fp8_fake_quant of shape {tuple(t.shape)}")
+    xb = t.to(torch.float32).reshape(-1, block)
+
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        q, s = _fp8_quant_blocks(b)
+        return (q * s).to(torch.bfloat16)
+
+    return _map_blocks(fn, xb, block, torch.bfloat16, block).view(t.shape)
+
+
+def act_quant_fp8(x: torch.Tensor, block: int = 128) -> tuple:
+    """Activation quantization of the quantized linear, spec ds4-flash.md 2.3 step 1.
+
+    ``x``: bf16 ``[..., K]`` with ``K % block == 0`` (block 128). Per block: ``amax = max(max|x|, 1e-4)``,
+    ``s = 2^ceil(log2(amax/448))`` (exact UE8M0), ``q = e4m3(clamp(x/s, ±448))`` (RNE).
+    Returns ``(q, s)``: ``q`` float32 ``[..., K]`` holding the e4m3 values, ``s`` float32 ``[..., K/block]``.
+    """
+    t = _float_input(x, "act_quant_fp8")
+    if t.dim() == 0:
+        raise QuantError("act_quant_fp8: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], block, f"act_quant_fp8 of shape {tuple(t.shape)}")
+    xb = t.to(torch.float32).reshape(-1, block)
+    q, s = _fp8_quant_blocks(xb)
+    return q.view(t.shape), s.view(*t.shape[:-1], t.shape[-1] // block)
+
+
+def act_quant_dequant(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``q * s`` of :func:`act_quant_fp8` broadcast back to float32 ``[..., K]``: the exact fp32 activation the
+    quantized GEMM multiplies (spec 2.3 steps 1-4)."""
+    q, s = act_quant_fp8(x, block)
+    k = q.shape[-1]
+    return (q.view(-1, k // block, block) * s.reshape(-1, k // block, 1)).view(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q8_0
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _q8_0_quant_blocks(b: torch.Tensor) -> torch.Tensor:
+    d = b.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)  # from the fp32 d, as gguf/ggml do
+    n = b * inv
+    a = n.abs()
+    fl = torch.floor(a)
+    q = torch.sign(n) * (fl + torch.floor(2 * (a - fl)))  # round half away from zero (gguf np_roundf)
+    d16 = d.to(torch.float16).view(torch.uint8)  # [n, 2], little-endian
+    return torch.cat([d16, q.to(torch.int8).view(torch.uint8)], dim=-1)
+
+
+def quantize_q8_0(x: ArrayLike) -> torch.Tensor:
+    """Quantize to GGUF Q8_0 (spec gguf-deepseek4.md), byte-identical to ``gguf.quants.quantize(.., Q8_0)``.
+
+    ``x``: float ``[..., K]`` (used as float32), ``K % 32 == 0``. Per block of 32: ``d = amax/127`` (fp32),
+    ``q = round_half_away(x * (1/d))`` (``1/d`` from the fp32 ``d``; 0 when ``d == 0``), stored as fp16 ``d``
+    then 32 int8. Returns uint8 ``[..., K/32*34]``.
+    """
+    t = _float_input(x, "quantize_q8_0")
+    if t.dim() == 0:
+        raise QuantError("quantize_q8_0: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], 32, f"Q8_0 tensor of shape {tuple(t.shape)}")
+    xb = t.to(torch.float32).reshape(-1, 32)
+    out = _map_blocks(_q8_0_quant_blocks, xb, 34, torch.uint8, 32)
+    return out.view(*t.shape[:-1], t.shape[-1] // 32 * 34)
+
+
+def _q8_0_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)
+    q = b[:, 2:].view(torch.int8).to(torch.float32)
+    return q * d
+
+
+def dequantize_q8_0(raw: ArrayLike, shape: Sequence[int]) -> torch.Tensor:
+    """Dequantize GGUF Q8_0 bytes (any dtype/shape holding exactly ``nbytes(Q8_0, shape)`` bytes) to float32
+    of ``shape``: value = fp32(fp16 d) * int8 q, bit-identical to ``gguf.quants.dequantize``."""
+    blocks, shp = _raw_blocks(raw, GGMLType.Q8_0, shape)
+    return _map_blocks(_q8_0_dequant_blocks, blocks, 32, torch.float32, 32).view(shp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MXFP4
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _pack_mxfp4(codes: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [n, 32], e uint8 [n, 1] -> GGUF MXFP4 blocks uint8 [n, 17] (j low nibble, j+16 high)."""
+    qs = codes[:, :16] | (codes[:, 16:] << 4)
+    return torch.cat([e, qs], dim=-1)
+
+
+def _unpack_mxfp4_codes(b: torch.Tensor) -> torch.Tensor:
+    """GGUF MXFP4 blocks uint8 [n, 17] -> codes uint8 [n, 32]."""
+    qs = b[:, 1:]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _mxfp4_quant_blocks(b: torch.Tensor) -> torch.Tensor:
+    amax = b.abs().amax(dim=-1, keepdim=True).clamp_(min=_FP4_AMAX_FLOOR)
+    s = pow2_ceil_scale(amax, FP4_E2M1_MAX)  # normal: 2^-126 .. 2^126
+    e = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # log2(s) + 127
+    codes = _e2m1_codes((b / s).clamp_(-FP4_E2M1_MAX, FP4_E2M1_MAX))
+    return _pack_mxfp4(codes, e)
+
+
+def quantize_mxfp4(x: ArrayLike) -> torch.Tensor:
+    """Quantize to GGUF MXFP4 with the DeepSeek scale rule (spec ds4-flash.md P4; layout gguf-deepseek4.md).
+
+    ``x``: float ``[..., K]`` (used as float32, finite), ``K % 32 == 0``. Per block of 32:
+    ``amax = max(max|x|, 6*2^-126)``, ``s = 2^ceil(log2(amax/6))``, exponent byte ``e = log2(s) + 127``
+    (so GGUF's ``2^(e-128) * doubled table`` = ``s * e2m1``), codes = e2m1 RNE of ``clamp(x/s, ±6)``; zero
+    (including -0.0) is stored as code 0. Returns uint8 ``[..., K/32*17]``.
+    """
+    t = _float_input(x, "quantize_mxfp4")
+    if t.dim() == 0:
+        raise QuantError("quantize_mxfp4: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], 32, f"MXFP4 tensor of shape {tuple(t.shape)}")
+    xb = t.to(torch.float32).reshape(-1, 32)
+    out = _map_blocks(_mxfp4_quant_blocks, xb, 17, torch.uint8, 32)
+    return out.view(*t.shape[:-1], t.shape[-1] // 32 * 17)
+
+
+def _e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml_e8m0_to_fp32_half: 2^(e-128) as fp32 bits (subnormal 2^-128, 2^-127 for e = 0, 1)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    d = _e8m0_to_fp32_half(b[:, :1])
+    return _codes_to_values(_unpack_mxfp4_codes(b), doubled=True) * d
+
+
+def dequantize_mxfp4(raw: ArrayLike, shape: Sequence[int]) -> torch.Tensor:
+    """Dequantize GGUF MXFP4 bytes (exactly ``nbytes(MXFP4, shape)`` bytes) to float32 of ``shape``:
+    value = doubled_e2m1[nibble] * 2^(e-128), bit-identical to ``gguf.quants.dequantize`` for any bytes."""
+    blocks, shp = _raw_blocks(raw, GGMLType.MXFP4, shape)
+    return _map_blocks(_mxfp4_dequant_blocks, blocks, 32, torch.float32, 32).view(shp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSeek FP4 <-> GGUF MXFP4 repack (spec ds4-flash.md 2.1, gguf-deepseek4.md)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def deepseek_fp4_to_mxfp4(packed: ArrayLike, scale_e8m0: ArrayLike) -> torch.Tensor:
+    """Exact repack of an official DeepSeek FP4 weight into GGUF MXFP4 (no requantization).
+
+    ``packed``: uint8/int8 ``[..., N, K/2]`` (byte i: element 2i in the low nibble, 2i+1 in the high nibble,
+    codes over the plain e2m1 table, sign = bit 3). ``scale_e8m0``: uint8 or ``float8_e8m0fnu``
+    ``[..., N, K/32]`` (scale 2^(e-127)). Returns uint8 ``[..., N, K/32*17]``: same codes and the same exponent
+    byte per 32-element block (GGUF's doubled table with 2^(e-128) gives identical values).
+    """
+    p = _to_tensor(packed)
+    sc = _to_tensor(scale_e8m0)
+    if p.dim() == 0 or sc.dim() == 0:
+        raise QuantError("deepseek_fp4_to_mxfp4: expected packed [..., N, K/2] and scale [..., N, K/32], found a scalar")
+    if p.element_size() != 1 or p.is_floating_point():
+        raise QuantError(f"deepseek_fp4_to_mxfp4: expected packed codes as uint8/int8, found dtype {p.dtype}")
+    if sc.element_size() != 1:
+        raise QuantError(f"deepseek_fp4_to_mxfp4: expected e8m0 scale bytes (uint8/float8_e8m0fnu), found dtype {sc.dtype}")
+    k = p.shape[-1] * 2
+    _check_block_dim(k, 32, f"deepseek_fp4_to_mxfp4: packed of shape {tuple(p.shape)} (K = 2 * last dim)")
+    if tuple(sc.shape) != tuple(p.shape[:-1]) + (k // 32,):
+        raise QuantError(
+            f"deepseek_fp4_to_mxfp4: packed of shape {tuple(p.shape)} (K = {k}) needs scale of shape "
+            f"{tuple(p.shape[:-1]) + (k // 32,)}, found {tuple(sc.shape)}"
+        )
+    pb = p.contiguous().view(torch.uint8).reshape(-1, 16)  # one 32-element block per row
+    e = sc.contiguous().view(torch.uint8).reshape(-1, 1)
+    codes = torch.stack([pb & 0x0F, pb >> 4], dim=-1).reshape(-1, 32)  # even index low nibble
+    out = _pack_mxfp4(codes, e)
+    return out.view(*p.shape[:-1], k // 32 * 17)
+
+
+def mxfp4_to_deepseek_fp4(raw: ArrayLike, shape: Sequence[int]) -> tuple:
+    """Inverse of :func:`deepseek_fp4_to_mxfp4`: GGUF MXFP4 bytes of logical ``shape`` ``[..., N, K]`` ->
+    ``(packed uint8 [..., N, K/2], scale uint8 [..., N, K/32])`` in the DeepSeek layout (even index in the low
+    nibble, same exponent bytes)."""
+    blocks, shp = _raw_blocks(raw, GGMLType.MXFP4, shape)
+    if len(shp) == 0:
+        raise QuantError("mxfp4_to_deepseek_fp4: expected a shape with a row dimension, found ()")
+    k = shp[-1]
+    codes = _unpack_mxfp4_codes(blocks).reshape(-1, 16, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).reshape(*shp[:-1], k // 2)
+    scale = blocks[:, 0].contiguous().reshape(*shp[:-1], k // 32)
+    return packed, scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dispatchers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def dequantize(raw: ArrayLike, ggml_type, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode GGUF tensor data of ``ggml_type`` and torch-order ``shape`` into a ``dtype`` tensor of ``shape``.
+
+    ``raw``: the tensor's bytes in any fixed-size dtype and any shape with exactly ``nbytes(ggml_type, shape)``
+    bytes (uint8 bytes, a float32/float16 array, a torch bf16 tensor, a numpy uint16/int16 view of bf16 bits,
+    an int32 array, ...). Supported: F32, F16, BF16, I32 (values converted to ``dtype``), Q8_0, MXFP4;
+    anything else raises :class:`QuantError` naming the type. Plain types are converted directly from their
+    own dtype (bf16 -> bf16 without a fp32 round trip); block types decode to float32 first.
+    """
+    t = _ggml_type(ggml_type)
+    if t == GGMLType.Q8_0:
+        out = dequantize_q8_0(raw, shape)
+    elif t == GGMLType.MXFP4:
+        out = dequantize_mxfp4(raw, shape)
+    else:
+        shp = _shape(shape)
+        need = nbytes(t, shp)
+        b = _as_bytes(raw)
+        if b.numel() != need:
+            src = _to_tensor(raw)
+            raise QuantError(
+                f"{t.name} data for shape {shp}: expected {need} bytes, found {b.numel()} "
+                f"(raw of shape {tuple(src.shape)}, dtype {src.dtype})"
+            )
+        view_dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16,
+                      GGMLType.BF16: torch.bfloat16, GGMLType.I32: torch.int32}[t]
+        if b.storage_offset() % torch.empty((), dtype=view_dtype).element_size():
+            b = b.clone()  # a misaligned byte slice cannot be reinterpreted in place
+        out = b.view(view_dtype).view(shp)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def quantize(x: ArrayLike, ggml_type) -> torch.Tensor:
+    """Encode ``x`` ``[..., K]`` as ``ggml_type``: uint8 bytes ``[..., nbytes/row]`` for Q8_0 and MXFP4 (see
+    :func:`quantize_q8_0`, :func:`quantize_mxfp4`), the plain converted tensor for F32 / F16 / BF16 (RNE casts)
+    and I32 (integer input only). Unsupported types raise :class:`QuantError` naming the type."""
+    t = _ggml_type(ggml_type)
+    if t == GGMLType.Q8_0:
+        return quantize_q8_0(x)
+    if t == GGMLType.MXFP4:
+        return quantize_mxfp4(x)
+    src = _to_tensor(x)
+    if t == GGMLType.I32:
+        if src.is_floating_point() or src.dtype == torch.bool or src.is_complex():
+            raise QuantError(f"I32: expected an integer tensor, found dtype {src.dtype}")
+        return src.to(torch.int32)
+    if not src.is_floating_point():
+        raise QuantError(f"{t.name}: expected a floating-point tensor, found dtype {src.dtype}")
+    return src.to({GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[t])

@@ -1,0 +1,128 @@
+"""The tensor inventory of a DeepSeek-V4-Flash GGUF (spec gguf-deepseek4.md, "Tensors").
+
+For a :class:`~ds4c.config.Ds4Config`, :func:`tensor_specs` lists every tensor a model file must hold, with
+its GGUF name, its shape in **torch order** (the reverse of the ggml order the GGUF spec lists: a projection
+``[out, in]``, experts ``[n_expert, out, in]``) and its *role*, the storage class of the official checkpoint
+(spec section 2.1):
+
+* ``fp8``  FP8 block weights officially (wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared expert);
+* ``fp4``  MXFP4 routed experts;
+* ``bf16`` BF16 tensors (embedding, head, norm gains, compressor projections, router, indexer proj);
+* ``f32``  F32 tensors (HC parameters, compressor ``ape``, sinks, router bias);
+* ``i32``  the hash-routing table ``tid2eid``.
+
+A role decides which GGUF types a reader accepts and which type each ``--formats`` choice writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds4c.config import Ds4Config
+from ds4c.quant import GGMLType
+
+ROLE_FP8, ROLE_FP4, ROLE_BF16, ROLE_F32, ROLE_I32 = "fp8", "fp4", "bf16", "f32", "i32"
+
+# GGUF types a reader accepts per role. Quantized roles may also be stored wider (bf16/f16/f32).
+ACCEPTED_TYPES: dict[str, tuple[GGMLType, ...]] = {
+    ROLE_FP8: (GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_FP4: (GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_BF16: (GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_F32: (GGMLType.F32,),
+    ROLE_I32: (GGMLType.I32,),
+}
+
+# Type written per role for each `make-model --formats` choice.
+FORMATS: dict[str, dict[str, GGMLType]] = {
+    "official": {ROLE_FP8: GGMLType.Q8_0, ROLE_FP4: GGMLType.MXFP4, ROLE_BF16: GGMLType.BF16,
+                 ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+    "bf16": {ROLE_FP8: GGMLType.BF16, ROLE_FP4: GGMLType.BF16, ROLE_BF16: GGMLType.BF16,
+             ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the model file: GGUF ``name``, ``shape`` in torch order, storage ``role``, and
+    ``layer`` (-1 for global tensors)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    layer: int = -1
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def layer_tensor_specs(cfg: Ds4Config, layer: int) -> list[TensorSpec]:
+    """The tensors of block ``layer`` (``blk.N.*``), in file order."""
+    D, H, hd = cfg.hidden_size, cfg.n_heads, cfg.head_dim
+    r = cfg.ratio(layer)
+    p = f"blk.{layer}."
+    out: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], role: str) -> None:
+        out.append(TensorSpec(p + name, tuple(shape), role, layer))
+
+    for sub in ("attn", "ffn"):
+        add(f"hc_{sub}_fn.weight", (cfg.n_mix, cfg.hc_dim), ROLE_F32)
+        add(f"hc_{sub}_base", (cfg.n_mix,), ROLE_F32)
+        add(f"hc_{sub}_scale", (3,), ROLE_F32)
+    add("attn_norm.weight", (D,), ROLE_BF16)
+    add("ffn_norm.weight", (D,), ROLE_BF16)
+    add("attn_q_a.weight", (cfg.q_lora_rank, D), ROLE_FP8)
+    add("attn_q_a_norm.weight", (cfg.q_lora_rank,), ROLE_BF16)
+    add("attn_q_b.weight", (H * hd, cfg.q_lora_rank), ROLE_FP8)
+    add("attn_kv.weight", (hd, D), ROLE_FP8)
+    add("attn_kv_a_norm.weight", (hd,), ROLE_BF16)
+    add("attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * hd), ROLE_FP8)
+    add("attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), ROLE_FP8)
+    add("attn_sinks.weight", (H,), ROLE_F32)
+    if r != 0:
+        c = 2 if r == 4 else 1  # ratio-4 compressors carry the overlap half
+        add("attn_compressor_kv.weight", (c * hd, D), ROLE_BF16)
+        add("attn_compressor_gate.weight", (c * hd, D), ROLE_BF16)
+        add("attn_compressor_ape.weight", (r, c * hd), ROLE_F32)
+        add("attn_compressor_norm.weight", (hd,), ROLE_BF16)
+    if r == 4:
+        ihd = cfg.index_head_dim
+        add("indexer.attn_q_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank), ROLE_FP8)
+        add("indexer.proj.weight", (cfg.index_n_heads, D), ROLE_BF16)
+        add("indexer_compressor_kv.weight", (2 * ihd, D), ROLE_BF16)
+        add("indexer_compressor_gate.weight", (2 * ihd, D), ROLE_BF16)
+        add("indexer_compressor_ape.weight", (4, 2 * ihd), ROLE_F32)
+        add("indexer_compressor_norm.weight", (ihd,), ROLE_BF16)
+    E, F = cfg.n_experts, cfg.moe_inter
+    add("ffn_gate_inp.weight", (E, D), ROLE_BF16)
+    if cfg.is_hash_layer(layer):
+        add("ffn_gate_tid2eid.weight", (cfg.vocab_size, cfg.n_active_experts), ROLE_I32)
+    else:
+        add("exp_probs_b.bias", (E,), ROLE_F32)
+    add("ffn_gate_exps.weight", (E, F, D), ROLE_FP4)
+    add("ffn_up_exps.weight", (E, F, D), ROLE_FP4)
+    add("ffn_down_exps.weight", (E, D, F), ROLE_FP4)
+    add("ffn_gate_shexp.weight", (F, D), ROLE_FP8)
+    add("ffn_up_shexp.weight", (F, D), ROLE_FP8)
+    add("ffn_down_shexp.weight", (D, F), ROLE_FP8)
+    return out
+
+
+def tensor_specs(cfg: Ds4Config) -> list[TensorSpec]:
+    """Every tensor of the model, in file order: embedding, the blocks, then the head."""
+    D = cfg.hidden_size
+    specs = [TensorSpec("token_embd.weight", (cfg.vocab_size, D), ROLE_BF16)]
+    for layer in range(cfg.n_layers):
+        specs += layer_tensor_specs(cfg, layer)
+    specs += [
+        TensorSpec("output_hc_fn.weight", (cfg.hc_mult, cfg.hc_dim), ROLE_F32),
+        TensorSpec("output_hc_base", (cfg.hc_mult,), ROLE_F32),
+        TensorSpec("output_hc_scale", (1,), ROLE_F32),
+        TensorSpec("output_norm.weight", (D,), ROLE_BF16),
+        TensorSpec("output.weight", (cfg.vocab_size, D), ROLE_BF16),
+    ]
+    return specs
