@@ -1,0 +1,183 @@
+"""The ``ds4c`` command line (click).
+
+Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
+``generate`` (tokens from the reference). ``info`` and ``generate`` with no file use the built-in default
+model: the ``tiny`` preset with seed 0, written once to the user cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from ds4c import __version__
+from ds4c.errors import Ds4cError
+
+DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
+
+
+def default_model_path() -> Path:
+    """Where the built-in default model lives (``$DS4C_HOME`` or ``~/.cache/ds4c``), created on first use.
+
+    Creation is atomic (written to a temporary file, then renamed) and guarded by a file lock, so
+    concurrent first uses end with one complete file."""
+    from filelock import FileLock
+
+    from ds4c.config import preset
+    from ds4c.synth import make_model
+
+    home = Path(os.environ.get("DS4C_HOME", Path.home() / ".cache" / "ds4c"))
+    path = home / "models" / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v{__version__}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if not path.exists():
+                click.echo(f"creating the built-in default model ({DEFAULT_PRESET}, seed {DEFAULT_SEED}) at {path}",
+                           err=True)
+                make_model(preset(DEFAULT_PRESET), path, seed=DEFAULT_SEED)
+    return path
+
+
+def _model_path(file: str | None) -> Path:
+    return Path(file) if file else default_model_path()
+
+
+class _Group(click.Group):
+    """Turns ds4c errors into one clear line and exit status 2 (no traceback)."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except Ds4cError as e:
+            click.echo(f"ds4c: error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="ds4c")
+def main() -> None:
+    """ds4c: compile and run DeepSeek-V4-Flash decode / verify steps."""
+
+
+# ------------------------------------------------------------------------------------------------------
+@main.command("make-model")
+@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default="tiny",
+              show_default=True, help="Model dimensions.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
+@click.option("--formats", type=click.Choice(["official", "bf16"]), default="official", show_default=True,
+              help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
+def make_model_cmd(preset_name: str, seed: int, formats: str, output: str) -> None:
+    """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
+    from tqdm import tqdm
+
+    from ds4c.config import preset
+    from ds4c.quant import nbytes
+    from ds4c.synth import make_model
+    from ds4c.tensors import FORMATS, tensor_specs
+
+    cfg = preset(preset_name)
+    total = sum(nbytes(FORMATS[formats][s.role], s.shape) for s in tensor_specs(cfg))
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
+              disable=total < (64 << 20)) as bar:
+        path = make_model(cfg, output, seed=seed, formats=formats, progress=lambda s, n: bar.update(n))
+    click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, preset {preset_name}, seed {seed}, "
+               f"formats {formats})")
+
+
+# ------------------------------------------------------------------------------------------------------
+@main.command("info")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record.")
+def info_cmd(file: str | None, as_json: bool) -> None:
+    """Print the config, the kind of every layer, and tensor counts and bytes per type."""
+    from ds4c.gguf_file import open_model
+
+    mf = open_model(_model_path(file))
+    cfg = mf.config
+    layers = [{"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
+               "router": "hash" if cfg.is_hash_layer(i) else "scored"} for i in range(cfg.n_layers)]
+    by_type = mf.weight_bytes_by_type()
+    if as_json:
+        click.echo(json.dumps({"file": str(mf.path), "config": cfg.model_dict(), "config_hash": cfg.hash(),
+                               "layers": layers, "tensors": {k: {"count": n, "bytes": b}
+                                                             for k, (n, b) in by_type.items()}}))
+        return
+    click.echo(f"file: {mf.path}")
+    click.echo(f"config ({cfg.name}, hash {cfg.hash()[:12]}):")
+    for k, v in cfg.model_dict().items():
+        if k != "compress_ratios":
+            click.echo(f"  {k:20s} {v}")
+    click.echo("layers:")
+    for li in layers:
+        click.echo(f"  {li['layer']:3d}  {li['kind'].upper():3s}  ratio {li['compress_ratio']:<4d} router {li['router']}")
+    click.echo("tensors by type:")
+    total_n = total_b = 0
+    for k, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+        click.echo(f"  {k:6s} {n:6d} tensors  {b:>16,d} bytes  ({b / 2**30:8.3f} GiB)")
+        total_n += n
+        total_b += b
+    click.echo(f"  {'total':6s} {total_n:6d} tensors  {total_b:>16,d} bytes  ({total_b / 2**30:8.3f} GiB)")
+
+
+# ------------------------------------------------------------------------------------------------------
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids like 1,2,3, found {text!r}") from None
+    if not ids:
+        raise click.BadParameter("expected at least one token id")
+    return ids
+
+
+@main.command("generate")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--prompt-ids", default="0,1,2,3", show_default=True, help="Comma-separated prompt token ids.")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy; else seeded sampling (spec P12).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--no-quant-emulation", is_flag=True,
+              help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, timings).")
+def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device: str, temperature: float,
+                 seed: int, no_quant_emulation: bool, as_json: bool) -> None:
+    """Generate tokens with the PyTorch reference (greedy by default)."""
+    import time
+
+    import torch
+
+    from ds4c.generate import generate
+    from ds4c.gguf_file import open_model
+    from ds4c.reference import Reference, ReferenceWeights
+
+    ids = _parse_ids(prompt_ids)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    t0 = time.perf_counter()
+    mf = open_model(_model_path(file))
+    weights = ReferenceWeights.load(mf, device)
+    if no_quant_emulation:
+        weights.config = weights.config.replace(quant_emulation=False)
+    ref = Reference(weights, max_ctx=len(ids) + max_new_tokens)
+    load_s = time.perf_counter() - t0
+    res = generate(ref, ids, max_new_tokens, temperature=temperature, seed=seed)
+    if as_json:
+        rec = {"model": str(mf.path), "device": device, "temperature": temperature, "seed": seed,
+               "load_s": load_s, **res.as_dict()}
+        click.echo(json.dumps(rec))
+        return
+    click.echo(f"prompt: {ids}")
+    click.echo(f"tokens: {res.tokens}")
+    click.echo(f"load {load_s:.2f} s, prefill {len(ids)} tokens in {res.prefill_s:.3f} s, "
+               f"decode {res.decode_tokens_per_s:.2f} tokens/s")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

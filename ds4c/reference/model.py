@@ -1,0 +1,285 @@
+"""The PyTorch reference of one DeepSeek-V4-Flash decode step and one q-row verify step.
+
+Written from spec ds4-flash.md sections 3-6 for readability, not speed: token-local work is batched over
+the q rows (row by row inside each product, so results are batch-invariant), the window, compressors,
+indexer and attention run row by row in position order so a verify step of q rows equals q sequential
+decode steps bit for bit (section 6).
+
+Window ring in verify: row i attends positions ``max(0, p_i - window + 1) .. p_i``; positions before the
+step come from the ring (not yet overwritten), positions of this step from the step's own KV rows; the q
+new rows are written to the ring after all rows attended (the side-buffer scheme of section 6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4c.config import Ds4Config
+from ds4c.errors import StepError
+from ds4c.reference import primitives as P
+from ds4c.reference.state import CompressorState, SequenceState
+from ds4c.reference.weights import Compressor, LayerWeights, ReferenceWeights
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+MAX_WIDTH = 5
+"""Widest verify step (q = 1 decode, q = 2..5 verify)."""
+
+
+class Reference:
+    """Reference decode/verify for one sequence at a time.
+
+    Usage::
+
+        ref = Reference(ReferenceWeights.load(open_model(path)), max_ctx=4096)
+        logits = ref.verify([t0, t1, t2], pos=0)   # fp32 [3, vocab]
+        logits = ref.decode(t3, pos=3)             # fp32 [1, vocab]
+        ref.reset()                                # next sequence
+
+    After a verify step, :meth:`rollback` keeps any prefix of its rows; the next step commits it.
+    """
+
+    def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096):
+        self.w = weights
+        self.cfg: Ds4Config = weights.config
+        self.device = weights.embed.device
+        self.max_ctx = max_ctx
+        cfg = self.cfg
+        self._freqs = {
+            False: P.rope_freqs(cfg.rope_dim, cfg.rope_theta, False, cfg.rope_factor, cfg.original_seq_len,
+                                cfg.beta_fast, cfg.beta_slow).to(self.device),
+            True: P.rope_freqs(cfg.rope_dim, cfg.compress_rope_theta, True, cfg.rope_factor,
+                               cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow).to(self.device),
+        }
+        self.state = SequenceState.new(cfg, max_ctx, self.device)
+
+    # ---------------------------------------------------------------------------------------------- API
+    def reset(self) -> None:
+        """Start a new sequence: every state buffer back to its initial value, pos = 0."""
+        self.state = SequenceState.new(self.cfg, self.max_ctx, self.device)
+
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        """One decode step (q = 1) for ``token`` at position ``pos``. Returns fp32 logits [1, vocab].
+
+        Raises:
+            StepError: ``pos`` is not the next position of the sequence, is past ``max_ctx``, or the token
+                id is outside the vocabulary.
+        """
+        return self.verify([token], pos)
+
+    def verify(self, tokens: list[int] | torch.Tensor, pos: int) -> torch.Tensor:
+        """A verify step: ``q = len(tokens)`` rows at positions ``pos .. pos+q-1`` (spec section 6).
+
+        Returns fp32 logits [q, vocab], row i equal to what the i-th of q sequential decodes gives.
+
+        Raises:
+            StepError: q outside 1..5, ``pos`` not the sequence's next position, positions past
+                ``max_ctx``, or a token id outside 0..vocab-1.
+        """
+        toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        q = len(toks)
+        if not 1 <= q <= MAX_WIDTH:
+            raise StepError(f"verify width must be in 1..{MAX_WIDTH}, found {q}")
+        if pos != self.state.pos:
+            raise StepError(f"step at position {pos}, but the sequence's next position is {self.state.pos} "
+                            f"(call reset() for a new sequence, or rollback() after a verify)")
+        if pos + q > self.max_ctx:
+            raise StepError(f"positions {pos}..{pos + q - 1} exceed max_ctx={self.max_ctx}")
+        bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
+        with torch.no_grad():
+            return self._step(toks, pos)
+
+    def rollback(self, accepted: int) -> None:
+        """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
+        self.state.rollback(accepted)
+
+    def snapshot(self) -> SequenceState:
+        """A full copy of the sequence state."""
+        return self.state.snapshot()
+
+    def restore(self, snap: SequenceState) -> None:
+        """Restore a :meth:`snapshot`."""
+        self.state.restore(snap)
+
+    # ---------------------------------------------------------------------------------------------- step
+    def _step(self, toks: list[int], p0: int) -> torch.Tensor:
+        cfg, w, st = self.cfg, self.w, self.state
+        q = len(toks)
+        st.begin_step(q)
+        tok = torch.tensor(toks, dtype=torch.int64, device=self.device)
+        pos = torch.arange(p0, p0 + q, dtype=torch.int64, device=self.device)
+        e = w.embed[tok]  # 5.1: bf16 [q, D]
+        x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
+        for i, lw in enumerate(w.layers):
+            x = self._layer(i, lw, x, tok, pos, p0)
+        y = P.hc_head(x, *w.hc_head, cfg.hc_eps, cfg.norm_eps)  # 5.4
+        y = P.rms_norm(y, w.out_norm, cfg.norm_eps)
+        logits = P.linear_f32(y, w.head)
+        st.pos = p0 + q
+        return logits
+
+    def _layer(self, i: int, lw: LayerWeights, x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor,
+               p0: int) -> torch.Tensor:
+        cfg = self.cfg
+        y, post, comb = P.hc_pre(x, *lw.hc_attn, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)  # (a)
+        a = P.rms_norm(y, lw.attn_norm, cfg.norm_eps)  # (b)
+        out = self._attention(i, lw, a, pos, p0)  # (c)-(k)
+        x = P.hc_post(out, x, post, comb)  # (l)
+        y, post, comb = P.hc_pre(x, *lw.hc_ffn, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)  # (m)
+        b = P.rms_norm(y, lw.ffn_norm, cfg.norm_eps)  # (n)
+        return P.hc_post(self._moe(i, lw, b, tok), x, post, comb)  # (o), (p)
+
+    # ---------------------------------------------------------------------------------------------- attention
+    def _attention(self, i: int, lw: LayerWeights, a: torch.Tensor, pos: torch.Tensor, p0: int) -> torch.Tensor:
+        cfg, st = self.cfg, self.state
+        ls = st.layers[i]
+        emu = cfg.quant_emulation
+        r = cfg.ratio(i)
+        freqs = self._freqs[cfg.uses_yarn(i)]
+        q = a.shape[0]
+        # (c) query path
+        qr = P.rms_norm(P.linear_q(a, lw.wq_a, emu), lw.q_norm, cfg.norm_eps)
+        qh = P.linear_q(qr, lw.wq_b, emu).view(q, cfg.n_heads, cfg.head_dim)
+        qh = P.apply_rope(P.head_rms(qh, cfg.norm_eps), pos, freqs)
+        # (d) window KV of the step's tokens
+        kv = P.rms_norm(P.linear_q(a, lw.wkv, emu), lw.kv_norm, cfg.norm_eps)
+        kv = self._kv_fake_quant(P.apply_rope(kv, pos, freqs))
+        # (f) indexer query and head weights (ratio-4 layers)
+        if r == 4:
+            qi = P.linear_q(qr, lw.idx_wq_b, emu).view(q, cfg.index_n_heads, cfg.index_head_dim)
+            qi = P.hadamard(P.apply_rope(qi, pos, freqs))
+            if emu:
+                qi = P.fp4_fake_quant(qi, 32)
+            scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+            hw = (P.linear_bf16(a, lw.idx_proj).to(F32) * scale).to(BF16)
+        comp_in = None
+        if r:  # compressor projections of every row (5.3), fp32 from the bf16 normed input
+            comp_in = (P.linear_f32(a, lw.compressor.wkv), P.linear_f32(a, lw.compressor.wgate))
+            if r == 4:
+                idx_in = (P.linear_f32(a, lw.idx_compressor.wkv), P.linear_f32(a, lw.idx_compressor.wgate))
+        outs = []
+        for row in range(q):
+            p = p0 + row
+            comp_list = None
+            if r == 4:  # (f.4-7): indexer compressor first, so a just-finished block is visible
+                key = self._compress(lw.idx_compressor, ls.idx_state, idx_in, row, p, 4, cfg.index_head_dim,
+                                     freqs, indexer=True)
+                if key is not None:
+                    st.write(ls.idx_keys, p // 4, key, row)
+                comp_list = self._indexer_topk(ls.idx_keys[: (p + 1) // 4], qi[row], hw[row])
+            if r:  # (h.2) main compressor
+                crow = self._compress(lw.compressor, ls.comp_state, comp_in, row, p, r, cfg.head_dim, freqs,
+                                      indexer=False)
+                if crow is not None:
+                    st.write(ls.comp, p // r, crow, row)
+                if r != 4:  # (g) HCA: all completed blocks
+                    comp_list = torch.arange((p + 1) // r, device=self.device)
+            win_kv, win_ok = self._window(ls.ring, kv, p, p0)
+            if comp_list is not None and comp_list.numel():
+                lst_kv = torch.cat((win_kv, ls.comp[comp_list]))
+                lst_ok = torch.cat((win_ok, torch.ones(comp_list.numel(), dtype=torch.bool, device=self.device)))
+            else:
+                lst_kv, lst_ok = win_kv, win_ok
+            outs.append(P.sparse_attention(qh[row], lst_kv, lst_ok, lw.sink, cfg.head_dim ** -0.5))  # (i)
+        for row in range(q):  # (h.1) ring writes after every row attended (side-buffer scheme)
+            st.write(ls.ring, (p0 + row) % cfg.window, kv[row], row)
+        o = P.apply_rope(torch.stack(outs), pos, freqs, inverse=True)  # (j)
+        # (k) grouped wo_a (bf16 einsum on the dequantized weight), then wo_b
+        og = o.view(q, cfg.o_groups, cfg.heads_per_group * cfg.head_dim)
+        woa = lw.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        z = torch.stack([P.linear_bf16(og[:, g], woa[g]) for g in range(cfg.o_groups)], dim=1)
+        return P.linear_q(z.reshape(q, -1), lw.wo_b, emu)
+
+    def _kv_fake_quant(self, kv: torch.Tensor) -> torch.Tensor:
+        """P3 on the non-rope dims of 512-wide KV rows (blocks of 64); rope dims untouched."""
+        if not self.cfg.quant_emulation:
+            return kv
+        nope = self.cfg.nope_dim
+        return torch.cat((P.fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
+
+    def _window(self, ring: torch.Tensor, kv: torch.Tensor, p: int, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e) The window list of position ``p`` in position order (oldest first), padded with masked
+        entries to ``window`` entries: KV rows bf16 [window, hd] and validity bool [window]."""
+        W = self.cfg.window
+        first = max(0, p - W + 1)
+        rows = [ring[t % W] if t < p0 else kv[t - p0] for t in range(first, p + 1)]
+        n = len(rows)
+        lst = torch.zeros(W, self.cfg.head_dim, dtype=BF16, device=self.device)
+        lst[:n] = torch.stack(rows)
+        ok = torch.zeros(W, dtype=torch.bool, device=self.device)
+        ok[:n] = True
+        return lst, ok
+
+    def _indexer_topk(self, keys: torch.Tensor, qi: torch.Tensor, hw: torch.Tensor) -> torch.Tensor:
+        """(f.6-7) Index scores of every completed block and the top-k block ids (descending score, ties to
+        the lower block id). keys bf16 [T, d]; qi bf16 [heads, d]; hw bf16 [heads]. -> int64 [min(k, T)]."""
+        T = keys.shape[0]
+        if T == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        dots = (qi.to(F32) @ keys.to(F32).T).to(BF16)  # [heads, T] bf16 einsum
+        weighted = (torch.relu(dots).to(F32) * hw.to(F32).unsqueeze(-1)).to(BF16)
+        score = weighted.to(F32).sum(0).to(BF16)
+        return P.topk_lower_index(score, min(self.cfg.index_topk, T))
+
+    def _compress(self, cw: Compressor, cs: CompressorState, proj: tuple[torch.Tensor, torch.Tensor], row: int,
+                  p: int, r: int, d: int, freqs: torch.Tensor, indexer: bool) -> torch.Tensor | None:
+        """Compressor update for one token (spec 5.3). Returns the finished row (bf16 [d]) on a flush
+        (``(p+1) % r == 0``), else None. State writes are journaled under ``row``."""
+        st = self.state
+        v, g = proj[0][row], proj[1][row] + cw.ape[p % r]
+        slot = 4 + p % 4 if r == 4 else p % r
+        st.write(cs.kv, slot, v, row)
+        st.write(cs.score, slot, g, row)
+        if (p + 1) % r:
+            return None
+        if r == 4:  # overlap: previous block's first half + current block's second half
+            kv = torch.cat((cs.kv[:4, :d], cs.kv[4:, d:]))
+            sc = torch.cat((cs.score[:4, :d], cs.score[4:, d:]))
+            st.write(cs.kv, slice(0, 4), cs.kv[4:].clone(), row)
+            st.write(cs.score, slice(0, 4), cs.score[4:].clone(), row)
+        else:
+            kv, sc = cs.kv, cs.score
+        cvec = (kv * sc.softmax(dim=0)).sum(dim=0)
+        c = P.rms_norm(cvec.to(BF16), cw.norm, self.cfg.norm_eps)
+        c = P.apply_rope(c.unsqueeze(0), torch.tensor([p + 1 - r], device=self.device), freqs)[0]
+        if indexer:
+            c = P.hadamard(c)
+            return P.fp4_fake_quant(c, 32) if self.cfg.quant_emulation else c
+        return self._kv_fake_quant(c)
+
+    # ---------------------------------------------------------------------------------------------- MoE
+    def _moe(self, i: int, lw: LayerWeights, b: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """(o) Router (hash or scored), routed experts in ascending id, then the shared expert; fp32 sum."""
+        cfg = self.cfg
+        emu = cfg.quant_emulation
+        s = P.sqrtsoftplus(P.linear_f32(b, lw.gate))  # [q, E]
+        if lw.tid2eid is not None:
+            ids = lw.tid2eid[tok]
+        else:
+            ids = P.topk_lower_index(s + lw.gate_bias, cfg.n_active_experts)
+        wts = s.gather(-1, ids)
+        wts = wts / wts.sum(-1, keepdim=True) * cfg.route_scale
+        outs = []
+        for row in range(b.shape[0]):
+            x = b[row:row + 1]
+            acc = torch.zeros(1, cfg.hidden_size, dtype=F32, device=self.device)
+            order = torch.argsort(ids[row])
+            for k in order.tolist():
+                w1, w3, w2 = self.w.experts.get(i, int(ids[row, k]))
+                acc += self._expert(x, w1, w3, w2, wts[row, k], emu).to(F32)
+            acc += self._expert(x, lw.sh_w1, lw.sh_w3, lw.sh_w2, None, emu).to(F32)
+            outs.append(acc.to(BF16))
+        return torch.cat(outs)
+
+    def _expert(self, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                weight: torch.Tensor | None, emu: bool) -> torch.Tensor:
+        """One SwiGLU expert (P11): bf16 [1, D] -> bf16 [1, D]; the routing weight scales the fp32
+        intermediate before the bf16 cast and ``w2``."""
+        g = P.linear_q(x, w1, emu).to(F32)
+        u = P.linear_q(x, w3, emu).to(F32)
+        h = P.clamped_swiglu(g, u, self.cfg.swiglu_limit)
+        if weight is not None:
+            h = weight * h
+        return P.linear_q(h.to(BF16), w2, emu)

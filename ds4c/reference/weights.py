@@ -1,0 +1,152 @@
+"""Weights of the reference, held as the official reference holds them (spec 2.2).
+
+FP8/FP4-role projections are dequantized to fp32 (exact for Q8_0/MXFP4/BF16 storage); ``wo_a`` is rounded
+to bf16 after dequantization, as ``convert.py`` does; norm gains, compressor projections, router and head
+are fp32 holding bf16-exact values; the embedding stays bf16. Routed experts stay in the memory-mapped
+file and are dequantized one expert at a time when routed, with a small LRU cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ds4c.config import Ds4Config
+from ds4c.gguf_file import ModelFile
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@dataclass
+class Compressor:
+    """One compressor (spec 5.3): wkv, wgate fp32 [c*d, D]; ape fp32 [ratio, c*d]; norm fp32 [d]."""
+
+    wkv: torch.Tensor
+    wgate: torch.Tensor
+    ape: torch.Tensor
+    norm: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    """The tensors of one block, named after the spec's symbols (torch order [out, in])."""
+
+    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn [24, hc*D], scale [3], base [24]
+    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # fp32 of bf16 values, [o_groups*o_lora, hpg*hd]
+    wo_b: torch.Tensor
+    sink: torch.Tensor
+    compressor: Compressor | None
+    idx_wq_b: torch.Tensor | None
+    idx_proj: torch.Tensor | None
+    idx_compressor: Compressor | None
+    gate: torch.Tensor  # fp32 [E, D]
+    gate_bias: torch.Tensor | None  # fp32 [E] (scored layers)
+    tid2eid: torch.Tensor | None  # int64 [vocab, n_active] (hash layers)
+    sh_w1: torch.Tensor
+    sh_w3: torch.Tensor
+    sh_w2: torch.Tensor
+
+
+class ExpertStore:
+    """Routed expert weights, dequantized on demand from the model file.
+
+    ``get(layer, e)`` returns ``(w1, w3, w2)`` fp32 on ``device`` ([F, D], [F, D], [D, F]); the most recently
+    used ``cache_experts`` experts are kept.
+    """
+
+    def __init__(self, mf: ModelFile, device: torch.device, cache_experts: int):
+        self.mf, self.device, self.cap = mf, device, cache_experts
+        self._cache: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()
+
+    def get(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (layer, e)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit  # type: ignore[return-value]
+        p = f"blk.{layer}."
+        w = tuple(self.mf.expert(p + n, e).to(self.device)
+                  for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+        if self.cap > 0:
+            self._cache[key] = w
+            while len(self._cache) > self.cap:
+                self._cache.popitem(last=False)
+        return w  # type: ignore[return-value]
+
+
+@dataclass
+class ReferenceWeights:
+    """All weights the reference needs, on one device."""
+
+    config: Ds4Config
+    embed: torch.Tensor  # bf16 [vocab, D]
+    layers: list[LayerWeights]
+    experts: ExpertStore
+    hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn [hc, hc*D], scale [1], base [hc]
+    out_norm: torch.Tensor
+    head: torch.Tensor  # fp32 [vocab, D]
+
+    @classmethod
+    def load(cls, mf: ModelFile, device: str | torch.device = "cpu", cache_experts: int | None = None) -> "ReferenceWeights":
+        """Load from an opened model file.
+
+        Args:
+            mf: the validated model file (its config becomes ``config``).
+            device: torch device for every tensor.
+            cache_experts: routed experts kept dequantized; default: all of them when that is under 1 GiB
+                of fp32, else 64.
+        """
+        cfg = mf.config
+        dev = torch.device(device)
+
+        def t(name: str, dtype: torch.dtype = F32) -> torch.Tensor:
+            return mf.tensor(name, dtype).to(dev)
+
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+
+            def comp(prefix: str) -> Compressor:
+                return Compressor(t(p + prefix + "_kv.weight"), t(p + prefix + "_gate.weight"),
+                                  t(p + prefix + "_ape.weight"), t(p + prefix + "_norm.weight"))
+
+            r = cfg.ratio(i)
+            layers.append(LayerWeights(
+                hc_attn=(t(p + "hc_attn_fn.weight"), t(p + "hc_attn_scale"), t(p + "hc_attn_base")),
+                hc_ffn=(t(p + "hc_ffn_fn.weight"), t(p + "hc_ffn_scale"), t(p + "hc_ffn_base")),
+                attn_norm=t(p + "attn_norm.weight"), ffn_norm=t(p + "ffn_norm.weight"),
+                wq_a=t(p + "attn_q_a.weight"), q_norm=t(p + "attn_q_a_norm.weight"),
+                wq_b=t(p + "attn_q_b.weight"), wkv=t(p + "attn_kv.weight"),
+                kv_norm=t(p + "attn_kv_a_norm.weight"),
+                wo_a=t(p + "attn_output_a.weight").to(BF16).to(F32),
+                wo_b=t(p + "attn_output_b.weight"), sink=t(p + "attn_sinks.weight"),
+                compressor=comp("attn_compressor") if r else None,
+                idx_wq_b=t(p + "indexer.attn_q_b.weight") if r == 4 else None,
+                idx_proj=t(p + "indexer.proj.weight") if r == 4 else None,
+                idx_compressor=comp("indexer_compressor") if r == 4 else None,
+                gate=t(p + "ffn_gate_inp.weight"),
+                gate_bias=None if cfg.is_hash_layer(i) else t(p + "exp_probs_b.bias"),
+                tid2eid=t(p + "ffn_gate_tid2eid.weight", torch.int64) if cfg.is_hash_layer(i) else None,
+                sh_w1=t(p + "ffn_gate_shexp.weight"), sh_w3=t(p + "ffn_up_shexp.weight"),
+                sh_w2=t(p + "ffn_down_shexp.weight"),
+            ))
+        if cache_experts is None:
+            per_expert = 3 * cfg.moe_inter * cfg.hidden_size * 4
+            total = cfg.n_layers * cfg.n_experts
+            cache_experts = total if total * per_expert <= (1 << 30) else 64
+        return cls(
+            config=cfg, embed=t("token_embd.weight", BF16), layers=layers,
+            experts=ExpertStore(mf, dev, cache_experts),
+            hc_head=(t("output_hc_fn.weight"), t("output_hc_scale"), t("output_hc_base")),
+            out_norm=t("output_norm.weight"), head=t("output.weight"),
+        )
