@@ -16,6 +16,7 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.errors import StepError
+from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
 from ds4c.reference.state import CompressorState, SequenceState
 from ds4c.reference.weights import Compressor, LayerWeights, ReferenceWeights
@@ -145,7 +146,7 @@ class Reference:
         qh = P.apply_rope(P.head_rms(qh, cfg.norm_eps), pos, freqs)
         # (d) window KV of the step's tokens
         kv = P.rms_norm(P.linear_q(a, lw.wkv, emu), lw.kv_norm, cfg.norm_eps)
-        kv = self._kv_fake_quant(P.apply_rope(kv, pos, freqs))
+        kv = B.kv_fake_quant(P.apply_rope(kv, pos, freqs), cfg.nope_dim, emu)
         # (f) indexer query and head weights (ratio-4 layers)
         if r == 4:
             qi = P.linear_q(qr, lw.idx_wq_b, emu).view(q, cfg.index_n_heads, cfg.index_head_dim)
@@ -162,27 +163,23 @@ class Reference:
         outs = []
         for row in range(q):
             p = p0 + row
-            comp_list = None
+            comp, comp_ok = None, None
             if r == 4:  # (f.4-7): indexer compressor first, so a just-finished block is visible
-                key = self._compress(lw.idx_compressor, ls.idx_state, idx_in, row, p, 4, cfg.index_head_dim,
-                                     freqs, indexer=True)
-                if key is not None:
-                    st.write(ls.idx_keys, p // 4, key, row)
-                comp_list = self._indexer_topk(ls.idx_keys[: (p + 1) // 4], qi[row], hw[row])
+                self._compress(lw.idx_compressor, ls.idx_state, ls.idx_keys, idx_in, row, p, 4, cfg.index_head_dim,
+                               freqs, indexer=True)
+                T = (p + 1) // 4
+                sel = B.indexer_select(ls.idx_keys[:T], torch.ones(T, dtype=torch.bool, device=self.device),
+                                       qi[row], hw[row], cfg.index_topk)
             if r:  # (h.2) main compressor
-                crow = self._compress(lw.compressor, ls.comp_state, comp_in, row, p, r, cfg.head_dim, freqs,
-                                      indexer=False)
-                if crow is not None:
-                    st.write(ls.comp, p // r, crow, row)
-                if r != 4:  # (g) HCA: all completed blocks
-                    comp_list = torch.arange((p + 1) // r, device=self.device)
-            win_kv, win_ok = self._window(ls.ring, kv, p, p0)
-            if comp_list is not None and comp_list.numel():
-                lst_kv = torch.cat((win_kv, ls.comp[comp_list]))
-                lst_ok = torch.cat((win_ok, torch.ones(comp_list.numel(), dtype=torch.bool, device=self.device)))
-            else:
-                lst_kv, lst_ok = win_kv, win_ok
-            outs.append(P.sparse_attention(qh[row], lst_kv, lst_ok, lw.sink, cfg.head_dim ** -0.5))  # (i)
+                self._compress(lw.compressor, ls.comp_state, ls.comp, comp_in, row, p, r, cfg.head_dim, freqs,
+                               indexer=False)
+                if r == 4:  # CSA: the selected blocks in descending score order
+                    comp, comp_ok = ls.comp[sel], sel >= 0
+                else:  # (g) HCA: all completed blocks
+                    comp = ls.comp[: (p + 1) // r]
+                    comp_ok = torch.ones(comp.shape[0], dtype=torch.bool, device=self.device)
+            outs.append(B.attention_row(qh[row], ls.ring, kv, p, p0, cfg.window, comp, comp_ok, lw.sink,
+                                        cfg.head_dim ** -0.5))  # (e), (i)
         for row in range(q):  # (h.1) ring writes after every row attended (side-buffer scheme)
             st.write(ls.ring, (p0 + row) % cfg.window, kv[row], row)
         o = P.apply_rope(torch.stack(outs), pos, freqs, inverse=True)  # (j)
@@ -192,62 +189,19 @@ class Reference:
         z = torch.stack([P.linear_bf16(og[:, g], woa[g]) for g in range(cfg.o_groups)], dim=1)
         return P.linear_q(z.reshape(q, -1), lw.wo_b, emu)
 
-    def _kv_fake_quant(self, kv: torch.Tensor) -> torch.Tensor:
-        """P3 on the non-rope dims of 512-wide KV rows (blocks of 64); rope dims untouched."""
-        if not self.cfg.quant_emulation:
-            return kv
-        nope = self.cfg.nope_dim
-        return torch.cat((P.fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
+    def _compress(self, cw: Compressor, cs: CompressorState, rows: torch.Tensor, proj: tuple[torch.Tensor, torch.Tensor],
+                  row: int, p: int, r: int, d: int, freqs: torch.Tensor, indexer: bool) -> None:
+        """Compressor update for one token (spec 5.3); on a flush the finished row j = p // r is written to
+        ``rows``. Every write is journaled under verify row ``row``."""
+        cfg = self.cfg
 
-    def _window(self, ring: torch.Tensor, kv: torch.Tensor, p: int, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e) The window list of position ``p`` in position order (oldest first), padded with masked
-        entries to ``window`` entries: KV rows bf16 [window, hd] and validity bool [window]."""
-        W = self.cfg.window
-        first = max(0, p - W + 1)
-        rows = [ring[t % W] if t < p0 else kv[t - p0] for t in range(first, p + 1)]
-        n = len(rows)
-        lst = torch.zeros(W, self.cfg.head_dim, dtype=BF16, device=self.device)
-        lst[:n] = torch.stack(rows)
-        ok = torch.zeros(W, dtype=torch.bool, device=self.device)
-        ok[:n] = True
-        return lst, ok
+        def write(buf: torch.Tensor, index, value: torch.Tensor) -> None:
+            self.state.write(buf, index, value, row)
 
-    def _indexer_topk(self, keys: torch.Tensor, qi: torch.Tensor, hw: torch.Tensor) -> torch.Tensor:
-        """(f.6-7) Index scores of every completed block and the top-k block ids (descending score, ties to
-        the lower block id). keys bf16 [T, d]; qi bf16 [heads, d]; hw bf16 [heads]. -> int64 [min(k, T)]."""
-        T = keys.shape[0]
-        if T == 0:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
-        dots = (qi.to(F32) @ keys.to(F32).T).to(BF16)  # [heads, T] bf16 einsum
-        weighted = (torch.relu(dots).to(F32) * hw.to(F32).unsqueeze(-1)).to(BF16)
-        score = weighted.to(F32).sum(0).to(BF16)
-        return P.topk_lower_index(score, min(self.cfg.index_topk, T))
-
-    def _compress(self, cw: Compressor, cs: CompressorState, proj: tuple[torch.Tensor, torch.Tensor], row: int,
-                  p: int, r: int, d: int, freqs: torch.Tensor, indexer: bool) -> torch.Tensor | None:
-        """Compressor update for one token (spec 5.3). Returns the finished row (bf16 [d]) on a flush
-        (``(p+1) % r == 0``), else None. State writes are journaled under ``row``."""
-        st = self.state
-        v, g = proj[0][row], proj[1][row] + cw.ape[p % r]
-        slot = 4 + p % 4 if r == 4 else p % r
-        st.write(cs.kv, slot, v, row)
-        st.write(cs.score, slot, g, row)
-        if (p + 1) % r:
-            return None
-        if r == 4:  # overlap: previous block's first half + current block's second half
-            kv = torch.cat((cs.kv[:4, :d], cs.kv[4:, d:]))
-            sc = torch.cat((cs.score[:4, :d], cs.score[4:, d:]))
-            st.write(cs.kv, slice(0, 4), cs.kv[4:].clone(), row)
-            st.write(cs.score, slice(0, 4), cs.score[4:].clone(), row)
-        else:
-            kv, sc = cs.kv, cs.score
-        cvec = (kv * sc.softmax(dim=0)).sum(dim=0)
-        c = P.rms_norm(cvec.to(BF16), cw.norm, self.cfg.norm_eps)
-        c = P.apply_rope(c.unsqueeze(0), torch.tensor([p + 1 - r], device=self.device), freqs)[0]
-        if indexer:
-            c = P.hadamard(c)
-            return P.fp4_fake_quant(c, 32) if self.cfg.quant_emulation else c
-        return self._kv_fake_quant(c)
+        cvec = B.compress_token(cs.kv, cs.score, proj[0][row], proj[1][row] + cw.ape[p % r], p, r, d, write)
+        if cvec is not None:
+            write(rows, p // r, B.finish_compressed_row(cvec, cw.norm, p, r, freqs, cfg.norm_eps, indexer,
+                                                         cfg.quant_emulation, cfg.nope_dim))
 
     # ---------------------------------------------------------------------------------------------- MoE
     def _moe(self, i: int, lw: LayerWeights, b: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
@@ -255,31 +209,12 @@ class Reference:
         cfg = self.cfg
         emu = cfg.quant_emulation
         s = P.sqrtsoftplus(P.linear_f32(b, lw.gate))  # [q, E]
-        if lw.tid2eid is not None:
-            ids = lw.tid2eid[tok]
-        else:
-            ids = P.topk_lower_index(s + lw.gate_bias, cfg.n_active_experts)
-        wts = s.gather(-1, ids)
-        wts = wts / wts.sum(-1, keepdim=True) * cfg.route_scale
+        ids, wts = B.route(s, lw.gate_bias, None if lw.tid2eid is None else lw.tid2eid[tok],
+                           cfg.n_active_experts, cfg.route_scale)
         outs = []
         for row in range(b.shape[0]):
             x = b[row:row + 1]
-            acc = torch.zeros(1, cfg.hidden_size, dtype=F32, device=self.device)
-            order = torch.argsort(ids[row])
-            for k in order.tolist():
-                w1, w3, w2 = self.w.experts.get(i, int(ids[row, k]))
-                acc += self._expert(x, w1, w3, w2, wts[row, k], emu).to(F32)
-            acc += self._expert(x, lw.sh_w1, lw.sh_w3, lw.sh_w2, None, emu).to(F32)
+            acc = B.routed_sum(x, ids[row], wts[row], lambda e: self.w.experts.get(i, e), cfg.swiglu_limit, emu)
+            acc += B.expert_ffn(x, lw.sh_w1, lw.sh_w3, lw.sh_w2, None, cfg.swiglu_limit, emu).to(F32)
             outs.append(acc.to(BF16))
         return torch.cat(outs)
-
-    def _expert(self, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                weight: torch.Tensor | None, emu: bool) -> torch.Tensor:
-        """One SwiGLU expert (P11): bf16 [1, D] -> bf16 [1, D]; the routing weight scales the fp32
-        intermediate before the bf16 cast and ``w2``."""
-        g = P.linear_q(x, w1, emu).to(F32)
-        u = P.linear_q(x, w3, emu).to(F32)
-        h = P.clamped_swiglu(g, u, self.cfg.swiglu_limit)
-        if weight is not None:
-            h = weight * h
-        return P.linear_q(h.to(BF16), w2, emu)

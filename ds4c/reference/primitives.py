@@ -210,10 +210,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
             entries may hold anything); valid: bool [L] (False = a -1 list entry); sink: fp32 [H];
         scale: softmax scale (hd^-1/2).
     Returns:
-        bf16 [H, hd]. Per chunk: fp32 scores, running max, fp32 exp for the denominator, exp rounded to
+        bf16 [H, hd]. The list is padded with masked entries to a multiple of 64, so the result for a
+        given list prefix does not depend on how many masked entries follow. Per chunk: fp32 scores, running max, fp32 exp for the denominator, exp rounded to
         bf16 for the PV product; finally the sink joins the denominator only (not the running max).
     """
     H = q.shape[0]
+    pad = -kv.shape[0] % ATTN_CHUNK  # every chunk is a full 64 entries (masked tail): shape-invariant sums
+    if pad:
+        kv = torch.cat((kv, kv.new_zeros(pad, kv.shape[1])))
+        valid = torch.cat((valid, valid.new_zeros(pad)))
     qf = q.to(F32)
     kvf = torch.where(valid.unsqueeze(-1), kv.to(F32), torch.zeros((), dtype=F32, device=kv.device))
     m = torch.full((H,), float("-inf"), dtype=F32, device=q.device)
@@ -267,3 +272,33 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     # noise drawn on the CPU so a seed gives the same tokens on every device
     noise = torch.empty(probs.shape, dtype=F32).exponential_(1.0, generator=generator).to(probs.device)
     return torch.argmax(probs / noise, dim=-1)
+
+
+INDEX_TILE = 64
+
+
+def index_scores(qi: torch.Tensor, keys: torch.Tensor, hw: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Spec 5.2(f.6): ``score_t = sum_h w_h * ReLU(qi_h . K_t)`` for one query row.
+
+    The dot products are a bf16 einsum (fp32 accumulate, bf16 result) computed over fixed tiles of 64 keys,
+    ReLU and the head weight in bf16, the head sum accumulated in fp32 head by head, rounded to bf16; so a
+    key's score does not depend on how many keys are scanned.
+
+    Args:
+        qi: bf16 [heads, d]; keys: bf16 [T, d]; hw: bf16 [heads]; valid: bool [T].
+    Returns:
+        bf16 [T]; invalid keys score -inf.
+    """
+    T = keys.shape[0]
+    if T == 0:
+        return torch.zeros(0, dtype=BF16, device=keys.device)
+    pad = -T % INDEX_TILE
+    kf = torch.cat((keys, keys.new_zeros(pad, keys.shape[1]))).to(F32) if pad else keys.to(F32)
+    qf = qi.to(F32)
+    dots = torch.cat([qf @ kf[t:t + INDEX_TILE].T for t in range(0, kf.shape[0], INDEX_TILE)], dim=1)
+    dots = dots[:, :T].to(BF16)
+    weighted = (torch.relu(dots).to(F32) * hw.to(F32).unsqueeze(-1)).to(BF16).to(F32)
+    acc = weighted[0].clone()
+    for h in range(1, weighted.shape[0]):
+        acc = acc + weighted[h]
+    return acc.to(BF16).masked_fill(~valid, float("-inf"))

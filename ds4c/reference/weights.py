@@ -9,7 +9,7 @@ file and are dequantized one expert at a time when routed, with a small LRU cach
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,6 +95,8 @@ class ReferenceWeights:
     hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn [hc, hc*D], scale [1], base [hc]
     out_norm: torch.Tensor
     head: torch.Tensor  # fp32 [vocab, D]
+    by_name: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every loaded tensor by GGUF name (routed experts excluded: see ``experts``)."""
 
     @classmethod
     def load(cls, mf: ModelFile, device: str | torch.device = "cpu", cache_experts: int | None = None) -> "ReferenceWeights":
@@ -108,9 +110,13 @@ class ReferenceWeights:
         """
         cfg = mf.config
         dev = torch.device(device)
+        by_name: dict[str, torch.Tensor] = {}
 
         def t(name: str, dtype: torch.dtype = F32) -> torch.Tensor:
-            return mf.tensor(name, dtype).to(dev)
+            by_name[name] = mf.tensor(name, dtype).to(dev)
+            if name.endswith("attn_output_a.weight"):  # convert.py: wo_a dequantized once, rounded to bf16
+                by_name[name] = by_name[name].to(BF16).to(F32)
+            return by_name[name]
 
         layers = []
         for i in range(cfg.n_layers):
@@ -128,7 +134,7 @@ class ReferenceWeights:
                 wq_a=t(p + "attn_q_a.weight"), q_norm=t(p + "attn_q_a_norm.weight"),
                 wq_b=t(p + "attn_q_b.weight"), wkv=t(p + "attn_kv.weight"),
                 kv_norm=t(p + "attn_kv_a_norm.weight"),
-                wo_a=t(p + "attn_output_a.weight").to(BF16).to(F32),
+                wo_a=t(p + "attn_output_a.weight"),
                 wo_b=t(p + "attn_output_b.weight"), sink=t(p + "attn_sinks.weight"),
                 compressor=comp("attn_compressor") if r else None,
                 idx_wq_b=t(p + "indexer.attn_q_b.weight") if r == 4 else None,
@@ -148,5 +154,5 @@ class ReferenceWeights:
             config=cfg, embed=t("token_embd.weight", BF16), layers=layers,
             experts=ExpertStore(mf, dev, cache_experts),
             hc_head=(t("output_hc_fn.weight"), t("output_hc_scale"), t("output_hc_base")),
-            out_norm=t("output_norm.weight"), head=t("output.weight"),
+            out_norm=t("output_norm.weight"), head=t("output.weight"), by_name=by_name,
         )

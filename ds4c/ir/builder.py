@@ -1,0 +1,207 @@
+"""Build the IR of one decode (q = 1) or verify (q = 2..5) step of a DeepSeek-V4-Flash config.
+
+The graph follows spec ds4-flash.md section 5 at the granularity of its sub-blocks: HC mixing logits,
+Sinkhorn, pre-mix, RMSNorm, each projection (with its numeric mode), per-head RMS, RoPE, KV fake-quant,
+compressor update and flush, indexer scores and top-k, sparse attention with sink, inverse RoPE, grouped
+``wo_a``, HC post, router, experts, HC head. State buffers are explicit graph inputs (``l{i}.ring``,
+``l{i}.comp``, ``l{i}.comp_kv``, ``l{i}.comp_score``, ``l{i}.idx_keys``, ``l{i}.idx_kv``, ``l{i}.idx_score``)
+and their updated values are graph outputs of the same names; ``logits`` is the other output.
+
+The width is the symbol ``q`` until the ``fix_verify_width`` pass specialises it to ``meta["width"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds4c.config import Ds4Config
+from ds4c.errors import StepError
+from ds4c.ir.graph import Graph, Op, Sym, TensorType, Value
+from ds4c.ir.ops import OPS, infer_op
+from ds4c.tensors import tensor_specs
+
+Q = Sym("q")
+MAX_WIDTH = 5
+
+
+def span_sym(ratio: int) -> str:
+    """Name of the live compressed-row span of a ratio: ``n_r4``, ``n_r128``."""
+    return f"n_r{ratio}"
+
+
+def state_inputs(cfg: Ds4Config, max_ctx: int) -> dict[str, TensorType]:
+    """The state buffers of the step (spec section 4), name -> type."""
+    out: dict[str, TensorType] = {}
+    for i in range(cfg.n_layers):
+        r = cfg.ratio(i)
+        out[f"l{i}.ring"] = TensorType((cfg.window, cfg.head_dim), "bf16")
+        if r:
+            c = 2 if r == 4 else 1
+            slots = 8 if r == 4 else r
+            out[f"l{i}.comp"] = TensorType((max(max_ctx // r, 1), cfg.head_dim), "bf16")
+            out[f"l{i}.comp_kv"] = TensorType((slots, c * cfg.head_dim), "f32")
+            out[f"l{i}.comp_score"] = TensorType((slots, c * cfg.head_dim), "f32")
+        if r == 4:
+            out[f"l{i}.idx_keys"] = TensorType((max(max_ctx // 4, 1), cfg.index_head_dim), "bf16")
+            out[f"l{i}.idx_kv"] = TensorType((8, 2 * cfg.index_head_dim), "f32")
+            out[f"l{i}.idx_score"] = TensorType((8, 2 * cfg.index_head_dim), "f32")
+    return out
+
+
+class GraphBuilder:
+    """Appends ops with inferred output types; ``layer`` tags every op added."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.layer = -1
+        self._params: dict[str, Value] = {}
+
+    def op(self, op_kind: str, *ins: Value, name: str = "", **attrs: Any) -> Any:
+        kind = op_kind
+        types = infer_op(kind, [v.type for v in ins], attrs)
+        names = OPS[kind].outputs
+        outs = [Value(t, name if len(types) == 1 else f"{name}.{names[k]}") for k, t in enumerate(types)]
+        op = Op(kind, list(ins), outs, attrs, self.layer)
+        for v in outs:
+            v.producer = op
+        self.ops.append(op)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def param(self, name: str, shape: tuple[int, ...], dtype: str = "f32") -> Value:
+        return self.op("param", name=name, weight=name, shape=tuple(shape), dtype=dtype)
+
+
+def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
+    """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify) for ``cfg``.
+
+    Args:
+        cfg: the model config (``quant_emulation`` decides the fake-quant attributes).
+        width: q, recorded in ``meta["width"]`` (shapes carry the symbol ``q`` until ``fix_verify_width``).
+        max_ctx: positions the state buffers hold (compressed-row capacities are ``max_ctx // ratio``).
+
+    Raises:
+        StepError: width outside 1..5 or max_ctx < 1.
+    """
+    if not 1 <= width <= MAX_WIDTH:
+        raise StepError(f"step width must be in 1..{MAX_WIDTH}, found {width}")
+    if max_ctx < 1:
+        raise StepError(f"max_ctx must be >= 1, found {max_ctx}")
+    b = GraphBuilder()
+    shapes = {s.name: s.shape for s in tensor_specs(cfg)}
+
+    def W(name: str, dtype: str = "f32") -> Value:
+        return b.param(name, shapes[name], dtype)
+
+    inputs: dict[str, Value] = {"tokens": Value(TensorType((Q,), "i64"), "tokens"),
+                                "pos": Value(TensorType((), "i64"), "pos")}
+    for k, t in state_inputs(cfg, max_ctx).items():
+        inputs[k] = Value(t, k)
+    outputs: dict[str, Value] = {}
+    tok, pos = inputs["tokens"], inputs["pos"]
+    emu, eps, hc = cfg.quant_emulation, cfg.norm_eps, cfg.hc_mult
+    positions = b.op("row_positions", tok, pos, name="positions")
+    freq_attrs = dict(rope_dim=cfg.rope_dim, factor=cfg.rope_factor, orig_len=cfg.original_seq_len,
+                      beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow)
+
+    e = b.op("embed", tok, W("token_embd.weight", "bf16"), name="embed")
+    x = b.op("hc_expand", e, hc=hc, name="x0")
+
+    def hc_pre(x: Value, sub: str, norm: str, tag: str) -> tuple[Value, Value, Value]:
+        p = f"blk.{b.layer}."
+        m = b.op("hc_mix", x, W(p + f"hc_{sub}_fn.weight"), eps=eps, name=f"{tag}.mix")
+        pre, post, comb = b.op("sinkhorn", m, W(p + f"hc_{sub}_scale"), W(p + f"hc_{sub}_base"), hc=hc,
+                               iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, name=f"{tag}.hc")
+        y = b.op("hc_premix", x, pre, name=f"{tag}.y")
+        return b.op("rms_norm", y, W(p + norm), eps=eps, name=f"{tag}.normed"), post, comb
+
+    for i in range(cfg.n_layers):
+        b.layer = i
+        p, L = f"blk.{i}.", f"l{i}"
+        r = cfg.ratio(i)
+        yarn = cfg.uses_yarn(i)
+        freqs = b.op("rope_freqs", base=cfg.rope_base(i), yarn=yarn, name="freqs_yarn" if yarn else "freqs",
+                     **freq_attrs)
+        # ---- attention sub-block
+        a, post, comb = hc_pre(x, "attn", "attn_norm.weight", f"{L}.attn")
+        qa = b.op("linear", a, W(p + "attn_q_a.weight"), mode="fp8act", act_quant=emu, name=f"{L}.qa")
+        qr = b.op("rms_norm", qa, W(p + "attn_q_a_norm.weight"), eps=eps, name=f"{L}.qr")
+        qf = b.op("linear", qr, W(p + "attn_q_b.weight"), mode="fp8act", act_quant=emu, name=f"{L}.qb")
+        qh = b.op("reshape", qf, tail=(cfg.n_heads, cfg.head_dim), name=f"{L}.qh")
+        qh = b.op("head_rms", qh, eps=eps, name=f"{L}.qh_rms")
+        qh = b.op("rope", qh, positions, freqs, inverse=False, name=f"{L}.q")
+        kv = b.op("linear", a, W(p + "attn_kv.weight"), mode="fp8act", act_quant=emu, name=f"{L}.kv_proj")
+        kv = b.op("rms_norm", kv, W(p + "attn_kv_a_norm.weight"), eps=eps, name=f"{L}.kv_normed")
+        kv = b.op("rope", kv, positions, freqs, inverse=False, name=f"{L}.kv_rope")
+        kv = b.op("kv_fake_quant", kv, nope=cfg.nope_dim, enabled=emu, name=f"{L}.kv")
+        ring = inputs[f"{L}.ring"]
+        comp_span = mask = sel = None
+        if r:
+            d, c = cfg.head_dim, 2 if r == 4 else 1
+            if r == 4:  # indexer query, head weights, indexer compressor (spec 5.2(f))
+                qi = b.op("linear", qr, W(p + "indexer.attn_q_b.weight"), mode="fp8act", act_quant=emu,
+                          name=f"{L}.qi_proj")
+                qi = b.op("reshape", qi, tail=(cfg.index_n_heads, cfg.index_head_dim), name=f"{L}.qi_heads")
+                qi = b.op("rope", qi, positions, freqs, inverse=False, name=f"{L}.qi_rope")
+                qi = b.op("hadamard", qi, name=f"{L}.qi_rot")
+                if emu:
+                    qi = b.op("fp4_fake_quant", qi, block=32, name=f"{L}.qi")
+                hw = b.op("linear", a, W(p + "indexer.proj.weight"), mode="bf16", name=f"{L}.hw_proj")
+                hw = b.op("mul_scalar", hw, value=cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5,
+                          name=f"{L}.hw")
+                iv = b.op("linear", a, W(p + "indexer_compressor_kv.weight"), mode="f32", name=f"{L}.idx_v")
+                ig = b.op("linear", a, W(p + "indexer_compressor_gate.weight"), mode="f32", name=f"{L}.idx_g")
+                ikv, isc, keys = b.op(
+                    "compress", iv, ig, W(p + "indexer_compressor_ape.weight"),
+                    W(p + "indexer_compressor_norm.weight"), inputs[f"{L}.idx_kv"], inputs[f"{L}.idx_score"],
+                    inputs[f"{L}.idx_keys"], positions, freqs, ratio=4, d=cfg.index_head_dim, indexer=True,
+                    emulate=emu, nope=cfg.index_head_dim - cfg.rope_dim, eps=eps, name=f"{L}.idx")
+                outputs.update({f"{L}.idx_kv": ikv, f"{L}.idx_score": isc, f"{L}.idx_keys": keys})
+                key_span = b.op("live_rows", keys, tok, pos, ratio=4, sym=span_sym(4), name=f"{L}.key_span")
+                key_mask = b.op("span_mask", key_span, positions, ratio=4, name=f"{L}.key_mask")
+                sel = b.op("indexer_topk", qi, key_span, hw, key_mask, topk=cfg.index_topk, name=f"{L}.sel")
+            v = b.op("linear", a, W(p + "attn_compressor_kv.weight"), mode="f32", name=f"{L}.comp_v")
+            g = b.op("linear", a, W(p + "attn_compressor_gate.weight"), mode="f32", name=f"{L}.comp_g")
+            ckv, csc, rows = b.op(
+                "compress", v, g, W(p + "attn_compressor_ape.weight"), W(p + "attn_compressor_norm.weight"),
+                inputs[f"{L}.comp_kv"], inputs[f"{L}.comp_score"], inputs[f"{L}.comp"], positions, freqs,
+                ratio=r, d=d, indexer=False, emulate=emu, nope=cfg.nope_dim, eps=eps, name=f"{L}.comp")
+            outputs.update({f"{L}.comp_kv": ckv, f"{L}.comp_score": csc, f"{L}.comp": rows})
+            comp_span = b.op("live_rows", rows, tok, pos, ratio=r, sym=span_sym(r), name=f"{L}.comp_span")
+            if r != 4:
+                mask = b.op("span_mask", comp_span, positions, ratio=r, name=f"{L}.comp_mask")
+        kind = cfg.layer_kind(i)
+        extra = () if kind == "swa" else (comp_span, sel if kind == "csa" else mask)
+        o = b.op("sparse_attention", qh, ring, kv, positions, W(p + "attn_sinks.weight"), *extra, kind=kind,
+                 window=cfg.window, scale=cfg.head_dim ** -0.5, name=f"{L}.o")
+        outputs[f"{L}.ring"] = b.op("ring_write", ring, kv, positions, window=cfg.window, name=f"{L}.ring_new")
+        o = b.op("rope", o, positions, freqs, inverse=True, name=f"{L}.o_rope")
+        z = b.op("grouped_linear", o, W(p + "attn_output_a.weight"), groups=cfg.o_groups, name=f"{L}.z")
+        z = b.op("reshape", z, tail=(cfg.o_groups * cfg.o_lora_rank,), name=f"{L}.z_flat")
+        out = b.op("linear", z, W(p + "attn_output_b.weight"), mode="fp8act", act_quant=emu, name=f"{L}.attn_out")
+        x = b.op("hc_post", out, x, post, comb, name=f"{L}.x_attn")
+        # ---- MoE sub-block
+        bn, post, comb = hc_pre(x, "ffn", "ffn_norm.weight", f"{L}.ffn")
+        zr = b.op("linear", bn, W(p + "ffn_gate_inp.weight"), mode="f32", name=f"{L}.router_logits")
+        s = b.op("router_scores", zr, name=f"{L}.router_scores")
+        table = W(p + "ffn_gate_tid2eid.weight", "i64") if cfg.is_hash_layer(i) else W(p + "exp_probs_b.bias")
+        ids, wts = b.op("route", s, tok, table, k=cfg.n_active_experts, scale=cfg.route_scale,
+                        hash=cfg.is_hash_layer(i), name=f"{L}.route")
+        bank = b.param(f"blk.{i}.experts", (cfg.n_experts,), "handle")
+        routed = b.op("routed_experts", bn, ids, wts, bank, layer=i, limit=cfg.swiglu_limit, emulate=emu,
+                      name=f"{L}.routed")
+        sg = b.op("linear", bn, W(p + "ffn_gate_shexp.weight"), mode="fp8act", act_quant=emu, name=f"{L}.sh_g")
+        su = b.op("linear", bn, W(p + "ffn_up_shexp.weight"), mode="fp8act", act_quant=emu, name=f"{L}.sh_u")
+        sh = b.op("swiglu", sg, su, limit=cfg.swiglu_limit, name=f"{L}.sh_h")
+        sh = b.op("cast", sh, dtype="bf16", name=f"{L}.sh_hb")
+        ys = b.op("linear", sh, W(p + "ffn_down_shexp.weight"), mode="fp8act", act_quant=emu, name=f"{L}.shared")
+        ffn = b.op("moe_sum", routed, ys, name=f"{L}.ffn_out")
+        x = b.op("hc_post", ffn, x, post, comb, name=f"{L}.x")
+    # ---- head (spec 5.4)
+    b.layer = -1
+    m = b.op("hc_mix", x, W("output_hc_fn.weight"), eps=eps, name="head.mix")
+    pre = b.op("hc_head_gate", m, W("output_hc_scale"), W("output_hc_base"), eps=cfg.hc_eps, name="head.pre")
+    y = b.op("hc_premix", x, pre, name="head.y")
+    y = b.op("rms_norm", y, W("output_norm.weight"), eps=eps, name="head.normed")
+    outputs["logits"] = b.op("linear", y, W("output.weight"), mode="f32", name="logits")
+    meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
+    return Graph(inputs, b.ops, outputs, meta)

@@ -1,0 +1,133 @@
+"""Run any IR graph (before or after passes) op by op with the ops' torch implementations.
+
+Every produced tensor is checked against its value's type: static dims must match exactly, symbolic dims
+bind on first sight and must agree afterwards, dtypes must match. Fused ops run their bodies.
+
+:func:`run_step` runs a step on a reference :class:`~ds4c.reference.state.SequenceState` (inputs taken
+from it, updated buffers written back), so the interpreter can be compared with the reference directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds4c.errors import StepError
+from ds4c.ir.graph import Graph, Op, Sym, TensorType, Value
+from ds4c.ir.ops import OPS, RunCtx
+from ds4c.reference.state import SequenceState
+from ds4c.reference.weights import ReferenceWeights
+
+_DT = {"bf16": torch.bfloat16, "f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "u8": torch.uint8}
+
+
+class InterpreterError(StepError):
+    """A tensor produced while interpreting does not match its IR type, or an input is missing."""
+
+
+class Interpreter:
+    """Runs ``graph`` with ``weights`` (the reference's dequantized weights, looked up by GGUF name)."""
+
+    def __init__(self, graph: Graph, weights: ReferenceWeights):
+        self.graph = graph
+        self.w = weights
+        cfg = weights.config
+
+        def weight(name: str) -> Any:
+            if name.endswith(".experts"):
+                return None  # routed experts are read by id through ctx.expert
+            return weights.by_name[name]
+
+        self.ctx = RunCtx(cfg, weight, lambda layer, e: weights.experts.get(layer, e))
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the graph. ``inputs`` maps every graph input name to a tensor. Returns every graph output.
+
+        Raises:
+            InterpreterError: a missing input, or a tensor whose shape/dtype contradicts its IR type.
+        """
+        env: dict[Value, Any] = {}
+        syms: dict[Sym, int] = {}
+        for name, v in self.graph.inputs.items():
+            if name not in inputs:
+                raise InterpreterError(f"missing graph input {name!r} ({v.type})")
+            env[v] = inputs[name]
+            self._check(v, inputs[name], syms)
+        with torch.no_grad():
+            for op in self.graph.ops:
+                self._run(op, env, syms)
+        return {k: env[v] for k, v in self.graph.outputs.items()}
+
+    def _run(self, op: Op, env: dict[Value, Any], syms: dict[Sym, int]) -> None:
+        if op.body is not None:
+            for b in op.body:
+                self._run(b, env, syms)
+            return
+        outs = OPS[op.kind].run(self.ctx, [env[v] for v in op.inputs], op.attrs)
+        for v, t in zip(op.outputs, outs):
+            self._check(v, t, syms, op)
+            env[v] = t
+
+    @staticmethod
+    def _check(v: Value, t: Any, syms: dict[Sym, int], op: Op | None = None) -> None:
+        ty: TensorType = v.type
+        if ty.dtype == "handle":
+            return
+        where = f"{op.kind} (layer {op.layer})" if op else "input"
+        if not isinstance(t, torch.Tensor) or t.dtype != _DT[ty.dtype] or t.dim() != len(ty.shape):
+            found = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InterpreterError(f"{where}: value %{v.name} expected {ty}, found {found}")
+        for d, n in zip(ty.shape, t.shape):
+            if isinstance(d, Sym):
+                if syms.setdefault(d, n) != n:
+                    raise InterpreterError(f"{where}: %{v.name} binds {d}={n}, but {d}={syms[d]} elsewhere")
+            elif d != n:
+                raise InterpreterError(f"{where}: value %{v.name} expected {ty}, found {list(t.shape)}")
+
+
+def state_to_inputs(state: SequenceState) -> dict[str, torch.Tensor]:
+    """The state buffers of a reference sequence state under the graph input names ``l{i}.*``."""
+    out: dict[str, torch.Tensor] = {}
+    for i, ls in enumerate(state.layers):
+        out[f"l{i}.ring"] = ls.ring
+        if ls.comp is not None:
+            out[f"l{i}.comp"] = ls.comp
+            out[f"l{i}.comp_kv"], out[f"l{i}.comp_score"] = ls.comp_state.kv, ls.comp_state.score
+        if ls.idx_keys is not None:
+            out[f"l{i}.idx_keys"] = ls.idx_keys
+            out[f"l{i}.idx_kv"], out[f"l{i}.idx_score"] = ls.idx_state.kv, ls.idx_state.score
+    return out
+
+
+def step_inputs(graph: Graph, state: SequenceState, tokens: list[int], pos: int) -> dict[str, torch.Tensor]:
+    """All inputs of ``graph`` for a step: token ids, position, live lengths (``live_r{ratio}`` inputs
+    added by ``pad_compressed_kv``: ``(pos + q) // ratio``) and the state buffers."""
+    dev = state.layers[0].ring.device
+    ins: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64, device=dev),
+                                    "pos": torch.tensor(pos, dtype=torch.int64, device=dev)}
+    for name in graph.inputs:
+        if name.startswith("live_r"):
+            ins[name] = torch.tensor((pos + len(tokens)) // int(name[len("live_r"):]), dtype=torch.int64, device=dev)
+    ins.update(state_to_inputs(state))
+    return ins
+
+
+def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: int) -> torch.Tensor:
+    """One step through the interpreter on a reference state: runs, writes the updated buffers back into
+    ``state`` and advances ``state.pos``. Returns fp32 logits [q, vocab].
+
+    Raises:
+        StepError: ``pos`` is not the state's next position, or the token count is not the graph's width.
+    """
+    width = interp.graph.meta.get("width")
+    if pos != state.pos:
+        raise StepError(f"step at position {pos}, but the state's next position is {state.pos}")
+    if width is not None and len(tokens) != width:
+        raise StepError(f"graph is for width {width}, got {len(tokens)} tokens")
+    out = interp.run(step_inputs(interp.graph, state, tokens, pos))
+    new = state_to_inputs(state)
+    for name, buf in new.items():
+        buf.copy_(out[name])
+    state.pos = pos + len(tokens)
+    return out["logits"]
