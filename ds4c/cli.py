@@ -129,9 +129,10 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated token ids like 1,2,3, found {text!r}") from None
+        raise click.BadParameter(f"expected comma-separated token ids like 1,2,3, found {text!r}",
+                                 param_hint="--prompt-ids") from None
     if not ids:
-        raise click.BadParameter("expected at least one token id")
+        raise click.BadParameter("expected at least one token id", param_hint="--prompt-ids")
     return ids
 
 
@@ -162,6 +163,9 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
         raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
+    if len(ids) + max_new_tokens > mf.config.max_position:
+        raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the model's context "
+                        f"length {mf.config.max_position}")
     weights = ReferenceWeights.load(mf, device)
     if no_quant_emulation:
         weights.config = weights.config.replace(quant_emulation=False)

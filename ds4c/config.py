@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 from ds4c.errors import ConfigError
 
 ARCH = "deepseek4"
@@ -289,6 +291,12 @@ def to_gguf_metadata(cfg: Ds4Config) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _f32(x: Any) -> float:
+    """An f32 metadata value as the shortest decimal that rounds to the same float32 (1e-6 stored as f32 reads
+    back as 1e-6, not 9.99999997e-07), so configs and their hashes survive a write/read round trip."""
+    return float(str(np.float32(float(x))))
+
+
 def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>") -> Ds4Config:
     """Build a :class:`Ds4Config` from GGUF metadata values (a mapping full key -> python value).
 
@@ -310,10 +318,12 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>") -> D
         elif kind == "u32":
             v = int(v)
         else:
-            v = float(v)
+            v = _f32(v)
         kw[fld] = v
-    if meta.get(_P + "attention.value_length", kw["head_dim"]) != kw["head_dim"]:
-        raise ConfigError(f"{source}: expected attention.value_length == key_length ({kw['head_dim']})")
+    key_len, value_len = int(meta[_P + "attention.key_length"]), int(meta[_P + "attention.value_length"])
+    if value_len != key_len:  # both keys map to head_dim: compare the stored values, not head_dim with itself
+        raise ConfigError(f"{source}: expected attention.value_length == key_length ({key_len}), found {value_len}")
+    kw["head_dim"] = key_len
     kv_heads = int(meta.get(_P + "attention.head_count_kv", 1))
     if kv_heads != 1:
         raise ConfigError(f"{source}: expected attention.head_count_kv = 1 (one shared latent), found {kv_heads}")
@@ -325,7 +335,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>") -> D
         raise ConfigError(f"{source}: expected expert_weights_norm = true (normalised top-k weights)")
     clamp = meta.get(_P + "swiglu_clamp_exp")
     if clamp is not None:
-        vals = [float(x) for x in (clamp if isinstance(clamp, (list, tuple)) else [clamp])]
+        vals = [_f32(x) for x in (clamp if isinstance(clamp, (list, tuple)) else [clamp])]
         if len(set(vals)) > 1:
             raise ConfigError(f"{source}: expected one swiglu_clamp_exp value for all layers, found {sorted(set(vals))}")
         kw["swiglu_limit"] = vals[0]

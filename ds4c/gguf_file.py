@@ -197,7 +197,11 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
     specs = tensor_specs(cfg)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
     os.close(fd)
+    w = None
     try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
         w = GGUFWriter(tmp, ARCH)
         _add_metadata(w, cfg, extra_metadata or {})
         for s in specs:
@@ -229,6 +233,8 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         w.close()
         os.replace(tmp, path)
     except BaseException:
+        if w is not None:
+            w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
         try:
             os.unlink(tmp)
         except OSError:

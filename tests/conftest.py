@@ -1,0 +1,29 @@
+"""Shared pytest fixtures: synthetic tiny model files written once per test session.
+
+``tiny_path``: the ``tiny`` preset, seed 0, official formats (MXFP4 experts, Q8_0 FP8 weights, BF16/F32).
+``tiny_bf16_path``: the same model (seed 0) stored with ``--formats bf16``.
+
+Tests must not modify these files; copy them (``shutil.copy``) to change anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds4c.config import preset
+from ds4c.synth import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-scoped path to a tiny official-format synthetic model (seed 0)."""
+    return make_model(preset("tiny"), tmp_path_factory.mktemp("models") / "tiny-seed0.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-scoped path to the same tiny model (seed 0) stored as ``--formats bf16``."""
+    return make_model(preset("tiny"), tmp_path_factory.mktemp("models-bf16") / "tiny-seed0-bf16.gguf", seed=0,
+                      formats="bf16")
