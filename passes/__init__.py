@@ -1,2 +1,2 @@
 """IR passes (``ds4c.passes``): one module per pass, each a function Graph -> Graph whose docstring says
-what it preserves. Populated by the step-IR work (issue 3); the reference and CLI do not depend on it."""
+what it preserves; :mod:`passes.manager` runs named pipelines and prints the IR after any pass."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds4c.config import Ds4Config
+from ds4c.config import MAX_WIDTH, Ds4Config
 from ds4c.errors import StepError
 from ds4c.ir.graph import Graph, Op, Sym, TensorType, Value
 from ds4c.ir.ops import OPS, infer_op
 from ds4c.tensors import tensor_specs
 
 Q = Sym("q")
-MAX_WIDTH = 5
 
 
 def span_sym(ratio: int) -> str:

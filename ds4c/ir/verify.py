@@ -39,9 +39,6 @@ def verify(g: Graph) -> None:
             for o in op.outputs:
                 if not any(o in b.outputs for b in op.walk()):
                     raise VerifyError(f"fused op output {o!r} is not produced by its body")
-            for b in op.walk():
-                for o in b.outputs:
-                    define(o, f"fused body op {b.kind}")
             return
         d = OPS.get(op.kind)
         if d is None:

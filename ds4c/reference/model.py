@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4c.config import Ds4Config
+from ds4c.config import MAX_WIDTH, Ds4Config
 from ds4c.errors import StepError
 from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
@@ -23,8 +23,6 @@ from ds4c.reference.weights import Compressor, LayerWeights, ReferenceWeights
 
 BF16, F32 = torch.bfloat16, torch.float32
 
-MAX_WIDTH = 5
-"""Widest verify step (q = 1 decode, q = 2..5 verify)."""
 
 
 class Reference:
