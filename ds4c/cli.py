@@ -183,5 +183,82 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
                f"decode {res.decode_tokens_per_s:.2f} tokens/s")
 
 
+# ------------------------------------------------------------------------------------------------------
+@main.command("inspect-ir")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default=None,
+              help="Inspect a preset's step without a model file (weight bytes then assume official formats).")
+@click.option("--width", type=click.IntRange(1, 5), default=1, show_default=True, help="Step width q.")
+@click.option("--max-ctx", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--context", type=int, default=None, help="Context bucket (default: the largest).")
+@click.option("--pipeline", default="default", show_default=True, help="Pipeline name.")
+@click.option("--after", "after", default=None, help="Print the IR after this pass.")
+@click.option("--all", "print_all", is_flag=True, help="Print the IR after every pass.")
+@click.option("--layers", default=None, help="Only print these layers' ops, e.g. 0,1 (-1 = embedding/head).")
+@click.option("--dot", "dot", type=click.Path(dir_okay=False), default=None, help="Write Graphviz dot here.")
+def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ctx: int, context: int | None,
+                   pipeline: str, after: str | None, print_all: bool, layers: str | None, dot: str | None) -> None:
+    """Print the step IR after the chosen passes and a per-layer kernel-plan summary."""
+    from ds4c.buckets import BucketSpec
+    from ds4c.config import preset
+    from ds4c.gguf_file import open_model
+    from ds4c.ir import build_step, print_graph
+    from ds4c.ir.export import to_dot
+    from ds4c.passes.manager import PIPELINES, run_pipeline
+    from ds4c.passes.partition import kernel_plan
+    from ds4c.tensors import FORMATS, tensor_specs
+
+    if file and preset_name:
+        raise click.UsageError("give a model file or --preset, not both")
+    if preset_name:
+        cfg = preset(preset_name)
+        types = {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+    else:
+        mf = open_model(_model_path(file))
+        cfg = mf.config
+        types = {name: mf.ggml_type(name) for name in mf.specs}
+    types.update({s.name + ":shape": s.shape for s in tensor_specs(cfg)})
+    buckets = BucketSpec.build(cfg, (width,), max_ctx)
+    ctx = context if context is not None else buckets.contexts[-1]
+    if ctx not in buckets.contexts:
+        raise Ds4cError(f"--context {ctx} is not a bucket: expected one of {list(buckets.contexts)}")
+    names = PIPELINES.get(pipeline)
+    if names is None:
+        raise Ds4cError(f"unknown pipeline {pipeline!r}: expected one of {sorted(PIPELINES)}")
+    if after is not None and after not in names:
+        raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
+    g0 = build_step(cfg, width, max_ctx)
+    want = "all" if print_all else ([after] if after else [])
+    res = run_pipeline(g0, names, context=ctx, print_after=want)
+    only = {int(x) for x in layers.split(",")} if layers else None
+    if print_all or after:
+        for name, snap in res.snapshots.items():
+            click.echo(f"// ---- IR after {name}")
+            click.echo(print_graph(snap, only))
+    if dot:
+        Path(dot).write_text(to_dot(res.graph))
+        click.echo(f"wrote {dot}")
+    click.echo(f"// {cfg.name}, width {width}, context bucket {ctx}, max_ctx {max_ctx}")
+    click.echo("// pass                 seconds  top-level ops  leaf ops")
+    for r in res.records:
+        click.echo(f"//   {r.name:18s} {r.seconds:8.4f} {r.top_ops:14d} {r.leaf_ops:9d}")
+    if "partition" not in names:
+        return
+    plan = kernel_plan(res.graph, types, cfg.n_active_experts)
+    ops_before: dict[int, int] = {}
+    for op in g0.ops:
+        ops_before[op.layer] = ops_before.get(op.layer, 0) + (op.kind != "param")
+    click.echo("// layer kind kernels ops(before)  weight MB  kernels (weight MB)")
+    for layer, ks in sorted(plan.per_layer().items()):
+        kind = cfg.layer_kind(layer).upper() if layer >= 0 else "HEAD"
+        mb = sum(k.weight_bytes for k in ks) / 1e6
+        detail = ", ".join(f"{k.name.split('.', 1)[-1]}({k.weight_bytes / 1e6:.1f})" for k in ks)
+        click.echo(f"//   {layer:3d} {kind:4s} {len(ks):7d} {ops_before.get(layer, 0):11d} {mb:10.1f}  {detail}")
+    mem = res.graph.meta.get("memory", {})
+    click.echo(f"// kernels {len(plan.kernels)}, weight bytes/step {sum(k.weight_bytes for k in plan.kernels) / 1e9:.3f} GB "
+               f"(routed experts: {cfg.n_active_experts} per row), arena {mem.get('arena_bytes', 0):,d} bytes "
+               f"(without reuse {mem.get('no_reuse_bytes', 0):,d})")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

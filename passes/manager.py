@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ds4c.ir.graph import Graph
-from ds4c.ir.printer import print_graph
 from ds4c.ir.verify import VerifyError, verify
 from ds4c.passes.canonicalize import canonicalize
 from ds4c.passes.fix_verify_width import fix_verify_width
@@ -60,7 +59,8 @@ class PassRecord:
 class PipelineResult:
     graph: Graph
     records: list[PassRecord] = field(default_factory=list)
-    dumps: dict[str, str] = field(default_factory=dict)
+    snapshots: dict[str, Graph] = field(default_factory=dict)
+    """The graph after each pass named in ``print_after`` (print with :func:`ds4c.ir.print_graph`)."""
 
 
 def run_pipeline(g: Graph, passes: Iterable[str] | str = "default", context: int | None = None,
@@ -69,7 +69,7 @@ def run_pipeline(g: Graph, passes: Iterable[str] | str = "default", context: int
 
     Args:
         context: the context bucket (tokens) for ``pad_compressed_kv`` (stored in ``meta["context"]``).
-        print_after: pass names (or ``"all"``) whose output IR text is kept in ``dumps``.
+        print_after: pass names (or ``"all"``) whose output graph is kept in ``snapshots``.
         check: verify after every pass.
 
     Raises:
@@ -98,6 +98,6 @@ def run_pipeline(g: Graph, passes: Iterable[str] | str = "default", context: int
                 raise VerifyError(f"after pass {name}: {e}") from None
         res.records.append(PassRecord(name, dt, len(g.ops), sum(1 for _ in g.leaf_ops())))
         if name in want:
-            res.dumps[name] = print_graph(g)
+            res.snapshots[name] = g
     res.graph = g
     return res

@@ -99,8 +99,11 @@ class KernelPlan:
 
 
 def kernel_plan(g: Graph, weight_types: dict[str, GGMLType] | None = None, n_active: int = 6) -> KernelPlan:
-    """The kernel plan of a partitioned graph. ``weight_types`` maps weight names to stored GGUF types
-    (default: fp32-size accounting of the dequantized weights is avoided by assuming BF16)."""
+    """The kernel plan of a partitioned graph.
+
+    ``weight_types`` maps weight names to their stored GGUF types (missing: BF16) and, under
+    ``"<expert tensor name>:shape"``, the expert tensors' shapes, so a routed-expert bank counts the
+    ``n_active`` experts one row reads. Embedding and hash-table lookups count only the step's rows."""
     prod = producers(g)
     names: dict[Value, str] = {}
 
@@ -112,12 +115,12 @@ def kernel_plan(g: Graph, weight_types: dict[str, GGMLType] | None = None, n_act
         if op.kind != "fused":
             continue
         pattern = op.attrs.get("pattern", "")
+        q = int(g.meta.get("width", 1))
         wbytes = 0
         for v in op.inputs:
             p = prod.get(v)
             if p is not None and p.kind == "param":
-                wbytes += _param_bytes(p, weight_types, n_active)
-        q = int(g.meta.get("width", 1))
+                wbytes += _param_bytes(p, weight_types, n_active, q)
         kernels.append(Kernel(
             name=f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern, family=FAMILIES.get(pattern, pattern),
             layer=op.layer, ops=[leaf.kind for leaf in op.walk()], inputs=[vname(v) for v in op.inputs],
@@ -126,7 +129,12 @@ def kernel_plan(g: Graph, weight_types: dict[str, GGMLType] | None = None, n_act
     return KernelPlan(kernels, g.meta.get("memory", {}).get("arena_bytes"))
 
 
-def _param_bytes(p: Op, weight_types: dict[str, GGMLType] | None, n_active: int) -> int:
+def _gathered(name: str) -> bool:
+    """Row-lookup tables: the embedding and the hash-routing table."""
+    return name == "token_embd.weight" or name.endswith("ffn_gate_tid2eid.weight")
+
+
+def _param_bytes(p: Op, weight_types: dict[str, GGMLType] | None, n_active: int, rows: int) -> int:
     """Stored bytes of a weight; for a routed-expert bank, the ``n_active`` experts one row reads."""
     shape, name = tuple(p.attrs["shape"]), p.attrs["weight"]
     types = weight_types or {}
@@ -138,7 +146,10 @@ def _param_bytes(p: Op, weight_types: dict[str, GGMLType] | None, n_active: int)
             if full is not None:
                 total += nbytes(types.get(prefix + t, GGMLType.BF16), full) // full[0] * n_active
         return total
-    return nbytes(types.get(name, GGMLType.BF16), shape)
+    full = nbytes(types.get(name, GGMLType.BF16), shape)
+    if _gathered(name):  # only the step's rows are read
+        return full // shape[0] * rows
+    return full
 
 
 def _launch(op: Op, pattern: str, q: int) -> dict[str, Any]:
