@@ -8,7 +8,9 @@ model: the ``tiny`` preset with seed 0, written once to the user cache folder.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -30,7 +32,7 @@ def default_model_path() -> Path:
     from ds4c.config import preset
     from ds4c.synth import make_model
 
-    home = Path(os.environ.get("DS4C_HOME", Path.home() / ".cache" / "ds4c"))
+    home = Path(os.environ.get("DS4C_HOME") or Path.home() / ".cache" / "ds4c")
     path = home / "models" / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v{__version__}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +57,10 @@ class _Group(click.Group):
         except Ds4cError as e:
             click.echo(f"ds4c: error: {e}", err=True)
             sys.exit(2)
+        except OSError as e:  # file-system trouble outside ds4c's own checks (permissions, full disk)
+            where = f": {e.filename}" if getattr(e, "filename", None) else ""
+            click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group)
@@ -67,7 +73,8 @@ def main() -> None:
 @main.command("make-model")
 @click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default="tiny",
               show_default=True, help="Model dimensions.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed of the weights.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Random seed of the weights.")
 @click.option("--formats", type=click.Choice(["official", "bf16"]), default="official", show_default=True,
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
@@ -126,14 +133,11 @@ def info_cmd(file: str | None, as_json: bool) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
+    parts = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not re.fullmatch(r"-?[0-9]+", t) for t in parts):
         raise click.BadParameter(f"expected comma-separated token ids like 1,2,3, found {text!r}",
-                                 param_hint="--prompt-ids") from None
-    if not ids:
-        raise click.BadParameter("expected at least one token id", param_hint="--prompt-ids")
-    return ids
+                                 param_hint="--prompt-ids")
+    return [int(t) for t in parts]
 
 
 @main.command("generate")
@@ -141,9 +145,9 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt-ids", default="0,1,2,3", show_default=True, help="Comma-separated prompt token ids.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
               help="0 = greedy; else seeded sampling (spec P12).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Sampling seed.")
 @click.option("--no-quant-emulation", is_flag=True,
               help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, timings).")
@@ -159,6 +163,8 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
     from ds4c.reference import Reference, ReferenceWeights
 
     ids = _parse_ids(prompt_ids)
+    if not math.isfinite(temperature):
+        raise click.BadParameter(f"expected a finite number >= 0, found {temperature}", param_hint="--temperature")
     if device == "cuda" and not torch.cuda.is_available():
         raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     t0 = time.perf_counter()
@@ -179,8 +185,9 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
         return
     click.echo(f"prompt: {ids}")
     click.echo(f"tokens: {res.tokens}")
-    click.echo(f"load {load_s:.2f} s, prefill {len(ids)} tokens in {res.prefill_s:.3f} s, "
-               f"decode {res.decode_tokens_per_s:.2f} tokens/s")
+    tps = res.decode_tokens_per_s
+    click.echo(f"load {load_s:.2f} s, prefill {len(ids)} tokens in {res.prefill_s:.3f} s, decode "
+               + (f"{tps:.2f} tokens/s" if tps is not None else "n/a (fewer than 2 new tokens)"))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -135,6 +135,12 @@ class Ds4Config:
              f"expected o_groups*o_lora_rank a multiple of 128, found {self.o_groups * self.o_lora_rank}")
         need(self.hc_mult == 4, f"expected hc_mult == 4 (24 mixing logits), found {self.hc_mult}")
         need(self.window >= 1, f"expected window >= 1, found {self.window}")
+        for f in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor", "route_scale",
+                  "swiglu_limit", "beta_fast", "beta_slow"):
+            v = getattr(self, f)
+            need(math.isfinite(v) and v > 0, f"expected {f} to be a finite number > 0, found {v}")
+        need(0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size,
+             f"expected bos/eos ids in 0..{self.vocab_size - 1}, found {self.bos_id}/{self.eos_id}")
 
     # ----------------------------------------------------------------------------------------------
     @property

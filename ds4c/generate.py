@@ -26,10 +26,11 @@ class GenerationResult:
     step_s: list[float] = field(default_factory=list)
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        """New tokens after the first, per second of decode (the first comes from the prefill)."""
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens after the first, per second of decode (the first comes from the prefill); None when
+        fewer than two tokens were generated."""
         n = len(self.tokens) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
 
     def as_dict(self) -> dict:
         return {"prompt": self.prompt, "tokens": self.tokens, "prefill_s": self.prefill_s,
@@ -50,6 +51,8 @@ def generate(ref: Reference, prompt: list[int], max_new_tokens: int, temperature
     """
     if not prompt:
         raise StepError("the prompt must hold at least one token id")
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise StepError(f"temperature must be a finite number >= 0, found {temperature}")
     if max_new_tokens < 0:
         raise StepError(f"max_new_tokens must be >= 0, found {max_new_tokens}")
     if len(prompt) + max_new_tokens > ref.max_ctx:

@@ -11,14 +11,17 @@ only when complete, so memory stays far below the file size and a failed write l
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, Ds4cError, ModelFileError
@@ -26,6 +29,26 @@ from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, tensor_specs
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that names the tensor whose data runs past the end of the file (gguf itself fails with a
+    reshape error that names nothing)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
+        size = len(self.data)
+        for field in fields:
+            _n, name_data, _d, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            except (ValueError, KeyError):
+                raise ModelFileError(f"tensor {name!r} has unknown GGML type id {int(raw_dtype[0])}") from None
+            end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelFileError(f"tensor {name!r} ends at byte {end} but the file has {size} bytes "
+                                     f"(truncated file)")
+        super()._build_tensors(start_offs, fields)
 
 
 def _type_name(t: int) -> str:
@@ -66,13 +89,15 @@ class ModelFile:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise ModelFileError(f"{self.path}: no such model file")
+        if not self.path.is_file():
+            raise ModelFileError(f"{self.path}: expected a GGUF model file, found a directory or special file")
         size = self.path.stat().st_size
         try:
-            self._reader = GGUFReader(self.path)
-        except Ds4cError:
-            raise
+            self._reader = _CheckedReader(self.path)
+        except ModelFileError as e:
+            raise ModelFileError(f"{self.path}: {e}") from None
         except Exception as e:  # gguf raises ValueError/IndexError/struct errors on garbage or truncation
             raise ModelFileError(
                 f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e}); expected a complete GGUF v3 "
@@ -108,6 +133,12 @@ class ModelFile:
                 allowed = ", ".join(x.name for x in ACCEPTED_TYPES[spec.role])
                 raise ModelFileError(f"{self.path}: tensor {name!r} has type {_type_name(t.tensor_type)}, "
                                      f"expected one of {allowed} (role {spec.role})")
+            if spec.role == "i32":
+                vals = np.asarray(t.data)
+                lo, hi = int(vals.min()), int(vals.max())
+                if lo < 0 or hi >= self.config.n_experts:
+                    raise ModelFileError(f"{self.path}: tensor {name!r} holds expert ids {lo}..{hi}, expected "
+                                         f"0..{self.config.n_experts - 1}")
             end = t.data_offset + t.n_bytes
             if end > file_size or t.data.size * t.data.itemsize != t.n_bytes:
                 raise ModelFileError(f"{self.path}: tensor {name!r} ends at byte {end} but the file has "
@@ -193,54 +224,81 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         temporary file is removed; nothing is left at ``path``).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs(cfg)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    if path.exists() and not path.is_file():
+        raise ModelFileError(f"{path}: expected a regular file path to write, found a directory or special file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    except OSError as e:
+        raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
+    specs = tensor_specs(cfg)
     w = None
     try:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
-        w = GGUFWriter(tmp, ARCH)
-        _add_metadata(w, cfg, extra_metadata or {})
-        for s in specs:
-            t = types[s.role]
-            w.add_tensor_info(s.name, s.shape, np.dtype(np.float32) if t == GGMLType.F32 else
-                              np.dtype(np.int32) if t == GGMLType.I32 else np.dtype(np.float16),
-                              nbytes(t, s.shape), raw_dtype=t)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        fout = w.fout[0]
-        for s in specs:
-            t = types[s.role]
-            want = nbytes(t, s.shape)
-            w.write_padding(fout, fout.tell())
-            got = 0
-            for chunk in produce(s, t):
-                b = np.ascontiguousarray(chunk).view(np.uint8)
-                got += b.nbytes
-                b.tofile(fout)
-            if got != want:
-                raise ModelFileError(f"writing {s.name}: producer gave {got} bytes, expected {want} "
-                                     f"({t.name} {list(s.shape)})")
-            w.write_padding(fout, want)
-            if progress:
-                progress(s, want)
-        fout.flush()
-        os.fsync(fout.fileno())
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
+        with _signals_raise():
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
+            w = GGUFWriter(tmp, ARCH)
+            _add_metadata(w, cfg, extra_metadata or {})
+            for s in specs:
+                t = types[s.role]
+                w.add_tensor_info(s.name, s.shape, np.dtype(np.float32) if t == GGMLType.F32 else
+                                  np.dtype(np.int32) if t == GGMLType.I32 else np.dtype(np.float16),
+                                  nbytes(t, s.shape), raw_dtype=t)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            fout = w.fout[0]
+            for s in specs:
+                t = types[s.role]
+                want = nbytes(t, s.shape)
+                w.write_padding(fout, fout.tell())
+                got = 0
+                for chunk in produce(s, t):
+                    b = np.ascontiguousarray(chunk).view(np.uint8)
+                    got += b.nbytes
+                    b.tofile(fout)
+                if got != want:
+                    raise ModelFileError(f"writing {s.name}: producer gave {got} bytes, expected {want} "
+                                         f"({t.name} {list(s.shape)})")
+                w.write_padding(fout, want)
+                if progress:
+                    progress(s, want)
+            fout.flush()
+            os.fsync(fout.fileno())
+            w.close()
+            os.replace(tmp, path)
+    except BaseException as e:
         if w is not None:
             w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):
+            raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
         raise
     return path
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While writing, SIGTERM and SIGHUP raise KeyboardInterrupt (as Ctrl-C does) so the temporary file is
+    removed; the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"interrupted by signal {signum}")
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:

@@ -65,7 +65,7 @@ class PipelineResult:
 
 def run_pipeline(g: Graph, passes: Iterable[str] | str = "default", context: int | None = None,
                  print_after: Iterable[str] | str | None = None, check: bool = True) -> PipelineResult:
-    """Run ``passes`` (a pipeline name or pass names) on ``g``.
+    """Run ``passes`` (a pipeline name, one pass name, or a sequence of pass names) on ``g``.
 
     Args:
         context: the context bucket (tokens) for ``pad_compressed_kv`` (stored in ``meta["context"]``).
@@ -75,9 +75,13 @@ def run_pipeline(g: Graph, passes: Iterable[str] | str = "default", context: int
     Raises:
         VerifyError: an unknown pass or pipeline, or a pass that leaves an invalid graph.
     """
-    names = PIPELINES.get(passes) if isinstance(passes, str) else tuple(passes)
+    if isinstance(passes, str):
+        names = PIPELINES.get(passes) or ((passes,) if passes in PASSES else None)
+    else:
+        names = tuple(passes)
     if names is None:
-        raise VerifyError(f"unknown pipeline {passes!r}: expected one of {sorted(PIPELINES)}")
+        raise VerifyError(f"unknown pipeline or pass {passes!r}: expected one of {sorted(PIPELINES)} or "
+                          f"{sorted(PASSES)}")
     unknown = [n for n in names if n not in PASSES]
     if unknown:
         raise VerifyError(f"unknown passes {unknown}: expected names from {sorted(PASSES)}")

@@ -111,6 +111,7 @@ def kernel_plan(g: Graph, weight_types: dict[str, GGMLType] | None = None, n_act
         return names.setdefault(v, v.name or f"v{len(names)}")
 
     kernels = []
+    seen: dict[str, int] = {}
     for k, op in enumerate(g.ops):
         if op.kind != "fused":
             continue
@@ -121,8 +122,12 @@ def kernel_plan(g: Graph, weight_types: dict[str, GGMLType] | None = None, n_act
             p = prod.get(v)
             if p is not None and p.kind == "param":
                 wbytes += _param_bytes(p, weight_types, n_active, q)
+        name = f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:  # e.g. the two multi-GEMVs of a CSA layer: l1.multi_gemv, l1.multi_gemv.2
+            name = f"{name}.{seen[name]}"
         kernels.append(Kernel(
-            name=f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern, family=FAMILIES.get(pattern, pattern),
+            name=name, family=FAMILIES.get(pattern, pattern),
             layer=op.layer, ops=[leaf.kind for leaf in op.walk()], inputs=[vname(v) for v in op.inputs],
             outputs=[vname(v) for v in op.outputs], weight_bytes=wbytes,
             launch=_launch(op, pattern, q)))

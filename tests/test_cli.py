@@ -255,7 +255,8 @@ def test_truncated_file(home, tmp_path, tiny_path):
 
 
 @pytest.mark.parametrize("ids,msg", [("1,x", "found '1,x'"), ("a", "found 'a'"), ("1.5", "found '1.5'"),
-                                     (",", "at least one token id")])
+                                     (",", "found ','"), ("1 2 3", "found '1 2 3'"), ("1,,2", "found '1,,2'"),
+                                     ("1_0", "found '1_0'")])
 def test_bad_prompt_ids(home, tiny_path, ids, msg):
     assert_usage_error(run(home, "generate", tiny_path, "--prompt-ids", ids), "Invalid value", "token id", msg)
 

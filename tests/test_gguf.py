@@ -570,4 +570,4 @@ def test_not_a_gguf(tmp_path, content):
 
 def test_nonexistent_path_and_directory(tmp_path):
     _open_fails(tmp_path / "nope.gguf", "no such model file")
-    _open_fails(tmp_path, "no such model file")
+    _open_fails(tmp_path, "found a directory")

@@ -312,11 +312,24 @@ def test_residual_rms_stays_in_band_over_43_layers(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (reference on cuda vs cpu)")
-def test_reference_on_cuda_matches_cpu(tiny_path, tokens):
+@pytest.mark.parametrize("emulate", [False, True])
+def test_reference_on_cuda_matches_cpu_step_by_step(tiny_path, tokens, emulate):
+    """From the same state, one verify step on cuda equals the cpu step within bf16 tolerance for most
+    rows. GPU and CPU BLAS round differently; a flipped bf16 rounding occasionally moves a router score
+    across a near-tie and selects another expert (measured on the H200: up to 0.12 relative on such a row),
+    so the check is on the distribution of per-row errors, teacher-forced (docs/gpu-validation.md)."""
     mf = open_model(tiny_path)
-    cpu = Reference(ReferenceWeights.load(mf, "cpu"), max_ctx=64)
-    gpu = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=64)
-    a = torch.cat([cpu.verify(tokens[p:p + 5], p) for p in range(0, 40, 5)])
-    b = torch.cat([gpu.verify(tokens[p:p + 5], p) for p in range(0, 40, 5)]).cpu()
-    assert ((a - b).norm() / a.norm()) < 1e-2
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    refs = {}
+    for dev in ("cpu", "cuda"):
+        w = ReferenceWeights.load(mf, dev)
+        w.config = w.config.replace(quant_emulation=emulate)
+        refs[dev] = Reference(w, max_ctx=64)
+    errs = []
+    for p in range(0, 40, 5):
+        refs["cuda"].state = refs["cpu"].state.to("cuda")
+        a = refs["cpu"].verify(tokens[p:p + 5], p)
+        b = refs["cuda"].verify(tokens[p:p + 5], p).cpu()
+        assert torch.isfinite(b).all()
+        errs.append((a - b).norm(dim=-1) / a.norm(dim=-1))
+    e = torch.cat(errs)
+    assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e

@@ -45,7 +45,8 @@ class Interpreter:
         """Run the graph. ``inputs`` maps every graph input name to a tensor. Returns every graph output.
 
         Raises:
-            InterpreterError: a missing input, or a tensor whose shape/dtype contradicts its IR type.
+            InterpreterError: a missing input, a tensor whose shape/dtype contradicts its IR type, or an op
+                that rejects its inputs (a live length past a bucket's capacity).
         """
         env: dict[Value, Any] = {}
         syms: dict[Sym, int] = {}
@@ -64,7 +65,10 @@ class Interpreter:
             for b in op.body:
                 self._run(b, env, syms)
             return
-        outs = OPS[op.kind].run(self.ctx, [env[v] for v in op.inputs], op.attrs)
+        try:
+            outs = OPS[op.kind].run(self.ctx, [env[v] for v in op.inputs], op.attrs)
+        except ValueError as e:  # an op rejecting its inputs (e.g. a live length past the bucket capacity)
+            raise InterpreterError(f"{op.kind} (layer {op.layer}): {e}") from e
         for v, t in zip(op.outputs, outs):
             self._check(v, t, syms, op)
             env[v] = t
@@ -125,6 +129,12 @@ def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: 
         raise StepError(f"step at position {pos}, but the state's next position is {state.pos}")
     if width is not None and len(tokens) != width:
         raise StepError(f"graph is for width {width}, got {len(tokens)} tokens")
+    if pos + len(tokens) > state.max_ctx:
+        raise StepError(f"positions {pos}..{pos + len(tokens) - 1} exceed the state's max_ctx={state.max_ctx}")
+    vocab = interp.w.config.vocab_size
+    bad = [t for t in tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
     out = interp.run(step_inputs(interp.graph, state, tokens, pos))
     new = state_to_inputs(state)
     for name, buf in new.items():

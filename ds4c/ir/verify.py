@@ -28,6 +28,10 @@ def verify(g: Graph) -> None:
     def check(op: Op, visible: set[Value]) -> None:
         for k, v in enumerate(op.inputs):
             if v not in visible:
+                if v in defined:
+                    raise VerifyError(f"{op.kind} (layer {op.layer}) input {k} {v!r} is not visible here: it is "
+                                      f"defined inside a fused op that does not export it, or outside the fused op "
+                                      f"that reads it without being one of that op's inputs")
                 raise VerifyError(f"{op.kind} (layer {op.layer}) input {k} {v!r} is used before it is defined")
         if op.body is not None:
             if op.kind != "fused" or not op.body:
@@ -57,13 +61,15 @@ def verify(g: Graph) -> None:
                 raise VerifyError(f"{op.kind} (layer {op.layer}) output {o!r} has type {o.type}, inferred {t}")
             define(o, op.kind)
 
+    # a fused op's body values stay inside its kernel: only its outputs are visible to later ops and as
+    # graph outputs (a reader of an unexported body value would have no buffer to read)
     visible = set(g.inputs.values())
     for op in g.ops:
         check(op, visible)
         visible.update(op.outputs)
-        if op.body is not None:
-            for b in op.walk():
-                visible.update(b.outputs)
     for name, v in g.outputs.items():
         if v not in defined:
             raise VerifyError(f"graph output {name!r} is not defined")
+        if v not in visible:
+            raise VerifyError(f"graph output {name!r} ({v!r}) is defined inside a fused op that does not "
+                              f"export it")

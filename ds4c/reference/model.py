@@ -12,6 +12,7 @@ new rows are written to the ring after all rows attended (the side-buffer scheme
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ds4c.config import MAX_WIDTH, Ds4Config
@@ -75,7 +76,10 @@ class Reference:
             StepError: q outside 1..5, ``pos`` not the sequence's next position, positions past
                 ``max_ctx``, or a token id outside 0..vocab-1.
         """
-        toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        raw = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
+            raise StepError(f"token ids must be integers, found {raw}")
+        toks = [int(t) for t in raw]
         q = len(toks)
         if not 1 <= q <= MAX_WIDTH:
             raise StepError(f"verify width must be in 1..{MAX_WIDTH}, found {q}")
@@ -88,7 +92,11 @@ class Reference:
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
         with torch.no_grad():
-            return self._step(toks, pos)
+            logits = self._step(toks, pos)
+        if not bool(torch.isfinite(logits).all()):
+            raise StepError(f"non-finite logits at positions {pos}..{pos + q - 1}: the weights or the config "
+                            f"hold NaN/inf values")
+        return logits
 
     def rollback(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""

@@ -132,6 +132,18 @@ class SequenceState:
                                      cp(ls.idx_state)))
         return SequenceState(self.config, self.max_ctx, layers, self.pos)
 
+    def to(self, device: str | torch.device) -> "SequenceState":
+        """A copy of the state on ``device`` (the journal is not copied)."""
+        snap = self.snapshot()
+        for ls in snap.layers:
+            ls.ring = ls.ring.to(device)
+            ls.comp = None if ls.comp is None else ls.comp.to(device)
+            ls.idx_keys = None if ls.idx_keys is None else ls.idx_keys.to(device)
+            for cs in (ls.comp_state, ls.idx_state):
+                if cs is not None:
+                    cs.kv, cs.score = cs.kv.to(device), cs.score.to(device)
+        return snap
+
     def restore(self, snap: "SequenceState") -> None:
         """Copy ``snap`` (from :meth:`snapshot` of a state of the same shape) back into this state."""
         if snap.config != self.config or snap.max_ctx != self.max_ctx:
