@@ -301,24 +301,32 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, h)
 
 
-def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:
-    for key, val, kind in to_gguf_metadata(cfg):
+_ARRAY_TYPES = {"arr_i32": (int, GGUFValueType.INT32), "arr_u32": (int, GGUFValueType.UINT32),
+                "arr_f32": (float, GGUFValueType.FLOAT32)}
+
+
+def add_metadata_entries(w: GGUFWriter, entries: Iterable[tuple[str, Any, str]]) -> None:
+    """Add ``(key, value, kind)`` entries; kind in str, u32, u64, f32, bool, arr_i32, arr_u32, arr_f32,
+    arr_str. ``general.architecture`` is skipped (the writer sets it from its ``arch``)."""
+    scalar = {"str": w.add_string, "u32": w.add_uint32, "u64": w.add_uint64, "f32": w.add_float32,
+              "bool": w.add_bool}
+    cast = {"str": str, "u32": int, "u64": int, "f32": float, "bool": bool}
+    for key, val, kind in entries:
         if key == "general.architecture":
-            continue  # GGUFWriter adds it from `arch`
-        if kind == "str":
-            w.add_string(key, val)
-        elif kind == "u32":
-            w.add_uint32(key, int(val))
-        elif kind == "f32":
-            w.add_float32(key, float(val))
-        elif kind == "bool":
-            w.add_bool(key, bool(val))
-        elif kind == "arr_i32":
-            w.add_key_value(key, [int(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
-        elif kind == "arr_f32":
-            w.add_key_value(key, [float(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
-        else:  # pragma: no cover - table is static
-            raise AssertionError(kind)
+            continue
+        if kind in scalar:
+            scalar[kind](key, cast[kind](val))
+        elif kind in _ARRAY_TYPES:
+            conv, sub = _ARRAY_TYPES[kind]
+            w.add_key_value(key, [conv(v) for v in val], GGUFValueType.ARRAY, sub_type=sub)
+        elif kind == "arr_str":
+            w.add_array(key, [str(v) for v in val])
+        else:
+            raise ValueError(f"unknown metadata kind {kind!r}")
+
+
+def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:
+    add_metadata_entries(w, to_gguf_metadata(cfg))
     for key, val in extra.items():
         if isinstance(val, bool):
             w.add_bool(key, val)

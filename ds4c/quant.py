@@ -401,13 +401,18 @@ def quantize_q8_0(x: ArrayLike) -> torch.Tensor:
     ``q = round_half_away(x * (1/d))`` (``1/d`` from the fp32 ``d``; 0 when ``d == 0``), stored as fp16 ``d``
     then 32 int8. Returns uint8 ``[..., K/32*34]``.
     """
-    t = _float_input(x, "quantize_q8_0")
+    return _quantize_blocks(x, "Q8_0", _q8_0_quant_blocks, 34)
+
+
+def _quantize_blocks(x: ArrayLike, fmt: str, fn: Callable[[torch.Tensor], torch.Tensor], block_bytes: int) -> torch.Tensor:
+    """Shared driver of the block quantizers: float ``[..., K]`` -> uint8 ``[..., K/32*block_bytes]``."""
+    name = f"quantize_{fmt.lower()}"
+    t = _float_input(x, name)
     if t.dim() == 0:
-        raise QuantError("quantize_q8_0: expected a tensor with a last dim, found a scalar")
-    _check_block_dim(t.shape[-1], 32, f"Q8_0 tensor of shape {tuple(t.shape)}")
-    xb = t.to(torch.float32).reshape(-1, 32)
-    out = _map_blocks(_q8_0_quant_blocks, xb, 34, torch.uint8, 32)
-    return out.view(*t.shape[:-1], t.shape[-1] // 32 * 34)
+        raise QuantError(f"{name}: expected a tensor with a last dim, found a scalar")
+    _check_block_dim(t.shape[-1], 32, f"{fmt} tensor of shape {tuple(t.shape)}")
+    out = _map_blocks(fn, t.to(torch.float32).reshape(-1, 32), block_bytes, torch.uint8, 32)
+    return out.view(*t.shape[:-1], t.shape[-1] // 32 * block_bytes)
 
 
 def _q8_0_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
@@ -456,13 +461,7 @@ def quantize_mxfp4(x: ArrayLike) -> torch.Tensor:
     (so GGUF's ``2^(e-128) * doubled table`` = ``s * e2m1``), codes = e2m1 RNE of ``clamp(x/s, ±6)``; zero
     (including -0.0) is stored as code 0. Returns uint8 ``[..., K/32*17]``.
     """
-    t = _float_input(x, "quantize_mxfp4")
-    if t.dim() == 0:
-        raise QuantError("quantize_mxfp4: expected a tensor with a last dim, found a scalar")
-    _check_block_dim(t.shape[-1], 32, f"MXFP4 tensor of shape {tuple(t.shape)}")
-    xb = t.to(torch.float32).reshape(-1, 32)
-    out = _map_blocks(_mxfp4_quant_blocks, xb, 17, torch.uint8, 32)
-    return out.view(*t.shape[:-1], t.shape[-1] // 32 * 17)
+    return _quantize_blocks(x, "MXFP4", _mxfp4_quant_blocks, 17)
 
 
 def _e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:

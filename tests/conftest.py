@@ -11,9 +11,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds4c.config import preset
+from ds4c.gguf_file import open_model
+from ds4c.reference import ReferenceWeights
 from ds4c.synth import make_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """The test models' ops are far too small for intra-op threads; on a busy 2-core machine two threads make
+    every step ~10x slower. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +40,9 @@ def tiny_bf16_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Session-scoped path to the same tiny model (seed 0) stored as ``--formats bf16``."""
     return make_model(preset("tiny"), tmp_path_factory.mktemp("models-bf16") / "tiny-seed0-bf16.gguf", seed=0,
                       formats="bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_path: Path) -> ReferenceWeights:
+    """The reference's weights of ``tiny_path`` on the CPU (shared; tests must not modify them)."""
+    return ReferenceWeights.load(open_model(tiny_path))

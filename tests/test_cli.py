@@ -21,16 +21,6 @@ TINY = preset("tiny")
 VOCAB = TINY.vocab_size  # 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model's matmuls are far too small for intra-op threads; on a busy 2-core machine two threads
-    make each decode step ~10x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def home(tmp_path) -> Path:
     return tmp_path / "ds4c-home"

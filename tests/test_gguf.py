@@ -18,7 +18,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from ds4c.config import ARCH, preset, to_gguf_metadata
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import ModelFile, open_model, write_model
+from ds4c.gguf_file import add_metadata_entries, ModelFile, open_model, write_model
 from ds4c.quant import GGMLType, dequantize, nbytes, quantize
 from ds4c.synth import make_model, producer
 from ds4c.tensors import (
@@ -55,29 +55,7 @@ def write_gguf(path: Path, metadata: list[tuple[str, Any, str]], tensors: Iterab
     str/u32/u64/f32/bool/arr_i32/arr_u32/arr_f32/arr_str; tensors ``(name, stored data, ggml type)``; uint8 data of a block or
     bf16 type is in bytes per row, other data in elements (torch order)."""
     w = GGUFWriter(str(path), arch)
-    for key, val, kind in metadata:
-        if key == "general.architecture":
-            continue  # from `arch`
-        if kind == "str":
-            w.add_string(key, val)
-        elif kind == "u32":
-            w.add_uint32(key, int(val))
-        elif kind == "f32":
-            w.add_float32(key, float(val))
-        elif kind == "bool":
-            w.add_bool(key, bool(val))
-        elif kind == "arr_i32":
-            w.add_key_value(key, [int(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
-        elif kind == "arr_f32":
-            w.add_key_value(key, [float(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
-        elif kind == "arr_str":
-            w.add_array(key, list(val))
-        elif kind == "arr_u32":
-            w.add_key_value(key, [int(v) for v in val], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
-        elif kind == "u64":
-            w.add_uint64(key, int(val))
-        else:
-            raise AssertionError(kind)
+    add_metadata_entries(w, metadata)
     for name, data, t in tensors:
         w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=t)
     w.write_header_to_file()

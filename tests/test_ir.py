@@ -34,19 +34,9 @@ N_POS = 40  # positions compared with the reference (crosses window 16, ratios 4
 MAX_CTX = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model's ops are far too small for intra-op threads; on a busy 2-core machine two threads make
-    every step ~10x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def weights(tiny_path):
-    return ReferenceWeights.load(open_model(tiny_path))
+def weights(tiny_weights):
+    return tiny_weights
 
 
 @pytest.fixture(scope="module")

@@ -45,18 +45,9 @@ STEPS_Q5 = tuple(range(0, N_POS, 5))
 SPEC = BucketSpec.build(TINY, max_ctx=MAX_CTX, contexts=(16, 48, MAX_CTX))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny ops: one intra-op thread is faster, and on a busy 2-core machine two threads are ~10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def weights(tiny_path):
-    return ReferenceWeights.load(open_model(tiny_path))
+def weights(tiny_weights):
+    return tiny_weights
 
 
 @pytest.fixture(scope="module")

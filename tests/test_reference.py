@@ -24,8 +24,8 @@ N_TOKENS = 72
 
 
 @pytest.fixture(scope="module")
-def weights(tiny_path):
-    return ReferenceWeights.load(open_model(tiny_path))
+def weights(tiny_weights):
+    return tiny_weights
 
 
 @pytest.fixture(scope="module")
