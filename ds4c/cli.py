@@ -1,7 +1,7 @@
 """The ``ds4c`` command line (click).
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
-``generate`` (tokens from the reference). ``info`` and ``generate`` with no file use the built-in default
+``generate`` (tokens from the reference), ``inspect-ir``, ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
 model: the ``tiny`` preset with seed 0, written once to the user cache folder.
 """
 
@@ -265,6 +265,79 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     click.echo(f"// kernels {len(plan.kernels)}, weight bytes/step {sum(k.weight_bytes for k in plan.kernels) / 1e9:.3f} GB "
                f"(routed experts: {cfg.n_active_experts} per row), arena {mem.get('arena_bytes', 0):,d} bytes "
                f"(without reuse {mem.get('no_reuse_bytes', 0):,d})")
+
+
+# ------------------------------------------------------------------------------------------------------
+@main.group("cache", cls=_Group)
+def cache_group() -> None:
+    """Inspect or clear the compiled-kernel cache ($DS4C_CACHE or ~/.cache/ds4c/kernels)."""
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _human_age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    for div, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if s >= div:
+            return f"{s / div:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+@cache_group.command("list")
+def cache_list_cmd() -> None:
+    """One line per cache entry: target, kernel name, hash, binary size, age."""
+    import time
+
+    from ds4c.runtime.cache import KernelCache
+
+    cache = KernelCache()
+    entries = cache.list()
+    now = time.time()
+    for e in entries:
+        ver = "" if e.meta.get("ds4c_version") == cache.version else f"  (ds4c {e.meta.get('ds4c_version')})"
+        click.echo(f"{e.target.slug:14s} {e.name:40s} {e.key[:12]}  {_human_bytes(e.size):>10s}  "
+                   f"{_human_age(now - e.created):>4s}{ver}")
+    click.echo(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in {cache.root}")
+
+
+@cache_group.command("show")
+@click.argument("key")
+def cache_show_cmd(key: str) -> None:
+    """Show one entry (KEY: a hash prefix from `ds4c cache list`): its key inputs, resource use, files."""
+    from ds4c.runtime.cache import KernelCache
+
+    e = KernelCache().show(key)
+    meta = {k: v for k, v in e.meta.items() if k not in ("templates", "resources")}
+    click.echo(f"entry:    {e.path}")
+    click.echo(f"key:      {e.key}")
+    click.echo(f"kernel:   {e.name} (entry {e.entry}) for {e.target.slug}")
+    click.echo(f"source:   {e.source_path}")
+    click.echo(f"binary:   {e.binary_path} ({e.size:,d} bytes)")
+    click.echo(f"log:      {e.log_path}")
+    click.echo("templates: " + ", ".join(f"{n} ({len(t)} chars)" for n, t in e.meta.get("templates", {}).items()))
+    click.echo("resources:")
+    for fn, use in e.resources.items():
+        click.echo(f"  {fn}: " + ", ".join(f"{k} {v}" for k, v in use.items()))
+    if not e.resources:
+        click.echo("  (none reported by the compiler)")
+    click.echo("meta:")
+    click.echo(json.dumps(meta, indent=2, sort_keys=True))
+
+
+@cache_group.command("clear")
+def cache_clear_cmd() -> None:
+    """Remove every cache entry (all ds4c versions)."""
+    from ds4c.runtime.cache import KernelCache
+
+    cache = KernelCache()
+    n = cache.clear()
+    click.echo(f"removed {n} cache entr{'y' if n == 1 else 'ies'} from {cache.root}")
 
 
 if __name__ == "__main__":  # pragma: no cover

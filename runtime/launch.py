@@ -1,0 +1,93 @@
+"""Load compiled CUDA kernels (cubin) and launch them on torch's current stream, through the CUDA driver
+API of ``cuda.bindings`` (a GPU machine only; importing this module needs no GPU).
+
+Launches go on ``torch.cuda.current_stream()``, so they are captured by ``torch.cuda.graph`` like torch's
+own kernels. Every driver call's result is checked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+from ds4c.errors import Ds4cError
+
+
+class LaunchError(Ds4cError):
+    """A driver call failed (the message names the call and the CUDA error)."""
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - GPU machines only
+        raise LaunchError(f"cuda.bindings is not importable ({e}); install cuda-bindings on the GPU machine") from None
+    return driver
+
+
+def _check(res: Any, what: str) -> Any:
+    err = res[0] if isinstance(res, tuple) else res
+    drv = _driver()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        raise LaunchError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+class CudaModule:
+    """A loaded cubin. ``function(entry)`` gives a :class:`CudaKernel`."""
+
+    def __init__(self, image: bytes):
+        import torch
+
+        torch.cuda.init()  # a current context (torch's primary context) for the driver calls
+        drv = _driver()
+        self._image = image
+        self.module = _check(drv.cuModuleLoadData(image), "cuModuleLoadData")
+        self._funcs: dict[str, CudaKernel] = {}
+
+    def function(self, entry: str, dynamic_smem: int = 0) -> "CudaKernel":
+        if entry not in self._funcs:
+            drv = _driver()
+            f = _check(drv.cuModuleGetFunction(self.module, entry.encode()), f"cuModuleGetFunction({entry})")
+            if dynamic_smem > 48 * 1024:
+                _check(drv.cuFuncSetAttribute(
+                    f, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem),
+                    f"cuFuncSetAttribute({entry}, max dynamic smem {dynamic_smem})")
+            self._funcs[entry] = CudaKernel(entry, f)
+        return self._funcs[entry]
+
+
+class CudaKernel:
+    """One kernel function. Call with ``grid``, ``block`` and the arguments: torch tensors become device
+    pointers; Python ints become ``int`` (32-bit) unless given as ``("i64", v)``; floats become ``float``."""
+
+    def __init__(self, entry: str, func: Any):
+        self.entry, self.func = entry, func
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
+        import torch
+
+        drv = _driver()
+        holders: list[Any] = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if not a.is_cuda:
+                    raise LaunchError(f"{self.entry}: tensor argument on {a.device}, expected a CUDA tensor")
+                holders.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, tuple) and a[0] == "i64":
+                holders.append(ctypes.c_int64(int(a[1])))
+            elif isinstance(a, bool) or isinstance(a, int):
+                holders.append(ctypes.c_int32(int(a)))
+            elif isinstance(a, float):
+                holders.append(ctypes.c_float(a))
+            else:
+                raise LaunchError(f"{self.entry}: unsupported argument type {type(a).__name__}")
+        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+        g = list(grid) + [1] * (3 - len(grid))
+        b = list(block) + [1] * (3 - len(block))
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(drv.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream,
+                                  ctypes.addressof(ptrs), 0), f"cuLaunchKernel({self.entry})")

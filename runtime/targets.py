@@ -1,0 +1,65 @@
+"""Compilation targets: a vendor, an arch and its wave size. The arch list is always explicit input;
+nothing here queries a device.
+
+CUDA: sm_80, sm_90, sm_90a, sm_100a (wave 32). HIP: gfx90a, gfx942 (wave 64), gfx1100, gfx1151, gfx1201
+(wave 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from ds4c.errors import Ds4cError
+
+CUDA_ARCHS = ("sm_80", "sm_90", "sm_90a", "sm_100a")
+HIP_ARCHS = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1151": 32, "gfx1201": 32}
+
+
+class TargetError(Ds4cError):
+    """An unknown or malformed arch name."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """``vendor`` is ``cuda`` or ``hip``; ``wave`` the warp/wavefront size (32 or 64)."""
+
+    vendor: str
+    arch: str
+    wave: int
+
+    @property
+    def slug(self) -> str:
+        """Folder-safe name, e.g. ``cuda-sm_90``."""
+        return f"{self.vendor}-{self.arch}"
+
+
+def target(arch: str) -> Target:
+    """The target of one arch name.
+
+    Raises:
+        TargetError: the name is not one of :data:`CUDA_ARCHS` or :data:`HIP_ARCHS`.
+    """
+    a = arch.strip()
+    if a in CUDA_ARCHS:
+        return Target("cuda", a, 32)
+    if a in HIP_ARCHS:
+        return Target("hip", a, HIP_ARCHS[a])
+    raise TargetError(f"unknown arch {arch!r}: expected one of {', '.join(CUDA_ARCHS + tuple(HIP_ARCHS))}")
+
+
+def parse_targets(archs: str | Iterable[str]) -> list[Target]:
+    """Targets of a comma-separated list (or a sequence) of arch names, in order, without repeats.
+
+    Raises:
+        TargetError: an empty list or an unknown name.
+    """
+    names = [a for a in (archs.split(",") if isinstance(archs, str) else archs) if a.strip()]
+    if not names:
+        raise TargetError("expected at least one arch, e.g. --arch sm_90,gfx1151")
+    out: list[Target] = []
+    for n in names:
+        t = target(n)
+        if t not in out:
+            out.append(t)
+    return out
