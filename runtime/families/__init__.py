@@ -1,0 +1,1 @@
+"""Kernel families: render parameters, launch shapes, argument orders and CPU references per fused op."""

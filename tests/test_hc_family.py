@@ -1,0 +1,239 @@
+"""The fused HC kernel family (runtime/families/hc.py, templates/hc/hc_fused.cu.j2), on the CPU:
+
+* every variant renders for q = 1 and 5 at the official (4096) and tiny (256) widths, and compiles for sm_90
+  (nvcc) and gfx942 / gfx1151 (clang) without spills; skipped with the reason when a compiler is missing;
+* the kernels' signatures match the documented argument orders;
+* ``reference()`` equals the reference model's own functions (primitives.hc_post / hc_pre / hc_head +
+  rms_norm, as ds4c.reference.model calls them) and the IR ops of the fused pattern, bit for bit;
+* the torch model of the kernels' split sums (``kernel_model``) matches the reference within fp32 tolerance.
+
+The GPU comparison is tools/gpu_checks/hc.py.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4c.reference import primitives as P
+from ds4c.runtime.families import hc as H
+from ds4c.runtime.render import KernelSource, RenderError
+from ds4c.runtime.targets import target
+
+WIDTHS = {"official": 4096, "tiny": 256}
+ARCHS = ("sm_90", "gfx942", "gfx1151")
+
+
+def spec_of(variant: str, width: str, q: int) -> H.HcSpec:
+    return H.HcSpec(variant, q, WIDTHS[width], n_mix=4 if variant == "post_head" else 24)
+
+
+# --------------------------------------------------------------------------------------------- compiling
+def _compile(ks: KernelSource, workdir: Path) -> tuple[dict, float]:
+    """Compile one kernel; returns (resource use of its entry, seconds). Uses the project toolchain when
+    available, else the plain compiler command. Skips when no compiler exists for the target."""
+    try:
+        from ds4c.runtime.toolchain import ToolchainError, find_toolchain, resource_usage
+    except ImportError:
+        find_toolchain = None  # type: ignore[assignment]
+    if find_toolchain is not None:
+        try:
+            tc = find_toolchain(ks.target)
+        except ToolchainError as e:
+            pytest.skip(f"no compiler for {ks.target.slug}: {e}")
+        res = tc.compile(ks, workdir)
+        use = resource_usage(res, ks.target)
+        assert ks.entry in use, f"{ks.entry}: no resource info in the compile log:\n{res.log[-2000:]}"
+        return use[ks.entry], res.seconds
+    return _compile_subprocess(ks, workdir)
+
+
+def _compile_subprocess(ks: KernelSource, workdir: Path) -> tuple[dict, float]:
+    t = ks.target
+    src = workdir / f"kernel{ks.ext}"
+    src.write_text(ks.source)
+    if t.vendor == "cuda":
+        exe = shutil.which("nvcc")
+        if exe is None:
+            pytest.skip("nvcc is not on PATH (install the CUDA toolkit to compile sm_90 kernels)")
+        cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-arch={t.arch}", "-Xptxas", "-v", "-o", "k.cubin", src.name]
+    else:
+        exe = shutil.which("clang-19") or shutil.which("clang")
+        if exe is None:
+            pytest.skip("clang-19 is not on PATH (apt-get install clang-19 lld-19 to compile HIP kernels)")
+        cmd = [exe, "-x", "hip", f"--offload-arch={t.arch}", "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3",
+               "-std=c++17", "-mwavefrontsize64" if t.wave == 64 else "-mno-wavefrontsize64",
+               "-Rpass-analysis=kernel-resource-usage", "-c", "-o", "k.o", src.name]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sec = time.perf_counter() - t0
+    assert p.returncode == 0, f"{ks.name} for {t.slug} failed:\n{p.stdout[-4000:]}"
+    if t.vendor == "cuda":
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stdout)
+        regs = re.search(r"Used (\d+) registers", p.stdout)
+        assert m and regs, p.stdout
+        return {"registers": int(regs.group(1)), "spills": m.group(1) != "0" or m.group(2) != "0"}, sec
+    scratch = re.search(r"ScratchSize \[bytes/lane\]: (\d+)", p.stdout)
+    vgprs = re.search(r"VGPRs: (\d+)", p.stdout)
+    assert scratch and vgprs, p.stdout
+    return {"registers": int(vgprs.group(1)), "spills": scratch.group(1) != "0"}, sec
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("q", (1, 5))
+@pytest.mark.parametrize("width", tuple(WIDTHS))
+@pytest.mark.parametrize("variant", H.VARIANTS)
+def test_render_and_compile(variant: str, width: str, q: int, arch: str, tmp_path: Path) -> None:
+    spec = spec_of(variant, width, q)
+    t = target(arch)
+    kernels = H.render_hc(spec, t, f"hc_{variant}_{width}_q{q}")
+    assert [k.entry for k in kernels] == [f"hc_{variant}_{width}_q{q}_mix", f"hc_{variant}_{width}_q{q}_norm"]
+    for ks in kernels:
+        assert not re.search(r"^\s*#\s*include", ks.source, re.M)
+        assert set(ks.templates) == {H.TEMPLATE, f"prelude/{t.vendor}.h.j2", "prelude/common.h.j2"}
+        wd = tmp_path / ks.entry
+        wd.mkdir()
+        use, sec = _compile(ks, wd)
+        assert not use["spills"], f"{ks.entry} spills on {arch}: {use}"
+        assert use.get("stack_bytes", 0) == 0, f"{ks.entry} uses a stack on {arch}: {use}"
+        print(f"{arch} {ks.entry}: {use.get('registers')} regs, {sec:.2f} s")
+
+
+# ------------------------------------------------------------------------------------ documented interface
+def _signature(ks: KernelSource) -> list[str]:
+    """Parameter names of the entry function, in order."""
+    m = re.search(r"DS4C_GLOBAL void " + re.escape(ks.entry) + r"\((.*?)\)\s*\{", ks.source, re.S)
+    assert m, ks.entry
+    text = re.sub(r"//[^\n]*", "", m.group(1))
+    return [re.findall(r"[A-Za-z_]\w*", p)[-1] for p in text.split(",")]
+
+
+@pytest.mark.parametrize("variant", H.VARIANTS)
+def test_signature_matches_arg_names(variant: str) -> None:
+    spec = spec_of(variant, "tiny", 2)
+    for arch in ("sm_90", "gfx942"):
+        kernels = H.render_hc(spec, target(arch), "k")
+        names = H.arg_names(spec)
+        assert [_signature(k) for k in kernels] == [names["mix"], names["norm"]]
+    shapes = H.arg_shapes(spec, n_vocab=512)
+    assert all(n in shapes or n == "n_vocab" for ns in names.values() for n in ns)
+
+
+def test_launch_shapes_and_workspace() -> None:
+    s = spec_of("post_pre", "official", 5)
+    mix, norm = H.launch_shapes(s)
+    assert (mix.kernel, mix.grid, mix.block) == ("mix", (128, 1, 1), (64, 1, 1))
+    assert (norm.kernel, norm.grid, norm.block) == ("norm", (5, 2, 1), (256, 1, 1))
+    assert H.workspace_floats(s) == 128 * 5 * 25
+    t = spec_of("post_head", "tiny", 1)
+    mix, norm = H.launch_shapes(t)
+    assert mix.grid == (8, 1, 1) and norm.grid == (1, 1, 1) and norm.block == (64, 1, 1)
+    assert H.workspace_floats(t) == 8 * 1 * 5
+    # fn dominates the traffic: 1.5 MiB at the official width
+    assert H.bytes_read(s) > 24 * 16384 * 4
+
+
+def test_bad_specs() -> None:
+    with pytest.raises(RenderError, match="variant"):
+        H.HcSpec("post_post", 1, 256)
+    with pytest.raises(RenderError, match="n_mix"):
+        H.HcSpec("post_head", 1, 256, n_mix=24)
+    with pytest.raises(RenderError, match="hidden"):
+        H.HcSpec("post_pre", 1, 100)
+    with pytest.raises(RenderError, match="iters"):
+        H.HcSpec("post_pre", 1, 256, iters=0)
+
+
+def test_float_literals_are_exact() -> None:
+    src = H.render_hc(spec_of("post_pre", "tiny", 1), target("sm_90"), "k")[1].source
+    lit = re.search(r"#define HC_EPS \(\(float\)(\S+)f\)", src).group(1)
+    assert torch.tensor(float.fromhex(lit), dtype=torch.float32) == torch.tensor(1e-6, dtype=torch.float32)
+
+
+# -------------------------------------------------------------------------------------------- references
+def _model_functions(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused op computed as ds4c.reference.model computes it (5.1, 5.2(a)-(b), (l)-(n), 5.4)."""
+    eps = spec.eps
+    if spec.variant == "embed_pre":
+        e = inp["table"][inp["tokens"]]
+        x = torch.stack([e] * spec.hc, dim=1)
+    else:
+        x = P.hc_post(inp["out"], inp["x"], inp["post"], inp["comb"])
+    if spec.variant == "post_head":
+        y = P.hc_head(x, inp["fn"], inp["scale"], inp["base"], spec.hc_eps, spec.norm_eps)
+        return {"y": P.rms_norm(y, inp["norm_w"], eps)}
+    y, post, comb = P.hc_pre(x, inp["fn"], inp["scale"], inp["base"], spec.iters, spec.hc_eps, spec.norm_eps)
+    return {"x" if spec.variant == "embed_pre" else "x_new": x, "y": P.rms_norm(y, inp["norm_w"], eps),
+            "post_new": post, "comb_new": comb}
+
+
+def _ir_ops(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused op computed by the IR interpreter's implementations of its member ops (passes/fuse_hc.py)."""
+    from ds4c.ir.ops import OPS
+
+    def run(kind: str, ins: list, **attrs) -> list:
+        return OPS[kind].run(None, ins, attrs)
+
+    if spec.variant == "embed_pre":
+        (e,) = run("embed", [inp["tokens"], inp["table"]])
+        (x,) = run("hc_expand", [e], hc=spec.hc)
+    else:
+        (x,) = run("hc_post", [inp["out"], inp["x"], inp["post"], inp["comb"]])
+    (m,) = run("hc_mix", [x, inp["fn"]], eps=spec.norm_eps)
+    if spec.variant == "post_head":
+        (pre,) = run("hc_head_gate", [m, inp["scale"], inp["base"]], eps=spec.hc_eps)
+    else:
+        pre, post, comb = run("sinkhorn", [m, inp["scale"], inp["base"]], hc=spec.hc, iters=spec.iters,
+                              eps=spec.hc_eps)
+    (y,) = run("hc_premix", [x, pre])
+    (y,) = run("rms_norm", [y, inp["norm_w"]], eps=spec.eps)
+    if spec.variant == "post_head":
+        return {"y": y}
+    return {"x" if spec.variant == "embed_pre" else "x_new": x, "y": y, "post_new": post, "comb_new": comb}
+
+
+@pytest.mark.parametrize("q", (1, 5))
+@pytest.mark.parametrize("width", tuple(WIDTHS))
+@pytest.mark.parametrize("variant", H.VARIANTS)
+def test_reference_is_the_model_bit_for_bit(variant: str, width: str, q: int) -> None:
+    spec = spec_of(variant, width, q)
+    g = torch.Generator().manual_seed(1000 + 10 * q + WIDTHS[width] + H.VARIANTS.index(variant))
+    inp = H.random_inputs(spec, g)
+    ref = H.reference(spec, **inp)
+    assert list(ref) == H.output_names(spec)
+    for other in (_model_functions(spec, inp), _ir_ops(spec, inp)):
+        assert list(other) == list(ref)
+        for k in ref:
+            assert ref[k].dtype == other[k].dtype and ref[k].shape == other[k].shape, k
+            assert torch.equal(ref[k], other[k]), f"{variant} {k}: not bit-identical"
+    shapes = H.arg_shapes(spec)
+    for k, v in ref.items():
+        want = shapes["x" if k == "x" else k]
+        assert (tuple(v.shape), v.dtype) == want, k
+    assert not any(bool(v.isnan().any()) for v in ref.values())
+
+
+@pytest.mark.parametrize("variant", H.VARIANTS)
+def test_kernel_model_matches_reference(variant: str) -> None:
+    """The kernels' block-split sums (in torch) agree with the reference within the GPU check's tolerances."""
+    spec = spec_of(variant, "official", 5)
+    inp = H.random_inputs(spec, torch.Generator().manual_seed(7))
+    ref, km = H.reference(spec, **inp), H.kernel_model(spec, **inp)
+    for k in ref:
+        err = (km[k].float() - ref[k].float()).abs().max() / ref[k].float().abs().max()
+        assert err < (1e-2 if ref[k].dtype == torch.bfloat16 else 1e-4), f"{k}: {err}"
+
+
+def test_embed_pre_streams_are_copies() -> None:
+    spec = spec_of("embed_pre", "tiny", 3)
+    inp = H.random_inputs(spec, torch.Generator().manual_seed(3))
+    x = H.reference(spec, **inp)["x"]
+    for c in range(spec.hc):
+        assert torch.equal(x[:, c], inp["table"][inp["tokens"]])
