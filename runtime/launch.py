@@ -42,7 +42,7 @@ class CudaModule:
     def __init__(self, image: bytes):
         import torch
 
-        torch.cuda.init()  # a current context (torch's primary context) for the driver calls
+        torch.empty(1, device="cuda")  # makes torch's primary context current for the driver calls
         drv = _driver()
         self._image = image
         self.module = _check(drv.cuModuleLoadData(image), "cuModuleLoadData")

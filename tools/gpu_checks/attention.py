@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""GPU check of the sparse-attention family (runtime/families/attention.py): official (H 64, hd 512, W 128)
+and tiny (H 4, hd 192, W 16) shapes, kinds swa / csa / hca, q = 1 and 5, positions before, at and after the
+window wraps, split-K off and on, 1 / 2 / 4 heads per block.
+
+Per case: fresh random inputs (csa: random distinct valid ids with ~20% -1), outputs (and the split
+workspace) poisoned with NaN before the launch, then: every output written (no NaN left), relative error
+(Frobenius) against ``attention.reference`` (the reference's own list building and P9) below 1e-2, and the
+median of 50 CUDA-event timings of the launch (main + combine). GB/s = distinct KV bytes the launch must read
+(window rows, this step's rows, compressed rows) / time; each of the H head blocks re-reads them (from L2),
+so the kernel's own traffic is H times that.
+
+Usage: ``python tools/gpu_checks/attention.py [--arch sm_90]`` (prints a table), or through
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc; loads cubins with ds4c.runtime.launch
+(cuda.bindings) or, when that is not installed, with the driver library through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from ds4c.runtime.families import attention as A
+from ds4c.runtime.targets import target as make_target
+
+SHAPES = {
+    "official": (dict(heads=64, head_dim=512, window=128),
+                 {"swa": {}, "csa": dict(cap=1024, topk=512), "hca": dict(cap=32, ratio=128)}, (5, 127, 3000)),
+    "tiny": (dict(heads=4, head_dim=192, window=16),
+             {"swa": {}, "csa": dict(cap=64, topk=8), "hca": dict(cap=32, ratio=16)}, (5, 15, 300)),
+}
+# (heads_per_block, splits) per shape
+VARIANTS = {"official": ((1, 1), (1, 4), (2, 4), (4, 4), (4, 8)), "tiny": ((1, 1), (1, 4), (2, 4))}
+ITERS = 50
+TOL = 1e-2
+
+
+# ------------------------------------------------------------------------------------------ load / launch
+class _CtypesKernel:
+    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
+
+    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
+        self.lib, self.func, self.entry = lib, func, entry
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
+        holders: list[Any] = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                holders.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, tuple) and a[0] == "i64":
+                holders.append(ctypes.c_int64(int(a[1])))
+            elif isinstance(a, int):
+                holders.append(ctypes.c_int32(a))
+            else:
+                holders.append(ctypes.c_float(float(a)))
+        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+        g = list(grid) + [1] * (3 - len(grid))
+        b = list(block) + [1] * (3 - len(block))
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
+                                    ptrs, None)
+        if r:
+            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
+
+
+class _CtypesModule:
+    def __init__(self, image: bytes):
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # torch's primary context is current on this thread
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.mod = ctypes.c_void_p()
+        self._image = ctypes.create_string_buffer(image)
+        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
+        if r:
+            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
+
+    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
+        f = ctypes.c_void_p()
+        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
+        if r:
+            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
+        return _CtypesKernel(self.lib, f, entry)
+
+
+def _load(image: bytes) -> Any:
+    torch.zeros(1, device="cuda")  # make torch's primary context current (torch.cuda.init() alone does not)
+    try:
+        import cuda.bindings.driver  # noqa: F401
+
+        from ds4c.runtime.launch import CudaModule
+
+        return CudaModule(image)
+    except ImportError:
+        return _CtypesModule(image)
+
+
+def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
+    """(cubin, resource usage of the entry, compile seconds) through ds4c's toolchain layer when present."""
+    try:
+        from ds4c.runtime import toolchain as TC
+    except ImportError:
+        TC = None
+    if TC is not None and hasattr(TC, "find_toolchain"):
+        res = TC.find_toolchain(src.target).compile(src, workdir)
+        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
+        return res.binary, use, res.seconds
+    f = workdir / f"kernel{src.ext}"
+    f.write_text(src.source)
+    t0 = time.perf_counter()
+    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
+                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
+    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------ the check
+def _inputs(spec: A.AttentionSpec, g: torch.Generator) -> dict[str, Any]:
+    H, hd, W = spec.heads, spec.head_dim, spec.window
+    bf = torch.bfloat16
+    d: dict[str, Any] = {
+        "q": torch.randn(spec.q, H, hd, generator=g).to(bf),
+        "ring": torch.randn(W, hd, generator=g).to(bf),
+        "kv_new": torch.randn(spec.q, hd, generator=g).to(bf),
+        "sink": torch.randn(H, generator=g),
+        "comp": None, "sel": None,
+    }
+    if spec.kind != "swa":
+        d["comp"] = torch.randn(spec.cap, hd, generator=g).to(bf)
+    if spec.kind == "csa":
+        sel = torch.stack([torch.randperm(spec.cap, generator=g)[: spec.topk] for _ in range(spec.q)])
+        sel[torch.rand(sel.shape, generator=g) < 0.2] = -1
+        d["sel"] = sel
+    return d
+
+
+def _kv_bytes(spec: A.AttentionSpec, d: dict[str, Any], pos: int, live: int) -> int:
+    """Distinct KV rows the launch must read, times the row size."""
+    W = spec.window
+    window = {t for i in range(spec.q) for t in range(max(0, pos + i - W + 1), pos + i + 1)}
+    rows = len(window)
+    if spec.kind == "csa":
+        rows += int(torch.unique(d["sel"][d["sel"] >= 0]).numel())
+    elif spec.kind == "hca":
+        rows += min((pos + spec.q) // spec.ratio, live, spec.cap)
+    return rows * spec.head_dim * 2
+
+
+def run(arch: str = "sm_90") -> list[dict]:
+    """Run every case; one dict per case: spec, ok, rel_err, max_abs, all_written, us, GBps, regs."""
+    tgt = make_target(arch)
+    cases = []
+    for shape, (base, kinds, positions) in SHAPES.items():
+        for kind, extra in kinds.items():
+            for q in (1, 5):
+                for hpb, splits in VARIANTS[shape]:
+                    cases.append((shape, A.AttentionSpec(kind=kind, q=q, splits=splits, heads_per_block=hpb, **base,
+                                                         **extra), positions))
+    # render + compile everything first (in parallel)
+    tmp = Path(tempfile.mkdtemp(prefix="ds4c-attn-"))
+    srcs = []
+    for shape, spec, _ in cases:
+        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}"
+        srcs += [(shape, spec, k) for k in A.render_attention(spec, tgt, name)]
+
+    def job(item):
+        _, _, k = item
+        d = tmp / k.entry
+        d.mkdir()
+        return k.entry, _compile(k, d)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        built = dict(ex.map(job, srcs))
+    compile_s = time.perf_counter() - t0
+    kernels = {}
+    for entry, (image, use, secs) in built.items():
+        kernels[entry] = (_load(image).function(entry), use, secs)
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1234)
+    rows: list[dict] = []
+    for shape, spec, positions in cases:
+        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}"
+        main, use, secs = kernels[name]
+        comb = kernels.get(name + "_combine", (None, {}, 0.0))[0]
+        shapes = A.launch_shapes(spec)
+        for pos in positions:
+            d = _inputs(spec, g)
+            live = spec.cap
+            want = A.reference(spec, d["q"], d["ring"], d["kv_new"], d["comp"], d["sel"], d["sink"], pos, live)
+            gd = {k: (v.to(dev).contiguous() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+            out = torch.full((spec.q, spec.heads, spec.head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
+            ws = torch.full((max(A.workspace_floats(spec), 1),), float("nan"), dtype=torch.float32, device=dev)
+            vals = {**gd, "out": out, "ws": ws, "pos": pos, "live": live}
+            margs = [vals[n] for n in A.arg_names(spec)["main"]]
+
+            def launch() -> None:
+                main(shapes[0].grid, shapes[0].block, margs)
+                if comb is not None:
+                    comb(shapes[1].grid, shapes[1].block, [ws, gd["sink"], out])
+
+            launch()
+            torch.cuda.synchronize()
+            got = out.cpu()
+            written = not bool(torch.isnan(got).any())
+            diff = (got.float() - want.float())
+            rel = float(diff.nan_to_num(float("inf")).norm() / want.float().norm().clamp(min=1e-30))
+            for _ in range(5):
+                launch()
+            # keep the GPU busy while the launches are queued, so no event pair includes host launch time
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+            torch.cuda._sleep(20_000_000)
+            for e0, e1 in evs:
+                e0.record()
+                launch()
+                e1.record()
+            torch.cuda.synchronize()
+            us = statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in evs)
+            nbytes = _kv_bytes(spec, d, pos, live)
+            rows.append({
+                "spec": f"{shape:8s} {spec.kind} q={spec.q} pos={pos:<5d} splits={spec.splits} "
+                        f"heads/block={spec.heads_per_block}",
+                "ok": written and rel < TOL, "rel_err": rel, "max_abs": float(diff.abs().max()),
+                "all_written": written, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9, "kv_bytes": nbytes,
+                "regs": use.get("registers"), "compile_s": secs,
+            })
+    for r in rows:
+        r["compile_total_s"] = compile_s
+    return rows
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="sm_90")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(a.arch)
+    print(f"{'ok':3s} {'rel_err':>9s} {'max_abs':>9s} {'us':>8s} {'GB/s':>7s} {'KV KB':>7s} {'regs':>4s}  spec")
+    for r in rows:
+        print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['max_abs']:9.2e} {r['us']:8.2f} "
+              f"{r['GBps']:7.1f} {r['kv_bytes'] / 1024:7.0f} {str(r['regs']):>4s}  {r['spec']}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
+    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
