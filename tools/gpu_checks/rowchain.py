@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""GPU check of the row-chain and grouped ``wo_a`` families (runtime/families/rowchain.py): every row chain of a
+decode step (KV, q, indexer q, inverse-RoPE output, head weights, q_norm, KV + ring write; plus an in-place KV
+chain and int64 per-row positions) and the grouped ``wo_a`` kernel (plain, with the fused inverse-RoPE
+prologue, with prologue + ring write), official (H 64, hd 512, G 8, R 1024) and tiny (H 4, hd 192, G 2, R 64)
+shapes, q = 1 and 5, at a large position (angles of ~1e5 rad).
+
+Per case: fresh random inputs, outputs poisoned with NaN (rings random: the rows not written must stay), one
+launch, then against the family's ``reference`` (the ds4c reference functions, on the CPU):
+
+* every output written (no NaN left), rings bit-exact (they are copies);
+* chains without fake-quant and the grouped kernel: relative (Frobenius) error < 1e-2 (expected: bit-exact or
+  1-ulp differences from fp32 summation order / cos-sin implementations);
+* chains with fake-quant: no element further than one quantization step from the reference (the step at the
+  element's magnitude under its block's scale, which is computed from the reference's pre-quant values),
+  and relative error < 2e-2;
+
+and the time per launch of 50 back-to-back launches between two CUDA events (queued behind a GPU sleep, so host
+launch time is not measured; the official grouped kernel rotates over 3 weight copies so its 64 MiB weight is not
+served from L2). GB/s = bytes the launch must move (inputs read + outputs written) / time.
+
+Usage: ``python tools/gpu_checks/rowchain.py [--arch sm_90]`` (prints a table), or through
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc; loads cubins with ds4c.runtime.launch
+(cuda.bindings) or, when that is not installed, with the driver library through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from ds4c.config import preset
+from ds4c.runtime.families import rowchain as R
+from ds4c.runtime.targets import target as make_target
+
+ITERS = 50
+TOL = 1e-2
+TOL_FQ = 2e-2
+POS = 98765  # large angles: fp32(pos) * f_0 ~ 1e5 rad
+L2_ROTATE_BYTES = 150 << 20  # rotate weight copies until this many bytes are touched per rotation
+
+
+# ------------------------------------------------------------------------------------------ load / launch
+class _CtypesKernel:
+    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
+
+    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
+        self.lib, self.func, self.entry = lib, func, entry
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
+        holders = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int32(int(a))
+                   for a in args]
+        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+        g = list(grid) + [1] * (3 - len(grid))
+        b = list(block) + [1] * (3 - len(block))
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
+                                    ptrs, None)
+        if r:
+            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
+
+
+class _CtypesModule:
+    def __init__(self, image: bytes):
+        torch.zeros(1, device="cuda")
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.mod = ctypes.c_void_p()
+        self._image = ctypes.create_string_buffer(image)
+        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
+        if r:
+            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
+
+    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
+        f = ctypes.c_void_p()
+        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
+        if r:
+            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
+        return _CtypesKernel(self.lib, f, entry)
+
+
+def _load(image: bytes) -> Any:
+    torch.zeros(1, device="cuda")  # torch's primary context current on this thread
+    try:
+        import cuda.bindings.driver  # noqa: F401
+
+        from ds4c.runtime.launch import CudaModule
+
+        return CudaModule(image)
+    except ImportError:
+        return _CtypesModule(image)
+
+
+def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
+    """(cubin, resource usage of the entry, compile seconds), through ds4c's toolchain layer when present."""
+    try:
+        from ds4c.runtime import toolchain as TC
+    except ImportError:
+        TC = None
+    if TC is not None and hasattr(TC, "find_toolchain"):
+        res = TC.find_toolchain(src.target).compile(src, workdir)
+        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
+        return res.binary, use, res.seconds
+    f = workdir / f"kernel{src.ext}"
+    f.write_text(src.source)
+    t0 = time.perf_counter()
+    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
+                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
+    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------- cases
+def _cases() -> list[tuple[str, Any, int, bool]]:
+    """(name, spec, q, in_place) per case."""
+    out: list[tuple[str, Any, int, bool]] = []
+    for cname, short in (("flash", "official"), ("tiny", "tiny")):
+        cfg = preset(cname)
+        chains = R.decode_chains(cfg)
+        for q in (1, 5):
+            for n, s in chains.items():
+                out.append((f"{short}.{n}", s, q, False))
+            out.append((f"{short}.kv_inplace", chains["kv"], q, True))
+            out.append((f"{short}.wo_a_plain", R.decode_grouped(cfg, q, rope_prologue=False), q, False))
+            out.append((f"{short}.wo_a_irope", R.decode_grouped(cfg, q), q, False))
+            out.append((f"{short}.wo_a_irope_ring", R.decode_grouped(cfg, q, ring=True), q, False))
+        if cname == "flash":
+            rows = R.RowChainSpec(1, cfg.head_dim, chains["kv"].ops, ring_window=cfg.window, pos_mode="rows",
+                                  pos_dtype="i64")
+            out.append((f"{short}.kv_ring_rows_i64", rows, 5, False))
+    return out
+
+
+def _entry(name: str, spec: Any) -> str:
+    tag = f"q{spec.q}" if isinstance(spec, R.GroupedSpec) else ""
+    return "rc_" + re.sub(r"\W", "_", name) + tag
+
+
+# ------------------------------------------------------------------------------------- fake-quant steps
+def _e4m3_spacing(a: torch.Tensor) -> torch.Tensor:
+    """Spacing of the e4m3 grid at magnitude a (in units of the block scale)."""
+    e = torch.floor(torch.log2(a.clamp(min=2.0 ** -6)))
+    return torch.where(a < 2.0 ** -6, torch.full_like(a, 2.0 ** -9), torch.exp2(e - 3))
+
+
+def _e2m1_spacing(a: torch.Tensor) -> torch.Tensor:
+    return torch.where(a < 2, torch.full_like(a, 0.5), torch.where(a < 4, torch.ones_like(a), torch.full_like(a, 2.0)))
+
+
+def _bf16_spacing(a: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(torch.log2(a.clamp(min=2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+def _steps_over(spec: R.RowChainSpec, inp: dict, got: torch.Tensor, want: torch.Tensor) -> int:
+    """Elements further than one quantization step from the reference (fake-quant chains; the last fake-quant
+    op's step, its scale from the reference's values entering that op; elements it leaves alone: one bf16
+    ulp)."""
+    k = max(i for i, op in enumerate(spec.ops) if op.kind in ("kv_fq", "fp4_fq"))
+    op = spec.ops[k]
+    pre = R.RowChainSpec(spec.groups, spec.width, spec.ops[:k], pos_mode=spec.pos_mode,
+                         pos_dtype=spec.pos_dtype) if k else None
+    u = (R.rowchain_reference(pre, inp)["out"] if pre else inp["x"]).float()
+    g, w = got.float(), want.float()
+    mag = torch.maximum(g.abs(), w.abs())
+    step = _bf16_spacing(mag)
+    n_q = op.nope if op.kind == "kv_fq" else spec.width
+    qmax, floor = (448.0, 1e-4) if op.kind == "kv_fq" else (6.0, 6.0 * 2.0 ** -126)
+    blocks = u[..., :n_q].unflatten(-1, (n_q // op.block, op.block))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=floor)
+    s = _pow2_ceil(amax / qmax).expand_as(blocks).flatten(-2)
+    a = mag[..., :n_q] / s
+    sp = _e4m3_spacing(a) if op.kind == "kv_fq" else _e2m1_spacing(a)
+    step[..., :n_q] = sp * s
+    return int(((g - w).abs() > step * 1.0001).sum())
+
+
+def _pow2_ceil(y: torch.Tensor) -> torch.Tensor:
+    from ds4c.quant import pow2_ceil_scale
+
+    return pow2_ceil_scale(y, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------ the check
+def _time(launch, n: int = ITERS) -> float:
+    """Microseconds per launch of ``n`` back-to-back launches (queued while the GPU sleeps, so the host's
+    launch time is hidden; the per-launch gap of the hardware is included)."""
+    for i in range(3):
+        launch(i)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(20_000_000)
+    e0.record()
+    for i in range(n):
+        launch(i)
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / n
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int]:
+    """(elements whose bits differ, max difference in bf16 ulps at the reference's magnitude)."""
+    diff = got.float() - want.float()
+    ne = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    ulp = _bf16_spacing(torch.maximum(got.float().abs(), want.float().abs()))
+    return ne, int(torch.nan_to_num((diff.abs() / ulp), nan=1e9).max().ceil()) if diff.numel() else 0
+
+
+def run(arch: str = "sm_90") -> list[dict]:
+    """Run every case; one dict per case: spec, ok, rel_err, us, GBps, and diagnostics (bits_differ,
+    max_ulp, steps_over, all_written, regs, compile_s)."""
+    tgt = make_target(arch)
+    cases = _cases()
+    tmp = Path(tempfile.mkdtemp(prefix="ds4c-rowchain-"))
+    srcs: dict[str, Any] = {}
+    for name, spec, q, _ in cases:
+        e = _entry(name, spec)
+        if e not in srcs:
+            srcs[e] = (R.render_rowchain(spec, tgt, e) if isinstance(spec, R.RowChainSpec)
+                       else R.render_grouped(spec, tgt, e))
+
+    def job(item):
+        e, src = item
+        d = tmp / e
+        d.mkdir()
+        return e, _compile(src, d)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        built = dict(ex.map(job, srcs.items()))
+    compile_s = time.perf_counter() - t0
+    kernels = {e: (_load(img).function(e), use, secs) for e, (img, use, secs) in built.items()}
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(4321)
+    rows: list[dict] = []
+    for name, spec, q, in_place in cases:
+        fn, use, secs = kernels[_entry(name, spec)]
+        chain = isinstance(spec, R.RowChainSpec)
+        if chain:
+            inp = R.make_rowchain_inputs(spec, q, pos=POS, generator=gen)
+            launch_shape = R.rowchain_launch(spec, q)
+            outs = R.outputs(spec)
+        else:
+            inp = R.make_grouped_inputs(spec, pos=POS, generator=gen)
+            launch_shape = R.grouped_launch(spec, tgt)
+            outs = R.outputs(spec)
+        want = R.reference(spec, inp)
+        gd = {k: v.to(dev).contiguous() for k, v in inp.items()}
+        if in_place:
+            gd["out"] = gd["x"]
+        args = R.ordered_args(spec.args(), gd)
+        fn(launch_shape.grid, launch_shape.block, args)
+        torch.cuda.synchronize()
+        main = outs[0]
+        got = gd[main].cpu()
+        written = not bool(torch.isnan(got).any())
+        w = want[main]
+        diff = got.float() - w.float()
+        rel = float(diff.nan_to_num(float("inf")).norm() / w.float().norm().clamp(min=1e-30))
+        bits_differ, max_ulp = _ulps(got, w)
+        ring_ok = True
+        if "ring" in outs:
+            ring_ok = torch.equal(gd["ring"].cpu().view(torch.int16), want["ring"].view(torch.int16))
+        fq = chain and bool({"kv_fq", "fp4_fq"} & set(spec.kinds))
+        steps = _steps_over(spec, inp, got, w) if fq and written else 0
+        ok = written and ring_ok and rel < (TOL_FQ if fq else TOL) and steps == 0
+
+        # ---- timing
+        if chain:
+            nbytes = 2 * got.numel() * 2 + sum(gd[a.name].numel() * 4 for a in spec.args() if a.name.startswith("w")) \
+                + (got.numel() * 2 if spec.ring_window else 0)
+            launch = lambda i: fn(launch_shape.grid, launch_shape.block, args)  # noqa: E731
+        else:
+            wbytes = gd["w"].numel() * 2
+            copies = max(1, math.ceil(L2_ROTATE_BYTES / wbytes)) if wbytes > (8 << 20) else 1
+            ws = [gd["w"]] + [gd["w"].clone() for _ in range(copies - 1)]
+            arg_sets = []
+            for wc in ws:
+                arg_sets.append(R.ordered_args(spec.args(), {**gd, "w": wc}))
+            nbytes = wbytes + gd["o"].numel() * 2 + gd["z"].numel() * 2 + \
+                (2 * gd["kv"].numel() * 2 if spec.ring_window else 0)
+            launch = lambda i: fn(launch_shape.grid, launch_shape.block, arg_sets[i % len(arg_sets)])  # noqa: E731
+        us = _time(launch)
+        label = spec.label if chain else spec.label
+        rows.append({
+            "spec": f"{name} q={q} {label}", "ok": ok, "rel_err": rel, "us": us,
+            "GBps": nbytes / (us * 1e-6) / 1e9, "bits_differ": bits_differ, "numel": got.numel(),
+            "max_ulp": max_ulp, "steps_over": steps, "all_written": written, "ring_ok": ring_ok,
+            "regs": use.get("registers"), "compile_s": secs, "compile_total_s": compile_s,
+        })
+    return rows
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="sm_90")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(a.arch)
+    print(f"{'ok':3s} {'rel_err':>9s} {'differ':>13s} {'ulp':>4s} {'step>1':>6s} {'us':>8s} {'GB/s':>7s} "
+          f"{'regs':>4s}  spec")
+    for r in rows:
+        print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['bits_differ']:>6d}/{r['numel']:<6d} "
+              f"{r['max_ulp']:>4d} {r['steps_over']:>6d} {r['us']:8.2f} {r['GBps']:7.1f} {str(r['regs']):>4s}  "
+              f"{r['spec']}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
+    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
