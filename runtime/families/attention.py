@@ -3,7 +3,7 @@ section 6's window rule for verify rows) for one layer kind, as one CUDA/HIP ker
 when split-K is on). Template: ``templates/attention/sparse_attention.cu.j2`` (its header describes the
 block layout).
 
-What one launch computes, for ``q`` rows at positions ``pos .. pos+q-1`` (``pos`` is a kernel argument):
+What one launch computes, for ``q`` rows at positions ``pos .. pos+q-1`` (``pos`` is read from device memory):
 per row ``i`` (position ``p = pos + i``) and head ``h``, P9 over the list
 
 * the window: positions ``max(0, p-W+1) .. p`` in order (ring slot ``t % W`` for ``t < pos``, this step's
@@ -19,8 +19,9 @@ Kernel arguments, in order (see :func:`arg_names`); pointers are device pointers
 
 * main: ``q`` bf16 [q, H, hd]; ``ring`` bf16 [W, hd] (the ring before this step); ``kv_new`` bf16 [q, hd]
   (this step's KV rows); ``comp`` bf16 [cap, hd] (csa, hca); ``sel`` int64 [q, topk] (csa); ``sink`` fp32 [H];
-  ``out`` bf16 [q, H, hd] (splits = 1) or ``ws`` fp32 [:func:`workspace_floats`] (splits > 1); ``pos`` int;
-  ``live`` int (hca: live compressed rows).
+  ``out`` bf16 [q, H, hd] (splits = 1) or ``ws`` fp32 [:func:`workspace_floats`] (splits > 1); ``pos`` int64
+  [1] in device memory; ``live`` int64 [1] in device memory (hca: live compressed rows). Per-step scalars are
+  read on the device so a captured CUDA graph replays with new values.
 * combine (splits > 1): ``ws``; ``sink``; ``out``.
 
 Choosing ``splits`` / ``heads_per_block`` (H200, official shapes, tools/gpu_checks/attention.py, 2026-11-29):

@@ -204,7 +204,8 @@ def run(arch: str = "sm_90") -> list[dict]:
             gd = {k: (v.to(dev).contiguous() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
             out = torch.full((spec.q, spec.heads, spec.head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
             ws = torch.full((max(A.workspace_floats(spec), 1),), float("nan"), dtype=torch.float32, device=dev)
-            vals = {**gd, "out": out, "ws": ws, "pos": pos, "live": live}
+            vals = {**gd, "out": out, "ws": ws, "pos": torch.tensor([pos], dtype=torch.int64, device=dev),
+                    "live": torch.tensor([live], dtype=torch.int64, device=dev)}
             margs = [vals[n] for n in A.arg_names(spec)["main"]]
 
             def launch() -> None:
