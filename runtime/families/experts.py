@@ -1,0 +1,459 @@
+"""The experts family: all routed experts and the shared expert of one MoE layer for ``q`` rows (1..5), the
+fused IR op ``moe_experts`` (passes/fuse_projections.py: ``routed_experts`` + the shared expert's gate/up
+GEMVs, SwiGLU, bf16 cast, down GEMV + ``moe_sum``). Spec ds4-flash.md 5.2(o.5-7), 2.3 (quantized linear:
+FP8 e4m3 activation quant in blocks of 128, W4A8 experts), P11 (clamped SwiGLU). Template:
+``templates/experts/experts.cu.j2`` (its header describes the kernel design in detail).
+
+Two launches (:func:`launch_shapes`), because the down projection of an expert needs its whole intermediate
+``h`` (and the activation quant of ``h`` the amax of each 128-block of it), which no block of the first
+launch holds:
+
+* ``up``: grid ``(F/16, q*k + 1)``. ``blockIdx.y`` = slot ``s``: the routed slot ``(row s // k, rank s % k)``
+  or the shared expert (``s = q*k``). Rows that picked the same expert share one block (the first slot
+  holding it, the "owner"; the other slots' blocks return at once), so each expert's weights are streamed
+  once per launch. Per block: 16 output rows of ``g = bf16(W1 . qa(x))``, ``u = bf16(W3 . qa(x))`` (fp32
+  accumulate), ``h = silu(min(g, L)) * clamp(u, -L, L)`` (fp32), routed: ``h *= weight[row, k]``; stores
+  ``bf16(h)`` into the scratch ``hbuf`` bf16 ``[q, k+1, F]`` (slot ``k`` = the shared expert).
+* ``down``: grid ``(D/16,)``. Block ``b`` owns output dims ``16b..16b+15`` of every row: the shared expert
+  first, then the distinct routed experts in ascending id, ``y_e = bf16(W2_e . qa(h_e))``; per row
+  ``acc = sum of fp32(y_e)`` over its experts in ascending id, then ``out = bf16(acc + fp32(y_shared))``:
+  exactly the order of :func:`ds4c.reference.blocks.routed_sum` and ``moe_sum``, with no atomics.
+
+Engines (``ExpertsSpec.engine``): ``mma`` (CUDA only, ``mma.sync`` m16n8k16). On sm_89+ with ``act_quant``:
+MXFP4 / Q8_0 weights as exact f16 (MXFP4 through e4m3 codes and ``cvt.f16x2.e4m3x2``, Q8_0 through the
+``0x6400`` magic) times the activation's e4m3 values held once as f16; per 32-block the fp32 product is
+scaled by the block's weight scale, summed per 128-block, then times the activation scale (spec 2.3.3).
+Hopper's ``mma.sync`` has no fp8 form (ptxas lowers an e4m3 ``mma.sync`` to these f16 MMAs, converting the
+activations again for every tile). BF16 weights, ``act_quant`` off, or sm_80: m16n8k16 bf16 with the
+activation's exact bf16 value. ``simt``: fp32 FMAs, the vendor-neutral body the HIP builds use (the GPU check
+runs it on CUDA too so the HIP body is validated). ``auto`` = ``mma`` on CUDA, ``simt`` on HIP.
+
+Resources (nvcc 13, sm_90, official shapes): 128 threads per block; ~168 registers (``__launch_bounds__``
+with 3 blocks per SM), dynamic shared memory 30-63 KB (up) / 26-44 KB (down) for q = 1..5, no spills.
+
+Kernel arguments, in order (:func:`arg_names`, shapes :func:`arg_shapes`):
+
+* up: ``x`` bf16 [q, D], ``ids`` int64 [q, k], ``weights`` fp32 [q, k], ``w1``, ``w3`` routed [E, F, D],
+  ``sh_w1``, ``sh_w3`` shared [F, D], ``hbuf`` bf16 [q, k+1, F] (written).
+* down: ``hbuf``, ``ids``, ``w2`` routed [E, D, F], ``sh_w2`` shared [D, F], ``out`` bf16 [q, D] (written).
+
+Weights are the raw stored bytes (spec gguf-deepseek4.md): ``mxfp4`` uint8 rows of ``in/32*17`` bytes (e8m0
+byte, 16 bytes of nibbles: byte j = element j low, j+16 high), ``q8_0`` rows of ``in/32*34`` bytes (fp16 d,
+32 int8), ``bf16`` rows of ``in`` bf16. Expert tensors are consecutive experts. ``ids`` and ``weights`` come
+from device memory (the router kernel's outputs), never by value, so a captured graph replays with new
+routing. All pointers 16-byte aligned and contiguous. Expert ids of one row must be distinct (top-k and
+``tid2eid`` give distinct ids) and in ``[0, E)``.
+
+Numerics vs :func:`reference` (``ds4c.reference.blocks.routed_sum`` + ``expert_ffn`` on the dequantized
+weights): the same operands and roundings (bf16 g, u, h, y_e; fp32 SwiGLU and routing weight; ordered fp32
+sums); only fp32 summation orders inside the GEMVs differ (and the Hopper FP8 MMA's internal accumulation
+inside one 32-block), so a bf16 intermediate can round the other way: outputs agree to ~1e-2 relative.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.targets import Target
+
+TEMPLATE = "experts/experts.cu.j2"
+FAMILY = "experts"
+FORMATS = ("mxfp4", "q8_0", "bf16")
+FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2}
+#: bytes of one 32-value block
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
+#: blocks per streamed chunk row (about 256-272 bytes per row segment)
+CHUNK_BLOCKS = {"mxfp4": 16, "q8_0": 8, "bf16": 4}
+ENGINES = ("auto", "mma", "simt")
+PHASES = ("up", "down")
+ROWS_PER_BLOCK = 16
+MAX_WARPS = 4
+MAX_Q = 8
+#: registers per thread the CUDA build may use (``__launch_bounds__`` min blocks = 64K / (threads * this));
+#: the prefetch buffers alone take ~72
+REG_BUDGET = 168
+#: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
+SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
+#: CUDA archs with cvt.f16x2.e4m3x2 (sm_89+): the f16-MMA path with e4m3 activations
+E4M3_ARCHS = ("sm_90", "sm_90a", "sm_100a")
+
+
+def _float_literal(x: float) -> str:
+    """C hex literal of fp32(x), exact."""
+    return float(torch.tensor(x, dtype=torch.float32)).hex() + "f"
+
+
+def row_bytes(fmt: str, n_in: int) -> int:
+    """Bytes of one stored weight row of ``n_in`` values."""
+    return n_in // 32 * BLOCK_BYTES[fmt]
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """One ``moe_experts`` call (all render-time).
+
+    Attributes:
+        q: rows (verify width, 1..5; up to 8 supported).
+        hidden: D (4096 official, 256 tiny).
+        inter: F, the expert intermediate width (2048 official, 128 tiny).
+        k: routed experts per row (6 official, 4 tiny).
+        n_experts: E (256 official, 16 tiny).
+        routed_fmt: storage of the routed experts: ``mxfp4`` (GGUF files) | ``q8_0`` | ``bf16``.
+        shared_fmt: storage of the shared expert: ``q8_0`` (GGUF files) | ``bf16`` | ``mxfp4``.
+        act_quant: FP8 activation quant of x and h (spec 2.3.1; the reference's ``emulate``).
+        limit: SwiGLU clamp (P11; 10.0).
+        engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
+
+    Raises:
+        RenderError: a field out of range (the message names it).
+    """
+
+    q: int
+    hidden: int = 4096
+    inter: int = 2048
+    k: int = 6
+    n_experts: int = 256
+    routed_fmt: str = "mxfp4"
+    shared_fmt: str = "q8_0"
+    act_quant: bool = True
+    limit: float = 10.0
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not (isinstance(self.q, int) and 1 <= self.q <= MAX_Q):
+            bad.append(f"q {self.q!r} (expected 1..{MAX_Q})")
+        for name in ("hidden", "inter"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 128 and v % 128 == 0):
+                bad.append(f"{name} {v!r} (expected a positive multiple of 128)")
+        if not (isinstance(self.n_experts, int) and self.n_experts >= 1):
+            bad.append(f"n_experts {self.n_experts!r} (expected >= 1)")
+        if not (isinstance(self.k, int) and 1 <= self.k <= max(1, self.n_experts if isinstance(self.n_experts, int) else 1)):
+            bad.append(f"k {self.k!r} (expected 1..n_experts)")
+        for name in ("routed_fmt", "shared_fmt"):
+            if getattr(self, name) not in FORMATS:
+                bad.append(f"{name} {getattr(self, name)!r} (expected one of {FORMATS})")
+        if self.engine not in ENGINES:
+            bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
+        if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
+            bad.append(f"limit {self.limit!r} (expected a positive finite float)")
+        if bad:
+            raise RenderError("ExpertsSpec: bad " + "; ".join(bad))
+
+    @property
+    def slots(self) -> int:
+        """Routed slots ``q * k``."""
+        return self.q * self.k
+
+    def key(self) -> str:
+        """Short name of the kernel variant (without the engine)."""
+        return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
+                f"{self.shared_fmt}{'' if self.act_quant else '_noaq'}"
+                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
+
+    def short(self) -> str:
+        return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
+                f"{self.routed_fmt}/{self.shared_fmt}{'' if self.act_quant else ' noaq'}")
+
+
+def resolve_engine(spec: ExpertsSpec, target: Target) -> str:
+    """``mma`` or ``simt`` for ``target``.
+
+    Raises:
+        RenderError: ``mma`` asked for a HIP target.
+    """
+    if spec.engine == "auto":
+        return "mma" if target.vendor == "cuda" else "simt"
+    if spec.engine == "mma" and target.vendor != "cuda":
+        raise RenderError(f"experts: engine 'mma' (mma.sync) is CUDA only, not for {target.slug}; use 'simt'")
+    return spec.engine
+
+
+@dataclass(frozen=True)
+class _Geo:
+    fmt: int
+    bb: int
+    ch: int
+    v: int
+    rb: int
+    rbp: int
+    rs: int
+    form: int
+    nj: int
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """Render-time geometry of one phase: ``nw`` warps per block, each owning ``kw`` of the reduction length
+    ``kin``; per slot class (routed, shared) the chunk geometry; shared-memory layout (bytes) and launch."""
+
+    phase: str
+    kin: int
+    nout: int
+    nw: int
+    kw: int
+    geos: tuple[_Geo, _Geo]
+    nb: int
+    ast16: int
+    act_wb: int
+    tile_wb: int
+    off_extra: int
+    smem: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _geo(fmt: str, kin: int, kw: int, e4m3: bool, act_quant: bool) -> _Geo:
+    bb = BLOCK_BYTES[fmt]
+    nkb = kw // 32
+    ch = max(c for c in (16, 8, 4, 2, 1) if c <= CHUNK_BLOCKS[fmt] and nkb % c == 0)
+    rb, rs = ch * bb, row_bytes(fmt, kin)
+    v = max(v for v in (16, 8, 4) if rb % v == 0 and rs % v == 0)
+    # padded row stride of the shared tile: 16-byte multiple, bank-conflict-free fragment reads
+    want = (16, 8) if fmt == "bf16" else (8, 4)
+    rbp = _round16(rb)
+    while (rbp // 4) % want[0] != want[1]:
+        rbp += 16
+    # form 0: f16 activations + per-128 scale (the f16 MMA on MXFP4 / Q8_0 with act_quant, sm_89+: MXFP4 needs
+    # the e4m3 -> f16 cvt); form 1: bf16 activations (bf16 MMA, SIMT)
+    form = 0 if (e4m3 and fmt in ("mxfp4", "q8_0") and act_quant) else 1
+    nj = -(-(16 * rb // v) // 32)
+    return _Geo(FMT_ID[fmt], bb, ch, v, rb, rbp, rs, form, nj)
+
+
+def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
+    """The geometry of ``phase`` (``up`` | ``down``) on ``target``.
+
+    Raises:
+        RenderError: unknown phase, ``mma`` on HIP, or the shared memory exceeds the target's limit.
+    """
+    if phase not in PHASES:
+        raise RenderError(f"experts: unknown phase {phase!r} (expected one of {PHASES})")
+    engine = resolve_engine(spec, target)
+    e4m3 = engine == "mma" and target.arch in E4M3_ARCHS
+    kin, nout = (spec.hidden, spec.inter) if phase == "up" else (spec.inter, spec.hidden)
+    nw = max(w for w in (4, 2, 1) if w <= MAX_WARPS and kin % (128 * w) == 0)
+    kw = kin // nw
+    geos = (_geo(spec.routed_fmt, kin, kw, e4m3, spec.act_quant), _geo(spec.shared_fmt, kin, kw, e4m3, spec.act_quant))
+    if engine == "simt":
+        assert all(g.form == 1 for g in geos)
+    nb = max(g.nj * g.v // 4 for g in geos)
+    q = spec.q
+    ast16 = 2 * kw + 32
+    act = 0
+    if any(g.form == 0 for g in geos):  # f16 values + fp32 scale per 128-block
+        act = max(act, q * ast16 + q * (kw // 128) * 4)
+    if any(g.form == 1 for g in geos):  # bf16 values
+        act = max(act, q * ast16)
+    act_wb = _round16(act)
+    tile_wb = _round16(ROWS_PER_BLOCK * max(g.rbp for g in geos))
+    pbuf = (2 * nw * 128 * 4)  # up: [NW][2 mats][16][8]; down: [2 parities][NW][16][8]
+    off_extra = nw * act_wb + nw * tile_wb + pbuf
+    extra = 0 if phase == "up" else (5 * spec.slots + 1) * 4 + 2 * q * 16 * 4
+    smem = _round16(off_extra + extra)
+    lim = SMEM_LIMIT[target.vendor]
+    if smem > lim:
+        raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, "
+                          f"the limit is {lim}")
+    if phase == "up":
+        grid = (spec.inter // ROWS_PER_BLOCK, spec.slots + 1, 1)
+    else:
+        grid = (spec.hidden // ROWS_PER_BLOCK, 1, 1)
+    return PhasePlan(phase, kin, nout, nw, kw, geos, nb, ast16, act_wb, tile_wb, off_extra, smem, grid,
+                     (nw * 32, 1, 1))
+
+
+def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
+    pl = plan(spec, target, phase)
+    return dict(phase=phase, q=spec.q, topk=spec.k, hidden=spec.hidden, inter=spec.inter, kin=pl.kin, nw=pl.nw,
+                act_quant=spec.act_quant, mma=resolve_engine(spec, target) == "mma",
+                limit=_float_literal(spec.limit), nb=pl.nb, ast16=pl.ast16, act_wb=pl.act_wb,
+                tile_wb=pl.tile_wb, off_extra=pl.off_extra, smem=pl.smem,
+                geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts,
+                min_blocks=max(1, min(4, 65536 // (pl.block[0] * REG_BUDGET))))
+
+
+def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -> list[KernelSource]:
+    """The two kernels (``up``, ``down``) of ``spec`` for ``target``, named ``name + "_up"`` / ``"_down"``
+    (default name ``"experts_" + spec.key() + "_" + engine``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    engine = resolve_engine(spec, target)
+    name = name or f"experts_{spec.key()}_{engine}"
+    return [render(TEMPLATE, f"{name}_{ph}", FAMILY, target, _params(spec, target, ph)) for ph in PHASES]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch shape of one kernel: ``kernel`` is ``up`` or ``down``; ``smem`` dynamic shared bytes (the
+    launcher must allow it: above 48 KiB CUDA needs the function attribute, which
+    ``ds4c.runtime.launch.CudaModule.function(entry, dynamic_smem)`` sets)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+
+def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
+    """``[up, down]``, to be launched in that order on one stream."""
+    out = []
+    for ph in PHASES:
+        pl = plan(spec, target, ph)
+        out.append(Launch(ph, pl.grid, pl.block, pl.smem))
+    return out
+
+
+def arg_names(spec: ExpertsSpec) -> dict[str, list[str]]:
+    """Kernel argument names in order, per kernel."""
+    return {"up": ["x", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
+            "down": ["hbuf", "ids", "w2", "sh_w2", "out"]}
+
+
+def weight_shape(fmt: str, rows: int, n_in: int, experts: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    """Storage shape and dtype of a weight of ``rows`` x ``n_in`` (``experts`` consecutive ones if given):
+    uint8 rows of :func:`row_bytes` for the block formats, bf16 ``[.., rows, n_in]`` for ``bf16``."""
+    lead = () if experts is None else (experts,)
+    if fmt == "bf16":
+        return lead + (rows, n_in), torch.bfloat16
+    return lead + (rows, row_bytes(fmt, n_in)), torch.uint8
+
+
+def arg_shapes(spec: ExpertsSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every argument."""
+    q, D, F, k, E = spec.q, spec.hidden, spec.inter, spec.k, spec.n_experts
+    return {"x": ((q, D), torch.bfloat16), "ids": ((q, k), torch.int64), "weights": ((q, k), torch.float32),
+            "w1": weight_shape(spec.routed_fmt, F, D, E), "w3": weight_shape(spec.routed_fmt, F, D, E),
+            "w2": weight_shape(spec.routed_fmt, D, F, E), "sh_w1": weight_shape(spec.shared_fmt, F, D),
+            "sh_w3": weight_shape(spec.shared_fmt, F, D), "sh_w2": weight_shape(spec.shared_fmt, D, F),
+            "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16)}
+
+
+def expert_bytes(spec: ExpertsSpec, fmt: str | None = None) -> int:
+    """Stored bytes of one expert (w1 + w3 + w2) in ``fmt`` (default: the routed format)."""
+    f = fmt or spec.routed_fmt
+    return 2 * spec.inter * row_bytes(f, spec.hidden) + spec.hidden * row_bytes(f, spec.inter)
+
+
+def bytes_read(spec: ExpertsSpec, ids: torch.Tensor) -> int:
+    """Expert weight bytes one call streams: each distinct routed expert once, plus the shared expert."""
+    n = int(torch.unique(ids.reshape(-1)).numel())
+    return n * expert_bytes(spec) + expert_bytes(spec, spec.shared_fmt)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def _flat_bytes(raw: torch.Tensor) -> torch.Tensor:
+    return raw.contiguous().view(torch.uint8).reshape(-1)
+
+
+def dequantize_weight(fmt: str, raw: torch.Tensor, rows: int, n_in: int, e: int | None = None) -> torch.Tensor:
+    """fp32 ``[rows, n_in]`` of stored weight bytes ``raw`` (expert ``e`` of consecutive experts if given),
+    through :func:`ds4c.quant.dequantize` (bit-identical to gguf's dequantizers)."""
+    from ds4c import quant
+
+    b = _flat_bytes(raw)
+    n = quant.nbytes(quant.GGMLType[fmt.upper()], (rows, n_in))
+    if e is not None:
+        b = b[e * n:(e + 1) * n]
+    return quant.dequantize(b, quant.GGMLType[fmt.upper()], (rows, n_in))
+
+
+def reference(spec: ExpertsSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+              w3: torch.Tensor, w2: torch.Tensor, sh_w1: torch.Tensor, sh_w3: torch.Tensor,
+              sh_w2: torch.Tensor) -> torch.Tensor:
+    """``moe_experts`` of ``x`` bf16 [q, D] with ``ids`` int64 [q, k], ``weights`` fp32 [q, k] and the raw
+    stored weights (shapes :func:`arg_shapes`): per row :func:`ds4c.reference.blocks.routed_sum` of the
+    dequantized experts, plus the shared expert (:func:`~ds4c.reference.blocks.expert_ffn`, no weight),
+    combined as ``moe_sum``: ``bf16(routed_fp32 + fp32(shared))``. Computed on ``x``'s device (the weights
+    are dequantized per used expert on their own device, then moved). Returns bf16 [q, D]."""
+    from ds4c.reference import blocks as B
+
+    D, F, dev = spec.hidden, spec.inter, x.device
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if e not in cache:
+            cache[e] = tuple(dequantize_weight(spec.routed_fmt, w, r, c, e).to(dev)  # type: ignore[assignment]
+                             for w, r, c in ((w1, F, D), (w3, F, D), (w2, D, F)))
+        return cache[e]
+
+    x = x.to(torch.bfloat16)
+    ids_c, wts = ids.to(torch.int64).cpu(), weights.to(torch.float32).to(dev)
+    routed = torch.cat([B.routed_sum(x[i:i + 1], ids_c[i], wts[i], expert, spec.limit, spec.act_quant)
+                        for i in range(x.shape[0])])
+    sh = [dequantize_weight(spec.shared_fmt, w, r, c).to(dev) for w, r, c in ((sh_w1, F, D), (sh_w3, F, D), (sh_w2, D, F))]
+    ys = B.expert_ffn(x, sh[0], sh[1], sh[2], None, spec.limit, spec.act_quant)
+    return (routed + ys.to(torch.float32)).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ random inputs
+def random_weight(fmt: str, rows: int, n_in: int, experts: int | None = None,
+                  generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random valid stored bytes: ``mxfp4`` random nibbles with exponent bytes 118..124 (values up to 0.75);
+    ``q8_0`` random int8 with fp16 scales in [1e-3, 1e-2); ``bf16`` values ~N(0, 0.05). Generated on
+    ``device`` (``generator`` must live there)."""
+    shape, _ = weight_shape(fmt, rows, n_in, experts)
+    nblk = math.prod(shape[:-1]) * (n_in // 32)
+    if fmt == "bf16":
+        return (torch.randn(shape, generator=generator, device=device) * 0.05).to(torch.bfloat16)
+    if fmt == "mxfp4":
+        b = torch.randint(0, 256, (nblk, 17), generator=generator, device=device, dtype=torch.uint8)
+        b[:, 0] = torch.randint(118, 125, (nblk,), generator=generator, device=device, dtype=torch.uint8)
+        return b.view(shape)
+    b = torch.randint(0, 256, (nblk, 34), generator=generator, device=device, dtype=torch.uint8)
+    d = (torch.rand(nblk, generator=generator, device=device) * 9e-3 + 1e-3).to(torch.float16)
+    b[:, :2] = d.view(torch.uint8).view(nblk, 2)
+    return b.view(shape)
+
+
+def random_routing(spec: ExpertsSpec, generator: torch.Generator | None = None,
+                   shared_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [q, k], weights fp32 [q, k]) on the CPU: distinct ids per row; with ``shared_rows`` and
+    q > 1 some experts are picked by several rows (rows copy a few of row 0's ids, so the dedup path runs);
+    weights as the router makes them: ``s[ids] / sum * 1.5`` with ``s = sqrtsoftplus(z)``."""
+    from ds4c.reference import primitives as P
+
+    g = generator or torch.Generator().manual_seed(0)
+    q, k, E = spec.q, spec.k, spec.n_experts
+    rows = []
+    for i in range(q):
+        perm = torch.randperm(E, generator=g)[:k]
+        if shared_rows and i > 0 and k >= 2:
+            common = rows[0][: min(2, k) if i % 2 else 1]
+            rest = [int(e) for e in perm if int(e) not in set(common.tolist())][: k - len(common)]
+            perm = torch.cat([common, torch.tensor(rest, dtype=torch.int64)])
+            perm = perm[torch.randperm(k, generator=g)]
+        rows.append(perm.to(torch.int64))
+    ids = torch.stack(rows)
+    s = P.sqrtsoftplus(torch.randn(q, E, generator=g) * 2.0)
+    w = s.gather(-1, ids)
+    return ids, (w / w.sum(-1, keepdim=True) * 1.5).to(torch.float32)
+
+
+def random_inputs(spec: ExpertsSpec, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu", shared_rows: bool = True) -> dict[str, torch.Tensor]:
+    """Every input of one call (names of :func:`arg_names`, without the outputs) on ``device``; x ~N(0, 1)
+    in bf16. ``generator`` is a CPU generator; device tensors use a device generator seeded from it."""
+    g = generator or torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    gd = g if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+    D, F, E = spec.hidden, spec.inter, spec.n_experts
+    ids, wts = random_routing(spec, g, shared_rows)
+    rw: Callable[..., torch.Tensor] = random_weight
+    return {"x": torch.randn(spec.q, D, generator=g).to(torch.bfloat16).to(dev), "ids": ids.to(dev),
+            "weights": wts.to(dev),
+            "w1": rw(spec.routed_fmt, F, D, E, gd, dev), "w3": rw(spec.routed_fmt, F, D, E, gd, dev),
+            "w2": rw(spec.routed_fmt, D, F, E, gd, dev), "sh_w1": rw(spec.shared_fmt, F, D, None, gd, dev),
+            "sh_w3": rw(spec.shared_fmt, F, D, None, gd, dev), "sh_w2": rw(spec.shared_fmt, D, F, None, gd, dev)}

@@ -1,0 +1,320 @@
+"""The experts family (runtime/families/experts.py, templates/experts/): rendering at the official (D 4096,
+F 2048, E 256, k 6) and tiny (D 256, F 128, E 16, k 4) shapes, q = 1 and 5; device compiles for sm_90 (both
+engines, no spills), gfx942 and gfx1151 (the vendor-neutral SIMT body; skipped with a reason when a compiler
+is missing); the CPU reference the GPU check compares against, checked against ds4c.reference / the IR's ops
+and against the synthetic tiny model's GGUF bytes; and the kernels' own logic run on the CPU
+(tools/experts_emu.py: every GPU thread an OS thread, mma.sync emulated from its fragment layouts)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds4c.ir.ops import MoeSum, RoutedExperts, Swiglu
+from ds4c.reference import primitives as P
+from ds4c.runtime.families import experts as X
+from ds4c.runtime.render import RenderError
+from ds4c.runtime.targets import target
+
+BF16, F32 = torch.bfloat16, torch.float32
+ARCHS = ["sm_90", "gfx942", "gfx1151"]
+OFFICIAL = dict(hidden=4096, inter=2048, n_experts=256, k=6)
+TINY = dict(hidden=256, inter=128, n_experts=16, k=4)
+CASES = [(name, shape, q) for name, shape in (("official", OFFICIAL), ("tiny", TINY)) for q in (1, 5)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _id(c: tuple) -> str:
+    return f"{c[0]}-q{c[2]}"
+
+
+def _sig_names(src: str, entry: str) -> list[str]:
+    sig = src.split(f"{entry}(", 1)[1].split(")", 1)[0]
+    return re.findall(r"(\w+)\s*(?:,|$)", sig.replace("\n", " "))
+
+
+# ------------------------------------------------------------------------------------------------- render
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_render(case: tuple, arch: str) -> None:
+    _, shape, q = case
+    spec, t = X.ExpertsSpec(q=q, **shape), target(arch)
+    ks = X.render_experts(spec, t)
+    assert [k.entry.rsplit("_", 1)[1] for k in ks] == ["up", "down"]
+    names = X.arg_names(spec)
+    for k, ph in zip(ks, X.PHASES):
+        assert k.family == "experts" and not re.search(r"^\s*#include", k.source, re.M)
+        assert _sig_names(k.source, k.entry) == names[ph]
+        assert "prelude/common.h.j2" in k.templates and f"prelude/{t.vendor}.h.j2" in k.templates
+        assert ('asm("mma.sync' in k.source) == (t.vendor == "cuda")
+    up, dn = X.launch_shapes(spec, t)
+    assert up.grid == (spec.inter // 16, q * spec.k + 1, 1) and dn.grid == (spec.hidden // 16, 1, 1)
+    for ln in (up, dn):
+        assert ln.block[0] % 32 == 0 and ln.block[0] <= 128 and 0 < ln.smem <= X.SMEM_LIMIT[t.vendor]
+    shapes = X.arg_shapes(spec)
+    assert shapes["hbuf"][0] == (q, spec.k + 1, spec.inter) and shapes["out"][0] == (q, spec.hidden)
+    if shape is OFFICIAL:
+        assert shapes["w1"][0] == (256, 2048, 4096 // 32 * 17) and shapes["sh_w2"][0] == (4096, 2048 // 32 * 34)
+
+
+def test_official_geometry() -> None:
+    t = target("sm_90")
+    up = X.plan(X.ExpertsSpec(q=5), t, "up")
+    assert (up.nw, up.kw) == (4, 1024)
+    (rt, sh) = up.geos
+    assert (rt.ch, rt.v, rt.rb, rt.rbp, rt.form) == (16, 16, 272, 272, 0)  # f16 MMA, e4m3 activations
+    assert (sh.ch, sh.v, sh.rb, sh.form) == (8, 16, 272, 0)
+    assert X.plan(X.ExpertsSpec(q=5, shared_fmt="bf16"), t, "up").geos[1].form == 1  # bf16 MMA
+    assert X.plan(X.ExpertsSpec(q=5, act_quant=False), t, "up").geos[0].form == 1
+    dn = X.plan(X.ExpertsSpec(q=5), t, "down")
+    assert (dn.nw, dn.kw, dn.geos[0].ch, dn.geos[1].ch) == (4, 512, 16, 8)
+    hip = X.plan(X.ExpertsSpec(q=5), target("gfx942"), "up")
+    assert all(g.form == 1 for g in hip.geos) and hip.smem <= 64 * 1024
+    # sm_80 has no e4m3 mma: the bf16 MMA for every format
+    assert X.plan(X.ExpertsSpec(q=1), target("sm_80"), "up").geos[0].form == 1
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(RenderError, match="q 0"):
+        X.ExpertsSpec(q=0)
+    with pytest.raises(RenderError, match="hidden"):
+        X.ExpertsSpec(q=1, hidden=200)
+    with pytest.raises(RenderError, match="routed_fmt"):
+        X.ExpertsSpec(q=1, routed_fmt="q4_k")
+    with pytest.raises(RenderError, match="engine"):
+        X.ExpertsSpec(q=1, engine="wgmma")
+    with pytest.raises(RenderError, match="CUDA only"):
+        X.render_experts(X.ExpertsSpec(q=1, engine="mma"), target("gfx942"))
+    with pytest.raises(RenderError, match="shared memory"):  # HIP LDS is 64 KiB
+        X.render_experts(X.ExpertsSpec(q=8, hidden=8192, act_quant=False), target("gfx942"))
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def _compile_one(src, workdir: Path) -> tuple[str, dict]:
+    """Compile one KernelSource: (log, resource usage of its entry incl. seconds). ds4c's toolchain layer when
+    present, else the plain compiler command of the brief."""
+    try:
+        from ds4c.runtime import toolchain as TC
+    except ImportError:
+        TC = None
+    if TC is not None and hasattr(TC, "find_toolchain"):
+        res = TC.find_toolchain(src.target).compile(src, workdir)
+        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
+        return res.log, {**use, "seconds": res.seconds}
+    f = workdir / f"kernel{src.ext}"
+    f.write_text(src.source)
+    if src.target.vendor == "cuda":
+        cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
+               "kernel.cubin", f.name]
+    else:
+        cmd = [shutil.which("clang-19") or "clang", "-x", "hip", f"--offload-arch={src.target.arch}",
+               "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "-c",
+               "-Rpass-analysis=kernel-resource-usage", "-o", "kernel.o", f.name]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    secs = time.perf_counter() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    log = p.stdout + p.stderr
+    use: dict = {"seconds": secs}
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        use["spills"] = int(m.group(1)) + int(m.group(2)) > 0
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        use["registers"] = int(m.group(1))
+    m = re.search(r"ScratchSize \[bytes/lane\]: (\d+)", log)
+    if m:
+        use["scratch_bytes"] = int(m.group(1))
+    return log, use
+
+
+def _have_compiler(arch: str) -> str | None:
+    """None when a compiler for ``arch`` is present, else the reason to skip."""
+    try:
+        from ds4c.runtime import toolchain as TC
+
+        TC.find_toolchain(target(arch))
+        return None
+    except ImportError:
+        pass
+    except Exception as e:  # ToolchainError: says what is missing
+        return str(e)
+    if target(arch).vendor == "cuda":
+        return None if shutil.which("nvcc") else "nvcc not on PATH"
+    return None if (shutil.which("clang-19") or shutil.which("clang")) else "clang-19 not on PATH"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_all(arch: str, tmp_path: Path) -> None:
+    """Both kernels of official and tiny at q = 1 and 5 compile (CUDA: both engines, the SIMT one being the
+    HIP body); CUDA: no spills, no stack; HIP: no scratch."""
+    why = _have_compiler(arch)
+    if why:
+        pytest.skip(f"no compiler for {arch}: {why}")
+    t = target(arch)
+    engines = ("mma", "simt") if t.vendor == "cuda" else ("simt",)
+    srcs = [k for _, shape, q in CASES for eng in engines
+            for k in X.render_experts(X.ExpertsSpec(q=q, engine=eng, **shape), t)]
+
+    def job(k):
+        d = tmp_path / k.entry
+        d.mkdir()
+        return k, _compile_one(k, d)
+
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(job, srcs))
+    report = []
+    for k, (log, use) in results:
+        report.append(f"{k.entry}: {use}")
+        assert not use.get("spills"), f"{k.entry} spills: {use}"
+        if t.vendor == "cuda":
+            assert use.get("stack_bytes", 0) == 0, f"{k.entry}: stack frame {use}"
+            assert use.get("registers", 0) <= 255
+        else:
+            assert use.get("scratch_bytes", 0) == 0, f"{k.entry}: scratch {use}"
+    print("\n".join(report))
+
+
+# ---------------------------------------------------------------------------------------------- reference
+class _Ctx:
+    """The interpreter context RoutedExperts.run needs: ``expert(layer, e) -> (w1, w3, w2)``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def expert(self, layer: int, e: int):
+        return self.fn(e)
+
+
+def _ir_moe(spec: X.ExpertsSpec, inp: dict, expert, sh: tuple) -> torch.Tensor:
+    """The unfused IR ops of the MoE (routed_experts; shared linear/linear/swiglu/cast/linear; moe_sum)."""
+    a = {"layer": 0, "limit": spec.limit, "emulate": spec.act_quant}
+    (routed,) = RoutedExperts.run(_Ctx(expert), [inp["x"], inp["ids"], inp["weights"], None], a)
+    g = P.linear_q(inp["x"], sh[0], spec.act_quant)
+    u = P.linear_q(inp["x"], sh[1], spec.act_quant)
+    (h,) = Swiglu.run(None, [g, u], {"limit": spec.limit})
+    ys = P.linear_q(h.to(BF16), sh[2], spec.act_quant)
+    (y,) = MoeSum.run(None, [routed, ys], {})
+    return y
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(act_quant=False), dict(shared_fmt="bf16"),
+                                     dict(routed_fmt="q8_0", shared_fmt="mxfp4", limit=3.5)],
+                         ids=["default", "noaq", "shared-bf16", "routed-q8_0"])
+@pytest.mark.parametrize("q", [1, 5])
+def test_reference_matches_ir_ops(variant: dict, q: int) -> None:
+    """reference() on raw bytes == the IR ops on the dequantized weights (fresh random data)."""
+    spec = X.ExpertsSpec(q=q, **TINY, **variant)
+    inp = X.random_inputs(spec, torch.Generator().manual_seed(10 + q))
+    D, F = spec.hidden, spec.inter
+
+    def expert(e: int):
+        return tuple(X.dequantize_weight(spec.routed_fmt, inp[n], r, c, e)
+                     for n, r, c in (("w1", F, D), ("w3", F, D), ("w2", D, F)))
+
+    sh = tuple(X.dequantize_weight(spec.shared_fmt, inp[n], r, c)
+               for n, r, c in (("sh_w1", F, D), ("sh_w3", F, D), ("sh_w2", D, F)))
+    got = X.reference(spec, **inp)
+    want = _ir_moe(spec, inp, expert, sh)
+    assert got.dtype == BF16 and got.shape == (q, D)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got.float()).all() and got.float().abs().max() > 0
+
+
+@pytest.mark.parametrize("model", ["tiny_path", "tiny_bf16_path"])
+def test_reference_on_model_bytes(model: str, request: pytest.FixtureRequest) -> None:
+    """The raw GGUF bytes of the synthetic tiny model (official formats: MXFP4 routed, Q8_0 shared; and the
+    bf16 variant) give the model reference's MoE: the layout the kernels read is the file's."""
+    from ds4c.gguf_file import open_model
+    from ds4c.reference import ReferenceWeights
+
+    path = request.getfixturevalue(model)
+    mf = open_model(path)
+    w = ReferenceWeights.load(mf)
+    cfg, layer = mf.config, 3
+    p = f"blk.{layer}."
+    fmt = {"MXFP4": "mxfp4", "Q8_0": "q8_0", "BF16": "bf16"}
+    rt = fmt[mf.ggml_type(p + "ffn_gate_exps.weight").name]
+    shf = fmt[mf.ggml_type(p + "ffn_gate_shexp.weight").name]
+    spec = X.ExpertsSpec(q=3, hidden=cfg.hidden_size, inter=cfg.moe_inter, k=cfg.n_active_experts,
+                         n_experts=cfg.n_experts, routed_fmt=rt, shared_fmt=shf, limit=cfg.swiglu_limit)
+
+    def raw(n: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(mf.raw(p + n)).view(np.uint8).copy())
+
+    ids, wts = X.random_routing(spec, torch.Generator().manual_seed(3))
+    x = torch.randn(3, spec.hidden, generator=torch.Generator().manual_seed(4)).to(BF16)
+    got = X.reference(spec, x, ids, wts, raw("ffn_gate_exps.weight"), raw("ffn_up_exps.weight"),
+                      raw("ffn_down_exps.weight"), raw("ffn_gate_shexp.weight"), raw("ffn_up_shexp.weight"),
+                      raw("ffn_down_shexp.weight"))
+    lw = w.layers[layer]
+    want = _ir_moe(spec, {"x": x, "ids": ids, "weights": wts}, lambda e: w.experts.get(layer, e),
+                   (lw.sh_w1, lw.sh_w3, lw.sh_w2))
+    assert torch.equal(got, want)
+    if model == "tiny_path":
+        assert (rt, shf) == ("mxfp4", "q8_0")
+
+
+def test_random_inputs_valid() -> None:
+    spec = X.ExpertsSpec(q=5, **TINY)
+    inp = X.random_inputs(spec, torch.Generator().manual_seed(0))
+    ids = inp["ids"]
+    assert all(len(set(r.tolist())) == spec.k for r in ids)  # distinct per row
+    assert len(set(ids.reshape(-1).tolist())) < ids.numel()  # some experts shared by several rows
+    assert torch.allclose(inp["weights"].sum(-1), torch.full((5,), 1.5))
+    e = inp["w1"].view(-1, 17)[:, 0]
+    assert int(e.min()) >= 118 and int(e.max()) <= 124
+    assert X.bytes_read(spec, ids) == len(set(ids.reshape(-1).tolist())) * X.expert_bytes(spec) + \
+        X.expert_bytes(spec, "q8_0")
+
+
+# ------------------------------------------------------------------------------------ emulated kernels
+def _emu():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from tools import experts_emu
+    finally:
+        sys.path.pop(0)
+    return experts_emu
+
+
+def _host_cxx_reason() -> str | None:
+    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+    if not cxx:
+        return "no host C++ compiler"
+    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
+
+
+EMU_CASES = [("mma", "sm_90", dict(q=1)), ("mma", "sm_90", dict(q=5)), ("simt", "sm_90", dict(q=1)),
+             ("simt", "sm_90", dict(q=5)), ("mma", "sm_90", dict(q=4, act_quant=False)),
+             ("mma", "sm_80", dict(q=3, shared_fmt="bf16")), ("simt", "sm_90", dict(q=3, routed_fmt="q8_0", shared_fmt="mxfp4")),
+             ("mma", "sm_90", dict(q=2, hidden=512, inter=384, limit=3.0))]
+
+
+@pytest.mark.parametrize("engine,arch,kw", EMU_CASES, ids=[f"{e}-{a}-" + "-".join(f"{k}{v}" for k, v in kw.items())
+                                                          for e, a, kw in EMU_CASES])
+def test_kernels_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> None:
+    """The rendered kernel bodies, run on CPU threads, match the reference (bf16 output within 2e-2 relative:
+    in practice bit-identical, as the fp32 sums of these shapes rarely round differently) and write every
+    intermediate."""
+    why = _host_cxx_reason()
+    if why:
+        pytest.skip(why)
+    E = _emu()
+    spec = X.ExpertsSpec(**{**TINY, **kw}, engine=engine)
+    inp = X.random_inputs(spec, torch.Generator().manual_seed(5))
+    got = E.run(spec, inp, tmp_path, arch=arch)
+    want = X.reference(spec, **inp)
+    assert torch.isfinite(got["hbuf"].float()).all(), "hbuf not fully written"
+    assert E.rel_err(got["out"], want) < 2e-2

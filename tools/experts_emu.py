@@ -1,0 +1,321 @@
+"""Run the experts family's rendered kernel bodies on the CPU (no GPU): the CUDA source of both phases is
+compiled as host C++20 with a host prelude in which every GPU thread of a block is an OS thread
+(``__syncthreads`` / ``__syncwarp`` are ``std::barrier``s, shuffles go through a per-warp exchange buffer,
+``mma.sync`` is computed from the PTX fragment layouts), and the grid's blocks run one after another.
+
+It checks the kernel's own logic (job table, expert dedup, chunk streaming, fragment ownership, activation
+quant, epilogues, the ordered sum) on shapes small enough for a CPU; not the compiler, the hardware MMA's
+internal precision, or timing. Used by ``tests/test_experts_family.py`` and runnable by hand:
+
+    python tools/experts_emu.py            # a few tiny / medium shapes, both engines, vs the reference
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from ds4c.runtime.families import experts as X  # noqa: E402
+from ds4c.runtime.targets import target as make_target  # noqa: E402
+
+HOST_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <functional>
+#define DS4C_CUDA 1
+#define DS4C_WAVE 32
+#define DS4C_GLOBAL extern "C"
+#define DS4C_DEVICE static inline
+#define DS4C_SHARED
+#define DS4C_RESTRICT __restrict__
+#define __launch_bounds__(...)
+#define DS4C_LAUNCH_BOUNDS(n)
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef short i16;
+typedef unsigned int u32;
+typedef int i32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct EmuBlock {
+  std::barrier<>* bar;
+  std::vector<std::barrier<>*> wbar;
+  float fx[1024];
+  u32 ux[1024 * 8];
+};
+static EmuBlock* g_blk;
+static thread_local int t_tid, t_bx, t_by, t_nbx;
+
+DS4C_DEVICE int ds4c_tid() { return t_tid; }
+DS4C_DEVICE int ds4c_bid_x() { return t_bx; }
+DS4C_DEVICE int ds4c_bid_y() { return t_by; }
+DS4C_DEVICE int ds4c_nblk_x() { return t_nbx; }
+DS4C_DEVICE int ds4c_lane() { return t_tid & 31; }
+DS4C_DEVICE void ds4c_sync() { g_blk->bar->arrive_and_wait(); }
+DS4C_DEVICE void __syncwarp() { g_blk->wbar[t_tid >> 5]->arrive_and_wait(); }
+DS4C_DEVICE float ds4c_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+DS4C_DEVICE u32 ds4c_as_u32(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
+DS4C_DEVICE float ds4c_shfl_xor(float v, int mask) {
+  g_blk->fx[t_tid] = v;
+  __syncwarp();
+  float r = g_blk->fx[(t_tid & ~31) | ((t_tid & 31) ^ mask)];
+  __syncwarp();
+  return r;
+}
+DS4C_DEVICE int ds4c_shfl_xor_i(int v, int mask) { return (int)ds4c_as_u32(ds4c_shfl_xor(ds4c_as_float((u32)v), mask)); }
+DS4C_DEVICE float ds4c_exp(float x) { return expf(x); }
+DS4C_DEVICE float ds4c_rint(float x) { return rintf(x); }
+DS4C_DEVICE float ds4c_log1p(float x) { return log1pf(x); }
+DS4C_DEVICE float ds4c_sqrt(float x) { return sqrtf(x); }
+DS4C_DEVICE float ds4c_rsqrt(float x) { return 1.0f / sqrtf(x); }
+DS4C_DEVICE float ds4c_cos(float x) { return cosf(x); }
+DS4C_DEVICE float ds4c_sin(float x) { return sinf(x); }
+
+// ---- mma.sync / cvt emulation from the PTX fragment layouts (groupID g = lane>>2, threadID_in_group t = lane&3)
+static inline float emu_e4m3(u32 b) {
+  const u32 e = (b >> 3) & 15u, m = b & 7u;
+  float v = e ? std::ldexp(1.0f + m / 8.0f, (int)e - 7) : std::ldexp(m / 8.0f, -6);
+  return (b & 0x80u) ? -v : v;
+}
+static inline float emu_bf16(u32 h) { return ds4c_as_float((h & 0xffffu) << 16); }
+static inline float emu_f16(u32 h) {
+  const u32 e = (h >> 10) & 31u, m = h & 1023u;
+  float v = e ? std::ldexp(1.0f + m / 1024.0f, (int)e - 15) : std::ldexp(m / 1024.0f, -14);
+  return (h & 0x8000u) ? -v : v;
+}
+static inline u32 emu_f16_bits(float f) {  // exact values only (e4m3 values are)
+  u32 u = ds4c_as_u32(f), sgn = (u >> 16) & 0x8000u;
+  float a = std::fabs(f);
+  if (a == 0.0f) return sgn;
+  int ex; float mant = std::frexp(a, &ex);  // a = mant * 2^ex, mant in [0.5, 1)
+  int e = ex - 1 + 15;
+  if (e <= 0) return sgn | (u32)std::lround(a * 16777216.0f);  // subnormal: a / 2^-24
+  return sgn | ((u32)e << 10) | ((u32)std::lround((mant * 2.0f - 1.0f) * 1024.0f) & 1023u);
+}
+DS4C_DEVICE void xp_e4m3x4_f16(u32 v, u32& lo, u32& hi) {
+  u32 h[4];
+  for (int i = 0; i < 4; ++i) h[i] = emu_f16_bits(emu_e4m3((v >> (8 * i)) & 0xffu));
+  lo = h[0] | (h[1] << 16);
+  hi = h[2] | (h[3] << 16);
+}
+DS4C_DEVICE void xp_i8x4_f16(u32 w, u32& lo, u32& hi) {
+  u32 h[4];
+  for (int i = 0; i < 4; ++i) h[i] = emu_f16_bits((float)(signed char)((w >> (8 * i)) & 0xffu));
+  lo = h[0] | (h[1] << 16);
+  hi = h[2] | (h[3] << 16);
+}
+DS4C_DEVICE float xp_h2f(u32 h) { return emu_f16(h & 0xffffu); }
+// m16n8k16 with 16-bit A/B elements (conv: bits -> float)
+template <float (*conv)(u32)>
+static inline void emu_mma16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                             float c2, float c3) {
+  u32* X = g_blk->ux + (t_tid & ~31) * 8;
+  const int lane = t_tid & 31;
+  u32* me = X + lane * 8;
+  me[0] = a0; me[1] = a1; me[2] = a2; me[3] = a3; me[4] = b0; me[5] = b1;
+  __syncwarp();
+  float A[16][16], B[16][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    const u32* r = X + L * 8;
+    for (int i = 0; i < 8; ++i) {
+      const u32 h = (r[i / 2] >> (16 * (i % 2))) & 0xffffu;
+      const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+      const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+      A[row][col] = conv(h);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const u32 h = (r[4 + i / 2] >> (16 * (i % 2))) & 0xffffu;
+      const int k = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+      B[k][g] = conv(h);
+    }
+  }
+  const int g = lane >> 2, t = lane & 3;
+  const float c[4] = {c0, c1, c2, c3};
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
+    double s = 0;
+    for (int k = 0; k < 16; ++k) s += (double)A[row][k] * B[k][col];
+    out[i] = (float)(s + c[i]);
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+DS4C_DEVICE void xp_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                            float c2, float c3) {
+  emu_mma16<emu_f16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+DS4C_DEVICE void xp_mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                             float c2, float c3) {
+  emu_mma16<emu_bf16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+
+static void run_grid(int gx, int gy, int nt, const std::function<void()>& kernel) {
+  EmuBlock blk;
+  std::barrier<> bar(nt);
+  blk.bar = &bar;
+  std::vector<std::unique_ptr<std::barrier<>>> wb;
+  for (int w = 0; w < nt / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); blk.wbar.push_back(wb.back().get()); }
+  g_blk = &blk;
+  std::vector<std::thread> th;
+  for (int t = 0; t < nt; ++t)
+    th.emplace_back([&, t] {
+      t_tid = t; t_nbx = gx;
+      for (int by = 0; by < gy; ++by)
+        for (int bx = 0; bx < gx; ++bx) {
+          t_bx = bx; t_by = by;
+          kernel();
+          bar.arrive_and_wait();
+        }
+    });
+  for (auto& x : th) x.join();
+}
+static std::vector<u8> load(const char* dir, const char* name) {
+  std::string p = std::string(dir) + "/" + name;
+  FILE* f = fopen(p.c_str(), "rb");
+  if (!f) { fprintf(stderr, "cannot open %s\n", p.c_str()); exit(2); }
+  fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<u8> b(n + 64);
+  if (fread(b.data(), 1, n, f) != (size_t)n) exit(3);
+  fclose(f);
+  return b;
+}
+static void save(const char* dir, const char* name, const void* p, size_t n) {
+  std::string s = std::string(dir) + "/" + name;
+  FILE* f = fopen(s.c_str(), "wb");
+  fwrite(p, 1, n, f);
+  fclose(f);
+}
+"""
+
+
+def _host_body(src: Any) -> str:
+    """The rendered CUDA source without the CUDA prelude and the inline-PTX MMA helpers."""
+    from ds4c.runtime.render import TEMPLATE_DIR
+
+    text = src.source
+    prelude = (TEMPLATE_DIR / "prelude" / "cuda.h.j2").read_text().replace("{{ wave }}", str(src.target.wave))
+    if prelude not in text:
+        raise RuntimeError("experts_emu: the rendered source does not start with the CUDA prelude")
+    text = text.replace(prelude, "", 1)
+    a = text.find("// ---- mma.sync helpers (inline PTX")
+    if a >= 0:
+        b = text.index("// ---- shape and format parameters")
+        text = text[:a] + text[b:]
+    return text
+
+
+def build(spec: X.ExpertsSpec, workdir: Path, arch: str = "sm_90") -> Path:
+    """Compile the emulator of ``spec`` (both phases) into ``workdir/emu``; returns the executable."""
+    tgt = make_target(arch)
+    up, dn = X.render_experts(spec, tgt, "emu")
+    lu, ld = X.launch_shapes(spec, tgt)
+    q, k, D, F = spec.q, spec.k, spec.hidden, spec.inter
+    main = f"""
+namespace up_ns {{
+{_host_body(up)}
+alignas(16) u8 xp_smem[{lu.smem} + 64];
+}}
+namespace dn_ns {{
+{_host_body(dn)}
+alignas(16) u8 xp_smem[{ld.smem} + 64];
+}}
+int main(int argc, char** argv) {{
+  const char* d = argv[1];
+  auto x = load(d, "x"), ids = load(d, "ids"), wts = load(d, "weights"), w1 = load(d, "w1"), w3 = load(d, "w3"),
+       w2 = load(d, "w2"), s1 = load(d, "sh_w1"), s3 = load(d, "sh_w3"), s2 = load(d, "sh_w2");
+  std::vector<u16> h({q} * ({k} + 1) * {F}, 0x7fc1), out({q} * {D}, 0x7fc1);
+  run_grid({lu.grid[0]}, {lu.grid[1]}, {lu.block[0]}, [&] {{
+    up_ns::{up.entry}((const u16*)x.data(), (const i64*)ids.data(), (const float*)wts.data(), w1.data(), w3.data(),
+               s1.data(), s3.data(), h.data());
+  }});
+  run_grid({ld.grid[0]}, {ld.grid[1]}, {ld.block[0]}, [&] {{
+    dn_ns::{dn.entry}(h.data(), (const i64*)ids.data(), w2.data(), s2.data(), out.data());
+  }});
+  save(d, "hbuf", h.data(), h.size() * 2);
+  save(d, "out", out.data(), out.size() * 2);
+  return 0;
+}}
+"""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "emu.cpp").write_text(HOST_PRELUDE + main)
+    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+    if not cxx:
+        raise RuntimeError("experts_emu: no host C++ compiler (g++ / clang++)")
+    p = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"experts_emu: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
+    return workdir / "emu"
+
+
+def run(spec: X.ExpertsSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
+        exe: Path | None = None) -> dict[str, torch.Tensor]:
+    """Emulate one call on CPU ``inputs`` (:func:`ds4c.runtime.families.experts.random_inputs` names).
+    Returns ``{"out": bf16 [q, D], "hbuf": bf16 [q, k+1, F]}``."""
+    exe = exe or build(spec, workdir, arch)
+    for name, t in inputs.items():
+        (workdir / name).write_bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    p = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, timeout=3600)
+    if p.returncode:
+        raise RuntimeError(f"experts_emu: run failed ({p.returncode}):\n{p.stdout}{p.stderr}")
+
+    def rd(name: str, shape: tuple) -> torch.Tensor:
+        a = np.frombuffer((workdir / name).read_bytes(), dtype=np.int16).copy()
+        return torch.from_numpy(a).view(torch.bfloat16).view(shape)
+
+    return {"out": rd("out", (spec.q, spec.hidden)), "hbuf": rd("hbuf", (spec.q, spec.k + 1, spec.inter))}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.float(), want.float()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - w).norm() / w.norm().clamp(min=1e-30))
+
+
+def main() -> int:
+    import time
+
+    cases = [dict(q=1, hidden=256, inter=128, k=4, n_experts=16), dict(q=5, hidden=256, inter=128, k=4, n_experts=16),
+             dict(q=5, hidden=1024, inter=2048, k=6, n_experts=12), dict(q=3, hidden=4096, inter=256, k=6, n_experts=8)]
+    ok = True
+    for c in cases:
+        for eng in ("mma", "simt"):
+            spec = X.ExpertsSpec(**c, engine=eng)
+            g = torch.Generator().manual_seed(1)
+            inp = X.random_inputs(spec, g)
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory() as d:
+                got = run(spec, inp, Path(d))
+            t1 = time.perf_counter()
+            want = X.reference(spec, **inp)
+            e = rel_err(got["out"], want)
+            ok &= e < 2e-2
+            print(f"{spec.short():60s} {eng:5s} rel_err {e:.2e}  {t1 - t0:.1f} s", flush=True)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""GPU check of the experts family (runtime/families/experts.py): all routed experts + the shared expert of
+one MoE layer, official (D 4096, F 2048, E 256, k 6; MXFP4 routed, Q8_0 shared) at q = 1..5 with the ``mma``
+engine, q = 1 and 5 with the ``simt`` engine (the vendor-neutral body the HIP builds use), tiny (D 256,
+F 128, E 16, k 4) at q = 1 and 5 with both engines, and variants (shared expert in bf16, activation quant
+off, Q8_0 routed / MXFP4 shared).
+
+Per case: fresh random valid expert bytes on the GPU (``experts.random_inputs``: MXFP4 random nibbles with
+exponent bytes 118..124, Q8_0 random int8 with fp16 scales, bf16 ~N(0, .05)), x ~N(0, 1), ids distinct per row
+with some experts shared between rows (the dedup path), weights as the router makes them (``s[ids] / sum *
+1.5``), ids and weights in device memory; hbuf and out poisoned with NaN; both launches; then:
+
+* every element of hbuf and out written (no NaN left);
+* ``rel_err`` = ||out - ref|| / ||ref|| against ``experts.reference`` (ds4c.reference ``routed_sum`` +
+  ``expert_ffn`` on the dequantized weights, run on the GPU), ok when < 2e-2 (bf16 intermediates g, u, h, y
+  may round the other way: the GEMV sums are in another order);
+* time: the median of 30 CUDA-event timings of the two launches, each after an L2 flush (a 256 MB write),
+  so weights come from HBM; ``GBps`` = expert weight bytes actually read (distinct routed experts + the
+  shared expert, ``experts.bytes_read``) / time. ``us_up`` / ``us_down``: the phases alone.
+
+One extra case captures both launches in a CUDA graph, then writes new x, ids and weights into the same
+device buffers and replays (routing comes from device memory, never by value).
+
+Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table), or through
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from ds4c.runtime.families import experts as X
+from ds4c.runtime.targets import target as make_target
+
+try:
+    from tools.gpu_checks.indexer import compile_source, load
+except ImportError:  # another "tools" package shadows the repo's: load the sibling file directly
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_ds4c_gpu_check_indexer", Path(__file__).with_name("indexer.py"))
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    compile_source, load = _mod.compile_source, _mod.load
+
+TOL = 2e-2
+ITERS = 30
+FLUSH_BYTES = 256 << 20
+POISON_BF16 = 0x7FC1  # a NaN
+OFFICIAL = dict(hidden=4096, inter=2048, n_experts=256, k=6)
+TINY = dict(hidden=256, inter=128, n_experts=16, k=4)
+
+
+def _cases() -> list[tuple[str, dict[str, Any]]]:
+    out = [(f"official mma  q={q}", dict(OFFICIAL, q=q, engine="mma")) for q in (1, 2, 3, 4, 5)]
+    out += [(f"official simt q={q}", dict(OFFICIAL, q=q, engine="simt")) for q in (1, 5)]
+    out += [(f"tiny {e:4s} q={q}", dict(TINY, q=q, engine=e)) for e in ("mma", "simt") for q in (1, 5)]
+    out += [("official mma  q=5 shared bf16", dict(OFFICIAL, q=5, engine="mma", shared_fmt="bf16")),
+            ("official mma  q=3 act_quant off", dict(OFFICIAL, q=3, engine="mma", act_quant=False)),
+            ("tiny mma  q=5 routed q8_0 shared mxfp4", dict(TINY, q=5, engine="mma", routed_fmt="q8_0",
+                                                          shared_fmt="mxfp4"))]
+    return out
+
+
+def _set_smem(fn: Any, smem: int) -> None:
+    """Allow ``smem`` dynamic shared bytes on the ctypes fallback's function (CudaModule does it itself)."""
+    if smem <= 48 * 1024 or not hasattr(fn, "lib"):
+        return
+    r = fn.lib.cuFuncSetAttribute(fn.func, ctypes.c_int(8), ctypes.c_int(smem))  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if r:
+        raise RuntimeError(f"cuFuncSetAttribute({fn.entry}, {smem}) failed: CUresult {r}")
+
+
+def _compile(specs: dict[str, X.ExpertsSpec], tgt: Any) -> tuple[dict[str, Any], float]:
+    """{spec key: ([up, down] kernels, [Launch], {entry: usage}, compile seconds)}, wall seconds."""
+    srcs = {key: X.render_experts(s, tgt, f"xp_{key}") for key, s in specs.items()}
+    tmp = Path(tempfile.mkdtemp(prefix="ds4c-experts-"))
+
+    def job(k: Any) -> tuple[str, tuple[bytes, dict, float]]:
+        d = tmp / k.entry
+        d.mkdir()
+        return k.entry, compile_source(k, d)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        built = dict(ex.map(job, [k for ks in srcs.values() for k in ks]))
+    wall = time.perf_counter() - t0
+    out = {}
+    for key, ks in srcs.items():
+        launches = X.launch_shapes(specs[key], tgt)
+        fns = []
+        for k, ln in zip(ks, launches):
+            img, use, secs = built[k.entry]
+            fn = load(img).function(k.entry, ln.smem)
+            _set_smem(fn, ln.smem)
+            fns.append(fn)
+        out[key] = (fns, launches, {k.entry: built[k.entry][1] for k in ks}, sum(built[k.entry][2] for k in ks))
+    return out, wall
+
+
+def _launch(fns: list, launches: list, inp: dict[str, torch.Tensor], hbuf: torch.Tensor, out: torch.Tensor) -> None:
+    up, dn = fns
+    lu, ld = launches
+    up(lu.grid, lu.block, [inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"], inp["sh_w1"], inp["sh_w3"],
+                           hbuf], lu.smem)
+    dn(ld.grid, ld.block, [hbuf, inp["ids"], inp["w2"], inp["sh_w2"], out], ld.smem)
+
+
+def _poison(*ts: torch.Tensor) -> None:
+    for t in ts:
+        t.view(torch.int16).fill_(POISON_BF16)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.float(), want.float()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - w).norm() / w.norm().clamp(min=1e-30))
+
+
+def _time(fn_list: list, flush: torch.Tensor) -> float:
+    """Median microseconds of ITERS event-timed runs of the callables, each after an L2 flush."""
+    for _ in range(3):
+        for f in fn_list:
+            f()
+    ts = []
+    for _ in range(ITERS):
+        flush.zero_()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for f in fn_list:
+            f()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(ts)
+
+
+def run(arch: str = "sm_90") -> list[dict]:
+    """Run every case; one dict per case: spec, ok, rel_err, all_written, us, us_up, us_down, GBps, bytes,
+    regs, smem, compile_s."""
+    tgt = make_target(arch)
+    cases = _cases()
+    specs = {X.ExpertsSpec(**kw).key() + "_" + kw["engine"]: X.ExpertsSpec(**kw) for _, kw in cases}
+    built, wall = _compile(specs, tgt)
+    print(f"[experts] compiled {2 * len(specs)} kernels in {wall:.1f} s", flush=True)
+    dev = torch.device("cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    g = torch.Generator().manual_seed(11)
+    rows: list[dict] = []
+    graph_done = False
+    for label, kw in cases:
+        spec = X.ExpertsSpec(**kw)
+        key = spec.key() + "_" + kw["engine"]
+        fns, launches, use, csecs = built[key]
+        inp = X.random_inputs(spec, g, device=dev)
+        hbuf = torch.empty(spec.q, spec.k + 1, spec.inter, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(spec.q, spec.hidden, dtype=torch.bfloat16, device=dev)
+        _poison(hbuf, out)
+        _launch(fns, launches, inp, hbuf, out)
+        torch.cuda.synchronize()
+        written = bool(torch.isfinite(hbuf.float()).all() and torch.isfinite(out.float()).all())
+        ref = X.reference(spec, **inp)
+        err = _rel(out, ref)
+        lu, ld = launches
+        us = _time([lambda: _launch(fns, launches, inp, hbuf, out)], flush)
+        us_up = _time([lambda: fns[0](lu.grid, lu.block, [inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"],
+                                                         inp["sh_w1"], inp["sh_w3"], hbuf], lu.smem)], flush)
+        us_dn = _time([lambda: fns[1](ld.grid, ld.block, [hbuf, inp["ids"], inp["w2"], inp["sh_w2"], out], ld.smem)],
+                      flush)
+        nbytes = X.bytes_read(spec, inp["ids"])
+        regs = "/".join(str(u.get("registers", "?")) for u in use.values())
+        rows.append({"spec": f"{label} ({spec.short()})", "ok": written and err < TOL, "rel_err": err,
+                     "all_written": written, "us": us, "us_up": us_up, "us_down": us_dn,
+                     "GBps": nbytes / (us * 1e3), "bytes": nbytes, "regs": regs,
+                     "smem": f"{lu.smem}/{ld.smem}", "compile_s": csecs})
+        print(f"  {label:40s} rel_err {err:.2e} written {written} {us:8.1f} us (up {us_up:.1f}, down {us_dn:.1f}) "
+              f"{nbytes / (us * 1e3):7.1f} GB/s regs {regs}", flush=True)
+        if not graph_done and spec.hidden == OFFICIAL["hidden"] and spec.q == 5 and kw["engine"] == "mma":
+            rows.append(_graph_case(spec, fns, launches, inp, g))
+            graph_done = True
+        del inp, hbuf, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _graph_case(spec: X.ExpertsSpec, fns: list, launches: list, inp: dict[str, torch.Tensor],
+                g: torch.Generator) -> dict:
+    """Capture both launches, write new x / ids / weights into the captured buffers, replay, compare."""
+    dev = inp["x"].device
+    hbuf = torch.empty(spec.q, spec.k + 1, spec.inter, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(spec.q, spec.hidden, dtype=torch.bfloat16, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _launch(fns, launches, inp, hbuf, out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _launch(fns, launches, inp, hbuf, out)
+    errs, written = [], True
+    for _ in range(2):
+        ids, wts = X.random_routing(spec, g)
+        inp["ids"].copy_(ids)
+        inp["weights"].copy_(wts)
+        inp["x"].copy_(torch.randn(spec.q, spec.hidden, generator=g).to(torch.bfloat16))
+        _poison(hbuf, out)
+        graph.replay()
+        torch.cuda.synchronize()
+        written &= bool(torch.isfinite(out.float()).all())
+        errs.append(_rel(out, X.reference(spec, **inp)))
+    err = max(errs)
+    return {"spec": f"official mma  q=5 CUDA-graph replay, new routing ({spec.short()})", "ok": written and err < TOL,
+            "rel_err": err, "all_written": written, "us": float("nan"), "GBps": float("nan")}
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="sm_90")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(a.arch)
+    print(f"{'ok':3s} {'rel_err':>9s} {'us':>8s} {'up':>7s} {'down':>7s} {'GB/s':>7s} {'regs':>8s}  spec")
+    for r in rows:
+        print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['us']:8.1f} {r.get('us_up', float('nan')):7.1f} "
+              f"{r.get('us_down', float('nan')):7.1f} {r['GBps']:7.1f} {r.get('regs', ''):>8s}  {r['spec']}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok in "
+          f"{time.perf_counter() - t0:.0f} s")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
