@@ -25,12 +25,13 @@ def _fmt_attr(v: Any) -> str:
     return str(v)
 
 
-def print_graph(g: Graph, layers: set[int] | None = None) -> str:
-    """The text of ``g`` (only the ops of ``layers`` when given; -1 = embedding and head)."""
+def value_names(g: Graph) -> dict[Value, str]:
+    """Stable unique names of every value (graph inputs, then op outputs in order, bodies included): the
+    value's hint, suffixed ``.1``, ``.2`` ... on repeats. The printer, the lowering and the runtime share them."""
     names: dict[Value, str] = {}
     taken: set[str] = set()
 
-    def name(v: Value) -> str:
+    def add(v: Value) -> None:
         if v not in names:
             base = v.name or "v"
             n, k = base, 1
@@ -38,6 +39,28 @@ def print_graph(g: Graph, layers: set[int] | None = None) -> str:
                 n, k = f"{base}.{k}", k + 1
             taken.add(n)
             names[v] = n
+
+    for v in g.inputs.values():
+        add(v)
+
+    def walk(op: Op) -> None:
+        for v in op.inputs:
+            add(v)
+        for b in op.body or ():
+            walk(b)
+        for v in op.outputs:
+            add(v)
+
+    for op in g.ops:
+        walk(op)
+    return names
+
+
+def print_graph(g: Graph, layers: set[int] | None = None) -> str:
+    """The text of ``g`` (only the ops of ``layers`` when given; -1 = embedding and head)."""
+    names = value_names(g)
+
+    def name(v: Value) -> str:
         return names[v]
 
     meta = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(g.meta.items()))

@@ -1,0 +1,457 @@
+"""Lower a partitioned step graph (its kernel plan) to launches of the kernel families.
+
+Each plan kernel (a top-level ``fused`` op after ``partition``) becomes one or more :class:`Launch` records:
+a rendered :class:`~ds4c.runtime.render.KernelSource`, a launch shape, and argument bindings
+(:class:`Arg`) that name what each kernel argument points to — a graph value (activations in the arena,
+state buffers, graph inputs and outputs), a weight by GGUF name, a per-step scalar in the step buffer, or
+a scratch workspace. The executor resolves bindings to device pointers; the artifact stores them.
+
+Data flows one way: this module reads the graph and the config and renders templates; it knows nothing of
+devices, caches or files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds4c.runtime.render import KernelSource, render
+
+ARG_KINDS = ("value", "weight", "step", "workspace", "int")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument.
+
+    ``kind``:
+      * ``value``: a graph value by its printed name (activation slot, state buffer, graph input/output);
+      * ``weight``: a model tensor by GGUF name, stored as in the file (Q8_0/MXFP4 bytes, BF16 bits, F32,
+        int64 for tid2eid), or a routed-expert tensor;
+      * ``step``: a per-step scalar in device memory: ``pos``, ``tokens``, ``live_r<ratio>``;
+      * ``workspace``: scratch of ``nbytes`` bytes private to this launch sequence (``name`` labels it);
+      * ``int``: a 32-bit constant ``value``.
+    """
+
+    kind: str
+    name: str
+    nbytes: int = 0
+    value: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARG_KINDS:
+            raise ValueError(f"unknown argument kind {self.kind!r}: expected one of {ARG_KINDS}")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel`` rendered for the target; ``grid``/``block`` 3-d; ``smem`` dynamic shared
+    memory bytes; ``args`` in kernel order."""
+
+    kernel: KernelSource
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: tuple[Arg, ...]
+
+
+@dataclass
+class LoweredKernel:
+    """The launches of one plan kernel, in order."""
+
+    name: str
+    family: str
+    layer: int
+    launches: list[Launch] = field(default_factory=list)
+
+
+def describe(k: LoweredKernel) -> dict[str, Any]:
+    """JSON-serialisable description (for manifests and inspection)."""
+    return {"name": k.name, "family": k.family, "layer": k.layer,
+            "launches": [{"entry": l.kernel.entry, "kernel": l.kernel.name, "grid": list(l.grid),
+                          "block": list(l.block), "smem": l.smem,
+                          "args": [{"kind": a.kind, "name": a.name, **({"nbytes": a.nbytes} if a.nbytes else {}),
+                                    **({"value": a.value} if a.kind == "int" else {})} for a in l.args]}
+                         for l in k.launches]}
+
+
+# ================================================================================================ lowering
+
+from ds4c.config import Ds4Config  # noqa: E402
+from ds4c.ir.graph import Graph, Op, Value  # noqa: E402
+from ds4c.ir.printer import value_names  # noqa: E402
+from ds4c.quant import GGMLType  # noqa: E402
+from ds4c.runtime.families import attention as _att  # noqa: E402
+from ds4c.runtime.families import compressor as _cmp  # noqa: E402
+from ds4c.runtime.families import experts as _exp  # noqa: E402
+from ds4c.runtime.families import gemv as _gv  # noqa: E402
+from ds4c.runtime.families import hc as _hc  # noqa: E402
+from ds4c.runtime.families import indexer as _idx  # noqa: E402
+from ds4c.runtime.families import router as _rt  # noqa: E402
+from ds4c.runtime.families import rowchain as _rc  # noqa: E402
+from ds4c.runtime.render import RenderError  # noqa: E402
+from ds4c.runtime.targets import Target  # noqa: E402
+from ds4c.tensors import FORMATS, tensor_specs  # noqa: E402
+
+_FMT = {GGMLType.BF16: "bf16", GGMLType.F32: "f32", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4"}
+ELEMENTWISE_CHAIN = ("rms_norm", "head_rms", "rope", "kv_fake_quant", "fp4_fake_quant", "hadamard", "mul_scalar")
+
+
+class LoweringError(RenderError):
+    """A plan kernel has no lowering (an op pattern no family implements) or its operands do not fit."""
+
+
+class _Ctx:
+    """What the per-pattern lowerings share: value names, producers, weight formats, the target."""
+
+    def __init__(self, g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[str, GGMLType]):
+        self.g, self.cfg, self.target = g, cfg, target
+        self.names = value_names(g)
+        self.prod: dict[Value, Op] = {}
+        for op in g.ops:
+            for leaf in op.walk():
+                for v in leaf.outputs:
+                    self.prod[v] = leaf
+        self.types = weight_types
+        self.q = int(g.meta["width"])
+        self.inputs = {v: k for k, v in g.inputs.items()}
+
+    # -- bindings
+    def weight_name(self, v: Value) -> str | None:
+        p = self.prod.get(v)
+        return p.attrs["weight"] if p is not None and p.kind == "param" else None
+
+    def arg(self, v: Value) -> Arg:
+        """Binding of a value: a weight by GGUF name, a per-step scalar, or a graph value by name (views of
+        state buffers resolve to the buffer they view)."""
+        w = self.weight_name(v)
+        if w is not None:
+            return Arg("weight", w)
+        p = self.prod.get(v)
+        if p is not None and p.kind in ("bucket_rows", "live_rows", "reshape"):
+            return self.arg(p.inputs[0])
+        if p is not None and p.kind == "row_positions":
+            return Arg("step", "positions")
+        if v in self.inputs and self.inputs[v] in ("tokens", "pos") or (v in self.inputs and self.inputs[v].startswith("live_r")):
+            return Arg("step", self.inputs[v])
+        return Arg("value", self.names[v])
+
+    def fmt(self, weight: str) -> str:
+        t = self.types.get(weight, GGMLType.BF16)
+        if t not in _FMT:
+            raise LoweringError(f"weight {weight}: storage {t.name} has no GEMV kernel (expected BF16/F32/Q8_0/MXFP4)")
+        return _FMT[t]
+
+    def name(self, op: Op, suffix: str) -> str:
+        """Kernel (entry) name: by role, not by layer, so identical kernels of different layers render the
+        same source and share one binary (the plan kernel keeps the layer in its own name)."""
+        del op
+        return f"ds4c_{suffix}"
+
+
+def _launch(src: KernelSource, grid: Any, block: Any, smem: int, args: list[Arg]) -> Launch:
+    g = tuple(grid) + (1,) * (3 - len(tuple(grid)))
+    b = tuple(block) + (1,) * (3 - len(tuple(block)))
+    return Launch(src, g, b, int(smem), tuple(args))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------- GEMV
+def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> list[Launch]:
+    """One multi-output GEMV over ``x``. When the FP8-quantized activation does not fit in shared memory
+    (HIP: 64 KiB, e.g. K = 8192 at q = 5), the activation is first quantized once into a bf16 workspace by
+    small kernel (``templates/actq``; e4m3 values times powers of two are exact in bf16) and the GEMV reads
+    it in plain bf16 mode: the same products and sums."""
+    k = int(linears[0].inputs[0].type.shape[-1])
+    outs = []
+    for lin in linears:
+        w = c.weight_name(lin.inputs[1])
+        if w is None:
+            raise LoweringError(f"{name}: linear weight is not a model tensor")
+        outs.append(_gv.GemvOutput(int(lin.outputs[0].type.shape[-1]), c.fmt(w), lin.attrs["mode"]))
+    wargs = [c.arg(l.inputs[1]) for l in linears] + [Arg("value", c.names[l.outputs[0]]) for l in linears]
+    spec = _gv.GemvSpec(k, c.q, tuple(outs), act_quant)
+    try:
+        src = _gv.render_gemv(spec, c.target, name)
+    except RenderError:
+        if not act_quant or all(o.mode != "fp8act" for o in outs) or any(o.mode == "f32" for o in outs):
+            raise
+        xq = Arg("workspace", name + "_xq", nbytes=2 * c.q * k)
+        pre = _launch(render("actq/act_quant.cu.j2", name + "_actq", "gemv", c.target, {"k": k}),
+                      (k // 128, c.q), (128,), 0, [c.arg(x), xq])
+        plain = tuple(_gv.GemvOutput(o.n, o.fmt, "bf16" if o.mode == "fp8act" else o.mode, o.out_dtype) for o in outs)
+        spec = _gv.GemvSpec(k, c.q, plain, False)
+        src = _gv.render_gemv(spec, c.target, name)
+        grid, block, smem = _gv.launch_shape(spec, c.target)
+        return [pre, _launch(src, grid, block, smem, [xq] + wargs)]
+    grid, block, smem = _gv.launch_shape(spec, c.target)
+    return [_launch(src, grid, block, smem, [c.arg(x)] + wargs)]
+
+
+def _chain_op(c: _Ctx, op: Op) -> _rc.ChainOp | None:
+    k, a = op.kind, op.attrs
+    if k == "rms_norm":
+        return _rc.rms_norm(a["eps"])
+    if k == "head_rms":
+        return _rc.head_rms(a["eps"])
+    if k == "rope":
+        return _rc.rope(c.cfg.rope_dim, inverse=a["inverse"])
+    if k == "kv_fake_quant":
+        return _rc.kv_fq(a["nope"]) if a["enabled"] else None
+    if k == "fp4_fake_quant":
+        return _rc.fp4_fq(a["block"])
+    if k == "hadamard":
+        return _rc.hadamard()
+    if k == "mul_scalar":
+        return _rc.mul_scalar(a["value"])
+    raise LoweringError(f"no row-chain op for {k}")
+
+
+def _rowchain(c: _Ctx, name: str, x: Value, chain: list[Op]) -> Launch:
+    """A row-chain launch applying ``chain`` (elementwise leaf ops, reshapes skipped) to ``x``."""
+    ops = [o for o in chain if o.kind != "reshape"]
+    last = chain[-1].outputs[0]
+    shape = last.type.shape
+    groups, width = (int(shape[1]), int(shape[2])) if len(shape) == 3 else (1, int(shape[-1]))
+    cops = [(_chain_op(c, o), o) for o in ops]
+    spec = _rc.RowChainSpec(groups, width, tuple(co for co, _ in cops if co is not None), pos_dtype="i64")
+    src = _rc.render_rowchain(spec, c.target, name)
+    la = _rc.rowchain_launch(spec, c.q)
+    binding: dict[str, Arg] = {"x": c.arg(x), "out": Arg("value", c.names[last]), "pos": Arg("step", "pos")}
+    kept = [o for co, o in cops if co is not None]
+    for i, o in enumerate(kept):
+        if o.kind == "rms_norm":
+            binding[f"w{i}"] = c.arg(o.inputs[1])
+        if o.kind == "rope":
+            binding[f"freqs{i}"] = c.arg(o.inputs[2])
+    args = [binding[a.name] for a in _rc.rowchain_args(spec)]
+    return _launch(src, la.grid, la.block, la.smem, args)
+
+
+def _chains_from(c: _Ctx, body: list[Op], start: Value) -> list[list[Op]]:
+    """Maximal chains of elementwise ops (and reshapes) in ``body`` reading ``start``, each op reading the
+    previous op's output."""
+    chains = []
+    for op in body:
+        if op.kind in ELEMENTWISE_CHAIN + ("reshape",) and op.inputs[0] is start:
+            chain, cur = [op], op
+            while True:
+                nxt = [o for o in body if o.kind in ELEMENTWISE_CHAIN + ("reshape",) and o.inputs[0] is cur.outputs[0]]
+                if len(nxt) != 1:
+                    break
+                cur = nxt[0]
+                chain.append(cur)
+            if any(o.kind != "reshape" for o in chain):
+                chains.append(chain)
+    return chains
+
+
+def _lower_gemv_group(c: _Ctx, op: Op) -> list[Launch]:
+    body = op.body or [op]
+    linears = [b for b in body if b.kind == "linear"]
+    launches: list[Launch] = []
+    x = linears[0].inputs[0]
+    pre = c.prod.get(x)
+    if pre is not None and pre in body and pre.kind == "rms_norm":  # prologue norm (q_norm)
+        launches.append(_rowchain(c, c.name(op, "qnorm"), pre.inputs[0], [pre]))
+    act = all(l.attrs.get("act_quant", True) for l in linears if l.attrs["mode"] == "fp8act")
+    launches += _gemv(c, c.name(op, "gemv"), x, linears, act)
+    for j, lin in enumerate(linears):
+        for k, chain in enumerate(_chains_from(c, body, lin.outputs[0])):
+            launches.append(_rowchain(c, c.name(op, f"epi{j}_{k}"), lin.outputs[0], chain))
+    return launches
+
+
+# ------------------------------------------------------------------------------------------------- HC
+def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
+    body = op.body or []
+    kinds = [b.kind for b in body]
+    pattern = op.attrs["pattern"]
+    variant = {"hc_embed_pre": "embed_pre", "hc_post_pre": "post_pre", "hc_post_head": "post_head"}[pattern]
+    mix = next(b for b in body if b.kind == "hc_mix")
+    norm = next(b for b in body if b.kind == "rms_norm")
+    cfg = c.cfg
+    spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps)
+    srcs = _hc.render_hc(spec, c.target, c.name(op, variant))
+    gate = next(b for b in body if b.kind in ("sinkhorn", "hc_head_gate"))
+    b: dict[str, Arg] = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
+                         "norm_w": c.arg(norm.inputs[1]), "y": Arg("value", c.names[norm.outputs[0]]),
+                         "ws": Arg("workspace", c.name(op, "hc_ws"), nbytes=4 * max(_hc.workspace_floats(spec), 1))}
+    if variant == "embed_pre":
+        emb = next(x for x in body if x.kind == "embed")
+        b.update(tokens=Arg("step", "tokens"), table=c.arg(emb.inputs[1]), n_vocab=Arg("int", "n_vocab", value=cfg.vocab_size),
+                 x=Arg("value", c.names[next(x for x in body if x.kind == "hc_expand").outputs[0]]))
+    else:
+        post = next(x for x in body if x.kind == "hc_post")
+        b.update(out=c.arg(post.inputs[0]), x=c.arg(post.inputs[1]), post=c.arg(post.inputs[2]),
+                 comb=c.arg(post.inputs[3]), x_new=Arg("value", c.names[post.outputs[0]]))
+    if variant != "post_head":
+        b.update(post_new=Arg("value", c.names[gate.outputs[1]]), comb_new=Arg("value", c.names[gate.outputs[2]]))
+    names = _hc.arg_names(spec)
+    launches = [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+                for s, la in zip(srcs, _hc.launch_shapes(spec))]
+    router = [x for x in body if x.kind == "linear"]
+    if router:  # router with the FFN norm: its GEMV follows the norm stage
+        launches += _gemv(c, c.name(op, "router_gemv"), norm.outputs[0], router, True)
+    del kinds
+    return launches
+
+
+# ------------------------------------------------------------------------------------------------- others
+def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
+    comps = [b for b in (op.body or [op]) if b.kind == "compress"]
+    specs, binding = [], [Arg("step", "pos")]
+    for b in comps:
+        a = b.attrs
+        specs.append(_cmp.CompressorSpec(a["ratio"], a["d"], a["indexer"], a["emulate"], a["nope"], c.cfg.rope_dim,
+                                         c.q, a["eps"]))
+        binding += [c.arg(b.inputs[i]) for i in (0, 1, 2, 3, 4, 5, 6, 8)]
+    src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
+    la = _cmp.launch_shape(specs)
+    return [_launch(src, la.grid, la.block, la.smem, binding)]
+
+
+def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
+    it = next(b for b in (op.body or [op]) if b.kind == "indexer_topk")
+    qi, keys, hw = it.inputs[0], it.inputs[1], it.inputs[2]
+    cap = int(keys.type.shape[0])
+    spec = _idx.IndexerSpec(c.q, int(qi.type.shape[1]), int(qi.type.shape[2]), it.attrs["topk"], cap, 4)
+    srcs = _idx.render_indexer(spec, c.target, c.name(op, "indexer"))
+    b = {"qi": c.arg(qi), "keys": c.arg(keys), "hw": c.arg(hw), "positions": Arg("step", "positions"),
+         "live": Arg("step", "live_r4"), "out": Arg("value", c.names[it.outputs[0]]),
+         "scores": Arg("workspace", c.name(op, "idx_scores"), nbytes=2 * c.q * cap)}
+    names = _idx.arg_names(spec)
+    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+            for s, la in zip(srcs, _idx.launch_shapes(spec))]
+
+
+def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
+    sa = next(b for b in (op.body or [op]) if b.kind == "sparse_attention")
+    a = sa.attrs
+    kind = a["kind"]
+    cap = int(sa.inputs[5].type.shape[0]) if kind != "swa" else 0
+    topk = int(sa.inputs[6].type.shape[1]) if kind == "csa" else 0
+    ratio = 0
+    if kind == "hca":
+        ratio = c.prod[sa.inputs[6]].attrs["ratio"]
+    spec = _att.AttentionSpec(kind, c.q, int(sa.inputs[0].type.shape[1]), int(sa.inputs[0].type.shape[2]),
+                              a["window"], cap, topk, ratio, scale=a["scale"])
+    srcs = _att.render_attention(spec, c.target, c.name(op, f"attn_{kind}"))
+    b = {"q": c.arg(sa.inputs[0]), "ring": c.arg(sa.inputs[1]), "kv_new": c.arg(sa.inputs[2]),
+         "sink": c.arg(sa.inputs[4]), "out": Arg("value", c.names[sa.outputs[0]]), "pos": Arg("step", "pos"),
+         "ws": Arg("workspace", c.name(op, "attn_ws"), nbytes=4 * max(_att.workspace_floats(spec), 1))}
+    if kind != "swa":
+        b["comp"] = c.arg(sa.inputs[5])
+    if kind == "csa":
+        b["sel"] = c.arg(sa.inputs[6])
+    if kind == "hca":
+        b["live"] = Arg("step", f"live_r{ratio}")
+    names = _att.arg_names(spec)
+    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+            for s, la in zip(srcs, _att.launch_shapes(spec))]
+
+
+def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
+    body = op.body or [op]
+    gl = next(b for b in body if b.kind == "grouped_linear")
+    rope = next((b for b in body if b.kind == "rope"), None)
+    ring = next((b for b in body if b.kind == "ring_write"), None)
+    o = rope.inputs[0] if rope is not None else gl.inputs[0]
+    cfg = c.cfg
+    spec = _rc.GroupedSpec(c.q, cfg.n_heads, cfg.head_dim, gl.attrs["groups"], cfg.o_lora_rank,
+                           rope_dim=cfg.rope_dim if rope is not None else 0,
+                           ring_window=cfg.window if ring is not None else 0,
+                           kv_width=cfg.head_dim if ring is not None else 0, pos_dtype="i64")
+    src = _rc.render_grouped(spec, c.target, c.name(op, "wo_a"))
+    la = _rc.grouped_launch(spec, c.target)
+    b = {"o": c.arg(o), "w": c.arg(gl.inputs[1]), "z": Arg("value", c.names[gl.outputs[0]]), "pos": Arg("step", "pos")}
+    if rope is not None:
+        b["freqs"] = c.arg(rope.inputs[2])
+    if ring is not None:
+        b["kv"], b["ring"] = c.arg(ring.inputs[1]), c.arg(ring.inputs[0])
+    return [_launch(src, la.grid, la.block, la.smem, [b[a.name] for a in _rc.grouped_args(spec)])]
+
+
+def _lower_route(c: _Ctx, op: Op) -> list[Launch]:
+    body = op.body or [op]
+    r = next(b for b in body if b.kind == "route")
+    rs = next((b for b in body if b.kind == "router_scores"), None)
+    z = rs.inputs[0] if rs is not None else r.inputs[0]
+    spec = _rt.RouterSpec(c.q, c.cfg.n_experts, r.attrs["k"], r.attrs["hash"], r.attrs["scale"],
+                          from_logits=rs is not None)
+    srcs = _rt.render_router(spec, c.target, c.name(op, "route"))
+    b = {"z": c.arg(z), "tokens": Arg("step", "tokens"), "table": c.arg(r.inputs[2]),
+         "ids": Arg("value", c.names[r.outputs[0]]), "weights": Arg("value", c.names[r.outputs[1]])}
+    names = _rt.arg_names(spec)
+    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+            for s, la in zip(srcs, _rt.launch_shapes(spec))]
+
+
+def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
+    body = op.body or []
+    re_ = next(b for b in body if b.kind == "routed_experts")
+    lin = [b for b in body if b.kind == "linear"]
+    moe = next(b for b in body if b.kind == "moe_sum")
+    sw = next(b for b in body if b.kind == "swiglu")
+    gate = next(l for l in lin if l.outputs[0] is sw.inputs[0])
+    up = next(l for l in lin if l.outputs[0] is sw.inputs[1])
+    down = next(l for l in lin if l not in (gate, up))
+    layer = re_.attrs["layer"]
+    p = f"blk.{layer}."
+    cfg = c.cfg
+    spec = _exp.ExpertsSpec(c.q, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts,
+                            c.fmt(p + "ffn_gate_exps.weight"), c.fmt(c.weight_name(gate.inputs[1]) or ""),
+                            bool(re_.attrs["emulate"]), re_.attrs["limit"])
+    srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
+    hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
+    b = {"x": c.arg(re_.inputs[0]), "ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]),
+         "w1": Arg("weight", p + "ffn_gate_exps.weight"), "w3": Arg("weight", p + "ffn_up_exps.weight"),
+         "w2": Arg("weight", p + "ffn_down_exps.weight"), "sh_w1": c.arg(gate.inputs[1]),
+         "sh_w3": c.arg(up.inputs[1]), "sh_w2": c.arg(down.inputs[1]), "hbuf": hbuf,
+         "out": Arg("value", c.names[moe.outputs[0]])}
+    names = _exp.arg_names(spec)
+    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+            for s, la in zip(srcs, _exp.launch_shapes(spec, c.target))]
+
+
+_PATTERNS = {
+    "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc,
+    "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
+    "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
+    "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
+}
+
+FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "multi_gemv": "gemv",
+             "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
+             "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
+             "moe_experts": "experts"}
+
+
+def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
+                weight_types: dict[str, GGMLType] | None = None) -> list[LoweredKernel]:
+    """The launches of every plan kernel of ``g`` (after the default pipeline) for ``target``.
+
+    Args:
+        weight_types: GGUF storage type per weight name (default: the official formats of ``cfg``).
+
+    Raises:
+        LoweringError: a plan kernel whose pattern no family implements (or the graph was not partitioned).
+    """
+    if "partition" not in g.meta.get("passes", ()):
+        raise LoweringError("lower_graph needs a partitioned graph (run the default pipeline first)")
+    types = weight_types or {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+    c = _Ctx(g, cfg, target, types)
+    out: list[LoweredKernel] = []
+    seen: dict[str, int] = {}
+    for op in g.ops:
+        if op.kind != "fused":
+            continue
+        pattern = op.attrs.get("pattern", "")
+        fn = _PATTERNS.get(pattern)
+        if fn is None:
+            raise LoweringError(f"no kernel family lowers the plan kernel pattern {pattern!r} (layer {op.layer})")
+        base = f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}.{seen[base]}"
+        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
+    return out
