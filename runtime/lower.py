@@ -37,6 +37,10 @@ class Arg:
     name: str
     nbytes: int = 0
     value: int = 0
+    form: str = ""
+    """For ``weight``: how the kernel reads it — ``raw`` (the stored GGUF bytes: GEMV and expert weights),
+    ``f32`` (dequantized to fp32, as the reference holds norms, HC parameters, sinks, ape, biases), ``bf16``
+    (dequantized and rounded to bf16: the embedding, grouped ``wo_a``) or ``i64`` (tid2eid)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ARG_KINDS:
@@ -71,6 +75,7 @@ def describe(k: LoweredKernel) -> dict[str, Any]:
             "launches": [{"entry": l.kernel.entry, "kernel": l.kernel.name, "grid": list(l.grid),
                           "block": list(l.block), "smem": l.smem,
                           "args": [{"kind": a.kind, "name": a.name, **({"nbytes": a.nbytes} if a.nbytes else {}),
+                                    **({"form": a.form} if a.form else {}),
                                     **({"value": a.value} if a.kind == "int" else {})} for a in l.args]}
                          for l in k.launches]}
 
@@ -114,6 +119,14 @@ class _Ctx:
                     self.prod[v] = leaf
         self.types = weight_types
         self.q = int(g.meta["width"])
+        # in-place state updates: a new state value lives in the buffer of the state it replaces
+        self.alias: dict[Value, Value] = {}
+        for leaf in g.leaf_ops():
+            if leaf.kind == "compress":
+                for k in range(3):
+                    self.alias[leaf.outputs[k]] = leaf.inputs[4 + k]
+            elif leaf.kind == "ring_write":
+                self.alias[leaf.outputs[0]] = leaf.inputs[0]
         self.inputs = {v: k for k, v in g.inputs.items()}
 
     # -- bindings
@@ -124,9 +137,12 @@ class _Ctx:
     def arg(self, v: Value) -> Arg:
         """Binding of a value: a weight by GGUF name, a per-step scalar, or a graph value by name (views of
         state buffers resolve to the buffer they view)."""
+        while v in self.alias:
+            v = self.alias[v]
         w = self.weight_name(v)
         if w is not None:
-            return Arg("weight", w)
+            form = "bf16" if w == "token_embd.weight" else "i64" if w.endswith("tid2eid.weight") else "f32"
+            return Arg("weight", w, form=form)
         p = self.prod.get(v)
         if p is not None and p.kind in ("bucket_rows", "live_rows", "reshape"):
             return self.arg(p.inputs[0])
@@ -168,7 +184,8 @@ def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> l
         if w is None:
             raise LoweringError(f"{name}: linear weight is not a model tensor")
         outs.append(_gv.GemvOutput(int(lin.outputs[0].type.shape[-1]), c.fmt(w), lin.attrs["mode"]))
-    wargs = [c.arg(l.inputs[1]) for l in linears] + [Arg("value", c.names[l.outputs[0]]) for l in linears]
+    wargs = [Arg("weight", c.weight_name(l.inputs[1]) or "", form="raw") for l in linears] + \
+        [Arg("value", c.names[l.outputs[0]]) for l in linears]
     spec = _gv.GemvSpec(k, c.q, tuple(outs), act_quant)
     try:
         src = _gv.render_gemv(spec, c.target, name)
@@ -364,7 +381,8 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
                            kv_width=cfg.head_dim if ring is not None else 0, pos_dtype="i64")
     src = _rc.render_grouped(spec, c.target, c.name(op, "wo_a"))
     la = _rc.grouped_launch(spec, c.target)
-    b = {"o": c.arg(o), "w": c.arg(gl.inputs[1]), "z": Arg("value", c.names[gl.outputs[0]]), "pos": Arg("step", "pos")}
+    b = {"o": c.arg(o), "w": Arg("weight", c.weight_name(gl.inputs[1]) or "", form="bf16"),
+         "z": Arg("value", c.names[gl.outputs[0]]), "pos": Arg("step", "pos")}
     if rope is not None:
         b["freqs"] = c.arg(rope.inputs[2])
     if ring is not None:
@@ -405,9 +423,12 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
     b = {"x": c.arg(re_.inputs[0]), "ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]),
-         "w1": Arg("weight", p + "ffn_gate_exps.weight"), "w3": Arg("weight", p + "ffn_up_exps.weight"),
-         "w2": Arg("weight", p + "ffn_down_exps.weight"), "sh_w1": c.arg(gate.inputs[1]),
-         "sh_w3": c.arg(up.inputs[1]), "sh_w2": c.arg(down.inputs[1]), "hbuf": hbuf,
+         "w1": Arg("weight", p + "ffn_gate_exps.weight", form="raw"),
+         "w3": Arg("weight", p + "ffn_up_exps.weight", form="raw"),
+         "w2": Arg("weight", p + "ffn_down_exps.weight", form="raw"),
+         "sh_w1": Arg("weight", c.weight_name(gate.inputs[1]) or "", form="raw"),
+         "sh_w3": Arg("weight", c.weight_name(up.inputs[1]) or "", form="raw"),
+         "sh_w2": Arg("weight", c.weight_name(down.inputs[1]) or "", form="raw"), "hbuf": hbuf,
          "out": Arg("value", c.names[moe.outputs[0]])}
     names = _exp.arg_names(spec)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])

@@ -39,7 +39,7 @@ class Interpreter:
                 return None  # routed experts are read by id through ctx.expert
             return weights.by_name[name]
 
-        self.ctx = RunCtx(cfg, weight, lambda layer, e: weights.experts.get(layer, e))
+        self.ctx = RunCtx(cfg, weight, lambda layer, e: weights.experts.get(layer, e), weights.embed.device)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the graph. ``inputs`` maps every graph input name to a tensor. Returns every graph output.

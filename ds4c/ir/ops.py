@@ -30,10 +30,12 @@ BF16, F32 = torch.bfloat16, torch.float32
 class RunCtx:
     """What op implementations need beyond their inputs: the config, weight lookup and the step."""
 
-    def __init__(self, cfg: Any, weight: Callable[[str], Any], expert: Callable[[int, int], tuple]):
+    def __init__(self, cfg: Any, weight: Callable[[str], Any], expert: Callable[[int, int], tuple],
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.weight = weight
         self.expert = expert
+        self.device = torch.device(device)
 
 
 Infer = Callable[[list[TensorType], dict[str, Any]], list[TensorType]]
@@ -109,7 +111,7 @@ class Const:
 
     @staticmethod
     def run(ctx, ins, a):
-        return [a["data"]]
+        return [a["data"].to(ctx.device)]
 
 
 @register("rope_freqs", (), ("freqs",), ("rope_dim", "base", "yarn", "factor", "orig_len", "beta_fast", "beta_slow"),

@@ -1,0 +1,227 @@
+"""Run the compiled step on a CUDA GPU: weights and state on the device, one launch list per (width, context
+bucket), captured as a CUDA graph on first use and replayed after.
+
+Per-step scalars (position, row positions, token ids, live lengths) live in one int64 device buffer that the
+kernels read; a step uploads them in one copy, so a captured graph replays with new values. A step whose
+(width, bucket) has no compiled graph is an error naming the key; there is no fallback.
+
+Data flows one way: this module consumes the lowering (runtime/lower.py), the kernel cache and the model
+file; nothing upstream imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ds4c.buckets import BucketSpec
+from ds4c.errors import StepError
+from ds4c.gguf_file import ModelFile
+from ds4c.ir import build_step
+from ds4c.ir.graph import Graph, Value
+from ds4c.ir.printer import value_names
+from ds4c.passes.manager import run_pipeline
+from ds4c.runtime.cache import KernelCache
+from ds4c.runtime.launch import CudaKernel, CudaModule
+from ds4c.runtime.lower import Arg, LoweredKernel, lower_graph
+from ds4c.runtime.targets import Target, target
+
+_DT = {"bf16": torch.bfloat16, "f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "u8": torch.uint8}
+
+
+@dataclass
+class _Bound:
+    kernel: CudaKernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: list[Any]
+
+
+@dataclass
+class _StepGraph:
+    width: int
+    context: int
+    graph: Graph
+    kernels: list[LoweredKernel]
+    launches: list[_Bound] = field(default_factory=list)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    cuda_graph: Any = None
+    capture_s: float = 0.0
+
+
+class CompiledStep:
+    """The compiled decode/verify step of one model on one CUDA GPU.
+
+    Args:
+        mf: the model file (weights are uploaded as the kernels read them).
+        buckets: widths and context buckets to serve; ``buckets.max_ctx`` sizes the state.
+        arch: the CUDA arch to compile for (e.g. ``sm_90``).
+        cache: the kernel cache (compiles what is missing; an AOT-filled cache compiles nothing).
+        use_graphs: capture one CUDA graph per (width, bucket) on first use and replay it.
+
+    Raises:
+        StepError: no CUDA device.
+    """
+
+    def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
+                 use_graphs: bool = True):
+        if not torch.cuda.is_available():
+            raise StepError("the compiled step needs a CUDA device (torch.cuda.is_available() is False)")
+        self.mf, self.cfg, self.buckets = mf, mf.config, buckets
+        self.target: Target = target(arch)
+        self.cache = cache or KernelCache()
+        self.use_graphs = use_graphs
+        self.dev = torch.device("cuda")
+        self._weights: dict[tuple[str, str], torch.Tensor] = {}
+        self._modules: dict[str, CudaModule] = {}
+        self._graphs: dict[tuple[int, int], _StepGraph] = {}
+        self.state: dict[str, torch.Tensor] = {}
+        self._workspaces: dict[str, torch.Tensor] = {}
+        maxq = max(buckets.widths)
+        # step buffer: [pos, live_r..., positions (maxq), tokens (maxq)]
+        self._ratios = sorted({r for r in self.cfg.compress_ratios[: self.cfg.n_layers] if r})
+        self._off = {"pos": 0}
+        for k, r in enumerate(self._ratios):
+            self._off[f"live_r{r}"] = 1 + k
+        self._off["positions"] = 1 + len(self._ratios)
+        self._off["tokens"] = self._off["positions"] + maxq
+        self._step_host = torch.zeros(self._off["tokens"] + maxq, dtype=torch.int64).pin_memory()
+        self._step_dev = torch.zeros_like(self._step_host, device=self.dev)
+        self.pos = 0
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """A new sequence: every state buffer back to its initial value (KV 0, compressor scores -inf)."""
+        from ds4c.ir.builder import state_inputs
+
+        for name, t in state_inputs(self.cfg, self.buckets.max_ctx).items():
+            buf = self.state.get(name)
+            if buf is None:
+                buf = self.state[name] = torch.empty(tuple(t.shape), dtype=_DT[t.dtype], device=self.dev)
+            buf.fill_(float("-inf") if name.endswith("_score") else 0)
+        self.pos = 0
+
+    # ------------------------------------------------------------------------------------------ weights
+    def _weight(self, name: str, form: str) -> torch.Tensor:
+        key = (name, form)
+        if key not in self._weights:
+            if form == "raw":
+                raw = np.ascontiguousarray(self.mf.raw(name))
+                t = torch.from_numpy(raw.view(np.uint8).copy())
+            elif form == "i64":
+                t = self.mf.tensor(name)
+            elif form == "bf16":
+                t = self.mf.tensor(name).to(torch.bfloat16)
+            else:
+                t = self.mf.tensor(name)
+            self._weights[key] = t.to(self.dev).contiguous()
+        return self._weights[key]
+
+    # ------------------------------------------------------------------------------------------ graphs
+    def _prepare(self, width: int, context: int) -> _StepGraph:
+        key = (width, context)
+        sg = self._graphs.get(key)
+        if sg is not None:
+            return sg
+        if width not in self.buckets.widths or context not in self.buckets.contexts:
+            raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
+                            f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
+        g = run_pipeline(build_step(self.cfg, width, self.buckets.max_ctx), "default", context=context).graph
+        types = {n: self.mf.ggml_type(n) for n in self.mf.specs}
+        kernels = lower_graph(g, self.cfg, self.target, types)
+        srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}
+        compiled = dict(zip(srcs, self.cache.compile_many(list(srcs.values()), progress=False)))
+        sg = _StepGraph(width, context, g, kernels)
+        names = value_names(g)
+        by_name = {names[v]: v for v in names}
+        consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
+        for k in kernels:
+            for la in k.launches:
+                e = compiled[la.kernel.digest()]
+                mod = self._modules.get(e.key)
+                if mod is None:
+                    mod = self._modules[e.key] = CudaModule(e.binary())
+                fn = mod.function(la.kernel.entry, la.smem)
+                args = [self._resolve(a, sg, by_name, consts) for a in la.args]
+                sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))
+        self._graphs[key] = sg
+        return sg
+
+    def _resolve(self, a: Arg, sg: _StepGraph, by_name: dict[str, Value], consts: dict[str, torch.Tensor]) -> Any:
+        if a.kind == "weight":
+            return self._weight(a.name, a.form or "f32")
+        if a.kind == "int":
+            return int(a.value)
+        if a.kind == "step":
+            off = self._off[a.name]
+            return self._step_dev[off:]
+        if a.kind == "workspace":
+            t = self._workspaces.get(a.name)
+            if t is None or t.numel() < a.nbytes:
+                t = self._workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=self.dev)
+            return t
+        # a graph value: a state buffer, a constant, or an activation of this graph
+        if a.name in self.state:
+            return self.state[a.name]
+        if a.name in consts:
+            t = sg.values.get(a.name)
+            if t is None:
+                t = sg.values[a.name] = consts[a.name].to(self.dev).contiguous()
+            return t
+        t = sg.values.get(a.name)
+        if t is None:
+            v = by_name[a.name]
+            t = sg.values[a.name] = torch.full(tuple(int(d) for d in v.type.shape), 0, dtype=_DT[v.type.dtype],
+                                               device=self.dev)
+        return t
+
+    # ------------------------------------------------------------------------------------------ steps
+    def step(self, tokens: list[int], pos: int) -> torch.Tensor:
+        """Run ``len(tokens)`` rows at ``pos..``; returns fp32 logits [q, vocab] (a device tensor, valid until
+        the next step of the same width and bucket).
+
+        Raises:
+            StepError: ``pos`` is not the sequence's next position, positions past max_ctx, or no compiled
+                graph for the (width, bucket) key.
+        """
+        q = len(tokens)
+        if pos != self.pos:
+            raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
+        context = self.buckets.bucket(pos, q)
+        sg = self._prepare(q, context)
+        h = self._step_host
+        h[self._off["pos"]] = pos
+        for r in self._ratios:
+            h[self._off[f"live_r{r}"]] = (pos + q) // r
+        for i, t in enumerate(tokens):
+            h[self._off["positions"] + i] = pos + i
+            h[self._off["tokens"] + i] = int(t)
+        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
+        if self.use_graphs:
+            if sg.cuda_graph is None:
+                self._run(sg)  # warm-up outside the capture (module loads, attributes)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                sg.cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(sg.cuda_graph):
+                    self._run(sg)
+                torch.cuda.synchronize()
+                sg.capture_s = time.perf_counter() - t0
+                # the warm-up already advanced the state: undo is not possible, so the capture must not run
+                # the step again; torch's capture does not execute kernels, the warm-up result stands
+            else:
+                sg.cuda_graph.replay()
+        else:
+            self._run(sg)
+        self.pos = pos + q
+        return sg.values["logits"]
+
+    def _run(self, sg: _StepGraph) -> None:
+        for b in sg.launches:
+            b.kernel(b.grid, b.block, b.args, smem=b.smem)
