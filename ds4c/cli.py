@@ -1,7 +1,8 @@
 """The ``ds4c`` command line (click).
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
-``generate`` (tokens from the reference), ``inspect-ir``, ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
+``generate`` (tokens from the reference), ``inspect-ir``, ``compile`` (an AOT artifact), ``inspect`` (an
+artifact: summary, kernels, source, resources, SASS/ISA), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
 model: the ``tiny`` preset with seed 0, written once to the user cache folder.
 """
 
@@ -57,6 +58,9 @@ class _Group(click.Group):
         except Ds4cError as e:
             click.echo(f"ds4c: error: {e}", err=True)
             sys.exit(2)
+        except BrokenPipeError:  # output piped into e.g. `head`, which exited: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except OSError as e:  # file-system trouble outside ds4c's own checks (permissions, full disk)
             where = f": {e.filename}" if getattr(e, "filename", None) else ""
             click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
@@ -150,10 +154,12 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Sampling seed.")
 @click.option("--no-quant-emulation", is_flag=True,
               help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
+@click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
+              help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, timings).")
 def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device: str, temperature: float,
-                 seed: int, no_quant_emulation: bool, as_json: bool) -> None:
-    """Generate tokens with the PyTorch reference (greedy by default)."""
+                 seed: int, no_quant_emulation: bool, engine: str, as_json: bool) -> None:
+    """Generate tokens (greedy by default): with the compiled step on cuda, the PyTorch reference on cpu."""
     import time
 
     import torch
@@ -172,14 +178,26 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
     if len(ids) + max_new_tokens > mf.config.max_position:
         raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the model's context "
                         f"length {mf.config.max_position}")
-    weights = ReferenceWeights.load(mf, device)
-    if no_quant_emulation:
-        weights.config = weights.config.replace(quant_emulation=False)
-    ref = Reference(weights, max_ctx=len(ids) + max_new_tokens)
+    if engine == "auto":
+        engine = "compiled" if device == "cuda" else "reference"
+    if engine == "compiled":
+        if device != "cuda":
+            raise Ds4cError("--engine compiled runs on --device cuda only")
+        from ds4c.buckets import BucketSpec
+        from ds4c.runtime.executor import CompiledStep, device_arch
+
+        cfg = mf.config.replace(quant_emulation=False) if no_quant_emulation else mf.config
+        mf.config = cfg
+        ref = CompiledStep(mf, BucketSpec.build(cfg, (1, 2, 3, 4, 5), len(ids) + max_new_tokens), device_arch())
+    else:
+        weights = ReferenceWeights.load(mf, device)
+        if no_quant_emulation:
+            weights.config = weights.config.replace(quant_emulation=False)
+        ref = Reference(weights, max_ctx=len(ids) + max_new_tokens)
     load_s = time.perf_counter() - t0
     res = generate(ref, ids, max_new_tokens, temperature=temperature, seed=seed)
     if as_json:
-        rec = {"model": str(mf.path), "device": device, "temperature": temperature, "seed": seed,
+        rec = {"model": str(mf.path), "device": device, "engine": engine, "temperature": temperature, "seed": seed,
                "load_s": load_s, **res.as_dict()}
         click.echo(json.dumps(rec))
         return
@@ -265,6 +283,181 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     click.echo(f"// kernels {len(plan.kernels)}, weight bytes/step {sum(k.weight_bytes for k in plan.kernels) / 1e9:.3f} GB "
                f"(routed experts: {cfg.n_active_experts} per row), arena {mem.get('arena_bytes', 0):,d} bytes "
                f"(without reuse {mem.get('no_reuse_bytes', 0):,d})")
+
+
+# ------------------------------------------------------------------------------------------------------
+def _parse_ints(text: str, hint: str) -> list[int]:
+    parts = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not re.fullmatch(r"-?[0-9]+", t) for t in parts):
+        raise click.BadParameter(f"expected comma-separated integers like 1,2,3, found {text!r}", param_hint=hint)
+    return [int(t) for t in parts]
+
+
+@main.command("compile")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default=None,
+              help="Compile a preset's model without a model file.")
+@click.option("--arch", "archs", required=True, help="Comma-separated target archs, e.g. sm_90,gfx1151.")
+@click.option("--widths", default="1,2,3,4,5", show_default=True, help="Comma-separated verify widths (1..5).")
+@click.option("--max-ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Largest context (tokens) the artifact serves.")
+@click.option("--contexts", default=None, help="Comma-separated context buckets (default: powers of two).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel compiles (default: CPU count).")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
+def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
+                contexts: str | None, jobs: int | None, output: str) -> None:
+    """Compile every (width, context) step graph for the given archs into an artifact folder (no GPU needed).
+
+    The config comes from FILE, or --preset, or the built-in default model. Kernels come from (and go to) the
+    kernel cache; the artifact is replaced atomically.
+    """
+    from ds4c.buckets import BucketSpec
+    from ds4c.config import preset
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.artifact import build_artifact, load_manifest
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.targets import parse_targets
+
+    if file and preset_name:
+        raise click.UsageError("give a model file or --preset, not both")
+    targets = parse_targets(archs)
+    ws = _parse_ints(widths, "--widths")
+    cs = _parse_ints(contexts, "--contexts") if contexts is not None else None
+    if preset_name:
+        cfg, types = preset(preset_name), None
+    else:
+        mf = open_model(_model_path(file))
+        cfg, types = mf.config, {name: mf.ggml_type(name) for name in mf.specs}
+    buckets = BucketSpec.build(cfg, ws, max_ctx, cs)
+    cache = KernelCache()
+    out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types)
+    man = load_manifest(out, verify=False)
+    b = man["build"]
+    tinfo = man["targets"]
+    click.echo(f"artifact:  {out}")
+    click.echo("targets:   " + ", ".join(f"{s} ({t['toolchain']['name']} {t['toolchain']['version'].split(' (')[0]})"
+                                         for s, t in tinfo.items()))
+    click.echo(f"graphs:    {len(man['graphs'])} per target (widths {','.join(map(str, buckets.widths))} x contexts "
+               f"{','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx})")
+    click.echo(f"kernels:   {b['plan_kernels']} plan kernels, {b['launches']} launches")
+    click.echo(f"binaries:  {b['unique_binaries']} unique: compiled {b['compiled']}, cached {b['cached']}")
+    click.echo(f"seconds:   {b['seconds']:.1f}")
+
+
+def _layer_name(layer: int) -> str:
+    return "emb/head" if layer < 0 else f"L{layer}"
+
+
+def _res_text(res: dict) -> str:
+    if not res:
+        return "regs ? (not reported)"
+    spill = res.get("spill_stores", 0) + res.get("spill_loads", 0) if "spill_stores" in res else \
+        res.get("sgpr_spills", 0) + res.get("vgpr_spills", 0)
+    return (f"regs {res.get('registers', '?')}, spills {spill}{' (!)' if res.get('spills') else ''}, "
+            f"smem {res.get('smem_bytes', 0)}")
+
+
+def _resources_of(rec: dict, entry: str) -> dict:
+    r = rec.get("resources", {})
+    if entry in r:
+        return r[entry]
+    return next(iter(r.values())) if len(r) == 1 else {}
+
+
+@main.command("inspect")
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--kernels", "list_kernels", is_flag=True,
+              help="Per layer the kernels with grid/block/smem and registers/spills/shared memory.")
+@click.option("--kernel", "kernel", default=None,
+              help="One kernel: a plan kernel (l0.multi_gemv), a rendered kernel or entry name, or a binary name.")
+@click.option("--source", "show_source", is_flag=True, help="With --kernel: print the rendered source.")
+@click.option("--resources", "show_resources", is_flag=True, help="With --kernel: print the resource usage.")
+@click.option("--sass", "show_sass", is_flag=True,
+              help="With --kernel: print the machine code (cuobjdump -sass / llvm-objdump -d).")
+@click.option("--target", "arch", default=None, help="Target arch (default: the first of the artifact).")
+@click.option("--graph", "graph", default=None, help="Graph key, e.g. q1_c256 (default: the first).")
+def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
+                show_sass: bool, arch: str | None, graph: str | None) -> None:
+    """Inspect an artifact folder built by `ds4c compile`."""
+    from ds4c.runtime.artifact import disassemble, find_binaries, find_graph, find_target, load_manifest
+
+    if sum((show_source, show_resources, show_sass)) > 1:
+        raise click.UsageError("give at most one of --source, --resources, --sass")
+    if (show_source or show_resources or show_sass) and kernel is None:
+        raise click.UsageError("--source, --resources and --sass need --kernel NAME")
+    man = load_manifest(artifact)
+    slug = find_target(man, arch)
+    t = man["targets"][slug]
+    if kernel is not None:
+        gk = find_graph(man, slug, graph)
+        found = find_binaries(man, slug, gk, kernel)
+        for i, (rel, rec) in enumerate(found):
+            if len(found) > 1 or not (show_source or show_sass):
+                click.echo(f"// ---- {rec['kernel']} (entry {rec['entry']}, family {rec['family']}) for {slug}: "
+                           f"{rel}, key {rec['key'][:12]}")
+            if show_source:
+                click.echo((Path(artifact) / rec["source"]).read_text(), nl=False)
+            elif show_sass:
+                click.echo(disassemble(artifact, rel, rec, t["arch"]), nl=False)
+            elif show_resources:
+                res = rec.get("resources", {})
+                if not res:
+                    click.echo("  (none reported by the compiler)")
+                for fn, use in res.items():
+                    click.echo(f"  {fn}: " + ", ".join(f"{k} {v}" for k, v in use.items()))
+            else:
+                click.echo(f"  source:    {rec['source']}")
+                click.echo(f"  binary:    {rel} ({rec['bytes']:,d} bytes, {rec['kind']})")
+                click.echo(f"  resources: {_res_text(_resources_of(rec, rec['entry']))}")
+        return
+    if list_kernels:
+        gk = find_graph(man, slug, graph)
+        g = t["graphs"][gk]
+        click.echo(f"// {slug}, graph {gk} (width {g['width']}, context {g['context']}), arena "
+                   f"{g['arena_bytes']:,d} bytes")
+        by_layer: dict[int, list] = {}
+        for k in g["kernels"]:
+            by_layer.setdefault(k["layer"], []).append(k)
+        for layer in sorted(by_layer):
+            click.echo(f"{_layer_name(layer)}:")
+            for k in by_layer[layer]:
+                click.echo(f"  {k['name']}  ({k['family']}, {len(k['launches'])} launch"
+                           f"{'es' if len(k['launches']) != 1 else ''})")
+                for ld in k["launches"]:
+                    rec = t["binaries"][ld["binary"]]
+                    click.echo(f"    {ld['entry']:40s} grid {tuple(ld['grid'])} block {tuple(ld['block'])} "
+                               f"dyn smem {ld['smem']}  {_res_text(_resources_of(rec, ld['entry']))}  "
+                               f"[{Path(ld['binary']).name}]")
+        return
+    cfg = man["config"]
+    bk = man["buckets"]
+    click.echo(f"artifact: {Path(artifact).absolute()} (ds4c {man['ds4c_version']})")
+    click.echo(f"config:   {cfg.get('name')} (hash {man['config_hash'][:12]}), {cfg.get('n_layers')} layers, "
+               f"hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}")
+    click.echo(f"buckets:  widths {bk['widths']}, contexts {bk['contexts']}, max_ctx {bk['max_ctx']} "
+               f"(hash {man['buckets_hash'][:12]})")
+    b = man.get("build", {})
+    if b:
+        click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "
+                   f"{b.get('cached')} cached) in {b.get('seconds')} s")
+    for s, ti in man["targets"].items():
+        if arch is not None and s != slug:
+            continue
+        nbytes = sum(r["bytes"] for r in ti["binaries"].values())
+        click.echo(f"target {s} (wave {ti['wave']}, {ti['toolchain']['name']} {ti['toolchain']['version']}): "
+                   f"{len(ti['binaries'])} binaries, {nbytes:,d} bytes")
+        for gk, g in ti["graphs"].items():
+            if graph is not None and gk != graph:
+                continue
+            per: dict[int, int] = {}
+            for k in g["kernels"]:
+                per[k["layer"]] = per.get(k["layer"], 0) + 1
+            n_l = sum(len(k["launches"]) for k in g["kernels"])
+            layers = " ".join(f"{_layer_name(la)}:{n}" for la, n in sorted(per.items()))
+            click.echo(f"  {gk:10s} kernels {len(g['kernels']):4d} launches {n_l:4d} arena {g['arena_bytes']:>12,d} B "
+                       f"graph {g['graph_hash'][:12]}  per layer {layers}")
+    if graph is not None:
+        find_graph(man, slug, graph)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,10 +39,12 @@ class GenerationResult:
                 "step_ms": [round(s * 1e3, 3) for s in self.step_s]}
 
 
-def generate(ref: Reference, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, width: int = MAX_WIDTH) -> GenerationResult:
     """Generate ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
 
+    ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
+    ``decode(token, pos)`` and ``max_ctx`` (the compiled step's :class:`~ds4c.runtime.executor.CompiledStep`).
     The prompt runs as verify steps of ``width`` rows (the last may be narrower); the last row's logits
     give the first new token; each further token is one decode step. Sampling: greedy when
     ``temperature == 0``, else P12 with a CPU generator seeded by ``seed``.
@@ -68,10 +71,10 @@ def generate(ref: Reference, prompt: list[int], max_new_tokens: int, temperature
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     if max_new_tokens:
-        out.append(int(sample(logits[-1:], temperature, gen)[0]))
+        out.append(int(sample(logits[-1:].float().cpu(), temperature, gen)[0]))
     while len(out) < max_new_tokens:
         ts = time.perf_counter()
-        logits = ref.decode(out[-1], len(prompt) + len(out) - 1)
+        logits = ref.decode(out[-1], len(prompt) + len(out) - 1).float().cpu()
         out.append(int(sample(logits, temperature, gen)[0]))
         steps.append(time.perf_counter() - ts)
     return GenerationResult(list(prompt), out, prefill_s, time.perf_counter() - t1, steps)

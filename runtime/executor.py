@@ -30,6 +30,12 @@ from ds4c.runtime.launch import CudaKernel, CudaModule
 from ds4c.runtime.lower import Arg, LoweredKernel, lower_graph
 from ds4c.runtime.targets import Target, target
 
+def device_arch() -> str:
+    """The CUDA arch name of the current device (runtime only; AOT never calls this)."""
+    major, minor = torch.cuda.get_device_capability()
+    return {(8, 0): "sm_80", (9, 0): "sm_90", (10, 0): "sm_100a"}.get((major, minor), f"sm_{major}{minor}")
+
+
 _DT = {"bf16": torch.bfloat16, "f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "u8": torch.uint8}
 
 
@@ -93,6 +99,7 @@ class CompiledStep:
         self._step_host = torch.zeros(self._off["tokens"] + maxq, dtype=torch.int64).pin_memory()
         self._step_dev = torch.zeros_like(self._step_host, device=self.dev)
         self.pos = 0
+        self._undo: tuple | None = None
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -106,6 +113,43 @@ class CompiledStep:
                 buf = self.state[name] = torch.empty(tuple(t.shape), dtype=_DT[t.dtype], device=self.dev)
             buf.fill_(float("-inf") if name.endswith("_score") else 0)
         self.pos = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A device copy of the sequence state (all buffers) and the position."""
+        return {"pos": self.pos, "state": {k: v.clone() for k, v in self.state.items()}}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Copy a :meth:`snapshot` back (in place: captured graphs keep pointing at the same buffers)."""
+        for k, v in snap["state"].items():
+            self.state[k].copy_(v)
+        self.pos = snap["pos"]
+
+    def verify(self, tokens: list[int], pos: int) -> torch.Tensor:
+        """A verify step that can be rolled back: snapshots the state, runs the step, remembers the tokens.
+        Returns fp32 logits [q, vocab]."""
+        self._undo = (self.snapshot(), list(tokens), pos)
+        return self.step(tokens, pos)
+
+    def rollback(self, accepted: int) -> None:
+        """Keep the first ``accepted`` rows of the last :meth:`verify`: restore the state from before it and
+        replay the accepted rows as one step of width ``accepted`` (exactly the state sequential decoding of
+        that prefix leaves, up to the kernels' own rounding).
+
+        Raises:
+            StepError: no verify to roll back, or ``accepted`` outside 0..q.
+        """
+        undo = getattr(self, "_undo", None)
+        if undo is None:
+            raise StepError("rollback: no verify step to roll back")
+        snap, tokens, pos = undo
+        if not 0 <= accepted <= len(tokens):
+            raise StepError(f"rollback: accepted must be in 0..{len(tokens)}, found {accepted}")
+        self._undo = None
+        if accepted == len(tokens):
+            return
+        self.restore(snap)
+        if accepted:
+            self.step(tokens[:accepted], pos)
 
     # ------------------------------------------------------------------------------------------ weights
     def _weight(self, name: str, form: str) -> torch.Tensor:
@@ -221,6 +265,15 @@ class CompiledStep:
             self._run(sg)
         self.pos = pos + q
         return sg.values["logits"]
+
+    # the stepper interface of ds4c.generate.generate
+    @property
+    def max_ctx(self) -> int:
+        return self.buckets.max_ctx
+
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        """One decode step (q = 1). Returns fp32 logits [1, vocab]."""
+        return self.step([token], pos)
 
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:

@@ -1,0 +1,85 @@
+"""The compiled step on a CUDA GPU against the reference on the same GPU (skipped without a GPU; run on the
+H200 and recorded in docs/gpu-validation.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, 512, (80,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_path, tmp_path_factory):
+    from ds4c.buckets import BucketSpec
+    from ds4c.gguf_file import open_model
+    from ds4c.reference import Reference, ReferenceWeights
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    mf = open_model(tiny_path)
+    buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
+    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path_factory.mktemp("kcache")))
+    ref = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=128)
+    return ex, ref
+
+
+def test_teacher_forced_steps_match_the_reference(setup, tokens):
+    from ds4c.ir.interpreter import state_to_inputs
+
+    ex, ref = setup
+    ref.reset()
+    errs, p, k = [], 0, 0
+    while p < 60:
+        q = (5, 1, 3)[k % 3]
+        k += 1
+        for name, buf in state_to_inputs(ref.state).items():
+            ex.state[name].copy_(buf)
+        ex.pos = p
+        got = ex.step(tokens[p:p + q], p).float().cpu()
+        want = ref.verify(tokens[p:p + q], p).cpu()
+        errs.append((got - want).norm(dim=-1) / want.norm(dim=-1))
+        p += q
+    e = torch.cat(errs)
+    assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
+
+
+def test_two_requests_give_identical_output_and_a_missing_key_is_named(setup):
+    from ds4c.errors import StepError
+    from ds4c.generate import generate
+
+    ex, _ = setup
+    a = generate(ex, [5, 17, 301, 42, 7, 99], 30).tokens
+    b = generate(ex, [5, 17, 301, 42, 7, 99], 30).tokens
+    assert a == b
+    ex.reset()
+    ex.step([1], 0)
+    with pytest.raises(StepError, match="next position is 1"):
+        ex.step([1], 5)
+    ex.pos = 126
+    with pytest.raises(StepError, match="outside the context"):
+        ex.step([1] * 5, 126)
+    ex.reset()
+
+
+def test_rollback_equals_the_accepted_prefix(setup, tokens):
+    ex, _ = setup
+    ex.reset()
+    for s in range(0, 10, 5):
+        ex.step(tokens[s:s + 5], s)
+    base = ex.snapshot()
+    ex.verify(tokens[10:15], 10)
+    ex.rollback(2)
+    after = ex.snapshot()
+    ex.restore(base)
+    ex.step(tokens[10:12], 10)
+    seq = ex.snapshot()
+    assert after["pos"] == seq["pos"] == 12
+    for name in seq["state"]:
+        assert torch.equal(after["state"][name], seq["state"][name]), name
