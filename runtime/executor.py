@@ -98,6 +98,7 @@ class CompiledStep:
         self._off["tokens"] = self._off["positions"] + maxq
         self._step_host = torch.zeros(self._off["tokens"] + maxq, dtype=torch.int64).pin_memory()
         self._step_dev = torch.zeros_like(self._step_host, device=self.dev)
+        self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
         self._undo: tuple | None = None
         self.reset()
@@ -107,7 +108,7 @@ class CompiledStep:
         """A new sequence: every state buffer back to its initial value (KV 0, compressor scores -inf)."""
         from ds4c.ir.builder import state_inputs
 
-        for name, t in state_inputs(self.cfg, self.buckets.max_ctx).items():
+        for name, t in state_inputs(self.cfg, self.capacity).items():
             buf = self.state.get(name)
             if buf is None:
                 buf = self.state[name] = torch.empty(tuple(t.shape), dtype=_DT[t.dtype], device=self.dev)
@@ -176,7 +177,7 @@ class CompiledStep:
         if width not in self.buckets.widths or context not in self.buckets.contexts:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
-        g = run_pipeline(build_step(self.cfg, width, self.buckets.max_ctx), "default", context=context).graph
+        g = run_pipeline(build_step(self.cfg, width, self.capacity), "default", context=context).graph
         types = {n: self.mf.ggml_type(n) for n in self.mf.specs}
         kernels = lower_graph(g, self.cfg, self.target, types)
         srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}
