@@ -10,6 +10,7 @@ text plus the texts of the templates used is the whole input of a compile (and o
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,17 +54,62 @@ class KernelSource:
         return hashlib.sha256(self.source.encode()).hexdigest()
 
 
-class _RecordingLoader(jinja2.FileSystemLoader):
-    """Remembers the text of every template it loads (the main one and its includes)."""
+class _TextLoader(jinja2.FileSystemLoader):
+    """Keeps the text of every template it loads, by name (updated when a changed file is reloaded)."""
 
     def __init__(self, root: Path):
         super().__init__(str(root))
-        self.seen: dict[str, str] = {}
+        self.texts: dict[str, str] = {}
 
     def get_source(self, environment: jinja2.Environment, template: str):  # type: ignore[override]
         src, filename, uptodate = super().get_source(environment, template)
-        self.seen[template] = src
+        self.texts[template] = src
         return src, filename, uptodate
+
+
+class _RecordingEnvironment(jinja2.Environment):
+    """A Jinja environment that keeps compiled templates across renders (parsing a template costs far more
+    than rendering it) and records, per render, every template used: the main one and its includes, cache
+    hits included (``get_template`` / ``select_template`` are what include statements call)."""
+
+    def __init__(self, root: Path):
+        self.text_loader = _TextLoader(root)
+        self._rec = threading.local()
+        super().__init__(loader=self.text_loader, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                         lstrip_blocks=True, keep_trailing_newline=True, auto_reload=True, cache_size=-1)
+
+    def _record(self, t: jinja2.Template) -> jinja2.Template:
+        seen = getattr(self._rec, "seen", None)
+        if seen is not None and t.name is not None:
+            seen[t.name] = self.text_loader.texts[t.name]
+        return t
+
+    def get_template(self, name, parent=None, globals=None):  # type: ignore[override]
+        return self._record(super().get_template(name, parent, globals))
+
+    def select_template(self, names, parent=None, globals=None):  # type: ignore[override]
+        return self._record(super().select_template(names, parent, globals))
+
+    def render_recording(self, template: str, params: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        """``(rendered text, {template name: text} of every template used)``."""
+        self._rec.seen = {}
+        try:
+            text = self.get_template(template).render(**params)
+            return text, dict(sorted(self._rec.seen.items()))
+        finally:
+            self._rec.seen = None
+
+
+_ENVS: dict[Path, _RecordingEnvironment] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _environment(root: Path) -> _RecordingEnvironment:
+    with _ENVS_LOCK:
+        env = _ENVS.get(root)
+        if env is None:
+            env = _ENVS[root] = _RecordingEnvironment(root)
+        return env
 
 
 def render(template: str, name: str, family: str, target: Target, params: dict[str, Any],
@@ -71,20 +117,19 @@ def render(template: str, name: str, family: str, target: Target, params: dict[s
     """Render ``template`` (a path under ``templates/``) for ``target`` with ``params``.
 
     ``vendor`` and ``wave`` are added to the parameters. ``entry`` defaults to ``name`` with characters
-    other than letters, digits and ``_`` replaced by ``_``.
+    other than letters, digits and ``_`` replaced by ``_``. Compiled templates are kept per process (and
+    reloaded when their file changes).
 
     Raises:
         RenderError: missing template, or an undefined parameter used by the template.
     """
-    loader = _RecordingLoader(TEMPLATE_DIR)
-    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, trim_blocks=True,
-                             lstrip_blocks=True, keep_trailing_newline=True)
+    env = _environment(Path(TEMPLATE_DIR))
     entry = entry or "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     full = {**params, "vendor": target.vendor, "wave": target.wave, "entry": entry}
     try:
-        text = env.get_template(template).render(**full)
+        text, used = env.render_recording(template, full)
     except jinja2.TemplateNotFound as e:
         raise RenderError(f"no kernel template {e.name!r} under {TEMPLATE_DIR}") from None
     except jinja2.UndefinedError as e:
         raise RenderError(f"template {template!r} for {name}: {e.message} (params given: {sorted(params)})") from None
-    return KernelSource(name, family, target, entry, text, dict(sorted(loader.seen.items())), dict(params))
+    return KernelSource(name, family, target, entry, text, used, dict(params))

@@ -1,0 +1,474 @@
+"""Tests of AOT artifacts (ds4c.runtime.artifact) and ``ds4c compile`` / ``ds4c inspect``.
+
+Two layers of tests:
+
+* the artifact mechanics (layout, manifest, de-duplication, atomic publication, load errors) with a fake
+  ``lower_graph`` that lowers every plan kernel to one launch of the selftest ``axpy`` kernel (two variants,
+  so each target compiles two binaries);
+* end to end with the real ``ds4c.runtime.lower.lower_graph`` (when it exists): ``ds4c compile --preset tiny``
+  for sm_90 + gfx1151, re-run from the cache, every plan kernel listed, ``inspect`` at every level.
+
+Compiles go to one session-scoped kernel cache, so each distinct kernel is compiled once per test run. Tests
+that compile skip (with the reason) when a target's compiler is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from ds4c import __version__
+from ds4c.buckets import BucketSpec
+from ds4c.cli import main
+from ds4c.config import preset
+from ds4c.errors import ConfigError
+from ds4c.ir import build_step
+from ds4c.ir.printer import graph_hash
+from ds4c.passes.manager import run_pipeline
+from ds4c.passes.partition import kernel_plan
+from ds4c.runtime import artifact as art
+from ds4c.runtime import lower as lower_mod
+from ds4c.runtime.artifact import ArtifactError, build_artifact, load_manifest
+from ds4c.runtime.cache import KernelCache
+from ds4c.runtime.lower import Arg, Launch, LoweredKernel
+from ds4c.runtime.render import render
+from ds4c.runtime.targets import TargetError, parse_targets
+from ds4c.runtime.toolchain import ToolchainError, find_toolchain, is_valid_binary
+
+TINY = preset("tiny")
+ARCHS = "sm_90,gfx1151"
+HAS_REAL_LOWER = hasattr(lower_mod, "lower_graph")
+
+
+def _missing_compilers(archs: str) -> list[str]:
+    out = []
+    for t in parse_targets(archs):
+        try:
+            find_toolchain(t)
+        except ToolchainError as e:
+            out.append(f"{t.slug}: {e}")
+    return out
+
+
+needs_compilers = pytest.mark.skipif(bool(_missing_compilers(ARCHS)),
+                                     reason="; ".join(_missing_compilers(ARCHS)) or "compilers present")
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One kernel cache for the whole session (each distinct kernel is compiled once)."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
+@pytest.fixture
+def cache_env(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DS4C_CACHE", str(cache_dir))
+    return cache_dir
+
+
+def fake_lower_graph(g, cfg, target, weight_types=None) -> list[LoweredKernel]:
+    """Every plan kernel -> one launch of selftest axpy (per_thread 1 for embedding/head kernels, else 2)."""
+    out = []
+    for k in kernel_plan(g).kernels:
+        pt = 1 if k.layer < 0 else 2
+        src = render("selftest/axpy.cu.j2", f"selftest.axpy{pt}", "selftest", target,
+                     {"threads": 256, "per_thread": pt})
+        grid = tuple((list(k.launch.get("grid", [1])) + [1, 1])[:3])
+        args = (Arg("value", k.inputs[0] if k.inputs else "x"), Arg("value", k.outputs[0]),
+                Arg("step", "pos"), Arg("int", "n", value=256 * pt), Arg("workspace", "total", nbytes=4))
+        out.append(LoweredKernel(k.name, k.family, k.layer, [Launch(src, grid, (256, 1, 1), 0, args)]))
+    return out
+
+
+@pytest.fixture
+def fake_lower(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(lower_mod, "lower_graph", fake_lower_graph, raising=False)
+    return fake_lower_graph
+
+
+def tiny_buckets(widths=(1,), max_ctx=64, contexts=None) -> BucketSpec:
+    return BucketSpec.build(TINY, widths, max_ctx, contexts)
+
+
+def run(*args: str, env: dict | None = None) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args], env=env or {}, catch_exceptions=False)
+
+
+def assert_error_line(r: Result, *parts: str) -> str:
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("ds4c: error: "), lines[0]
+    for p in parts:
+        assert p in lines[0], (p, lines[0])
+    return lines[0]
+
+
+def summary_counts(out: str) -> tuple[int, int]:
+    m = re.search(r"compiled (\d+), cached (\d+)", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(out.name + "."))
+
+
+# ----------------------------------------------------------------------------------- fake lower: mechanics
+@needs_compilers
+def test_build_layout_and_manifest(tmp_path, cache_dir, fake_lower):
+    targets = parse_targets(ARCHS)
+    buckets = tiny_buckets((1, 2), 64)
+    out = build_artifact(TINY, targets, buckets, tmp_path / "art", KernelCache(cache_dir), progress=False)
+    assert out == (tmp_path / "art").absolute()
+    man = load_manifest(out)
+    assert man["ds4c_version"] == __version__
+    assert man["config"] == TINY.model_dict() and man["config_hash"] == TINY.hash()
+    assert man["buckets"] == buckets.as_dict() and man["buckets_hash"] == buckets.hash()
+    assert list(man["targets"]) == ["cuda-sm_90", "hip-gfx1151"]
+    keys = [f"q{w}_c{c}" for w, c in buckets.keys()]
+    assert list(man["graphs"]) == keys
+    for (w, c), gk in zip(buckets.keys(), keys):
+        g = run_pipeline(build_step(TINY, w, buckets.max_ctx), "default", context=c).graph
+        assert man["graphs"][gk]["graph_hash"] == graph_hash(g)
+        assert man["graphs"][gk]["arena_bytes"] == g.meta["memory"]["arena_bytes"] > 0
+        assert man["graphs"][gk]["memory"]["slots"]
+        names = [k.name for k in kernel_plan(g).kernels]
+        for slug, t in man["targets"].items():
+            tg = t["graphs"][gk]
+            assert (tg["width"], tg["context"], tg["graph_hash"]) == (w, c, graph_hash(g))
+            assert [k["name"] for k in tg["kernels"]] == names
+    for slug, t in man["targets"].items():
+        assert t["toolchain"]["name"] and t["toolchain"]["version"]
+        kind = "cubin" if slug.startswith("cuda") else "hsaco"
+        # two axpy variants per target: every launch points at one of two de-duplicated binaries
+        assert len(t["binaries"]) == 2
+        used = {ld["binary"] for g in t["graphs"].values() for k in g["kernels"] for ld in k["launches"]}
+        assert used == set(t["binaries"])
+        for rel, b in t["binaries"].items():
+            assert re.fullmatch(rf"bin/{slug}/selftest\.axpy[12]-[0-9a-f]{{12}}\.{kind}", rel), rel
+            assert rel.endswith(f"-{b['key'][:12]}.{kind}")
+            data = (out / rel).read_bytes()
+            assert is_valid_binary(data, kind) and len(data) == b["bytes"]
+            assert "axpy" in (out / b["source"]).read_text()
+            assert b["entry"] in b["resources"] or not b["resources"]
+        ld = t["graphs"][keys[0]]["kernels"][0]["launches"][0]
+        assert {"binary", "key", "grid", "block", "smem", "args", "entry"} <= set(ld)
+        assert ld["key"] == t["binaries"][ld["binary"]]["key"]
+        assert [a["kind"] for a in ld["args"]] == ["value", "value", "step", "int", "workspace"]
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == sorted(["manifest.json"] + [r for t in man["targets"].values() for r in t["binaries"]]
+                           + [b["source"] for t in man["targets"].values() for b in t["binaries"].values()])
+    assert man["build"]["unique_binaries"] == 4
+    assert man["build"]["plan_kernels"] == 2 * sum(len(g["kernels"]) for g in man["targets"]["cuda-sm_90"]["graphs"].values())
+    assert leftovers(out) == []
+
+
+@needs_compilers
+def test_rebuild_hits_cache_and_replaces_atomically(tmp_path, cache_dir, fake_lower, monkeypatch):
+    cache = KernelCache(cache_dir)
+    targets = parse_targets(ARCHS)
+    out = build_artifact(TINY, targets, tiny_buckets(), tmp_path / "art", cache, progress=False)
+    (out / "stale-file").write_text("from the previous artifact")
+    compiled = []
+    real = KernelCache.get_or_compile
+    monkeypatch.setattr(KernelCache, "get_or_compile", lambda self, *a, **k: compiled.append(a) or real(self, *a, **k))
+    out2 = build_artifact(TINY, targets[::-1], tiny_buckets((1,), 128, (64, 128)), tmp_path / "art", cache,
+                          progress=False)
+    assert out2 == out and compiled == []
+    man = load_manifest(out)
+    assert man["build"]["compiled"] == 0 and man["build"]["cached"] == 4
+    assert man["buckets"]["max_ctx"] == 128
+    # targets in the order given, graphs in bucket order (not sorted as strings)
+    assert list(man["targets"]) == ["hip-gfx1151", "cuda-sm_90"]
+    assert list(man["graphs"]) == list(man["targets"]["cuda-sm_90"]["graphs"]) == ["q1_c64", "q1_c128"]
+    assert not (out / "stale-file").exists()  # the whole folder was replaced
+    assert leftovers(out) == []
+
+
+@needs_compilers
+def test_interrupted_build_keeps_previous_artifact(tmp_path, cache_dir, fake_lower, monkeypatch):
+    cache = KernelCache(cache_dir)
+    targets = parse_targets(ARCHS)
+    out = build_artifact(TINY, targets, tiny_buckets(), tmp_path / "art", cache, progress=False)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(KernelCache, "compile_many", boom)
+    with pytest.raises(KeyboardInterrupt):
+        build_artifact(TINY, targets, tiny_buckets((1, 2), 128), out, cache, progress=False)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert leftovers(out) == []
+    load_manifest(out)
+
+    # an interruption while the artifact is being written (after compiling) leaves it intact as well
+    monkeypatch.undo()
+    monkeypatch.setattr(lower_mod, "lower_graph", fake_lower_graph, raising=False)
+    real_copy = shutil.copyfile
+    calls = []
+
+    def copy_then_fail(a, b, *k, **kw):
+        calls.append(b)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device", str(b))
+        return real_copy(a, b, *k, **kw)
+
+    monkeypatch.setattr(art.shutil, "copyfile", copy_then_fail)
+    with pytest.raises(OSError):
+        build_artifact(TINY, targets, tiny_buckets((1, 2), 128), out, cache, progress=False)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert leftovers(out) == []
+
+    # a failed first build leaves nothing at all
+    with pytest.raises(OSError):
+        calls.clear()
+        build_artifact(TINY, targets, tiny_buckets(), tmp_path / "new", cache, progress=False)
+    assert not (tmp_path / "new").exists() and leftovers(tmp_path / "new") == []
+
+
+def test_leftovers_of_a_killed_build_are_cleaned(tmp_path, monkeypatch):
+    """A killed build's temp folder is removed; an old artifact set aside by a build killed between its two
+    renames is put back."""
+    out = tmp_path / "art"
+    dead = 2**22 + 12345  # above the default pid_max of most systems: no such process
+    monkeypatch.setattr(art, "_pid_alive", lambda pid: pid != dead)
+    (tmp_path / f"art.tmp-{dead}-abc").mkdir()
+    (tmp_path / f"art.tmp-{dead}-abc" / "manifest.json").write_text("{}")
+    old = tmp_path / f"art.old-{dead}-xyz" / "a"
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text("{}")
+    art._clean_leftovers(out)
+    assert (out / "manifest.json").read_text() == "{}"
+    assert leftovers(out) == []
+
+
+def test_refuses_to_replace_other_folders(tmp_path, cache_dir, fake_lower):
+    d = tmp_path / "not-an-artifact"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not a ds4c artifact"):
+        build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), d, KernelCache(cache_dir), progress=False)
+    assert (d / "precious.txt").read_text() == "keep me"
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ArtifactError, match="not a folder"):
+        build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), f, KernelCache(cache_dir), progress=False)
+
+
+def test_bad_inputs_raise_ds4c_errors(tmp_path, cache_dir, fake_lower):
+    with pytest.raises(TargetError, match="sm_91"):
+        parse_targets("sm_90,sm_91")
+    with pytest.raises(ConfigError, match="1..5"):
+        BucketSpec.build(TINY, (1, 6), 64)
+    with pytest.raises(ConfigError, match="do not cover"):
+        BucketSpec.build(TINY, (1,), 1000, (64, 128))
+    with pytest.raises(ArtifactError, match="at least one target"):
+        build_artifact(TINY, [], tiny_buckets(), tmp_path / "a", KernelCache(cache_dir), progress=False)
+
+
+@needs_compilers
+def test_load_manifest_errors(tmp_path, cache_dir, fake_lower):
+    with pytest.raises(ArtifactError, match="no artifact folder"):
+        load_manifest(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArtifactError, match="manifest.json is missing"):
+        load_manifest(tmp_path / "empty")
+    out = build_artifact(TINY, parse_targets(ARCHS), tiny_buckets(), tmp_path / "art", KernelCache(cache_dir),
+                         progress=False)
+    good = (out / "manifest.json").read_text()
+    man = json.loads(good)
+
+    (out / "manifest.json").write_text(good[: len(good) // 2])
+    with pytest.raises(ArtifactError, match="corrupt artifact manifest"):
+        load_manifest(out)
+    (out / "manifest.json").write_text(json.dumps({**man, "ds4c_version": "0.0.1"}))
+    with pytest.raises(ArtifactError, match=r"built by ds4c 0\.0\.1, this is ds4c"):
+        load_manifest(out)
+    (out / "manifest.json").write_text(json.dumps({k: v for k, v in man.items() if k != "graphs"}))
+    with pytest.raises(ArtifactError, match="missing graphs"):
+        load_manifest(out)
+    (out / "manifest.json").write_text(good)
+    rel = next(iter(man["targets"]["hip-gfx1151"]["binaries"]))
+    data = (out / rel).read_bytes()
+    (out / rel).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(ArtifactError, match="does not match"):
+        load_manifest(out)
+    load_manifest(out, verify=False)  # sizes still agree
+    (out / rel).unlink()
+    with pytest.raises(ArtifactError, match=re.escape(f"binary {rel}") + ".*missing"):
+        load_manifest(out)
+
+
+@needs_compilers
+def test_cli_compile_and_inspect_fake(tmp_path, cache_env, fake_lower):
+    out = tmp_path / "art"
+    r = run("compile", "--preset", "tiny", "--arch", ARCHS, "--widths", "1", "--max-ctx", "64", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[-1].startswith("seconds:")
+    assert "targets:   cuda-sm_90 (nvcc" in r.stdout and "hip-gfx1151" in r.stdout
+    compiled, cached = summary_counts(r.stdout)
+    assert compiled + cached == 4
+    r = run("compile", "--preset", "tiny", "--arch", ARCHS, "--widths", "1", "--max-ctx", "64", "-o", out)
+    assert summary_counts(r.stdout) == (0, 4)
+    assert "compiling" in r.stderr and "(2 cached)" in r.stderr
+
+    r = run("inspect", out)
+    assert r.exit_code == 0, r.output
+    assert "config:   tiny" in r.stdout and "q1_c64" in r.stdout and "target hip-gfx1151" in r.stdout
+    r = run("inspect", out, "--kernels", "--target", "gfx1151")
+    assert r.exit_code == 0, r.output
+    assert "hip-gfx1151, graph q1_c64" in r.stdout and "l0." in r.stdout and "regs " in r.stdout
+    r = run("inspect", out, "--kernel", "selftest.axpy2", "--source")
+    assert r.exit_code == 0 and "DS4C_GLOBAL void selftest_axpy2" in r.stdout
+    r = run("inspect", out, "--kernel", "selftest_axpy1", "--resources")
+    assert r.exit_code == 0 and "registers" in r.stdout
+
+    r = run("inspect", out, "--kernel", "nope")
+    assert_error_line(r, "no kernel 'nope'")
+    r = run("inspect", out, "--graph", "q9_c64")
+    assert_error_line(r, "no graph 'q9_c64'", "q1_c64")
+    r = run("inspect", out, "--target", "sm_80")
+    assert_error_line(r, "no target 'sm_80'")
+    r = run("inspect", tmp_path / "missing")
+    assert_error_line(r, "no artifact folder")
+
+
+@needs_compilers
+def test_cli_compile_from_gguf_records_weight_types(tmp_path, cache_env, tiny_bf16_path, monkeypatch):
+    seen = []
+    real = fake_lower_graph
+
+    def spy(g, cfg, target, weight_types=None):
+        seen.append(weight_types)
+        return real(g, cfg, target, weight_types)
+
+    monkeypatch.setattr(lower_mod, "lower_graph", spy, raising=False)
+    out = tmp_path / "art"
+    r = run("compile", tiny_bf16_path, "--arch", "sm_90", "--widths", "2", "--max-ctx", "64", "-o", out)
+    assert r.exit_code == 0, r.output
+    man = load_manifest(out)
+    assert man["config_hash"] == TINY.hash()
+    assert seen and all(w is not None and w["blk.0.attn_q_a.weight"].name == "BF16" for w in seen)
+    assert set(man["weight_types"].values()) <= {"BF16", "F32", "I32"}
+    assert man["weight_types_hash"] == art.weight_types_hash(man["weight_types"])
+    # a preset compiles the official formats
+    out2 = tmp_path / "art2"
+    assert run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "2", "--max-ctx", "64", "-o",
+               out2).exit_code == 0
+    man2 = load_manifest(out2)
+    assert man2["weight_types"] == art.effective_weight_types(TINY) and "Q8_0" in man2["weight_types"].values()
+    assert man2["weight_types_hash"] != man["weight_types_hash"]
+    r = run("compile", tiny_bf16_path, "--preset", "tiny", "--arch", "sm_90", "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "not both" in r.output
+
+
+def test_disassembler_missing_tools(monkeypatch):
+    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: None)
+    with pytest.raises(ArtifactError, match="cuobjdump and nvdisasm"):
+        art.disassembler("cubin", "sm_90")
+    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: "/x/cuobjdump" if tool == "cuobjdump" else None)
+    with pytest.raises(ArtifactError, match=r"needs nvdisasm \(cuobjdump -sass runs it\)"):
+        art.disassembler("cubin", "sm_90")
+    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: f"/x/{tool}")
+    cmd, tool, env = art.disassembler("cubin", "sm_90")
+    assert cmd == ["/x/cuobjdump", "-sass"] and env["NVDISASM_PATH"] == "/x"
+    monkeypatch.setattr(art.shutil, "which", lambda name: None)
+    with pytest.raises(ArtifactError, match="needs llvm-objdump"):
+        art.disassembler("hsaco", "gfx1151")
+    monkeypatch.setattr(art.shutil, "which", lambda name: "/y/llvm-objdump" if name == "llvm-objdump" else None)
+    assert art.disassembler("hsaco", "gfx1151")[0] == ["/y/llvm-objdump", "-d", "--mcpu=gfx1151"]
+
+
+# --------------------------------------------------------------------------------------- CLI bad inputs
+def test_cli_compile_errors(tmp_path, cache_env, fake_lower):
+    out = tmp_path / "art"
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90,sm_91", "-o", out), "unknown arch 'sm_91'")
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "1,6", "--max-ctx", "64",
+                          "-o", out), "widths must be in 1..5")
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--max-ctx", "1000",
+                          "--contexts", "64,128", "-o", out), "do not cover max_ctx=1000")
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--max-ctx", "99999999", "-o", out),
+                      "max_ctx must be in")
+    r = run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "a", "-o", out)
+    assert r.exit_code == 2 and "--widths" in r.output
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ real lower_graph
+needs_lower = pytest.mark.skipif(not HAS_REAL_LOWER, reason="ds4c.runtime.lower.lower_graph is not written yet")
+
+
+@pytest.fixture(scope="session")
+def real_artifact(tmp_path_factory, cache_dir) -> tuple[Path, Result, Result]:
+    """``ds4c compile --preset tiny --arch sm_90,gfx1151 --widths 1,5 --max-ctx 128`` twice (cold, warm)."""
+    out = tmp_path_factory.mktemp("real") / "art"
+    env = {"DS4C_CACHE": str(cache_dir)}
+    args = ("compile", "--preset", "tiny", "--arch", ARCHS, "--widths", "1,5", "--max-ctx", "128", "-o", out)
+    first = run(*args, env=env)
+    second = run(*args, env=env)
+    return out, first, second
+
+
+@needs_lower
+@needs_compilers
+def test_real_compile_manifest(real_artifact):
+    out, first, second = real_artifact
+    assert first.exit_code == 0, first.output
+    assert second.exit_code == 0, second.output
+    n1, c1 = summary_counts(first.stdout)
+    assert summary_counts(second.stdout) == (0, n1 + c1)
+    man = load_manifest(out)
+    assert list(man["graphs"]) == ["q1_c128", "q5_c128"]
+    for gk, g in man["graphs"].items():
+        graph = run_pipeline(build_step(TINY, g["width"], 128), "default", context=g["context"]).graph
+        assert g["graph_hash"] == graph_hash(graph)
+        plan = [k.name for k in kernel_plan(graph).kernels]
+        for slug, t in man["targets"].items():
+            listed = [k["name"] for k in t["graphs"][gk]["kernels"]]
+            assert sorted(listed) == sorted(plan), (slug, gk)
+            for k in t["graphs"][gk]["kernels"]:
+                assert k["launches"], k["name"]
+                for ld in k["launches"]:
+                    assert ld["binary"] in t["binaries"] and ld["key"] == t["binaries"][ld["binary"]]["key"]
+    for slug, t in man["targets"].items():
+        kind = "cubin" if slug.startswith("cuda") else "hsaco"
+        for rel, b in t["binaries"].items():
+            assert is_valid_binary((out / rel).read_bytes(), kind), rel
+            assert (out / b["source"]).is_file()
+
+
+@needs_lower
+@needs_compilers
+def test_real_inspect_levels(real_artifact):
+    out, first, _ = real_artifact
+    assert first.exit_code == 0, first.output
+    man = load_manifest(out)
+    r = run("inspect", out)
+    assert r.exit_code == 0, r.output
+    assert "q1_c128" in r.stdout and "q5_c128" in r.stdout and "L0:" in r.stdout
+    for arch in ("sm_90", "gfx1151"):
+        r = run("inspect", out, "--kernels", "--target", arch, "--graph", "q5_c128")
+        assert r.exit_code == 0, r.output
+        assert "L5:" in r.stdout and "grid" in r.stdout and "regs" in r.stdout
+    name = man["targets"]["cuda-sm_90"]["graphs"]["q1_c128"]["kernels"][3]["name"]
+    for arch in ("sm_90", "gfx1151"):
+        r = run("inspect", out, "--kernel", name, "--source", "--target", arch)
+        assert r.exit_code == 0 and "extern" in r.stdout, r.output
+        r = run("inspect", out, "--kernel", name, "--resources", "--target", arch)
+        assert r.exit_code == 0 and "registers" in r.stdout, r.output
+        r = run("inspect", out, "--kernel", name, "--sass", "--target", arch)
+        try:
+            art.disassembler("cubin" if arch.startswith("sm") else "hsaco", arch)
+        except ArtifactError as e:
+            assert_error_line(r, str(e))
+        else:
+            assert r.exit_code == 0 and len(r.stdout) > 200, r.output
