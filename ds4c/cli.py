@@ -156,9 +156,11 @@ def _parse_ids(text: str) -> list[int]:
               help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
 @click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
               help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
+@click.option("--artifact", type=click.Path(file_okay=False), default=None,
+              help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, timings).")
 def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device: str, temperature: float,
-                 seed: int, no_quant_emulation: bool, engine: str, as_json: bool) -> None:
+                 seed: int, no_quant_emulation: bool, engine: str, artifact: str | None, as_json: bool) -> None:
     """Generate tokens (greedy by default): with the compiled step on cuda, the PyTorch reference on cpu."""
     import time
 
@@ -188,7 +190,17 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
 
         cfg = mf.config.replace(quant_emulation=False) if no_quant_emulation else mf.config
         mf.config = cfg
-        ref = CompiledStep(mf, BucketSpec.build(cfg, (1, 2, 3, 4, 5), len(ids) + max_new_tokens), device_arch())
+        if artifact:
+            from ds4c.runtime.artifact import load_manifest
+
+            b = load_manifest(artifact)["buckets"]
+            buckets = BucketSpec(tuple(b["widths"]), tuple(b["contexts"]), int(b["max_ctx"]))
+            if len(ids) + max_new_tokens > buckets.max_ctx:
+                raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the artifact's "
+                                f"max_ctx {buckets.max_ctx}")
+        else:
+            buckets = BucketSpec.build(cfg, (1, 2, 3, 4, 5), len(ids) + max_new_tokens)
+        ref = CompiledStep(mf, buckets, device_arch(), artifact=artifact)
     else:
         weights = ReferenceWeights.load(mf, device)
         if no_quant_emulation:

@@ -113,7 +113,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     ``out_dir`` (layout and manifest: module docstring). Returns ``out_dir`` as an absolute path.
 
     For each graph key ``(width, context)`` of ``buckets``: the default pipeline runs on
-    ``build_step(cfg, width, buckets.max_ctx)`` with ``context``; the result is lowered for each target
+    ``build_step(cfg, width, buckets.contexts[-1])`` with ``context``; the result is lowered for each target
     (``ds4c.runtime.lower.lower_graph``); all rendered kernels are compiled by ``cache.compile_many`` with
     ``jobs`` threads (cache hits compile nothing; ``progress`` prints what is compiled and a progress bar to
     stderr). ``weight_types`` (``{tensor name: GGMLType}``, e.g. of a GGUF file; default: the official
@@ -147,7 +147,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     lowered: dict[tuple[str, str], list] = {}  # (slug, graph key) -> [LoweredKernel]
     for width, context in keys:
         gk = graph_key(width, context)
-        g = run_pipeline(build_step(cfg, width, buckets.max_ctx), "default", context=context).graph
+        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1]), "default", context=context).graph
         mem = dict(g.meta.get("memory", {}))
         graphs[gk] = {"width": width, "context": context, "graph_hash": graph_hash(g),
                       "arena_bytes": int(mem.get("arena_bytes", 0)), "memory": mem}
@@ -477,3 +477,34 @@ def disassemble(artifact: str | os.PathLike, rel: str, record: dict[str, Any], a
         tail = " | ".join(p.stdout.strip().splitlines()[-3:])
         raise ArtifactError(f"{tool} failed on {f} (exit {p.returncode}): {tail}")
     return p.stdout
+
+
+def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str, width: int, context: int,
+                    kernels: list) -> list[Path]:
+    """The binary of every launch of ``kernels`` (``lower_graph`` of the (width, context) graph for ``arch``),
+    in launch order, from an artifact: the runtime's path that needs no compiler.
+
+    The lowering is deterministic, so the manifest lists the same plan kernels and launches in the same order;
+    each pairing is checked by plan-kernel name and entry point.
+
+    Raises:
+        ArtifactError: the artifact has no binaries for ``arch``, no graph for (width, context) — the message
+            names the missing key — or its launches do not match the lowering (built by another ds4c or for
+            another model).
+    """
+    slug = find_target(man, arch)
+    key = graph_key(width, context)
+    graphs = man["targets"][slug]["graphs"]
+    if key not in graphs:
+        raise ArtifactError(f"the artifact has no step graph {key} (width {width}, context {context}) for {slug}: "
+                            f"it has {', '.join(graphs)}")
+    listed = graphs[key]["kernels"]
+    if [k["name"] for k in listed] != [k.name for k in kernels]:
+        raise ArtifactError(f"artifact graph {key} for {slug} lists other plan kernels than this model's lowering; "
+                            f"rebuild it with `ds4c compile` for this model")
+    out = []
+    for k, rec in zip(kernels, listed):
+        if [l["entry"] for l in rec["launches"]] != [la.kernel.entry for la in k.launches]:
+            raise ArtifactError(f"artifact kernel {k.name} ({key}, {slug}) has other launches than the lowering")
+        out += [Path(artifact) / l["binary"] for l in rec["launches"]]
+    return out

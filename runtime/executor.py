@@ -69,19 +69,30 @@ class CompiledStep:
         arch: the CUDA arch to compile for (e.g. ``sm_90``).
         cache: the kernel cache (compiles what is missing; an AOT-filled cache compiles nothing).
         use_graphs: capture one CUDA graph per (width, bucket) on first use and replay it.
+        artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled
+            (its config must be this model's; a missing arch or (width, bucket) graph raises ArtifactError).
 
     Raises:
         StepError: no CUDA device.
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, artifact: str | None = None):
         if not torch.cuda.is_available():
             raise StepError("the compiled step needs a CUDA device (torch.cuda.is_available() is False)")
         self.mf, self.cfg, self.buckets = mf, mf.config, buckets
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
         self.use_graphs = use_graphs
+        self.artifact = artifact
+        self._manifest = None
+        if artifact is not None:
+            from ds4c.runtime.artifact import ArtifactError, load_manifest
+
+            self._manifest = load_manifest(artifact)
+            if self._manifest["config_hash"] != self.cfg.hash():
+                raise ArtifactError(f"artifact {artifact} was built for another config (hash "
+                                    f"{self._manifest['config_hash'][:12]}, this model {self.cfg.hash()[:12]})")
         self.dev = torch.device("cuda")
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
@@ -180,18 +191,30 @@ class CompiledStep:
         g = run_pipeline(build_step(self.cfg, width, self.capacity), "default", context=context).graph
         types = {n: self.mf.ggml_type(n) for n in self.mf.specs}
         kernels = lower_graph(g, self.cfg, self.target, types)
-        srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}
-        compiled = dict(zip(srcs, self.cache.compile_many(list(srcs.values()), progress=False)))
+        if self._manifest is not None:
+            from ds4c.runtime.artifact import launch_binaries
+
+            paths = launch_binaries(self._manifest, self.artifact, self.target.arch, width, context, kernels)
+            binary_of = {id(la): p for la, p in zip([la for k in kernels for la in k.launches], paths)}
+        else:
+            srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}
+            compiled = dict(zip(srcs, self.cache.compile_many(list(srcs.values()), progress=False)))
         sg = _StepGraph(width, context, g, kernels)
         names = value_names(g)
         by_name = {names[v]: v for v in names}
         consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
         for k in kernels:
             for la in k.launches:
-                e = compiled[la.kernel.digest()]
-                mod = self._modules.get(e.key)
+                if self._manifest is not None:
+                    path = binary_of[id(la)]
+                    mkey = str(path)
+                else:
+                    e = compiled[la.kernel.digest()]
+                    mkey, path = e.key, None
+                mod = self._modules.get(mkey)
                 if mod is None:
-                    mod = self._modules[e.key] = CudaModule(e.binary())
+                    image = path.read_bytes() if path is not None else e.binary()
+                    mod = self._modules[mkey] = CudaModule(image)
                 fn = mod.function(la.kernel.entry, la.smem)
                 args = [self._resolve(a, sg, by_name, consts) for a in la.args]
                 sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))

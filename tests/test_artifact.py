@@ -472,3 +472,32 @@ def test_real_inspect_levels(real_artifact):
             assert_error_line(r, str(e))
         else:
             assert r.exit_code == 0 and len(r.stdout) > 200, r.output
+
+
+@needs_lower
+@needs_compilers
+def test_runtime_finds_every_launch_binary_in_the_artifact(real_artifact):
+    """The runtime's no-compiler path: the lowering of each (width, context) graph pairs launch by launch with
+    the manifest's binaries; a missing key and another model's config are named errors."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.artifact import ArtifactError, launch_binaries, load_manifest
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.targets import target
+
+    out, first, _ = real_artifact
+    assert first.exit_code == 0, first.output
+    man = load_manifest(out)
+    cfg = preset("tiny")
+    for arch in ("sm_90", "gfx1151"):
+        for key, rec in man["graphs"].items():
+            w, c = rec["width"], rec["context"]
+            g = run_pipeline(build_step(cfg, w, man["buckets"]["contexts"][-1]), "default", context=c).graph
+            ks = lower_graph(g, cfg, target(arch))
+            paths = launch_binaries(man, out, arch, w, c, ks)
+            assert len(paths) == sum(len(k.launches) for k in ks) and all(p.is_file() for p in paths)
+    with pytest.raises(ArtifactError, match="no step graph q3_c128"):
+        launch_binaries(man, out, "sm_90", 3, 128, [])
+    with pytest.raises(ArtifactError, match="no target 'sm_80'"):
+        launch_binaries(man, out, "sm_80", 1, 128, [])
