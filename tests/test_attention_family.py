@@ -7,8 +7,6 @@ compares against, checked against the reference model's own P9 on hand-built lis
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from ds4c.reference import primitives as P
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel, toolchain_or_skip
 
 BF16 = torch.bfloat16
 
@@ -87,74 +86,23 @@ def test_spec_validation() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def _compile_one(src, workdir: Path) -> tuple[str, dict]:
-    """Compile one KernelSource; returns (log, resource usage of its entry). Uses ds4c's toolchain layer
-    when present, else the plain compiler command."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        tc = TC.find_toolchain(src.target)
-        res = tc.compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.log, {**use, "seconds": res.seconds}
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    if src.target.vendor == "cuda":
-        cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-               "kernel.cubin", f.name]
-    else:
-        cmd = [shutil.which("clang-19") or "clang", "-x", "hip", f"--offload-arch={src.target.arch}",
-               "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "-c",
-               "-Rpass-analysis=kernel-resource-usage", "-o", "kernel.o", f.name]
-    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    log = p.stdout + p.stderr
-    use: dict = {}
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if m:
-        use["spills"] = int(m.group(1)) + int(m.group(2)) > 0
-    m = re.search(r"VGPRs Spill: (\d+)", log)
-    if m:
-        use["spills"] = int(m.group(1)) > 0 or bool(re.search(r"ScratchSize \[bytes/lane\]: [1-9]", log))
-    return log, use
-
-
-def _have_compiler(arch: str) -> str | None:
-    """None when a compiler for ``arch`` is present, else the reason to skip."""
-    try:
-        from ds4c.runtime import toolchain as TC
-
-        TC.find_toolchain(target(arch))
-        return None
-    except ImportError:
-        pass
-    except Exception as e:  # ToolchainError: says what is missing
-        return str(e)
-    if target(arch).vendor == "cuda":
-        return None if shutil.which("nvcc") else "nvcc not on PATH"
-    return None if (shutil.which("clang-19") or shutil.which("clang")) else "clang-19 not on PATH"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942", "gfx1151"])
 def test_compile_all(arch: str, tmp_path: Path) -> None:
     """Every spec compiles; no register spills (ptxas -v / clang resource remarks)."""
-    why = _have_compiler(arch)
-    if why:
-        pytest.skip(f"no compiler for {arch}: {why}")
+    toolchain_or_skip(arch)
     t = target(arch)
     srcs = [k for cfg in ALL_SPECS for k in A.render_attention(_spec(*cfg), t, "sa_" + _sid(cfg).replace("-", "_"))]
 
     def job(k):
         d = tmp_path / k.entry
         d.mkdir()
-        return k.entry, _compile_one(k, d)
+        return k.entry, compile_kernel(k, d, require_usage=False)
 
     with ThreadPoolExecutor(8) as ex:
         results = list(ex.map(job, srcs))
-    for entry, (log, use) in results:
+    for entry, c in results:
+        log, use = c.log, {**c.usage, "seconds": c.seconds}
         if t.vendor == "cuda":
             assert not use.get("spills", False), f"{entry} on {arch} spills: {use}\n{log}"
             assert "0 bytes spill stores" in log, log

@@ -23,6 +23,7 @@ from ds4c.reference.model import Reference
 from ds4c.runtime.families import compressor as C
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel, toolchain_or_skip
 from tools.gpu_checks import compressor as G
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -85,32 +86,14 @@ def test_spec_validation_and_layout() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def _toolchain(arch: str):
-    try:
-        from ds4c.runtime.toolchain import ToolchainError, find_toolchain
-    except ImportError:
-        return None, "ds4c.runtime.toolchain is not available"
-    try:
-        return find_toolchain(target(arch)), ""
-    except ToolchainError as e:
-        return None, str(e)
-
-
 @pytest.mark.parametrize("cfg", ALL, ids=_lid)
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942", "gfx1151"])
 def test_compile(cfg: tuple, arch: str, tmp_path: Path) -> None:
-    tc, why = _toolchain(arch)
-    if tc is None:
-        pytest.skip(f"no compiler for {arch}: {why}")
-    from ds4c.runtime.toolchain import resource_usage
-
+    toolchain_or_skip(arch)
     specs = LAUNCHES[cfg[0]](cfg[1])
     t = target(arch)
     src = C.render_compressor(specs, t, "cmp_" + _lid(cfg).replace("-", "_"))
-    res = tc.compile(src, tmp_path)
-    use = resource_usage(res, t)
-    assert src.entry in use, res.log
-    u = use[src.entry]
+    u = compile_kernel(src, tmp_path).usage  # asserts the log reports the entry's resource use
     assert not u["spills"], u
     nt = C.launch_shape(specs).block[0]
     if t.vendor == "cuda":

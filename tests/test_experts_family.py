@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ds4c.reference import primitives as P
 from ds4c.runtime.families import experts as X
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel, toolchain_or_skip
 
 BF16, F32 = torch.bfloat16, torch.float32
 ARCHS = ["sm_90", "gfx942", "gfx1151"]
@@ -99,67 +99,11 @@ def test_spec_validation() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def _compile_one(src, workdir: Path) -> tuple[str, dict]:
-    """Compile one KernelSource: (log, resource usage of its entry incl. seconds). ds4c's toolchain layer when
-    present, else the plain compiler command of the brief."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.log, {**use, "seconds": res.seconds}
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    if src.target.vendor == "cuda":
-        cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-               "kernel.cubin", f.name]
-    else:
-        cmd = [shutil.which("clang-19") or "clang", "-x", "hip", f"--offload-arch={src.target.arch}",
-               "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "-c",
-               "-Rpass-analysis=kernel-resource-usage", "-o", "kernel.o", f.name]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    secs = time.perf_counter() - t0
-    assert p.returncode == 0, p.stdout + p.stderr
-    log = p.stdout + p.stderr
-    use: dict = {"seconds": secs}
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if m:
-        use["spills"] = int(m.group(1)) + int(m.group(2)) > 0
-    m = re.search(r"Used (\d+) registers", log)
-    if m:
-        use["registers"] = int(m.group(1))
-    m = re.search(r"ScratchSize \[bytes/lane\]: (\d+)", log)
-    if m:
-        use["scratch_bytes"] = int(m.group(1))
-    return log, use
-
-
-def _have_compiler(arch: str) -> str | None:
-    """None when a compiler for ``arch`` is present, else the reason to skip."""
-    try:
-        from ds4c.runtime import toolchain as TC
-
-        TC.find_toolchain(target(arch))
-        return None
-    except ImportError:
-        pass
-    except Exception as e:  # ToolchainError: says what is missing
-        return str(e)
-    if target(arch).vendor == "cuda":
-        return None if shutil.which("nvcc") else "nvcc not on PATH"
-    return None if (shutil.which("clang-19") or shutil.which("clang")) else "clang-19 not on PATH"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compile_all(arch: str, tmp_path: Path) -> None:
     """Both kernels of official and tiny at q = 1 and 5 compile (CUDA: both engines, the SIMT one being the
     HIP body); CUDA: no spills, no stack; HIP: no scratch."""
-    why = _have_compiler(arch)
-    if why:
-        pytest.skip(f"no compiler for {arch}: {why}")
+    toolchain_or_skip(arch)
     t = target(arch)
     engines = ("mma", "simt") if t.vendor == "cuda" else ("simt",)
     srcs = [k for _, shape, q in CASES for eng in engines
@@ -168,12 +112,13 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
     def job(k):
         d = tmp_path / k.entry
         d.mkdir()
-        return k, _compile_one(k, d)
+        return k, compile_kernel(k, d, require_usage=False)
 
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(job, srcs))
     report = []
-    for k, (log, use) in results:
+    for k, c in results:
+        use = {**c.usage, "seconds": c.seconds}
         report.append(f"{k.entry}: {use}")
         assert not use.get("spills"), f"{k.entry} spills: {use}"
         if t.vendor == "cuda":

@@ -21,7 +21,6 @@ import math
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ from ds4c.quant import act_quant_dequant, dequantize
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import assert_no_spills, compile_kernel
 
 O = G.GemvOutput
 ARCHS = ("sm_90", "gfx942", "gfx1151")
@@ -61,70 +61,6 @@ SPECS["head_k4096_q5"] = G.GemvSpec(4096, 5, [O(129280, "bf16", "f32")])
 
 
 # --------------------------------------------------------------------------------------------- compiling
-def _compile(ks: KernelSource, workdir: Path) -> tuple[dict, float, str]:
-    """Compile one kernel; returns (resource use of its entry, seconds, log). Uses the project toolchain when
-    available, else the plain compiler command. Skips when no compiler exists for the target."""
-    try:
-        from ds4c.runtime.toolchain import ToolchainError, find_toolchain, resource_usage
-    except ImportError:
-        find_toolchain = None  # type: ignore[assignment]
-    if find_toolchain is not None:
-        try:
-            tc = find_toolchain(ks.target)
-        except ToolchainError as e:
-            pytest.skip(f"no compiler for {ks.target.slug}: {e}")
-        res = tc.compile(ks, workdir)
-        use = resource_usage(res, ks.target)
-        assert ks.entry in use, f"{ks.entry}: no resource info in the compile log:\n{res.log[-2000:]}"
-        return use[ks.entry], res.seconds, res.log
-    return _compile_subprocess(ks, workdir)
-
-
-def _compile_subprocess(ks: KernelSource, workdir: Path) -> tuple[dict, float, str]:
-    t = ks.target
-    src = workdir / f"kernel{ks.ext}"
-    src.write_text(ks.source)
-    if t.vendor == "cuda":
-        exe = shutil.which("nvcc")
-        if exe is None:
-            pytest.skip("no compiler for cuda: nvcc is not on PATH")
-        cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-arch={t.arch}", "-Xptxas", "-v", "-o", "k.cubin", src.name]
-    else:
-        exe = shutil.which("clang-19") or shutil.which("clang")
-        if exe is None:
-            pytest.skip("no compiler for hip: clang-19 is not on PATH")
-        cmd = [exe, "-x", "hip", f"--offload-arch={t.arch}", "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3",
-               "-std=c++17", "-c", "-mwavefrontsize64" if t.wave == 64 else "-mno-wavefrontsize64",
-               "-Rpass-analysis=kernel-resource-usage", "-o", "k.o", src.name]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    secs = time.perf_counter() - t0
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, f"compile failed:\n{log[-4000:]}"
-    use: dict = {}
-    if t.vendor == "cuda":
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        use["spill_stores"], use["spill_loads"] = (int(g) for g in m.groups()) if m else (0, 0)
-        r = re.search(r"Used (\d+) registers", log)
-        use["registers"] = int(r.group(1)) if r else -1
-    else:
-        for key, name in (("VGPRs Spill", "vgpr_spills"), ("SGPRs Spill", "sgpr_spills"),
-                          (r"ScratchSize \[bytes/lane\]", "scratch_bytes"), ("VGPRs", "vgprs")):
-            m = re.search(key + r": (\d+)", log)
-            use[name] = int(m.group(1)) if m else 0
-        use["registers"] = use["vgprs"]
-    return use, secs, log
-
-
-def _assert_no_spills(use: dict, ks: KernelSource, log: str) -> None:
-    if ks.target.vendor == "cuda":
-        assert use.get("spill_stores", 0) == 0 and use.get("spill_loads", 0) == 0, f"ptxas spills:\n{log}"
-        assert use.get("stack_bytes", 0) == 0, f"stack frame (local memory) used:\n{log}"
-    else:
-        assert use.get("vgpr_spills", 0) == 0 and use.get("sgpr_spills", 0) == 0, f"clang spills:\n{log}"
-        assert use.get("scratch_bytes", 0) == 0, f"scratch (private memory) used:\n{log}"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_render_and_compile(name: str, arch: str, tmp_path: Path) -> None:
@@ -136,17 +72,17 @@ def test_render_and_compile(name: str, arch: str, tmp_path: Path) -> None:
         assert t.vendor == "hip" and "shared memory" in str(e), e
         pytest.skip(f"{name} does not fit {arch}: {e}")
     assert not re.search(r"^\s*#include", ks.source, re.M)
-    use, secs, log = _compile(ks, tmp_path)
-    _assert_no_spills(use, ks, log)
-    print(f"{name} {arch}: {use.get('registers')} registers, {secs:.2f} s")
+    c = compile_kernel(ks, tmp_path)
+    assert_no_spills(c.usage, ks, c.log)
+    print(f"{name} {arch}: {c.usage.get('registers')} registers, {c.seconds:.2f} s")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_argmax_compiles(arch: str, tmp_path: Path) -> None:
     for n in (129280, 1001):
         ks = G.render_argmax(G.ArgmaxSpec(n, 5), target(arch), f"gemv_argmax_{n}")
-        use, _, log = _compile(ks, tmp_path)
-        _assert_no_spills(use, ks, log)
+        c = compile_kernel(ks, tmp_path)
+        assert_no_spills(c.usage, ks, c.log)
 
 
 # --------------------------------------------------------------------------------------------- plan / API

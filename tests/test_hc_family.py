@@ -13,10 +13,6 @@ The GPU comparison is tools/gpu_checks/hc.py.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from ds4c.reference import primitives as P
 from ds4c.runtime.families import hc as H
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel
 
 WIDTHS = {"official": 4096, "tiny": 256}
 ARCHS = ("sm_90", "gfx942", "gfx1151")
@@ -36,56 +33,6 @@ def spec_of(variant: str, width: str, q: int) -> H.HcSpec:
 
 
 # --------------------------------------------------------------------------------------------- compiling
-def _compile(ks: KernelSource, workdir: Path) -> tuple[dict, float]:
-    """Compile one kernel; returns (resource use of its entry, seconds). Uses the project toolchain when
-    available, else the plain compiler command. Skips when no compiler exists for the target."""
-    try:
-        from ds4c.runtime.toolchain import ToolchainError, find_toolchain, resource_usage
-    except ImportError:
-        find_toolchain = None  # type: ignore[assignment]
-    if find_toolchain is not None:
-        try:
-            tc = find_toolchain(ks.target)
-        except ToolchainError as e:
-            pytest.skip(f"no compiler for {ks.target.slug}: {e}")
-        res = tc.compile(ks, workdir)
-        use = resource_usage(res, ks.target)
-        assert ks.entry in use, f"{ks.entry}: no resource info in the compile log:\n{res.log[-2000:]}"
-        return use[ks.entry], res.seconds
-    return _compile_subprocess(ks, workdir)
-
-
-def _compile_subprocess(ks: KernelSource, workdir: Path) -> tuple[dict, float]:
-    t = ks.target
-    src = workdir / f"kernel{ks.ext}"
-    src.write_text(ks.source)
-    if t.vendor == "cuda":
-        exe = shutil.which("nvcc")
-        if exe is None:
-            pytest.skip("nvcc is not on PATH (install the CUDA toolkit to compile sm_90 kernels)")
-        cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-arch={t.arch}", "-Xptxas", "-v", "-o", "k.cubin", src.name]
-    else:
-        exe = shutil.which("clang-19") or shutil.which("clang")
-        if exe is None:
-            pytest.skip("clang-19 is not on PATH (apt-get install clang-19 lld-19 to compile HIP kernels)")
-        cmd = [exe, "-x", "hip", f"--offload-arch={t.arch}", "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3",
-               "-std=c++17", "-mwavefrontsize64" if t.wave == 64 else "-mno-wavefrontsize64",
-               "-Rpass-analysis=kernel-resource-usage", "-c", "-o", "k.o", src.name]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sec = time.perf_counter() - t0
-    assert p.returncode == 0, f"{ks.name} for {t.slug} failed:\n{p.stdout[-4000:]}"
-    if t.vendor == "cuda":
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stdout)
-        regs = re.search(r"Used (\d+) registers", p.stdout)
-        assert m and regs, p.stdout
-        return {"registers": int(regs.group(1)), "spills": m.group(1) != "0" or m.group(2) != "0"}, sec
-    scratch = re.search(r"ScratchSize \[bytes/lane\]: (\d+)", p.stdout)
-    vgprs = re.search(r"VGPRs: (\d+)", p.stdout)
-    assert scratch and vgprs, p.stdout
-    return {"registers": int(vgprs.group(1)), "spills": scratch.group(1) != "0"}, sec
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("q", (1, 5))
 @pytest.mark.parametrize("width", tuple(WIDTHS))
@@ -100,10 +47,11 @@ def test_render_and_compile(variant: str, width: str, q: int, arch: str, tmp_pat
         assert set(ks.templates) == {H.TEMPLATE, f"prelude/{t.vendor}.h.j2", "prelude/common.h.j2"}
         wd = tmp_path / ks.entry
         wd.mkdir()
-        use, sec = _compile(ks, wd)
+        c = compile_kernel(ks, wd)
+        use = c.usage
         assert not use["spills"], f"{ks.entry} spills on {arch}: {use}"
         assert use.get("stack_bytes", 0) == 0, f"{ks.entry} uses a stack on {arch}: {use}"
-        print(f"{arch} {ks.entry}: {use.get('registers')} regs, {sec:.2f} s")
+        print(f"{arch} {ks.entry}: {use.get('registers')} regs, {c.seconds:.2f} s")
 
 
 # ------------------------------------------------------------------------------------ documented interface

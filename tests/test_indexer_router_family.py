@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ds4c.runtime.families import indexer as I
 from ds4c.runtime.families import router as R
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel, toolchain_or_skip
 
 BF16 = torch.bfloat16
 ARCHS = ["sm_90", "gfx942", "gfx1151"]
@@ -125,67 +125,11 @@ def test_spec_validation() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def _compile_one(src, workdir: Path) -> tuple[str, dict]:
-    """Compile one KernelSource; returns (log, resource usage of its entry incl. seconds). Uses ds4c's
-    toolchain layer when present, else the plain compiler command."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.log, {**use, "seconds": res.seconds}
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    if src.target.vendor == "cuda":
-        cmd = ["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-               "kernel.cubin", f.name]
-    else:
-        cmd = [shutil.which("clang-19") or "clang", "-x", "hip", f"--offload-arch={src.target.arch}",
-               "--cuda-device-only", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "-c",
-               "-Rpass-analysis=kernel-resource-usage", "-o", "kernel.o", f.name]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    secs = time.perf_counter() - t0
-    assert p.returncode == 0, p.stdout + p.stderr
-    log = p.stdout + p.stderr
-    use: dict = {"seconds": secs}
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if m:
-        use["spills"] = int(m.group(1)) + int(m.group(2)) > 0
-    m = re.search(r"VGPRs Spill: (\d+)", log)
-    if m:
-        use["vgpr_spills"] = int(m.group(1))
-    m = re.search(r"ScratchSize \[bytes/lane\]: (\d+)", log)
-    if m:
-        use["scratch_bytes"] = int(m.group(1))
-    return log, use
-
-
-def _have_compiler(arch: str) -> str | None:
-    """None when a compiler for ``arch`` is present, else the reason to skip."""
-    try:
-        from ds4c.runtime import toolchain as TC
-
-        TC.find_toolchain(target(arch))
-        return None
-    except ImportError:
-        pass
-    except Exception as e:  # ToolchainError: says what is missing
-        return str(e)
-    if target(arch).vendor == "cuda":
-        return None if shutil.which("nvcc") else "nvcc not on PATH"
-    return None if (shutil.which("clang-19") or shutil.which("clang")) else "clang-19 not on PATH"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compile_all(arch: str, tmp_path: Path) -> None:
     """Every indexer and router kernel (official and tiny; q does not change the kernels) compiles; no spills,
     no scratch, static shared memory under 48 KiB."""
-    why = _have_compiler(arch)
-    if why:
-        pytest.skip(f"no compiler for {arch}: {why}")
+    toolchain_or_skip(arch)
     t = target(arch)
     srcs = {}
     for c in IX_CASES:
@@ -200,12 +144,13 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
     def job(k):
         d = tmp_path / k.entry
         d.mkdir()
-        return k.entry, _compile_one(k, d)
+        return k.entry, compile_kernel(k, d, require_usage=False)
 
     with ThreadPoolExecutor(8) as ex:
         results = list(ex.map(job, srcs.values()))
     report = []
-    for entry, (log, use) in results:
+    for entry, c in results:
+        log, use = c.log, {**c.usage, "seconds": c.seconds}
         report.append(f"{entry}: {use.get('registers')} regs, {use.get('smem_bytes')} B smem, "
                       f"{use.get('seconds', 0):.2f} s")
         assert use.get("smem_bytes", 0) <= 48 * 1024, f"{entry}: {use}"

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +30,7 @@ from ds4c.reference import primitives as P
 from ds4c.runtime.families import rowchain as R
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
+from kernel_compile import compile_kernel, compiler_missing
 
 ARCHS = ("sm_90", "gfx942", "gfx1151")
 CONFIGS = ("flash", "tiny")
@@ -69,49 +68,15 @@ def _render(name: str, arch: str) -> KernelSource:
     return R.render_grouped(spec, target(arch), entry)
 
 
-def _fallback_compile(src: KernelSource, workdir: Path) -> tuple[str, float]:
-    """The brief's compile commands, for when ds4c.runtime.toolchain is not there."""
-    import time
-
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    if src.target.vendor == "cuda":
-        exe = shutil.which("nvcc")
-        if not exe:
-            pytest.skip("nvcc is not on PATH")
-        cmd = [exe, "-cubin", "-O3", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o", "k.cubin", f.name]
-    else:
-        exe = shutil.which("clang-19") or shutil.which("clang")
-        if not exe:
-            pytest.skip("clang-19 is not on PATH")
-        cmd = [exe, "-x", "hip", f"--offload-arch={src.target.arch}", "--cuda-device-only", "-nogpuinc",
-               "-nogpulib", "-O3", "-c", "-Rpass-analysis=kernel-resource-usage", "-o", "k.o", f.name]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise AssertionError(f"compile failed: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
-    return p.stdout + p.stderr, time.perf_counter() - t0
-
-
 def _compile_one(name: str, arch: str) -> dict:
     src = _render(name, arch)
     assert not re.search(r"^\s*#\s*include", src.source, re.M)
+    why = compiler_missing(arch)
+    if why:
+        return {"skip": f"no compiler for {arch}: {why}"}
     with tempfile.TemporaryDirectory(prefix="ds4c-rowchain-") as d:
-        try:
-            from ds4c.runtime.toolchain import ToolchainError, find_toolchain, resource_usage
-        except ImportError:  # pragma: no cover - the toolchain module is there in this checkout
-            log, sec = _fallback_compile(src, Path(d))
-            if src.target.vendor == "cuda":
-                spill = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
-                return {"seconds": sec, "usage": {"spills": any(int(s) for s in spill)}, "source": src}
-            return {"seconds": sec, "usage": {"spills": bool(re.search(r"Spill: [1-9]", log))}, "source": src}
-        try:
-            tc = find_toolchain(src.target)
-        except ToolchainError as e:
-            return {"skip": f"no compiler for {arch}: {e}"}
-        res = tc.compile(src, Path(d))
-        usage = resource_usage(res, src.target).get(src.entry)
-        return {"seconds": res.seconds, "usage": usage, "source": src}
+        c = compile_kernel(src, Path(d), require_usage=False)
+        return {"seconds": c.seconds, "usage": c.usage or None, "source": src}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from ds4c.errors import Ds4cError
 from ds4c.runtime import toolchain as tcm
 from ds4c.runtime.render import KernelSource, render
 from ds4c.runtime.targets import target
+from kernel_compile import toolchain_or_skip
 from ds4c.runtime.toolchain import (CompileError, CompileResult, Toolchain, ToolchainError, find_toolchain,
                                     is_valid_binary, resource_usage)
 
@@ -23,13 +24,6 @@ PARAMS = {"threads": 256, "per_thread": 4}
 
 def axpy(arch: str, **params) -> KernelSource:
     return render("selftest/axpy.cu.j2", "selftest.axpy", "selftest", target(arch), {**PARAMS, **params})
-
-
-def toolchain_or_skip(arch: str, prefer: str | None = None) -> Toolchain:
-    try:
-        return find_toolchain(target(arch), prefer)
-    except ToolchainError as e:
-        pytest.skip(f"no compiler for {arch}: {e}")
 
 
 # ----------------------------------------------------------------------------------------------- flags
