@@ -11,29 +11,25 @@ median of 50 CUDA-event timings of the launch (main + combine). GB/s = distinct 
 so the kernel's own traffic is H times that.
 
 Usage: ``python tools/gpu_checks/attention.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc; loads cubins with ds4c.runtime.launch
-(cuda.bindings) or, when that is not installed, with the driver library through ctypes.
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
+loads through tools/gpu_checks/common.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.targets import target as make_target
+from tools.gpu_checks.common import compile_all, median_us, rel_err
 
 SHAPES = {
     "official": (dict(heads=64, head_dim=512, window=128),
@@ -43,87 +39,7 @@ SHAPES = {
 }
 # (heads_per_block, splits) per shape
 VARIANTS = {"official": ((1, 1), (1, 4), (2, 4), (4, 4), (4, 8)), "tiny": ((1, 1), (1, 4), (2, 4))}
-ITERS = 50
 TOL = 1e-2
-
-
-# ------------------------------------------------------------------------------------------ load / launch
-class _CtypesKernel:
-    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
-
-    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
-        self.lib, self.func, self.entry = lib, func, entry
-
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        holders: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                holders.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, tuple) and a[0] == "i64":
-                holders.append(ctypes.c_int64(int(a[1])))
-            elif isinstance(a, int):
-                holders.append(ctypes.c_int32(a))
-            else:
-                holders.append(ctypes.c_float(float(a)))
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        g = list(grid) + [1] * (3 - len(grid))
-        b = list(block) + [1] * (3 - len(block))
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
-                                    ptrs, None)
-        if r:
-            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
-
-
-class _CtypesModule:
-    def __init__(self, image: bytes):
-        torch.cuda.init()
-        torch.zeros(1, device="cuda")  # torch's primary context is current on this thread
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.mod = ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(image)
-        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
-        if r:
-            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
-
-    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
-        f = ctypes.c_void_p()
-        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
-        if r:
-            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
-        return _CtypesKernel(self.lib, f, entry)
-
-
-def _load(image: bytes) -> Any:
-    torch.zeros(1, device="cuda")  # make torch's primary context current (torch.cuda.init() alone does not)
-    try:
-        import cuda.bindings.driver  # noqa: F401
-
-        from ds4c.runtime.launch import CudaModule
-
-        return CudaModule(image)
-    except ImportError:
-        return _CtypesModule(image)
-
-
-def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
-    """(cubin, resource usage of the entry, compile seconds) through ds4c's toolchain layer when present."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.binary, use, res.seconds
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    t0 = time.perf_counter()
-    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
-    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------ the check
@@ -169,25 +85,11 @@ def run(arch: str = "sm_90") -> list[dict]:
                     cases.append((shape, A.AttentionSpec(kind=kind, q=q, splits=splits, heads_per_block=hpb, **base,
                                                          **extra), positions))
     # render + compile everything first (in parallel)
-    tmp = Path(tempfile.mkdtemp(prefix="ds4c-attn-"))
     srcs = []
     for shape, spec, _ in cases:
         name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}"
-        srcs += [(shape, spec, k) for k in A.render_attention(spec, tgt, name)]
-
-    def job(item):
-        _, _, k = item
-        d = tmp / k.entry
-        d.mkdir()
-        return k.entry, _compile(k, d)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, srcs))
-    compile_s = time.perf_counter() - t0
-    kernels = {}
-    for entry, (image, use, secs) in built.items():
-        kernels[entry] = (_load(image).function(entry), use, secs)
+        srcs += A.render_attention(spec, tgt, name)
+    kernels, compile_s = compile_all(srcs, "ds4c-attn-")
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(1234)
@@ -218,18 +120,8 @@ def run(arch: str = "sm_90") -> list[dict]:
             got = out.cpu()
             written = not bool(torch.isnan(got).any())
             diff = (got.float() - want.float())
-            rel = float(diff.nan_to_num(float("inf")).norm() / want.float().norm().clamp(min=1e-30))
-            for _ in range(5):
-                launch()
-            # keep the GPU busy while the launches are queued, so no event pair includes host launch time
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
-            torch.cuda._sleep(20_000_000)
-            for e0, e1 in evs:
-                e0.record()
-                launch()
-                e1.record()
-            torch.cuda.synchronize()
-            us = statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in evs)
+            rel = rel_err(got, want)
+            us = median_us(launch)
             nbytes = _kv_bytes(spec, d, pos, live)
             rows.append({
                 "spec": f"{shape:8s} {spec.kind} q={spec.q} pos={pos:<5d} splits={spec.splits} "

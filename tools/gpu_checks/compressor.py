@@ -34,6 +34,7 @@ if __package__ in (None, ""):
 from ds4c.quant import pow2_ceil_scale  # noqa: E402
 from ds4c.reference import primitives as P  # noqa: E402
 from ds4c.runtime.families import compressor as C  # noqa: E402
+from tools.gpu_checks.common import compile_source, load  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 ROPE_BASE, ROPE_FACTOR, ORIG_LEN, BETA_FAST, BETA_SLOW = 160000.0, 16.0, 65536, 32.0, 1.0
@@ -169,20 +170,6 @@ def launch_args(specs: Sequence[C.CompressorSpec], inps: Sequence[dict[str, torc
     return args
 
 
-def _compile(src: Any, workdir: Path) -> bytes:
-    try:
-        from ds4c.runtime.toolchain import find_toolchain
-    except ImportError:  # pragma: no cover - older checkout
-        import subprocess
-
-        f = workdir / "kernel.cu"
-        f.write_text(src.source)
-        subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-o", "kernel.cubin",
-                        "kernel.cu"], cwd=workdir, check=True)
-        return (workdir / "kernel.cubin").read_bytes()
-    return find_toolchain(src.target).compile(src, workdir).binary
-
-
 def _time(fn: Any, n: int = 20, reps: int = 5) -> float:
     """Microseconds per call: CUDA-graph replay of ``n`` back-to-back calls (events), else a plain loop."""
     fn()
@@ -210,7 +197,6 @@ def _time(fn: Any, n: int = 20, reps: int = 5) -> float:
 
 def run(arch: str = "sm_90") -> list[dict]:
     """Every case at every position on the current CUDA device; one dict per (case, position)."""
-    from ds4c.runtime.launch import CudaModule
     from ds4c.runtime.targets import target
 
     t = target(arch)
@@ -224,7 +210,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             wd = Path(tmp) / name
             wd.mkdir()
             t0 = time.perf_counter()
-            kern = CudaModule(_compile(src, wd)).function(src.entry)
+            kern = load(compile_source(src, wd)[0]).function(src.entry)
             compile_s = time.perf_counter() - t0
             shape = C.launch_shape(specs)
             for pos in positions(specs[0]):

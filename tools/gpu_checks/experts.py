@@ -27,32 +27,20 @@ Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table), o
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import experts as X
 from ds4c.runtime.targets import target as make_target
-
-try:
-    from tools.gpu_checks.indexer import compile_source, load
-except ImportError:  # another "tools" package shadows the repo's: load the sibling file directly
-    import importlib.util
-
-    _spec = importlib.util.spec_from_file_location("_ds4c_gpu_check_indexer", Path(__file__).with_name("indexer.py"))
-    _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    compile_source, load = _mod.compile_source, _mod.load
+from tools.gpu_checks.common import compile_all, rel_err
 
 TOL = 2e-2
 ITERS = 30
@@ -73,39 +61,14 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _set_smem(fn: Any, smem: int) -> None:
-    """Allow ``smem`` dynamic shared bytes on the ctypes fallback's function (CudaModule does it itself)."""
-    if smem <= 48 * 1024 or not hasattr(fn, "lib"):
-        return
-    r = fn.lib.cuFuncSetAttribute(fn.func, ctypes.c_int(8), ctypes.c_int(smem))  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if r:
-        raise RuntimeError(f"cuFuncSetAttribute({fn.entry}, {smem}) failed: CUresult {r}")
-
-
 def _compile(specs: dict[str, X.ExpertsSpec], tgt: Any) -> tuple[dict[str, Any], float]:
     """{spec key: ([up, down] kernels, [Launch], {entry: usage}, compile seconds)}, wall seconds."""
     srcs = {key: X.render_experts(s, tgt, f"xp_{key}") for key, s in specs.items()}
-    tmp = Path(tempfile.mkdtemp(prefix="ds4c-experts-"))
-
-    def job(k: Any) -> tuple[str, tuple[bytes, dict, float]]:
-        d = tmp / k.entry
-        d.mkdir()
-        return k.entry, compile_source(k, d)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, [k for ks in srcs.values() for k in ks]))
-    wall = time.perf_counter() - t0
-    out = {}
-    for key, ks in srcs.items():
-        launches = X.launch_shapes(specs[key], tgt)
-        fns = []
-        for k, ln in zip(ks, launches):
-            img, use, secs = built[k.entry]
-            fn = load(img).function(k.entry, ln.smem)
-            _set_smem(fn, ln.smem)
-            fns.append(fn)
-        out[key] = (fns, launches, {k.entry: built[k.entry][1] for k in ks}, sum(built[k.entry][2] for k in ks))
+    launches = {key: X.launch_shapes(s, tgt) for key, s in specs.items()}
+    smem = {k.entry: ln.smem for key, ks in srcs.items() for k, ln in zip(ks, launches[key])}
+    built, wall = compile_all([k for ks in srcs.values() for k in ks], "ds4c-experts-", smem)
+    out = {key: ([built[k.entry][0] for k in ks], launches[key], {k.entry: built[k.entry][1] for k in ks},
+                 sum(built[k.entry][2] for k in ks)) for key, ks in srcs.items()}
     return out, wall
 
 
@@ -120,13 +83,6 @@ def _launch(fns: list, launches: list, inp: dict[str, torch.Tensor], hbuf: torch
 def _poison(*ts: torch.Tensor) -> None:
     for t in ts:
         t.view(torch.int16).fill_(POISON_BF16)
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    g, w = got.float(), want.float()
-    if not torch.isfinite(g).all():
-        return float("inf")
-    return float((g - w).norm() / w.norm().clamp(min=1e-30))
 
 
 def _time(fn_list: list, flush: torch.Tensor) -> float:
@@ -172,7 +128,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         torch.cuda.synchronize()
         written = bool(torch.isfinite(hbuf.float()).all() and torch.isfinite(out.float()).all())
         ref = X.reference(spec, **inp)
-        err = _rel(out, ref)
+        err = rel_err(out, ref)
         lu, ld = launches
         us = _time([lambda: _launch(fns, launches, inp, hbuf, out)], flush)
         us_up = _time([lambda: fns[0](lu.grid, lu.block, [inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"],
@@ -219,7 +175,7 @@ def _graph_case(spec: X.ExpertsSpec, fns: list, launches: list, inp: dict[str, t
         graph.replay()
         torch.cuda.synchronize()
         written &= bool(torch.isfinite(out.float()).all())
-        errs.append(_rel(out, X.reference(spec, **inp)))
+        errs.append(rel_err(out, X.reference(spec, **inp)))
     err = max(errs)
     return {"spec": f"official mma  q=5 CUDA-graph replay, new routing ({spec.short()})", "ok": written and err < TOL,
             "rel_err": err, "all_written": written, "us": float("nan"), "GBps": float("nan")}

@@ -17,31 +17,30 @@ outputs, and the median of 50 CUDA-event timings after warm-up, cycling through 
 the set is larger than L2 (so GB/s is HBM bandwidth, not cache). GB/s counts weight bytes only.
 
 Usage: ``python tools/gpu_checks/gemv.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain); loads
-cubins with ds4c.runtime.launch (cuda.bindings) or, when that is not installed, with libcuda through ctypes.
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
 Runs in well under 2 minutes on an H200.
 """
 
 from __future__ import annotations
 
-import ctypes
-import statistics
-import subprocess
+import itertools
 import sys
 import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.targets import target as make_target
+from tools.gpu_checks.common import compile_source, load, median_us
 
 O = G.GemvOutput
 QS = (1, 5)
@@ -70,86 +69,6 @@ CASES: list[tuple[str, int, list[GemvOutput], bool]] = [
 ]
 
 
-# ------------------------------------------------------------------------------------------ load / launch
-class _CtypesKernel:
-    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
-
-    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
-        self.lib, self.func, self.entry = lib, func, entry
-
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        holders: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                holders.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, int):
-                holders.append(ctypes.c_int32(a))
-            else:
-                holders.append(ctypes.c_float(float(a)))
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        g = list(grid) + [1] * (3 - len(grid))
-        b = list(block) + [1] * (3 - len(block))
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(v) for v in g + b], ctypes.c_uint(smem), stream,
-                                    ptrs, None)
-        if r:
-            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
-
-
-class _CtypesModule:
-    def __init__(self, image: bytes):
-        torch.zeros(1, device="cuda")  # torch's primary context is current on this thread
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.mod = ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(image)
-        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
-        if r:
-            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
-
-    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
-        f = ctypes.c_void_p()
-        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
-        if r:
-            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
-        if dynamic_smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-            r = self.lib.cuFuncSetAttribute(f, 8, ctypes.c_int(dynamic_smem))
-            if r:
-                raise RuntimeError(f"cuFuncSetAttribute({entry}, smem {dynamic_smem}) failed: CUresult {r}")
-        return _CtypesKernel(self.lib, f, entry)
-
-
-def _load(image: bytes) -> Any:
-    torch.zeros(1, device="cuda")
-    try:
-        import cuda.bindings.driver  # noqa: F401
-
-        from ds4c.runtime.launch import CudaModule
-
-        return CudaModule(image)
-    except ImportError:
-        return _CtypesModule(image)
-
-
-def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
-    """(cubin, resource usage of the entry, compile seconds) through ds4c's toolchain layer when present."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.binary, use, res.seconds
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    t0 = time.perf_counter()
-    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
-    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     """Worst over the q rows of ||got - want|| / ||want|| (rows of x differ in magnitude by 1e6)."""
@@ -159,18 +78,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _time(fn: Any, n_variants: int) -> float:
-    """Median microseconds of ITERS event-timed calls (call i uses weight copy i % n_variants), queued behind a
-    GPU sleep so that no pair includes host launch time."""
-    for i in range(WARMUP):
-        fn(i % n_variants)
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
-    torch.cuda._sleep(20_000_000)
-    for i, (e0, e1) in enumerate(evs):
-        e0.record()
-        fn(i % n_variants)
-        e1.record()
-    torch.cuda.synchronize()
-    return statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in evs)
+    """Median microseconds of ITERS event-timed calls (``common.median_us``); call i uses weight copy
+    i % n_variants, so consecutive calls read different copies."""
+    calls = itertools.count()
+    return median_us(lambda: fn(next(calls) % n_variants), ITERS, WARMUP)
 
 
 def _random_x(spec: G.GemvSpec, g: torch.Generator) -> torch.Tensor:
@@ -266,7 +177,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         d = tmp / k.entry
         d.mkdir()
         try:
-            return k.entry, _compile(k, d)
+            return k.entry, compile_source(k, d)
         except Exception as e:  # reported per case
             return k.entry, e
 
@@ -282,7 +193,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             continue
         img, use, secs = b
         try:
-            kernels[e] = (_load(img).function(e, smem.get(e, 0)), use, secs)
+            kernels[e] = (load(img).function(e, smem.get(e, 0)), use, secs)
         except Exception as ex:
             kernels[e] = ex
 

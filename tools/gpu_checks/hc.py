@@ -12,111 +12,30 @@ embedding rows, out, post, comb, norm gain: every input once) / time. One extra 
 out-of-range token id and expects NaN rows (never an out-of-bounds read).
 
 Usage: ``python tools/gpu_checks/hc.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain); loads
-cubins with ds4c.runtime.launch (cuda.bindings) or, when that is not installed, with libcuda through ctypes.
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import hc as H
 from ds4c.runtime.targets import target as make_target
+from tools.gpu_checks.common import compile_all, median_us
 
 WIDTHS = {"official": 4096, "tiny": 256}
 QS = (1, 5)
-ITERS = 50
 N_VOCAB = 1024
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
-
-
-# ------------------------------------------------------------------------------------------ load / launch
-class _CtypesKernel:
-    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
-
-    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
-        self.lib, self.func, self.entry = lib, func, entry
-
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        holders: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                holders.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, int):
-                holders.append(ctypes.c_int32(a))
-            else:
-                holders.append(ctypes.c_float(float(a)))
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        g = list(grid) + [1] * (3 - len(grid))
-        b = list(block) + [1] * (3 - len(block))
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
-                                    ptrs, None)
-        if r:
-            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
-
-
-class _CtypesModule:
-    def __init__(self, image: bytes):
-        torch.zeros(1, device="cuda")  # torch's primary context is current on this thread
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.mod = ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(image)
-        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
-        if r:
-            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
-
-    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
-        f = ctypes.c_void_p()
-        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
-        if r:
-            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
-        return _CtypesKernel(self.lib, f, entry)
-
-
-def _load(image: bytes) -> Any:
-    torch.zeros(1, device="cuda")
-    try:
-        import cuda.bindings.driver  # noqa: F401
-
-        from ds4c.runtime.launch import CudaModule
-
-        return CudaModule(image)
-    except ImportError:
-        return _CtypesModule(image)
-
-
-def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
-    """(cubin, resource usage of the entry, compile seconds) through ds4c's toolchain layer when present."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.binary, use, res.seconds
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    t0 = time.perf_counter()
-    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
-    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------ the check
@@ -142,39 +61,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(d / want.float().abs().max().clamp(min=1e-30))
 
 
-def _time(fn: Any) -> float:
-    """Median microseconds of ITERS event-timed calls, queued behind a GPU sleep so no pair includes host
-    launch time."""
-    for _ in range(5):
-        fn()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
-    torch.cuda._sleep(20_000_000)
-    for e0, e1 in evs:
-        e0.record()
-        fn()
-        e1.record()
-    torch.cuda.synchronize()
-    return statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in evs)
-
-
 def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case: spec, ok, rel_err (worst output, relative to its tolerance's
     output), errs (per output), all_written, us (mix + norm), us_mix, us_norm, GBps, regs, compile_s."""
     tgt = make_target(arch)
     cases = [(v, w, q) for v in H.VARIANTS for w in WIDTHS for q in QS]
-    tmp = Path(tempfile.mkdtemp(prefix="ds4c-hc-"))
     srcs = [k for v, w, q in cases for k in H.render_hc(_spec(v, w, q), tgt, f"hc_{v}_{w}_q{q}")]
-
-    def job(k: Any) -> tuple[str, tuple[bytes, dict, float]]:
-        d = tmp / k.entry
-        d.mkdir()
-        return k.entry, _compile(k, d)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, srcs))
-    compile_s = time.perf_counter() - t0
-    kernels = {e: (_load(img).function(e), use, secs) for e, (img, use, secs) in built.items()}
+    kernels, compile_s = compile_all(srcs, "ds4c-hc-")
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(4321)
@@ -209,7 +102,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             errs[k] = _rel(got, ref)
             written &= wr
             ok &= wr and errs[k] < TOL[ref.dtype]
-        us, us_mix, us_norm = _time(both), _time(mix), _time(norm)
+        us, us_mix, us_norm = median_us(both), median_us(mix), median_us(norm)
         nbytes = H.bytes_read(spec)
         rows.append({
             "spec": f"{v:9s} {w:8s} q={q}", "ok": ok, "all_written": written,

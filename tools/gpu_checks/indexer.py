@@ -21,141 +21,28 @@ and a CUDA-graph replay: both launches captured once, then positions and live ch
 the graph replayed (the per-step scalars are read through pointers).
 
 Usage: ``python tools/gpu_checks/indexer.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain); loads
-cubins with ds4c.runtime.launch (cuda.bindings) or, when that is not installed, with libcuda through ctypes.
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import indexer as I
 from ds4c.runtime.targets import target as make_target
+from tools.gpu_checks.common import compile_all, median_us
 
-ITERS = 50
 POISON_ID = -7777
 POISON_BF16 = 0x7FC1  # a NaN
-
-
-# ------------------------------------------------------------------------------------------ load / launch
-class _CtypesKernel:
-    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
-
-    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
-        self.lib, self.func, self.entry = lib, func, entry
-
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        holders: list[Any] = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                holders.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, int):
-                holders.append(ctypes.c_int32(a))
-            else:
-                holders.append(ctypes.c_float(float(a)))
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        g = list(grid) + [1] * (3 - len(grid))
-        b = list(block) + [1] * (3 - len(block))
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
-                                    ptrs, None)
-        if r:
-            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
-
-
-class _CtypesModule:
-    def __init__(self, image: bytes):
-        torch.zeros(1, device="cuda")  # torch's primary context is current on this thread
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.mod = ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(image)
-        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
-        if r:
-            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
-
-    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
-        f = ctypes.c_void_p()
-        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
-        if r:
-            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
-        return _CtypesKernel(self.lib, f, entry)
-
-
-def load(image: bytes) -> Any:
-    """A loaded cubin (ds4c.runtime.launch.CudaModule, or the ctypes fallback)."""
-    torch.zeros(1, device="cuda")
-    try:
-        import cuda.bindings.driver  # noqa: F401
-
-        from ds4c.runtime.launch import CudaModule
-
-        return CudaModule(image)
-    except ImportError:
-        return _CtypesModule(image)
-
-
-def compile_source(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
-    """(cubin, resource usage of the entry, compile seconds) through ds4c's toolchain layer when present."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.binary, use, res.seconds
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    t0 = time.perf_counter()
-    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
-    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
-
-
-def compile_all(srcs: list[Any], prefix: str) -> tuple[dict[str, tuple[Any, dict, float]], float]:
-    """Compile in parallel and load: ({entry: (kernel, usage, seconds)}, wall seconds)."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix))
-
-    def job(k: Any) -> tuple[str, tuple[bytes, dict, float]]:
-        d = tmp / k.entry
-        d.mkdir()
-        return k.entry, compile_source(k, d)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, srcs))
-    wall = time.perf_counter() - t0
-    return {e: (load(img).function(e), use, secs) for e, (img, use, secs) in built.items()}, wall
-
-
-def time_us(fn: Callable[[], None]) -> float:
-    """Median microseconds of ITERS event-timed calls, queued behind a GPU sleep so no pair includes host
-    launch time."""
-    for _ in range(5):
-        fn()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
-    torch.cuda._sleep(20_000_000)
-    for e0, e1 in evs:
-        e0.record()
-        fn()
-        e1.record()
-    torch.cuda.synchronize()
-    return statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in evs)
 
 
 # ------------------------------------------------------------------------------------------------ the check
@@ -263,7 +150,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             ok = written and bit_model and own and _ulp_close(got_s, want["scores"])
         else:
             ok = written and bit_model and same_ref and own and ids_ref
-        us, us_sc, us_sel = time_us(both), time_us(scores), time_us(select)
+        us, us_sc, us_sel = median_us(both), median_us(scores), median_us(select)
         nbytes = I.bytes_moved(spec, inputs["positions"], inputs["live"])
         rows.append({"spec": c["label"], "ok": ok, "rel_err": err, "ids_equal": ids_ref, "ids_own": own,
                      "scores_bitexact_model": bit_model, "all_written": written, "us": us, "us_scores": us_sc,

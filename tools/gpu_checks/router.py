@@ -21,22 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.runtime.families import router as R
 from ds4c.runtime.targets import target as make_target
-try:
-    from tools.gpu_checks.indexer import compile_all, time_us
-except ImportError:  # another "tools" package shadows the repo's: load the sibling file directly
-    import importlib.util
-
-    _spec = importlib.util.spec_from_file_location("_ds4c_gpu_check_indexer", Path(__file__).with_name("indexer.py"))
-    _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    compile_all, time_us = _mod.compile_all, _mod.time_us
+from tools.gpu_checks.common import compile_all, median_us
 
 POISON_ID = -7777
 N_VOCAB = 1000
@@ -93,7 +85,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         written = not bool((ids == POISON_ID).any()) and not bool(w.isnan().any())
         ids_eq = torch.equal(ids, want["ids"])
         err = _rel(w, want["weights"])
-        us = time_us(call)
+        us = median_us(call)
         nbytes = R.bytes_moved(spec)
         rows.append({"spec": label, "ok": written and ids_eq and err < TOL, "rel_err": err, "ids_equal": ids_eq,
                      "all_written": written, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9, "bytes": nbytes,

@@ -20,107 +20,36 @@ launch time is not measured; the official grouped kernel rotates over 3 weight c
 served from L2). GB/s = bytes the launch must move (inputs read + outputs written) / time.
 
 Usage: ``python tools/gpu_checks/rowchain.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc; loads cubins with ds4c.runtime.launch
-(cuda.bindings) or, when that is not installed, with the driver library through ctypes.
+``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
+loads through tools/gpu_checks/common.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import re
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root (after any installed ds4c)
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
 from ds4c.config import preset
 from ds4c.runtime.families import rowchain as R
 from ds4c.runtime.targets import target as make_target
+from tools.gpu_checks.common import compile_all, compile_source, load, rel_err
+
+_compile, _load = compile_source, load  # the names a local tuning script imports from here
 
 ITERS = 50
 TOL = 1e-2
 TOL_FQ = 2e-2
 POS = 98765  # large angles: fp32(pos) * f_0 ~ 1e5 rad
 L2_ROTATE_BYTES = 150 << 20  # rotate weight copies until this many bytes are touched per rotation
-
-
-# ------------------------------------------------------------------------------------------ load / launch
-class _CtypesKernel:
-    """Fallback launcher through libcuda (same argument rules as ds4c.runtime.launch.CudaKernel)."""
-
-    def __init__(self, lib: Any, func: ctypes.c_void_p, entry: str):
-        self.lib, self.func, self.entry = lib, func, entry
-
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        holders = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int32(int(a))
-                   for a in args]
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        g = list(grid) + [1] * (3 - len(grid))
-        b = list(block) + [1] * (3 - len(block))
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        r = self.lib.cuLaunchKernel(self.func, *[ctypes.c_uint(x) for x in g + b], ctypes.c_uint(smem), stream,
-                                    ptrs, None)
-        if r:
-            raise RuntimeError(f"cuLaunchKernel({self.entry}) failed: CUresult {r}")
-
-
-class _CtypesModule:
-    def __init__(self, image: bytes):
-        torch.zeros(1, device="cuda")
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.mod = ctypes.c_void_p()
-        self._image = ctypes.create_string_buffer(image)
-        r = self.lib.cuModuleLoadData(ctypes.byref(self.mod), self._image)
-        if r:
-            raise RuntimeError(f"cuModuleLoadData failed: CUresult {r}")
-
-    def function(self, entry: str, dynamic_smem: int = 0) -> _CtypesKernel:
-        f = ctypes.c_void_p()
-        r = self.lib.cuModuleGetFunction(ctypes.byref(f), self.mod, entry.encode())
-        if r:
-            raise RuntimeError(f"cuModuleGetFunction({entry}) failed: CUresult {r}")
-        return _CtypesKernel(self.lib, f, entry)
-
-
-def _load(image: bytes) -> Any:
-    torch.zeros(1, device="cuda")  # torch's primary context current on this thread
-    try:
-        import cuda.bindings.driver  # noqa: F401
-
-        from ds4c.runtime.launch import CudaModule
-
-        return CudaModule(image)
-    except ImportError:
-        return _CtypesModule(image)
-
-
-def _compile(src: Any, workdir: Path) -> tuple[bytes, dict, float]:
-    """(cubin, resource usage of the entry, compile seconds), through ds4c's toolchain layer when present."""
-    try:
-        from ds4c.runtime import toolchain as TC
-    except ImportError:
-        TC = None
-    if TC is not None and hasattr(TC, "find_toolchain"):
-        res = TC.find_toolchain(src.target).compile(src, workdir)
-        use = TC.resource_usage(res, src.target).get(src.entry, {}) if hasattr(TC, "resource_usage") else {}
-        return res.binary, use, res.seconds
-    f = workdir / f"kernel{src.ext}"
-    f.write_text(src.source)
-    t0 = time.perf_counter()
-    p = subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", f"-arch={src.target.arch}", "-Xptxas", "-v", "-o",
-                        "kernel.cubin", f.name], cwd=workdir, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"nvcc failed for {src.name}:\n{p.stdout}{p.stderr}")
-    return (workdir / "kernel.cubin").read_bytes(), {}, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------------- cases
@@ -224,25 +153,13 @@ def run(arch: str = "sm_90") -> list[dict]:
     max_ulp, steps_over, all_written, regs, compile_s)."""
     tgt = make_target(arch)
     cases = _cases()
-    tmp = Path(tempfile.mkdtemp(prefix="ds4c-rowchain-"))
     srcs: dict[str, Any] = {}
     for name, spec, q, _ in cases:
         e = _entry(name, spec)
         if e not in srcs:
             srcs[e] = (R.render_rowchain(spec, tgt, e) if isinstance(spec, R.RowChainSpec)
                        else R.render_grouped(spec, tgt, e))
-
-    def job(item):
-        e, src = item
-        d = tmp / e
-        d.mkdir()
-        return e, _compile(src, d)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, srcs.items()))
-    compile_s = time.perf_counter() - t0
-    kernels = {e: (_load(img).function(e), use, secs) for e, (img, use, secs) in built.items()}
+    kernels, compile_s = compile_all(list(srcs.values()), "ds4c-rowchain-")  # each source's entry is its key
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(4321)
@@ -269,8 +186,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         got = gd[main].cpu()
         written = not bool(torch.isnan(got).any())
         w = want[main]
-        diff = got.float() - w.float()
-        rel = float(diff.nan_to_num(float("inf")).norm() / w.float().norm().clamp(min=1e-30))
+        rel = rel_err(got, w)
         bits_differ, max_ulp = _ulps(got, w)
         ring_ok = True
         if "ring" in outs:
