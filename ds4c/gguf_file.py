@@ -24,7 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
-from ds4c.errors import ConfigError, Ds4cError, ModelFileError
+from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, tensor_specs
 
@@ -337,7 +337,3 @@ def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:
         else:
             w.add_string(key, str(val))
 
-
-def iter_chunks(arr: np.ndarray) -> Iterator[np.ndarray]:
-    """Yield ``arr`` as one chunk (helper for producers of small tensors)."""
-    yield arr

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds4c.ir.graph import Graph, Op
-from ds4c.passes.rewrite import fuse, producers, users
+from ds4c.passes.rewrite import fuse, producers
 
 
 def _weight_name(op: Op, prod: dict) -> str:
@@ -26,7 +26,7 @@ def _weight_name(op: Op, prod: dict) -> str:
 def fuse_projections(g: Graph, ctx: Any = None) -> Graph:
     """Return a copy of ``g`` with shared-input projections fused (see module docstring)."""
     g = g.clone()
-    prod, u = producers(g), users(g)
+    prod = producers(g)
     # router with the FFN norm
     for op in [o for o in g.ops if o.kind == "linear" and _weight_name(o, prod).endswith("ffn_gate_inp.weight")]:
         src = prod.get(op.inputs[0])
@@ -34,7 +34,7 @@ def fuse_projections(g: Graph, ctx: Any = None) -> Graph:
             fuse(g, [src, op], src.attrs["pattern"], layer=src.layer, router=True)
             prod = producers(g)
     # all experts of a layer: routed + shared (gate/up GEMVs, SwiGLU, down GEMV) + combine
-    prod, u = producers(g), users(g)
+    prod = producers(g)
     for moe in [o for o in g.ops if o.kind == "moe_sum"]:
         routed, down = prod[moe.inputs[0]], prod[moe.inputs[1]]
         cast = prod[down.inputs[0]]
@@ -44,7 +44,6 @@ def fuse_projections(g: Graph, ctx: Any = None) -> Graph:
                 "linear", "cast", "swiglu", "linear", "linear"):
             fuse(g, [routed, gate, up, swiglu, cast, down, moe], "moe_experts")
     # horizontal multi-output GEMVs
-    prod, u = producers(g), users(g)
     by_input: dict[Any, list[Op]] = {}
     for op in g.ops:
         if op.kind == "linear":
@@ -52,5 +51,4 @@ def fuse_projections(g: Graph, ctx: Any = None) -> Graph:
     for x, ops in by_input.items():
         if len(ops) >= 2:
             fuse(g, ops, "multi_gemv", n_outputs=len(ops))
-    del u
     return g

@@ -14,7 +14,6 @@ Preserves: the interpreter's outputs bit for bit (grouping only).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +51,6 @@ def partition(g: Graph, ctx: Any = None) -> Graph:
             by_layer.setdefault((op.layer, "compress"), []).append(op)
     for ops in by_layer.values():
         fuse(g, ops, "compressor")
-    prod, u = producers(g), users(g)
     for ring in [op for op in g.ops if op.kind == "ring_write"]:
         target = next((op for op in g.ops if op.layer == ring.layer and _pattern(op) == "grouped_linear"), None)
         if target is not None:
@@ -61,7 +59,6 @@ def partition(g: Graph, ctx: Any = None) -> Graph:
         if not _free(op) and op.kind != "fused":
             fuse(g, [op], op.kind)
     g.meta = {**g.meta, "kernels": len([op for op in g.ops if op.kind == "fused"])}
-    del prod
     return g
 
 

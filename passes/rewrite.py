@@ -88,7 +88,6 @@ def toposort(g: Graph) -> None:
         VerifyError: the ops form a cycle (a fusion group was not convex).
     """
     prod = producers(g)
-    index = {id(op): k for k, op in enumerate(g.ops)}
     deps: dict[int, set[int]] = {}
     for op in g.ops:
         deps[id(op)] = {id(prod[v]) for v in op.inputs if v in prod and prod[v] is not op}
@@ -105,7 +104,6 @@ def toposort(g: Graph) -> None:
         else:
             kinds = ", ".join(f"{op.kind}@l{op.layer}" for op in pending[:4])
             raise VerifyError(f"ops form a cycle (non-convex fusion?): {kinds} ...")
-    del index
     g.ops = order
 
 

@@ -281,7 +281,6 @@ def _lower_gemv_group(c: _Ctx, op: Op) -> list[Launch]:
 # ------------------------------------------------------------------------------------------------- HC
 def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     body = op.body or []
-    kinds = [b.kind for b in body]
     pattern = op.attrs["pattern"]
     variant = {"hc_embed_pre": "embed_pre", "hc_post_pre": "post_pre", "hc_post_head": "post_head"}[pattern]
     mix = next(b for b in body if b.kind == "hc_mix")
@@ -310,7 +309,6 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     router = [x for x in body if x.kind == "linear"]
     if router:  # router with the FFN norm: its GEMV follows the norm stage
         launches += _gemv(c, c.name(op, "router_gemv"), norm.outputs[0], router, True)
-    del kinds
     return launches
 
 

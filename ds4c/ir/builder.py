@@ -135,7 +135,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
         ring = inputs[f"{L}.ring"]
         comp_span = mask = sel = None
         if r:
-            d, c = cfg.head_dim, 2 if r == 4 else 1
+            d = cfg.head_dim
             if r == 4:  # indexer query, head weights, indexer compressor (spec 5.2(f))
                 qi = b.op("linear", qr, W(p + "indexer.attn_q_b.weight"), mode="fp8act", act_quant=emu,
                           name=f"{L}.qi_proj")

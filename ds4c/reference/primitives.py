@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ds4c.quant import act_quant_dequant, fp4_fake_quant, fp8_fake_quant, pow2_ceil_scale  # noqa: F401
+from ds4c.quant import act_quant_dequant, fp4_fake_quant, fp8_fake_quant  # noqa: F401  (re-exported for P.*)
 
 BF16 = torch.bfloat16
 F32 = torch.float32
