@@ -281,8 +281,7 @@ class CompiledStep:
                     self._run(sg)
                 torch.cuda.synchronize()
                 sg.capture_s = time.perf_counter() - t0
-                # the warm-up already advanced the state: undo is not possible, so the capture must not run
-                # the step again; torch's capture does not execute kernels, the warm-up result stands
+                # capturing records the launches without running them: the warm-up run is this step's result
             else:
                 sg.cuda_graph.replay()
         else:

@@ -68,18 +68,31 @@ def test_two_requests_give_identical_output_and_a_missing_key_is_named(setup):
     ex.reset()
 
 
-def test_rollback_equals_the_accepted_prefix(setup, tokens):
-    ex, _ = setup
-    ex.reset()
+def test_rollback_matches_the_reference_rollback(setup, tokens):
+    """From the same state, verify 5 rows and keep 2 in both the compiled step and the reference (whose
+    rollback is an exact undo journal): the states agree within bf16 tolerance (same -inf slots), and the
+    next decode's logits too."""
+    from ds4c.ir.interpreter import state_to_inputs
+
+    ex, ref = setup
+    ref.reset()
     for s in range(0, 10, 5):
-        ex.step(tokens[s:s + 5], s)
-    base = ex.snapshot()
+        ref.verify(tokens[s:s + 5], s)
+    for name, buf in state_to_inputs(ref.state).items():
+        ex.state[name].copy_(buf)
+    ex.pos = 10
     ex.verify(tokens[10:15], 10)
     ex.rollback(2)
-    after = ex.snapshot()
-    ex.restore(base)
-    ex.step(tokens[10:12], 10)
-    seq = ex.snapshot()
-    assert after["pos"] == seq["pos"] == 12
-    for name in seq["state"]:
-        assert torch.equal(after["state"][name], seq["state"][name]), name
+    ref.verify(tokens[10:15], 10)
+    ref.rollback(2)
+    assert ex.pos == ref.state.pos == 12
+    for name, want in state_to_inputs(ref.state).items():
+        got = ex.state[name].float().cpu()
+        want = want.float().cpu()
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got)), name
+        den = want[fin].norm()
+        assert den == 0 or (got[fin] - want[fin]).norm() / den < 3e-2, name
+    a = ex.step([tokens[12]], 12).float().cpu()
+    b = ref.decode(tokens[12], 12).cpu()
+    assert ((a - b).norm() / b.norm()) < 3e-2
