@@ -107,8 +107,11 @@ class CompiledStep:
             self._off[f"live_r{r}"] = 1 + k
         self._off["positions"] = 1 + len(self._ratios)
         self._off["tokens"] = self._off["positions"] + maxq
-        self._step_host = torch.zeros(self._off["tokens"] + maxq, dtype=torch.int64).pin_memory()
-        self._step_dev = torch.zeros_like(self._step_host, device=self.dev)
+        n_step = self._off["tokens"] + maxq
+        self._step_hosts = [torch.zeros(n_step, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._host_done = [torch.cuda.Event() for _ in range(2)]
+        self._host_turn = 0
+        self._step_dev = torch.zeros(n_step, dtype=torch.int64, device=self.dev)
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
         self._undo: tuple | None = None
@@ -250,6 +253,22 @@ class CompiledStep:
         return t
 
     # ------------------------------------------------------------------------------------------ steps
+    def _upload(self, tokens: list[int], pos: int) -> None:
+        """Write the step's scalars into the pinned host buffer and copy them to the device (one copy)."""
+        q = len(tokens)
+        # two pinned host buffers used in turn; a buffer is rewritten only after its last copy has run
+        self._host_turn ^= 1
+        h, done = self._step_hosts[self._host_turn], self._host_done[self._host_turn]
+        done.synchronize()
+        h[self._off["pos"]] = pos
+        for r in self._ratios:
+            h[self._off[f"live_r{r}"]] = (pos + q) // r
+        for i, t in enumerate(tokens):
+            h[self._off["positions"] + i] = pos + i
+            h[self._off["tokens"] + i] = int(t)
+        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
+        done.record()
+
     def step(self, tokens: list[int], pos: int) -> torch.Tensor:
         """Run ``len(tokens)`` rows at ``pos..``; returns fp32 logits [q, vocab] (a device tensor, valid until
         the next step of the same width and bucket).
@@ -263,14 +282,7 @@ class CompiledStep:
             raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
         context = self.buckets.bucket(pos, q)
         sg = self._prepare(q, context)
-        h = self._step_host
-        h[self._off["pos"]] = pos
-        for r in self._ratios:
-            h[self._off[f"live_r{r}"]] = (pos + q) // r
-        for i, t in enumerate(tokens):
-            h[self._off["positions"] + i] = pos + i
-            h[self._off["tokens"] + i] = int(t)
-        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
+        self._upload(tokens, pos)
         if self.use_graphs:
             if sg.cuda_graph is None:
                 self._run(sg)  # warm-up outside the capture (module loads, attributes)
@@ -297,6 +309,38 @@ class CompiledStep:
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One decode step (q = 1). Returns fp32 logits [1, vocab]."""
         return self.step([token], pos)
+
+    def time_launches(self, tokens: list[int], pos: int, repeats: int = 20) -> list[dict[str, Any]]:
+        """Time every launch of the step at (``len(tokens)``, bucket of ``pos``) on its own with CUDA events
+        (median of ``repeats`` eager runs of the whole launch list; the state is snapshotted and restored, so
+        the sequence is unchanged). Returns one dict per launch: ``kernel`` (plan name), ``family``,
+        ``layer``, ``entry``, ``us`` (median microseconds).
+
+        Raises:
+            StepError: as :meth:`step`.
+        """
+        q = len(tokens)
+        if pos != self.pos:
+            raise StepError(f"time_launches at position {pos}, but the sequence's next position is {self.pos}")
+        sg = self._prepare(q, self.buckets.bucket(pos, q))
+        self._upload(tokens, pos)
+        snap = self.snapshot()
+        pairs = [(k, la) for k in sg.kernels for la in k.launches]
+        evs = [[torch.cuda.Event(enable_timing=True) for _ in range(len(pairs) + 1)] for _ in range(repeats)]
+        for r in range(repeats):
+            self.restore(snap)
+            evs[r][0].record()
+            for i, b in enumerate(sg.launches):
+                b.kernel(b.grid, b.block, b.args, smem=b.smem)
+                evs[r][i + 1].record()
+        torch.cuda.synchronize()
+        self.restore(snap)
+        out = []
+        for i, (k, la) in enumerate(pairs):
+            ts = sorted(evs[r][i].elapsed_time(evs[r][i + 1]) * 1e3 for r in range(repeats))
+            out.append({"kernel": k.name, "family": k.family, "layer": k.layer, "entry": la.kernel.entry,
+                        "us": ts[len(ts) // 2]})
+        return out
 
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Where the compiled step's time goes: every launch timed on its own (CUDA events), summed per kernel family,
+next to the graph-replay time of the whole step. Usage:
+
+    python tools/gpu_step_profile.py [--model tiny|flash-l4 | --gguf FILE] [--widths 1,5] [--pos P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ds4c.buckets import BucketSpec  # noqa: E402
+from ds4c.config import preset  # noqa: E402
+from ds4c.gguf_file import open_model  # noqa: E402
+from ds4c.runtime.cache import KernelCache  # noqa: E402
+from ds4c.runtime.executor import CompiledStep  # noqa: E402
+from ds4c.synth import make_model  # noqa: E402
+
+
+def replay_ms(ex: CompiledStep, toks: list[int], pos: int, n: int = 50) -> float:
+    """Median ms of the step's graph replay (state snapshotted and restored around the measurement)."""
+    snap = ex.snapshot()
+    ex.step(toks, pos)  # capture if needed
+    ts = []
+    for _ in range(n):
+        ex.restore(snap)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        ex.step(toks, pos)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    ex.restore(snap)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--widths", default="1,5")
+    ap.add_argument("--pos", type=int, default=200)
+    ap.add_argument("--max-ctx", type=int, default=4096)
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args()
+    cfg = preset(a.model)
+    path = Path(a.gguf) if a.gguf else make_model(cfg, Path(tempfile.mkdtemp()) / f"{a.model}.gguf", seed=0)
+    mf = open_model(path)
+    widths = tuple(int(w) for w in a.widths.split(","))
+    buckets = BucketSpec.build(mf.config, widths, a.max_ctx)
+    ex = CompiledStep(mf, buckets, a.arch, KernelCache(Path(tempfile.mkdtemp())))
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, mf.config.vocab_size, (a.pos + 8,), generator=g).tolist()
+    p = 0
+    while p < a.pos:  # fill the sequence up to pos with the widest step
+        q = min(max(widths), a.pos - p)
+        if q not in widths:
+            q = 1 if 1 in widths else min(widths)
+        ex.step(toks[p:p + q], p)
+        p += q
+    for w in widths:
+        rows = ex.time_launches(toks[p:p + w], p)
+        total = sum(r["us"] for r in rows)
+        rep = replay_ms(ex, toks[p:p + w], p)
+        fam = defaultdict(lambda: [0.0, 0])
+        for r in rows:
+            fam[r["family"]][0] += r["us"]
+            fam[r["family"]][1] += 1
+        print(f"== {mf.config.name} q={w} pos={p} bucket={buckets.bucket(p, w)}: {len(rows)} launches, "
+              f"sum of launches {total:.1f} us, graph replay {rep * 1e3:.1f} us")
+        for f, (us, n) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {f:12s} {n:4d} launches {us:9.1f} us ({100 * us / total:5.1f}%)")
+        print("  slowest launches:")
+        for r in sorted(rows, key=lambda r: -r["us"])[:a.top]:
+            print(f"    {r['us']:8.1f} us  {r['kernel']:40s} {r['entry']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
