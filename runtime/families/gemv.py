@@ -27,8 +27,8 @@ Kernel design (the numbers are render-time constants computed here, see :func:`p
   copied to shared memory when it fits (HIP: 64 KiB LDS), else read from global memory (L1/L2 resident).
 * Inside a tile, each thread owns one "unit" of columns (bf16: 8 values = 16 B, f32: 4 values = 16 B, q8_0:
   half a block = 16 values, mxfp4: one block = 32 values) for ``R`` rows (``R`` = 4 bf16 / q8_0 / mxfp4, 2 f32,
-  halved for small launches), so each x element read from shared memory is reused ``R`` times and every weight
-  element is used by all ``q`` rows. ``TG`` threads (a power of two, <= 256) split a row's units; a block holds
+  halved for small launches; 1 for q = 1 launches without the FP8 prologue), so each x element read from
+  shared memory is reused ``R`` times and every weight element is used by all ``q`` rows. ``TG`` threads (a power of two, <= 256) split a row's units; a block holds
   ``G = 256/TG`` row groups, so ``RB = G*R`` rows per tile.
 * bf16 / f32 weights are loaded straight from global memory with 16-byte coalesced loads (up to 8 loads in
   flight per thread). q8_0 / mxfp4 rows are not 16-byte aligned per block (34 / 17 byte blocks), so a tile's
@@ -87,6 +87,11 @@ SMEM_PER_SM = {"cuda": 228 * 1024, "hip": 64 * 1024}
 DEFAULT_SMS = 132
 #: blocks per multiprocessor the grid aims at (register use ~100-128 per thread allows 2)
 BLOCKS_PER_SM = 2
+#: q = 1 launches without an FP8 activation prologue (plain bf16/f32 x, e.g. the head): one row per thread
+#: (~32 registers) and 8 blocks per multiprocessor keep more weight bytes in flight. H200 sweep
+#: (tools/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
+#: to 241 us (R=1, 8 blocks/SM), 4.39 TB/s. Launches with the prologue pay it once per block, so they keep 2.
+PLAIN_Q1_BLOCKS_PER_SM = 8
 MAX_Q = 8
 
 
@@ -302,6 +307,8 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
     """
     tgt = target or _target("sm_90")
     rows0 = {o.fmt: (spec.rows or DEFAULT_ROWS[o.fmt]) for o in spec.outputs}
+    if not spec.rows and _plain_q1(spec):
+        rows0 = {f: 1 for f in rows0}
     if not spec.rows and tgt.vendor == "hip" and spec.q >= 3 and "mxfp4" in rows0:
         rows0["mxfp4"] = 2  # clang keeps more of the mxfp4 decode live than ptxas: 4 rows spill at q = 5
     scale = 1
@@ -347,6 +354,11 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
     return Plan(spec, tgt, outs, t, need_q, need_p, p_smem, xrow, off_xq, off_xp, off_stage, off_red, off, stage, nch)
 
 
+def _plain_q1(spec: GemvSpec) -> bool:
+    """A q = 1 launch whose outputs all read plain x (no FP8 activation prologue)."""
+    return spec.q == 1 and not any(o.mode == "fp8act" and spec.act_quant for o in spec.outputs)
+
+
 def _plan_params(pl: Plan) -> dict[str, Any]:
     outs = []
     for p in pl.outs:
@@ -375,10 +387,13 @@ def render_gemv(spec: GemvSpec, target: Target, name: str) -> KernelSource:
 def launch_shape(spec: GemvSpec, target: Target | None = None, sms: int = DEFAULT_SMS
                  ) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """(grid, block, dynamic shared memory bytes) of the kernel of ``spec`` on ``target`` (default sm_90) with
-    ``sms`` multiprocessors: a persistent grid of ``min(tiles, blocks_per_sm * sms)`` blocks of 256 threads.
+    ``sms`` multiprocessors: a persistent grid of ``min(tiles, blocks_per_sm * sms)`` blocks of 256 threads
+    (blocks_per_sm: :data:`PLAIN_Q1_BLOCKS_PER_SM` for q = 1 without the FP8 prologue, else
+    :data:`BLOCKS_PER_SM`; fewer when shared memory does not allow them).
     CUDA: shared memory above 48 KiB needs the function attribute (``CudaModule.function(entry, smem)``)."""
     pl = plan(spec, target)
-    per_sm = max(1, min(BLOCKS_PER_SM, SMEM_PER_SM[pl.target.vendor] // (pl.smem + 1024)))
+    want = PLAIN_Q1_BLOCKS_PER_SM if _plain_q1(spec) else BLOCKS_PER_SM
+    per_sm = max(1, min(want, SMEM_PER_SM[pl.target.vendor] // (pl.smem + 1024)))
     return (min(pl.total_tiles, per_sm * sms), 1, 1), (THREADS, 1, 1), pl.smem
 
 
