@@ -376,6 +376,42 @@ def _resources_of(rec: dict, entry: str) -> dict:
     return next(iter(r.values())) if len(r) == 1 else {}
 
 
+@main.command("bench")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
+              help="cuda: every column; cpu: the reference columns only.")
+@click.option("--widths", default="1,2,3,4,5", show_default=True, help="Comma-separated verify widths (1..5).")
+@click.option("--ctx", "contexts", default="4096", show_default=True,
+              help="Comma-separated contexts: each step ends at this position.")
+@click.option("--repeats", type=click.IntRange(min=3), default=50, show_default=True,
+              help="Graph replays timed per (width, context).")
+@click.option("--ref-repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Reference steps timed per (width, context) and engine.")
+@click.option("--compile-modes", default="default,max-autotune-no-cudagraphs", show_default=True,
+              help="torch.compile modes tried for the reference ('none': skip torch.compile).")
+@click.option("--artifact", type=click.Path(file_okay=False), default=None,
+              help="Use this artifact (default: compile one here with a cold cache and time it).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
+def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
+              compile_modes: str, artifact: str | None, json_out: str | None) -> None:
+    """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
+    of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
+    from ds4c.bench import format_report, run_bench
+    from ds4c.gguf_file import open_model
+
+    ws = tuple(_parse_ints(widths, "--widths"))
+    cs = tuple(_parse_ints(contexts, "--ctx"))
+    modes = () if compile_modes.strip() in ("", "none") else tuple(m.strip() for m in compile_modes.split(","))
+    mf = open_model(_model_path(file))
+    rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact,
+                    say=lambda m: click.echo(m, err=True))
+    click.echo(format_report(rep))
+    if json_out:
+        tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
+        tmp.write_text(json.dumps(rep.as_dict(), indent=1))
+        os.replace(tmp, json_out)
+
+
 @main.command("inspect")
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--kernels", "list_kernels", is_flag=True,

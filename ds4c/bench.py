@@ -1,0 +1,449 @@
+"""``ds4c bench``: one decode or verify step of a model, timed in one run through the compiled step (CUDA
+graph replay), the reference in torch eager, ``torch.compile`` of the reference and (when importable) the
+``transformers`` port, next to the step's HBM roofline.
+
+For every (width q, context c) the sequence is filled up to position ``c - 5`` (so every width's step ends
+inside the bucket ``c``), then the same step (same tokens, same state) is timed repeatedly:
+
+* compiled: the (q, c) CUDA graph replayed back to back; per-replay CUDA-event times, median.
+* eager / torch.compile: the reference from the compiled step's state (copied), one step, synchronised,
+  rolled back by its undo journal; median of ``ref_repeats``.
+* roofline: the bytes the step must read over the measured device-to-device copy bandwidth. Bytes = every
+  weight the step's kernels read in stored form (routed experts: only the distinct experts the step's rows
+  were routed to, read back from the compiled step) + the state it reads (window ring, compressor state,
+  indexer keys of every live block, the CSA rows the indexer selected (q x top-k, at most the live rows), HCA
+  rows of every live block). Activations are not counted.
+
+On a machine without CUDA the compiled step, the roofline and the transformers port are reported as not run
+(with the reason) and the reference columns are timed on the CPU.
+
+Data flows one way: this module consumes the model file, the reference, the passes' kernel plan and the
+runtime; nothing imports it but the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ds4c.buckets import BucketSpec
+from ds4c.config import Ds4Config
+from ds4c.errors import Ds4cError
+from ds4c.gguf_file import ModelFile
+from ds4c.reference import MAX_WIDTH, Reference, ReferenceWeights
+from ds4c.tensors import tensor_specs
+
+# Targets of the performance issue (flash-l4 on an H200).
+TARGETS = {"roofline_q1": 0.70, "roofline_q5": 0.60, "vs_compile": 3.0, "vs_transformers": 20.0,
+           "kernels_per_layer_q1": 12}
+FLASH_LAYERS = 43
+
+
+class BenchError(Ds4cError):
+    """A benchmark request that cannot run (bad widths or contexts for the model, no device)."""
+
+
+@dataclass
+class StepRow:
+    """One (width, context) row of the benchmark. Times in milliseconds; None = not run (see ``notes``)."""
+
+    width: int
+    context: int
+    pos: int
+    ours_ms: float | None = None
+    eager_ms: float | None = None
+    compile_ms: float | None = None
+    transformers_ms: float | None = None
+    weight_bytes: int = 0
+    state_bytes: int = 0
+    roofline_ms: float | None = None
+    kernels_per_layer: int = 0
+    launches: int = 0
+    families: dict[str, dict[str, float]] = field(default_factory=dict)
+    projected_flash_ms: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.state_bytes
+
+    def ratio(self, other: float | None) -> float | None:
+        return None if other is None or self.ours_ms is None else other / self.ours_ms
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``ds4c bench`` run measured (``as_dict`` is the --json record)."""
+
+    model: str
+    device: str
+    copy_gbps: float | None
+    compile_mode: str | None
+    compile_modes: dict[str, str]
+    transformers: str
+    cold_compile_s: float | None
+    artifact_load_s: float | None
+    rows: list[StepRow]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for r, rd in zip(self.rows, d["rows"]):
+            rd.update(total_bytes=r.total_bytes, eager_over_ours=r.ratio(r.eager_ms),
+                      compile_over_ours=r.ratio(r.compile_ms), transformers_over_ours=r.ratio(r.transformers_ms),
+                      roofline_fraction=r.ratio(r.roofline_ms))
+        return d
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+def state_read_bytes(cfg: Ds4Config, end: int, q: int) -> int:
+    """Bytes of sequence state one step of ``q`` rows ending at position ``end`` (exclusive) reads (spec
+    section 4 layouts): per layer the window ring; for compressing layers the compressor state; ratio-4
+    layers the indexer keys of every live block, the indexer compressor state and the selected CSA rows
+    (``q * index_topk``, at most the live blocks); HCA layers every live compressed row."""
+    total = 0
+    for i in range(cfg.n_layers):
+        r = cfg.ratio(i)
+        total += min(end, cfg.window) * cfg.head_dim * 2
+        if not r:
+            continue
+        c = 2 if r == 4 else 1
+        slots = 8 if r == 4 else r
+        total += 2 * slots * c * cfg.head_dim * 4
+        live = end // r
+        if r == 4:
+            total += live * cfg.index_head_dim * 2 + 2 * 8 * 2 * cfg.index_head_dim * 4
+            total += min(live, q * cfg.index_topk) * cfg.head_dim * 2
+        else:
+            total += live * cfg.head_dim * 2
+    return total
+
+
+def plan_weight_bytes(mf: ModelFile, width: int, context: int, capacity: int,
+                      experts_per_layer: dict[int, int] | None) -> tuple[int, int]:
+    """(stored weight bytes the step's kernels read, kernels per layer at most).
+
+    ``experts_per_layer`` gives the distinct routed experts per layer (default: ``width x n_active``, capped
+    at the expert count)."""
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.passes.partition import kernel_plan
+
+    cfg = mf.config
+    types: dict[str, Any] = {name: mf.ggml_type(name) for name in mf.specs}
+    types.update({s.name + ":shape": s.shape for s in tensor_specs(cfg)})
+    g = run_pipeline(build_step(cfg, width, capacity), "default", context=context).graph
+    base, one = kernel_plan(g, types, 0), kernel_plan(g, types, 1)
+    total = sum(k.weight_bytes for k in base.kernels)
+    for k0, k1 in zip(base.kernels, one.kernels):
+        per_expert = k1.weight_bytes - k0.weight_bytes
+        if per_expert:
+            n = (experts_per_layer or {}).get(k0.layer, min(width * cfg.n_active_experts, cfg.n_experts))
+            total += per_expert * n
+    per_layer = max(len(ks) for layer, ks in base.per_layer().items() if layer >= 0)
+    return total, per_layer
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting read + write bytes (median of ``repeats``)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(repeats + 2):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(ts[2:]) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _time_host(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
+    """Median wall milliseconds of ``fn()`` (synchronising the GPU around it when ``sync``)."""
+    ts = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def time_replays(ex: Any, tokens: list[int], pos: int, repeats: int) -> float:
+    """Median milliseconds of the (q, bucket) graph replayed back to back (state restored after)."""
+    snap = ex.snapshot()
+    ex.step(tokens, pos)  # captures the graph on first use
+    ex.restore(snap)
+    ex.step(tokens, pos)  # and the step's scalars are in place for the replays
+    sg = ex._graphs[(len(tokens), ex.buckets.bucket(pos, len(tokens)))]
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    evs[0].record()
+    for i in range(repeats):
+        sg.cuda_graph.replay()
+        evs[i + 1].record()
+    torch.cuda.synchronize()
+    ex.restore(snap)
+    return statistics.median(evs[i].elapsed_time(evs[i + 1]) for i in range(repeats))
+
+
+def _routed_experts(ex: Any, width: int, context: int) -> dict[int, int]:
+    """Distinct routed experts per layer in the last run of the (width, context) graph."""
+    sg = ex._graphs[(width, context)]
+    out = {}
+    for i in range(ex.cfg.n_layers):
+        ids = sg.values.get(f"l{i}.route.ids")
+        if ids is not None:
+            out[i] = int(torch.unique(ids[:width]).numel())
+    return out
+
+
+def _copy_state_into_reference(ex: Any, ref: Reference, pos: int) -> None:
+    from ds4c.ir.interpreter import state_to_inputs
+
+    for name, buf in state_to_inputs(ref.state).items():
+        buf.copy_(ex.state[name])
+    ref.state.pos = pos
+
+
+def _reference_step_ms(ref: Reference, step: Callable[[list[int], int], Any], tokens: list[int], pos: int,
+                       repeats: int, sync: bool) -> float:
+    """Median ms of one verify step through ``step`` from the reference's current state, rolled back each time."""
+    def once() -> None:
+        step(tokens, pos)
+        ref.rollback(0)
+
+    once()  # warm-up: loads (and caches) the routed experts of these tokens; compiles
+    return _time_host(once, repeats, sync)
+
+
+def transformers_status() -> tuple[Any, str]:
+    """(DeepseekV4ForCausalLM class or None, a line saying why it is or is not used)."""
+    try:
+        import transformers
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"transformers not importable ({type(e).__name__}: {e})"
+    cls = getattr(transformers, "DeepseekV4ForCausalLM", None)
+    if cls is None:
+        return None, f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM"
+    return cls, f"transformers {transformers.__version__} DeepseekV4ForCausalLM"
+
+
+# ---------------------------------------------------------------------------------------------- run
+def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1, 2, 3, 4, 5),
+              contexts: tuple[int, ...] = (4096,), repeats: int = 50, ref_repeats: int = 5,
+              compile_modes: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs"),
+              artifact: str | None = None, arch: str | None = None, seed: int = 0,
+              say: Callable[[str], None] = print) -> BenchReport:
+    """Benchmark one model (module docstring says what is measured).
+
+    Args:
+        mf: the model file.
+        device: ``cuda`` (every column) or ``cpu`` (reference columns only).
+        widths: verify widths, each in 1..5.
+        contexts: step end positions (each >= 8, at most the model's context length).
+        repeats: graph replays per (width, context); ``ref_repeats``: reference steps.
+        compile_modes: ``torch.compile`` modes tried in order; the fastest that works is reported, the others
+            with their result or error in ``compile_modes``. Empty: torch.compile not run.
+        artifact: an artifact folder from ``ds4c compile`` (default: one is compiled here into a temporary
+            folder with an empty kernel cache, and that time is the cold compile time).
+        arch: the CUDA arch (default: the device's).
+
+    Returns:
+        BenchReport (times in ms; bytes; copy bandwidth in GB/s).
+
+    Raises:
+        BenchError: a width outside 1..5, a context under 8 or past the model's context length, or
+            ``device='cuda'`` without a CUDA device.
+    """
+    cfg = mf.config
+    if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths):
+        raise BenchError(f"widths must be in 1..{MAX_WIDTH}, found {list(widths)}")
+    if not contexts or any(c < 8 or c > cfg.max_position for c in contexts):
+        raise BenchError(f"contexts must be in 8..{cfg.max_position} (the model's context length), found {list(contexts)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu "
+                         "for the reference columns alone")
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    compiled = device == "cuda"
+    ex, cold_s, load_s, copy_gbps = None, None, None, None
+    max_ctx = max(contexts)
+    buckets = BucketSpec.build(cfg, tuple(range(1, MAX_WIDTH + 1)), max_ctx)
+    if compiled:
+        from ds4c.runtime.artifact import build_artifact
+        from ds4c.runtime.cache import KernelCache
+        from ds4c.runtime.executor import CompiledStep, device_arch
+        from ds4c.runtime.targets import target
+
+        arch = arch or device_arch()
+        if artifact is None:
+            tmp = Path(tempfile.mkdtemp(prefix="ds4c-bench-"))
+            say(f"compiling an artifact for {arch} (cold kernel cache, {os.cpu_count()} CPUs) ...")
+            t0 = time.perf_counter()
+            types = {name: mf.ggml_type(name) for name in mf.specs}
+            build_artifact(cfg, [target(arch)], buckets, tmp / "artifact", KernelCache(tmp / "cache"),
+                           progress=False, weight_types=types)
+            cold_s = time.perf_counter() - t0
+            artifact = str(tmp / "artifact")
+        t0 = time.perf_counter()
+        ex = CompiledStep(mf, buckets, arch, artifact=artifact)
+        for w in buckets.widths:
+            ex._prepare(w, buckets.contexts[0])
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        say(f"artifact loaded (weights + {len(buckets.widths)} graphs) in {load_s:.1f} s")
+        copy_gbps = copy_bandwidth_gbps(dev)
+    capacity = ex.capacity if ex is not None else buckets.contexts[-1]
+    n_routed_total = cfg.n_layers * MAX_WIDTH * cfg.n_active_experts
+    ref = Reference(ReferenceWeights.load(mf, dev, cache_experts=n_routed_total + 8), max_ctx=capacity)
+    modes_used: dict[str, str] = {}
+    best_mode, compiled_ref = None, None
+    tf_cls, tf_line = transformers_status()
+    rows: list[StepRow] = []
+    for c in contexts:
+        pos = c - MAX_WIDTH
+        toks = torch.randint(0, cfg.vocab_size, (c,), generator=gen).tolist()
+        say(f"filling the sequence to position {pos} ...")
+        if ex is not None:
+            ex.reset()
+            p = 0
+            while p < pos:
+                q = min(MAX_WIDTH, pos - p)
+                ex.step(toks[p:p + q], p)
+                p += q
+            snap = ex.snapshot()
+        else:
+            ref.reset()
+            for p in range(0, pos, MAX_WIDTH):
+                ref.verify(toks[p:min(p + MAX_WIDTH, pos)], p)
+            ref_snap = ref.snapshot()
+        for w in widths:
+            step_toks = toks[pos:pos + w]
+            row = StepRow(w, c, pos)
+            bucket = buckets.bucket(pos, w)
+            routed = None
+            if ex is not None:
+                ex.restore(snap)
+                row.ours_ms = time_replays(ex, step_toks, pos, repeats)
+                routed = _routed_experts(ex, w, bucket)
+                prof = ex.time_launches(step_toks, pos, repeats=5)
+                row.launches = len(prof)
+                fam: dict[str, dict[str, float]] = {}
+                for r in prof:
+                    f = fam.setdefault(r["family"], {"launches": 0, "us": 0.0})
+                    f["launches"] += 1
+                    f["us"] += r["us"]
+                row.families = fam
+                head_us = sum(r["us"] for r in prof if r["layer"] < 0)
+                layer_ms = max(row.ours_ms - head_us / 1e3, 0.0) / cfg.n_layers
+                row.projected_flash_ms = layer_ms * FLASH_LAYERS + head_us / 1e3
+                _copy_state_into_reference(ex, ref, pos)
+            else:
+                ref.restore(ref_snap)
+                row.notes.append("compiled step not run: needs a CUDA device")
+            row.weight_bytes, row.kernels_per_layer = plan_weight_bytes(mf, w, bucket, capacity, routed)
+            row.state_bytes = state_read_bytes(cfg, pos + w, w)
+            if copy_gbps:
+                row.roofline_ms = row.total_bytes / (copy_gbps * 1e9) * 1e3
+            snap_ref = ref.snapshot()
+            row.eager_ms = _reference_step_ms(ref, ref.verify, step_toks, pos, ref_repeats, compiled)
+            if compile_modes:
+                if compiled_ref is None and not modes_used:
+                    best_mode, compiled_ref, modes_used = _pick_compile_mode(ref, compile_modes, step_toks, pos,
+                                                                             ref_repeats, compiled, say)
+                if compiled_ref is not None:
+                    ref.restore(snap_ref)
+                    row.compile_ms = _reference_step_ms(ref, compiled_ref.verify, step_toks, pos, ref_repeats,
+                                                        compiled)
+            if tf_cls is None:
+                row.notes.append(tf_line)
+            rows.append(row)
+            say(format_row(row))
+    return BenchReport(cfg.name, torch.cuda.get_device_name() if compiled else "cpu", copy_gbps, best_mode,
+                       modes_used, tf_line, cold_s, load_s, rows)
+
+
+def _pick_compile_mode(ref: Reference, modes: tuple[str, ...], tokens: list[int], pos: int, repeats: int,
+                       sync: bool, say: Callable[[str], None]) -> tuple[str | None, Any, dict[str, str]]:
+    """Try each torch.compile mode on this step; keep the fastest that works. Returns (mode, stepper, notes)."""
+    from ds4c.reference.compiled import compile_reference
+
+    notes: dict[str, str] = {}
+    best: tuple[float, str, Any] | None = None
+    snap = ref.snapshot()
+    for mode in modes:
+        ref.restore(snap)
+        t0 = time.perf_counter()
+        try:
+            cr = compile_reference(ref, mode=mode)
+            cr.verify(tokens, pos)  # compiles
+            ref.rollback(0)
+            compile_s = time.perf_counter() - t0
+            ms = _reference_step_ms(ref, cr.verify, tokens, pos, repeats, sync)
+        except Exception as e:  # noqa: BLE001 - a mode that fails is reported, not fatal
+            notes[mode] = f"failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {str(e)[:200]}"
+            say(f"torch.compile mode {mode}: {notes[mode]}")
+            continue
+        notes[mode] = f"ok: compile {compile_s:.1f} s, step {ms:.2f} ms"
+        say(f"torch.compile mode {mode}: {notes[mode]}")
+        if best is None or ms < best[0]:
+            best = (ms, mode, cr)
+    ref.restore(snap)
+    return (best[1], best[2], notes) if best else (None, None, notes)
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_row(r: StepRow) -> str:
+    return (f"q={r.width} ctx={r.context}: ours {_f(r.ours_ms)} ms, eager {_f(r.eager_ms, '.1f')} ms, "
+            f"torch.compile {_f(r.compile_ms, '.1f')} ms, roofline {_f(r.roofline_ms)} ms "
+            f"({r.total_bytes / 1e9:.3f} GB)")
+
+
+def format_report(rep: BenchReport) -> str:
+    """The printed table: per-family time shares, then per-row times, then the ratios last."""
+    out = [f"model {rep.model} on {rep.device}; copy bandwidth "
+           f"{_f(rep.copy_gbps and rep.copy_gbps / 1e3, '.2f')} TB/s; torch.compile mode: {rep.compile_mode or 'none'}"]
+    for mode, note in rep.compile_modes.items():
+        out.append(f"  torch.compile {mode}: {note}")
+    out.append(f"  {rep.transformers}")
+    out.append(f"cold compile (artifact, this machine): {_f(rep.cold_compile_s, '.1f')} s; "
+               f"warm artifact load: {_f(rep.artifact_load_s, '.2f')} s")
+    for r in rep.rows:
+        if r.families:
+            tot = sum(f["us"] for f in r.families.values()) or 1.0
+            shares = ", ".join(f"{k} {100 * v['us'] / tot:.0f}%" for k, v in
+                               sorted(r.families.items(), key=lambda kv: -kv[1]["us"]))
+            out.append(f"q={r.width} ctx={r.context} time share by family (launches timed alone): {shares}")
+    out.append(f"{'q':>2s} {'ctx':>6s} {'ours ms':>9s} {'eager ms':>9s} {'compile':>9s} {'transf.':>8s} "
+               f"{'GB read':>8s} {'roof ms':>8s} {'k/layer':>7s} {'43L ms':>7s} {'tok/s':>7s}")
+    for r in rep.rows:
+        tps = None if r.projected_flash_ms is None else 1e3 / r.projected_flash_ms
+        out.append(f"{r.width:2d} {r.context:6d} {_f(r.ours_ms):>9s} {_f(r.eager_ms, '.2f'):>9s} "
+                   f"{_f(r.compile_ms, '.2f'):>9s} {_f(r.transformers_ms, '.2f'):>8s} {r.total_bytes / 1e9:8.3f} "
+                   f"{_f(r.roofline_ms):>8s} {r.kernels_per_layer:7d} {_f(r.projected_flash_ms, '.2f'):>7s} "
+                   f"{_f(tps, '.0f'):>7s}")
+    out.append("speed-ups (x) and roofline fraction:")
+    out.append(f"{'q':>2s} {'ctx':>6s} {'eager/ours':>10s} {'compile/ours':>12s} {'transf/ours':>11s} {'roof/ours':>9s}")
+    for r in rep.rows:
+        out.append(f"{r.width:2d} {r.context:6d} {_f(r.ratio(r.eager_ms), '.1f'):>10s} "
+                   f"{_f(r.ratio(r.compile_ms), '.1f'):>12s} {_f(r.ratio(r.transformers_ms), '.1f'):>11s} "
+                   f"{_f(r.ratio(r.roofline_ms), '.2f'):>9s}")
+    notes = sorted({n for r in rep.rows for n in r.notes})
+    out += [f"note: {n}" for n in notes]
+    return "\n".join(out)

@@ -1,0 +1,75 @@
+"""``ds4c bench`` on the CPU (the compiled-step column needs a GPU and is covered on the H200, see
+docs/gpu-validation.md and docs/perf.md): the reference columns, the byte model behind the roofline, the
+printed table, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ds4c.bench import BenchError, plan_weight_bytes, run_bench, format_report, state_read_bytes
+from ds4c.cli import main
+from ds4c.config import preset
+from ds4c.gguf_file import open_model
+
+
+def test_state_bytes_count_every_buffer_the_step_reads():
+    cfg = preset("tiny")  # ratios (0, 0, 4, 16, 4, 16), window 16, head_dim 192, index_head_dim 128, top-k 8
+    end, q = 100, 5
+    ring = 6 * 16 * 192 * 2
+    csa = 2 * (2 * 8 * 2 * 192 * 4 + 25 * 128 * 2 + 2 * 8 * 2 * 128 * 4 + min(25, 5 * 8) * 192 * 2)
+    hca = 2 * (2 * 16 * 192 * 4 + 6 * 192 * 2)
+    assert state_read_bytes(cfg, end, q) == ring + csa + hca
+    # a short sequence reads only the ring rows that exist and no compressed rows
+    assert state_read_bytes(cfg, 3, 1) < state_read_bytes(cfg, 100, 1)
+
+
+def test_weight_bytes_count_only_the_routed_experts(tiny_path):
+    mf = open_model(tiny_path)
+    cfg = mf.config
+    full, per_layer = plan_weight_bytes(mf, 1, 256, 256, None)  # default: q x n_active experts per layer
+    one, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 1 for i in range(cfg.n_layers)})
+    none, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 0 for i in range(cfg.n_layers)})
+    per_expert = (one - none) // cfg.n_layers
+    assert per_expert > 0 and full - none == per_expert * cfg.n_layers * cfg.n_active_experts
+    assert 1 <= per_layer <= 12
+
+
+def test_cpu_bench_times_the_reference_and_says_what_was_not_run(tiny_path):
+    mf = open_model(tiny_path)
+    rep = run_bench(mf, "cpu", (1, 3), (40,), ref_repeats=2, compile_modes=(), say=lambda m: None)
+    assert [(r.width, r.context, r.pos) for r in rep.rows] == [(1, 40, 35), (3, 40, 35)]
+    for r in rep.rows:
+        assert r.eager_ms is not None and r.eager_ms > 0
+        assert r.ours_ms is None and r.roofline_ms is None and r.compile_ms is None
+        assert any("needs a CUDA device" in n for n in r.notes)
+        assert r.weight_bytes > 0 and r.state_bytes > 0
+    text = format_report(rep)
+    assert "eager/ours" in text and "roof/ours" in text and "needs a CUDA device" in text
+    d = rep.as_dict()
+    assert json.loads(json.dumps(d))["rows"][1]["width"] == 3
+
+
+@pytest.mark.parametrize("kw, msg", [({"widths": (0,)}, "widths must be in 1..5"),
+                                     ({"widths": (6,)}, "widths must be in 1..5"),
+                                     ({"contexts": (4,)}, "contexts must be in 8..")])
+def test_bad_requests_name_what_was_expected(tiny_path, kw, msg):
+    args = {"widths": (1,), "contexts": (40,), **kw}
+    with pytest.raises(BenchError, match=msg):
+        run_bench(open_model(tiny_path), "cpu", args["widths"], args["contexts"], compile_modes=())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a CUDA device")
+def test_cli_bench_without_a_gpu_says_so(tiny_path, tmp_path):
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--ctx", "40"], catch_exceptions=False)
+    assert r.exit_code == 2 and "no CUDA device" in r.output and "--device cpu" in r.output
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--widths", "1", "--ctx", "24",
+                                  "--compile-modes", "none", "--ref-repeats", "1", "--json", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["rows"][0]["eager_ms"] > 0
+    assert "speed-ups" in r.stdout
