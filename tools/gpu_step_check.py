@@ -232,7 +232,15 @@ def main() -> int:
     print(f"greedy: compiled {te[:12]}... reference {tr[:12]}...; identical for the first {same} of {len(te)} tokens")
     print(f"two requests in a row identical: {outs[0] == outs[1]}")
     print(f"{n} decode steps replayed (no host sync between steps): {dt * 1e3:.3f} ms/step; logits finite: {finite}")
-    ok = (errs.median() < 1e-2 and torch.quantile(errs, 0.9) < 3e-2 and finite and outs[0] == outs[1]
+    if floor:  # within the spread of two valid implementations (CPU vs GPU reference) on the same rows
+        fl = torch.tensor(floor)
+        close = bool(fl[:, 0].median() <= 1.5 * fl[:, 1].median() + 1e-3
+                     and torch.quantile(fl[:, 0], 0.9) <= 1.5 * torch.quantile(fl[:, 1], 0.9) + 1e-3)
+        print(f"tolerance: the noise floor (median x1.5, p90 x1.5): {'met' if close else 'NOT met'}")
+    else:
+        close = bool(errs.median() < 1e-2 and torch.quantile(errs, 0.9) < 3e-2)
+        print(f"tolerance: fixed (median < 1e-2, p90 < 3e-2): {'met' if close else 'NOT met'}")
+    ok = (close and finite and outs[0] == outs[1]
           and (ls is None or lockstep_ok(ls)))
     print("RESULT", "PASS" if ok else "FAIL")
     return 0 if ok else 1
