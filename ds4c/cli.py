@@ -2,7 +2,8 @@
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
 ``generate`` (tokens from the reference), ``inspect-ir``, ``compile`` (an AOT artifact), ``inspect`` (an
-artifact: summary, kernels, source, resources, SASS/ISA), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
+artifact: summary, kernels, source, resources, SASS/ISA), ``bench`` (one step: compiled vs torch eager vs
+torch.compile vs the roofline), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
 model: the ``tiny`` preset with seed 0, written once to the user cache folder.
 """
 
