@@ -309,6 +309,8 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
     rows0 = {o.fmt: (spec.rows or DEFAULT_ROWS[o.fmt]) for o in spec.outputs}
     if not spec.rows and _plain_q1(spec):
         rows0 = {f: 1 for f in rows0}
+    elif not spec.rows and tgt.vendor == "cuda" and spec.q >= 2 and _plain(spec) and set(rows0) == {"bf16"}:
+        rows0 = {"bf16": 8}  # H200 sweep: head q=5 293 -> 269 us (3.9 TB/s), 128 registers, no spills
     if not spec.rows and tgt.vendor == "hip" and spec.q >= 3 and "mxfp4" in rows0:
         rows0["mxfp4"] = 2  # clang keeps more of the mxfp4 decode live than ptxas: 4 rows spill at q = 5
     scale = 1
@@ -354,9 +356,14 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
     return Plan(spec, tgt, outs, t, need_q, need_p, p_smem, xrow, off_xq, off_xp, off_stage, off_red, off, stage, nch)
 
 
+def _plain(spec: GemvSpec) -> bool:
+    """Every output reads plain x (no FP8 activation prologue)."""
+    return not any(o.mode == "fp8act" and spec.act_quant for o in spec.outputs)
+
+
 def _plain_q1(spec: GemvSpec) -> bool:
-    """A q = 1 launch whose outputs all read plain x (no FP8 activation prologue)."""
-    return spec.q == 1 and not any(o.mode == "fp8act" and spec.act_quant for o in spec.outputs)
+    """A q = 1 launch whose outputs all read plain x."""
+    return spec.q == 1 and _plain(spec)
 
 
 def _plan_params(pl: Plan) -> dict[str, Any]:
