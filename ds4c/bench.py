@@ -228,16 +228,50 @@ def _reference_step_ms(ref: Reference, step: Callable[[list[int], int], Any], to
     return _time_host(once, repeats, sync)
 
 
-def transformers_status() -> tuple[Any, str]:
-    """(DeepseekV4ForCausalLM class or None, a line saying why it is or is not used)."""
+#: the transformers port's prefill is one forward with dense attention masks: longer contexts are not tried
+HF_MAX_CONTEXT = 8192
+
+
+def _time_transformers(mf: ModelFile, rows: list[StepRow], toks_of: dict[int, list[int]], repeats: int,
+                       say: Callable[[str], None]) -> str:
+    """Fill ``transformers_ms`` of ``rows`` with the transformers port (bf16, eager, the same weights, the
+    same prefill and step tokens). Returns the line the report prints about the port."""
+    from ds4c import hf_port
+
+    ok, why = hf_port.available()
+    if not ok:
+        return f"transformers port not run: {why}"
+    t0 = time.perf_counter()
     try:
-        import transformers
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        return None, f"transformers not importable ({type(e).__name__}: {e})"
-    cls = getattr(transformers, "DeepseekV4ForCausalLM", None)
-    if cls is None:
-        return None, f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM"
-    return cls, f"transformers {transformers.__version__} DeepseekV4ForCausalLM"
+        model = hf_port.load_hf_model(mf, "cuda", torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+        return f"transformers port ({why}) failed to load: {type(e).__name__}: {str(e)[:200]}"
+    line = f"transformers port: {why}, bf16 eager, loaded in {time.perf_counter() - t0:.0f} s"
+    say(line)
+    try:
+        for c in sorted({r.context for r in rows}):
+            mine = [r for r in rows if r.context == c]
+            if c > HF_MAX_CONTEXT:
+                for r in mine:
+                    r.notes.append(f"transformers port not run above context {HF_MAX_CONTEXT} (one-forward "
+                                   f"prefill with dense masks)")
+                continue
+            toks, pos = toks_of[c], mine[0].pos
+            try:
+                ms = hf_port.time_hf_widths(model, toks[:pos], toks[pos:pos + MAX_WIDTH],
+                                            sorted({r.width for r in mine}), repeats)
+            except Exception as e:  # noqa: BLE001
+                for r in mine:
+                    r.notes.append(f"transformers port failed at context {c}: {type(e).__name__}: {str(e)[:160]}")
+                torch.cuda.empty_cache()
+                continue
+            for r in mine:
+                r.transformers_ms = ms[r.width]
+            say(f"transformers port, context {c}: " + ", ".join(f"q={q} {v:.1f} ms" for q, v in sorted(ms.items())))
+    finally:
+        del model
+        torch.cuda.empty_cache()
+    return line
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -310,11 +344,11 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     ref = Reference(ReferenceWeights.load(mf, dev, cache_experts=n_routed_total + 8), max_ctx=capacity)
     modes_used: dict[str, str] = {}
     best_mode, compiled_ref = None, None
-    tf_cls, tf_line = transformers_status()
     rows: list[StepRow] = []
+    toks_of: dict[int, list[int]] = {}
     for c in contexts:
         pos = c - MAX_WIDTH
-        toks = torch.randint(0, cfg.vocab_size, (c,), generator=gen).tolist()
+        toks = toks_of[c] = torch.randint(0, cfg.vocab_size, (c,), generator=gen).tolist()
         say(f"filling the sequence to position {pos} ...")
         if ex is not None:
             ex.reset()
@@ -367,10 +401,14 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                     ref.restore(snap_ref)
                     row.compile_ms = _reference_step_ms(ref, compiled_ref.verify, step_toks, pos, ref_repeats,
                                                         compiled)
-            if tf_cls is None:
-                row.notes.append(tf_line)
             rows.append(row)
             say(format_row(row))
+    if compiled:
+        del ref, compiled_ref
+        torch.cuda.empty_cache()
+        tf_line = _time_transformers(mf, rows, toks_of, ref_repeats, say)
+    else:
+        tf_line = "transformers port not run: needs a CUDA device"
     return BenchReport(cfg.name, torch.cuda.get_device_name() if compiled else "cpu", copy_gbps, best_mode,
                        modes_used, tf_line, cold_s, load_s, rows)
 

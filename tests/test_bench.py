@@ -49,6 +49,7 @@ def test_cpu_bench_times_the_reference_and_says_what_was_not_run(tiny_path):
         assert r.weight_bytes > 0 and r.state_bytes > 0
     text = format_report(rep)
     assert "eager/ours" in text and "roof/ours" in text and "needs a CUDA device" in text
+    assert "transformers port not run" in text
     d = rep.as_dict()
     assert json.loads(json.dumps(d))["rows"][1]["width"] == 3
 
