@@ -217,12 +217,12 @@ def _copy_state_into_reference(ex: Any, ref: Reference, pos: int) -> None:
     ref.state.pos = pos
 
 
-def _reference_step_ms(ref: Reference, step: Callable[[list[int], int], Any], tokens: list[int], pos: int,
-                       repeats: int, sync: bool) -> float:
-    """Median ms of one verify step through ``step`` from the reference's current state, rolled back each time."""
+def _reference_step_ms(stepper: Any, tokens: list[int], pos: int, repeats: int, sync: bool) -> float:
+    """Median ms of one verify step of ``stepper`` (the reference or its compiled form) from its current
+    state, rolled back by its undo journal after each run."""
     def once() -> None:
-        step(tokens, pos)
-        ref.rollback(0)
+        stepper.verify(tokens, pos)
+        stepper.rollback(0)
 
     once()  # warm-up: loads (and caches) the routed experts of these tokens; compiles
     return _time_host(once, repeats, sync)
@@ -277,8 +277,8 @@ def _time_transformers(mf: ModelFile, rows: list[StepRow], toks_of: dict[int, li
 # ---------------------------------------------------------------------------------------------- run
 def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1, 2, 3, 4, 5),
               contexts: tuple[int, ...] = (4096,), repeats: int = 50, ref_repeats: int = 5,
-              compile_modes: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs"),
-              artifact: str | None = None, arch: str | None = None, seed: int = 0,
+              compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
+              artifact: str | None = None, arch: str | None = None, seed: int = 0, transformers: bool = True,
               say: Callable[[str], None] = print) -> BenchReport:
     """Benchmark one model (module docstring says what is measured).
 
@@ -293,6 +293,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         artifact: an artifact folder from ``ds4c compile`` (default: one is compiled here into a temporary
             folder with an empty kernel cache, and that time is the cold compile time).
         arch: the CUDA arch (default: the device's).
+        transformers: time the transformers port when it is importable (False: reported as not asked for).
 
     Returns:
         BenchReport (times in ms; bytes; copy bandwidth in GB/s).
@@ -391,19 +392,19 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             row.state_bytes = state_read_bytes(cfg, pos + w, w)
             if copy_gbps:
                 row.roofline_ms = row.total_bytes / (copy_gbps * 1e9) * 1e3
-            snap_ref = ref.snapshot()
-            row.eager_ms = _reference_step_ms(ref, ref.verify, step_toks, pos, ref_repeats, compiled)
+            row.eager_ms = _reference_step_ms(ref, step_toks, pos, ref_repeats, compiled)
             if compile_modes:
                 if compiled_ref is None and not modes_used:
                     best_mode, compiled_ref, modes_used = _pick_compile_mode(ref, compile_modes, step_toks, pos,
                                                                              ref_repeats, compiled, say)
                 if compiled_ref is not None:
-                    ref.restore(snap_ref)
-                    row.compile_ms = _reference_step_ms(ref, compiled_ref.verify, step_toks, pos, ref_repeats,
-                                                        compiled)
+                    compiled_ref.restore(ref.snapshot())
+                    row.compile_ms = _reference_step_ms(compiled_ref, step_toks, pos, ref_repeats, compiled)
             rows.append(row)
             say(format_row(row))
-    if compiled:
+    if not transformers:
+        tf_line = "transformers port not run: not asked for (--no-transformers)"
+    elif compiled:
         del ref, compiled_ref
         torch.cuda.empty_cache()
         tf_line = _time_transformers(mf, rows, toks_of, ref_repeats, say)
@@ -415,30 +416,29 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
 
 def _pick_compile_mode(ref: Reference, modes: tuple[str, ...], tokens: list[int], pos: int, repeats: int,
                        sync: bool, say: Callable[[str], None]) -> tuple[str | None, Any, dict[str, str]]:
-    """Try each torch.compile mode on this step; keep the fastest that works. Returns (mode, stepper, notes)."""
+    """Try each torch.compile mode on this step (from ``ref``'s state); keep the fastest that works.
+    Returns (mode, stepper, {mode: what happened})."""
     from ds4c.reference.compiled import compile_reference
 
     notes: dict[str, str] = {}
     best: tuple[float, str, Any] | None = None
-    snap = ref.snapshot()
     for mode in modes:
-        ref.restore(snap)
         t0 = time.perf_counter()
         try:
             cr = compile_reference(ref, mode=mode)
+            cr.restore(ref.snapshot())
             cr.verify(tokens, pos)  # compiles
-            ref.rollback(0)
+            cr.rollback(0)
             compile_s = time.perf_counter() - t0
-            ms = _reference_step_ms(ref, cr.verify, tokens, pos, repeats, sync)
+            ms = _reference_step_ms(cr, tokens, pos, repeats, sync)
         except Exception as e:  # noqa: BLE001 - a mode that fails is reported, not fatal
             notes[mode] = f"failed after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {str(e)[:200]}"
             say(f"torch.compile mode {mode}: {notes[mode]}")
             continue
-        notes[mode] = f"ok: compile {compile_s:.1f} s, step {ms:.2f} ms"
+        notes[mode] = f"ok: first step (compile) {compile_s:.1f} s, step {ms:.2f} ms, graphs {cr.graphs}"
         say(f"torch.compile mode {mode}: {notes[mode]}")
         if best is None or ms < best[0]:
             best = (ms, mode, cr)
-    ref.restore(snap)
     return (best[1], best[2], notes) if best else (None, None, notes)
 
 

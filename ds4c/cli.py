@@ -388,13 +388,15 @@ def _resources_of(rec: dict, entry: str) -> dict:
               help="Graph replays timed per (width, context).")
 @click.option("--ref-repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Reference steps timed per (width, context) and engine.")
-@click.option("--compile-modes", default="default,max-autotune-no-cudagraphs", show_default=True,
+@click.option("--compile-modes", default="reduce-overhead,default", show_default=True,
               help="torch.compile modes tried for the reference ('none': skip torch.compile).")
 @click.option("--artifact", type=click.Path(file_okay=False), default=None,
               help="Use this artifact (default: compile one here with a cold cache and time it).")
+@click.option("--transformers/--no-transformers", default=True, show_default=True,
+              help="Time the transformers port when it is importable.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
-              compile_modes: str, artifact: str | None, json_out: str | None) -> None:
+              compile_modes: str, artifact: str | None, transformers: bool, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
     from ds4c.bench import format_report, run_bench
@@ -404,7 +406,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     cs = tuple(_parse_ints(contexts, "--ctx"))
     modes = () if compile_modes.strip() in ("", "none") else tuple(m.strip() for m in compile_modes.split(","))
     mf = open_model(_model_path(file))
-    rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact,
+    rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact, transformers=transformers,
                     say=lambda m: click.echo(m, err=True))
     click.echo(format_report(rep))
     if json_out:
