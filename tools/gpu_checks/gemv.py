@@ -50,12 +50,12 @@ ROTATE_BYTES = 256 << 20  # weight copies cycled while timing: > 4x the H200's 6
 TOL = {"bf16": 1e-2, "f32": 1e-4}
 
 
-def _attn_input(k: int = 4096) -> list[GemvOutput]:
+def _attn_input(k: int = 4096) -> list[G.GemvOutput]:
     return [O(1024, "q8_0", "fp8act"), O(512, "q8_0", "fp8act"), O(1024, "bf16", "f32"), O(1024, "bf16", "f32"),
             O(64, "bf16", "bf16"), O(256, "bf16", "f32"), O(256, "bf16", "f32")]
 
 
-CASES: list[tuple[str, int, list[GemvOutput], bool]] = [
+CASES: list[tuple[str, int, list[G.GemvOutput], bool]] = [
     ("wq_a", 4096, [O(1024, "q8_0", "fp8act")], True),
     ("wkv", 4096, [O(512, "q8_0", "fp8act")], True),
     ("wq_b", 1024, [O(32768, "q8_0", "fp8act")], True),
@@ -95,15 +95,22 @@ def _random_x(spec: G.GemvSpec, g: torch.Generator) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ the check
+def case_buffers(spec: G.GemvSpec, g: torch.Generator) -> tuple[torch.Tensor, list, list, list]:
+    """(x, weights, weight copies cycled while timing (L2 cold; the first is ``weights``), NaN-poisoned
+    outputs) of one case on the GPU."""
+    x = _random_x(spec, g)
+    ws = [G.random_weight(o, spec.k, g, device="cuda") for o in spec.outputs]
+    copies = max(1, min(64, -(-ROTATE_BYTES // G.weight_bytes(spec))))
+    wsets = [ws] + [[w.clone() for w in ws] for _ in range(copies - 1)]
+    ys = [torch.full((spec.q, o.n), float("nan"), dtype=o.torch_out_dtype, device="cuda") for o in spec.outputs]
+    return x, ws, wsets, ys
+
+
 def _gemv_case(name: str, spec: G.GemvSpec, kern: Any, use: dict, csec: float, g: torch.Generator,
                tgt: Any = None) -> dict:
     grid, block, smem = G.launch_shape(spec, tgt)
-    x = _random_x(spec, g)
-    ws = [G.random_weight(o, spec.k, g, device="cuda") for o in spec.outputs]
-    wbytes = G.weight_bytes(spec)
-    copies = max(1, min(64, -(-ROTATE_BYTES // wbytes)))
-    wsets = [ws] + [[w.clone() for w in ws] for _ in range(copies - 1)]
-    ys = [torch.full((spec.q, o.n), float("nan"), dtype=o.torch_out_dtype, device="cuda") for o in spec.outputs]
+    x, ws, wsets, ys = case_buffers(spec, g)
+    wbytes, copies = G.weight_bytes(spec), len(wsets)
     kern(grid, block, [x, *ws, *ys], smem)
     torch.cuda.synchronize()
     want = G.reference(spec, x, ws)

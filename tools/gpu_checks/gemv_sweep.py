@@ -21,7 +21,7 @@ import torch
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.targets import target as make_target
 from tools.gpu_checks.common import compile_all, median_us
-from tools.gpu_checks.gemv import ROTATE_BYTES, TOL, _attn_input, _random_x, _rel
+from tools.gpu_checks.gemv import TOL, _attn_input, _rel, case_buffers
 
 O = G.GemvOutput
 CASES = [
@@ -63,12 +63,8 @@ def main() -> int:
     for e, spec in specs.items():
         fn, use, _ = kern[e]
         pl = G.plan(spec, tgt)
-        x = _random_x(spec, g)
-        ws = [G.random_weight(o, spec.k, g, device="cuda") for o in spec.outputs]
+        x, ws, wsets, ys = case_buffers(spec, g)
         wbytes = G.weight_bytes(spec)
-        copies = max(1, min(64, -(-ROTATE_BYTES // wbytes)))
-        wsets = [ws] + [[w.clone() for w in ws] for _ in range(copies - 1)]
-        ys = [torch.full((spec.q, o.n), float("nan"), dtype=o.torch_out_dtype, device="cuda") for o in spec.outputs]
         _, block, sm = G.launch_shape(spec, tgt)
         case = e.rsplit("_r", 1)[0]
         for bps in (1, 2, 3, 4, 6, 8):
