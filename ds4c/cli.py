@@ -404,6 +404,10 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 
     ws = tuple(_parse_ints(widths, "--widths"))
     cs = tuple(_parse_ints(contexts, "--ctx"))
+    if json_out:  # fail before the (long) run, not after it
+        parent = Path(json_out).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise Ds4cError(f"--json {json_out}: the folder {parent} does not exist or is not writable")
     modes = () if compile_modes.strip() in ("", "none") else tuple(m.strip() for m in compile_modes.split(","))
     mf = open_model(_model_path(file))
     rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact, transformers=transformers,

@@ -74,3 +74,9 @@ def test_cli_bench_without_a_gpu_says_so(tiny_path, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["rows"][0]["eager_ms"] > 0
     assert "speed-ups" in r.stdout
+
+
+def test_cli_bench_checks_the_json_path_before_running(tiny_path, tmp_path):
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--json",
+                                  str(tmp_path / "missing" / "b.json")], catch_exceptions=False)
+    assert r.exit_code == 2 and "does not exist or is not writable" in r.output
