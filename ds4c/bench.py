@@ -44,6 +44,8 @@ from ds4c.tensors import tensor_specs
 TARGETS = {"roofline_q1": 0.70, "roofline_q5": 0.60, "vs_compile": 3.0, "vs_transformers": 20.0,
            "kernels_per_layer_q1": 12}
 FLASH_LAYERS = 43
+#: torch.compile modes (torch's own list)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class BenchError(Ds4cError):
@@ -299,14 +301,24 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         BenchReport (times in ms; bytes; copy bandwidth in GB/s).
 
     Raises:
-        BenchError: a width outside 1..5, a context under 8 or past the model's context length, or
+        BenchError: a width outside 1..5, a context under 8 or past the model's context length, widths or
+            contexts not increasing, an unknown torch.compile mode, an artifact with ``device='cpu'``, or
             ``device='cuda'`` without a CUDA device.
     """
     cfg = mf.config
     if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths):
         raise BenchError(f"widths must be in 1..{MAX_WIDTH}, found {list(widths)}")
+    if list(widths) != sorted(set(widths)):
+        raise BenchError(f"widths must be increasing without repeats, found {list(widths)}")
     if not contexts or any(c < 8 or c > cfg.max_position for c in contexts):
         raise BenchError(f"contexts must be in 8..{cfg.max_position} (the model's context length), found {list(contexts)}")
+    if list(contexts) != sorted(set(contexts)):
+        raise BenchError(f"contexts must be increasing without repeats, found {list(contexts)}")
+    bad_modes = [m for m in compile_modes if m not in COMPILE_MODES]
+    if bad_modes:
+        raise BenchError(f"torch.compile modes must be among {list(COMPILE_MODES)}, found {bad_modes}")
+    if artifact is not None and device != "cuda":
+        raise BenchError("--artifact is used only by the compiled step (--device cuda)")
     if device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu "
                          "for the reference columns alone")

@@ -69,6 +69,9 @@ class BucketSpec:
         unit = _ratio_unit(cfg)
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
             raise ConfigError(f"context buckets must be increasing without repeats, found {list(self.contexts)}")
+        if self.contexts[0] < unit:
+            raise ConfigError(f"context buckets must be positive multiples of {unit} (every compress ratio of "
+                              f"{cfg.name}), found {list(self.contexts)}")
         bad = [c for c in self.contexts if c % unit]
         if bad:
             raise ConfigError(f"context buckets must be multiples of {unit} (every compress ratio of "
@@ -76,6 +79,15 @@ class BucketSpec:
         if self.contexts[-1] < self.max_ctx:
             raise ConfigError(f"context buckets {list(self.contexts)} do not cover max_ctx={self.max_ctx}: "
                               f"the largest must be >= {self.max_ctx}")
+        unused = [c for c in self.contexts if c > self.max_ctx and c != next(x for x in self.contexts
+                                                                        if x >= self.max_ctx)]
+        if unused:
+            raise ConfigError(f"context buckets {unused} can never be used: max_ctx={self.max_ctx} is already "
+                              f"covered by a smaller bucket")
+        top = -(-cfg.max_position // unit) * unit
+        if self.contexts[-1] > top:
+            raise ConfigError(f"context buckets must be at most {top} (the model's context length "
+                              f"{cfg.max_position}, rounded up to a multiple of {unit}), found {self.contexts[-1]}")
 
     def bucket(self, pos: int, width: int) -> int:
         """The context capacity for a step of ``width`` rows starting at ``pos``.

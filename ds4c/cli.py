@@ -203,6 +203,8 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
             buckets = BucketSpec.build(cfg, (1, 2, 3, 4, 5), len(ids) + max_new_tokens)
         ref = CompiledStep(mf, buckets, device_arch(), artifact=artifact)
     else:
+        if artifact:
+            raise Ds4cError("--artifact is used only by the compiled engine (--device cuda, --engine auto|compiled)")
         weights = ReferenceWeights.load(mf, device)
         if no_quant_emulation:
             weights.config = weights.config.replace(quant_emulation=False)
@@ -268,14 +270,17 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     g0 = build_step(cfg, width, max_ctx)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
-    only = {int(x) for x in layers.split(",")} if layers else None
+    only = set(_parse_ints(layers, "--layers")) if layers else None
+    if only and any(not -1 <= i < cfg.n_layers for i in only):
+        raise click.BadParameter(f"layers must be in -1..{cfg.n_layers - 1} (-1 = embedding/head), found "
+                                 f"{sorted(only)}", param_hint="--layers")
     if print_all or after:
         for name, snap in res.snapshots.items():
             click.echo(f"// ---- IR after {name}")
             click.echo(print_graph(snap, only))
     if dot:
         Path(dot).write_text(to_dot(res.graph))
-        click.echo(f"wrote {dot}")
+        click.echo(f"wrote {dot}", err=True)
     click.echo(f"// {cfg.name}, width {width}, context bucket {ctx}, max_ctx {max_ctx}")
     click.echo("// pass                 seconds  top-level ops  leaf ops")
     for r in res.records:
@@ -383,7 +388,7 @@ def _resources_of(rec: dict, entry: str) -> dict:
               help="cuda: every column; cpu: the reference columns only.")
 @click.option("--widths", default="1,2,3,4,5", show_default=True, help="Comma-separated verify widths (1..5).")
 @click.option("--ctx", "contexts", default="4096", show_default=True,
-              help="Comma-separated contexts: each step ends at this position.")
+              help="Comma-separated contexts: each step starts at ctx-5, so it ends inside the bucket ctx.")
 @click.option("--repeats", type=click.IntRange(min=3), default=50, show_default=True,
               help="Graph replays timed per (width, context).")
 @click.option("--ref-repeats", type=click.IntRange(min=1), default=5, show_default=True,
@@ -408,7 +413,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         parent = Path(json_out).resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise Ds4cError(f"--json {json_out}: the folder {parent} does not exist or is not writable")
-    modes = () if compile_modes.strip() in ("", "none") else tuple(m.strip() for m in compile_modes.split(","))
+    modes = () if compile_modes.strip() == "none" else tuple(m.strip() for m in compile_modes.split(","))
     mf = open_model(_model_path(file))
     rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact, transformers=transformers,
                     say=lambda m: click.echo(m, err=True))

@@ -56,11 +56,17 @@ def test_cpu_bench_times_the_reference_and_says_what_was_not_run(tiny_path):
 
 @pytest.mark.parametrize("kw, msg", [({"widths": (0,)}, "widths must be in 1..5"),
                                      ({"widths": (6,)}, "widths must be in 1..5"),
-                                     ({"contexts": (4,)}, "contexts must be in 8..")])
+                                     ({"contexts": (4,)}, "contexts must be in 8.."),
+                                     ({"widths": (5, 1, 1)}, r"widths must be increasing without repeats, found \[5, 1, 1\]"),
+                                     ({"contexts": (64, 16, 16)}, "contexts must be increasing without repeats"),
+                                     ({"modes": ("nonsense",)}, r"modes must be among .*found \['nonsense'\]"),
+                                     ({"modes": ("",)}, r"found \[''\]"),
+                                     ({"artifact": "/does/not/exist"}, r"--artifact is used only by the compiled step")])
 def test_bad_requests_name_what_was_expected(tiny_path, kw, msg):
-    args = {"widths": (1,), "contexts": (40,), **kw}
+    args = {"widths": (1,), "contexts": (40,), "modes": (), "artifact": None, **kw}
     with pytest.raises(BenchError, match=msg):
-        run_bench(open_model(tiny_path), "cpu", args["widths"], args["contexts"], compile_modes=())
+        run_bench(open_model(tiny_path), "cpu", args["widths"], args["contexts"], compile_modes=args["modes"],
+                  artifact=args["artifact"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a CUDA device")

@@ -278,3 +278,13 @@ def test_device_cuda_without_cuda(home, tiny_path):
 def test_version():
     r = CliRunner().invoke(main, ["--version"])
     assert r.exit_code == 0 and __version__ in r.stdout and "ds4c" in r.stdout
+
+
+def test_artifact_with_the_reference_engine_is_an_error(home, tiny_path):
+    assert_error_line(run(home, "generate", tiny_path, "--max-new-tokens", "1", "--artifact", "/does/not/exist"),
+                      "--artifact is used only by the compiled engine")
+
+
+def test_inspect_ir_bad_layers(home, tiny_path):
+    assert_usage_error(run(home, "inspect-ir", tiny_path, "--layers", "a", "--after", "fuse_hc"), "--layers")
+    assert_usage_error(run(home, "inspect-ir", tiny_path, "--layers", "99", "--after", "fuse_hc"), "--layers")

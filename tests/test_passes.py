@@ -613,6 +613,15 @@ def test_bucket_spec_errors():
         BucketSpec.build(TINY, max_ctx=128, contexts=(32, 64))
     with pytest.raises(ConfigError, match="context length"):
         BucketSpec.build(TINY, max_ctx=TINY.max_position + 1)
+    with pytest.raises(ConfigError, match=r"positive multiples of 16 .*found \[0, 128\]"):
+        BucketSpec.build(TINY, max_ctx=128, contexts=(0, 128))
+    with pytest.raises(ConfigError, match=r"positive multiples of 16 .*found \[-16, 128\]"):
+        BucketSpec.build(TINY, max_ctx=128, contexts=(-16, 128))
+    with pytest.raises(ConfigError, match=r"\[512\] can never be used: max_ctx=128"):
+        BucketSpec.build(TINY, max_ctx=128, contexts=(64, 256, 512))
+    with pytest.raises(ConfigError, match=r"at most 65536 .*found 131072"):
+        BucketSpec.build(TINY, max_ctx=TINY.max_position, contexts=(256, 131072))
+    assert BucketSpec.build(TINY, max_ctx=100, contexts=(64, 112)).contexts == (64, 112)
     spec = BucketSpec.build(TINY, widths=(1, 3), max_ctx=128)
     with pytest.raises(StepError, match=r"no step graph for width 2: compiled widths are \[1, 3\]"):
         spec.bucket(0, 2)
