@@ -136,7 +136,13 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     buckets.validate(cfg)
     out = Path(out_dir).expanduser().absolute()
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ArtifactError(f"cannot write the artifact {out}: a part of {out.parent} is a file, not a "
+                            f"directory") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ArtifactError(f"cannot write the artifact {out}: the folder {out.parent} is not writable")
     _clean_leftovers(out)
 
     # ---- pipeline + lowering

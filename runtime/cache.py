@@ -213,6 +213,18 @@ class KernelCache:
         self.root = Path(root) if root is not None else cache_root()
         self.version = version
         self._toolchains: dict[Target, Toolchain] = {}
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheError(f"the kernel cache {self.root} is not a directory (set $DS4C_CACHE to a folder)")
+
+    def check_writable(self) -> None:
+        """Raises CacheError when entries cannot be published under the root (checked before compiling)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"the kernel cache {self.root} cannot be created ({e.strerror}); set $DS4C_CACHE to "
+                             f"a writable folder") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CacheError(f"the kernel cache {self.root} is not writable; set $DS4C_CACHE to a writable folder")
 
     # ------------------------------------------------------------------------------------------ keys
     def toolchain_for(self, target: Target, toolchain: Toolchain | None = None) -> Toolchain:
@@ -371,6 +383,7 @@ class KernelCache:
                 print(f"compiling {n} kernel{'s' if n != 1 else ''} for {t.slug} ({cached} cached)",
                       file=sys.stderr, flush=True)
         if todo:
+            self.check_writable()
             with tqdm(total=len(todo), desc="compile", unit="kernel", disable=not progress, file=sys.stderr,
                       leave=True) as bar, ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
                 futs = {ex.submit(self.get_or_compile, by_key[kk], None, tcs[by_key[kk].target]): kk

@@ -501,3 +501,11 @@ def test_runtime_finds_every_launch_binary_in_the_artifact(real_artifact):
         launch_binaries(man, out, "sm_90", 3, 128, [])
     with pytest.raises(ArtifactError, match="no target 'sm_80'"):
         launch_binaries(man, out, "sm_80", 1, 128, [])
+
+
+def test_an_artifact_under_a_file_is_an_error_before_any_work(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ArtifactError, match="is a file, not a directory"):
+        build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), f / "sub", KernelCache(tmp_path / "c"),
+                       progress=False)

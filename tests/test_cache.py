@@ -358,3 +358,12 @@ def test_show_ambiguous_prefix(tmp_path, fake):
         c.show(dup[0].key[0])
     assert c.show(dup[0].key).key == dup[0].key
     assert c.show(dup[0].path.name).key == dup[0].key
+
+
+def test_a_cache_root_that_is_a_file_is_an_error(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(CacheError, match="is not a directory"):
+        KernelCache(f)
+    with pytest.raises(CacheError, match="cannot be created"):
+        KernelCache(f / "sub").check_writable()
