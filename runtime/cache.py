@@ -347,8 +347,8 @@ class KernelCache:
         """Entries of ``sources`` (in order), compiling the misses in parallel with ``jobs`` threads
         (default ``os.cpu_count()``; compilers are subprocesses, so threads are enough).
 
-        First prints one line per target to stderr, e.g. ``compiling 37 kernels for cuda-sm_90 (12 cached)``
-        (37 = the distinct kernels of that target, 12 of them found in the cache), then a progress bar over the
+        First prints one line per target to stderr, e.g. ``cuda-sm_90: 37 distinct kernels, compiling 25, 12 cached``,
+        then a progress bar over the
         compiles (``progress=False`` prints neither). Hits compile nothing; a source given twice is compiled
         once.
 
@@ -380,8 +380,8 @@ class KernelCache:
         todo = [kk for kk in by_key if kk not in done]
         if progress:
             for t, (n, cached) in per_target.items():
-                print(f"compiling {n} kernel{'s' if n != 1 else ''} for {t.slug} ({cached} cached)",
-                      file=sys.stderr, flush=True)
+                print(f"{t.slug}: {n} distinct kernel{'s' if n != 1 else ''}, compiling {n - cached}, "
+                      f"{cached} cached", file=sys.stderr, flush=True)
         if todo:
             self.check_writable()
             with tqdm(total=len(todo), desc="compile", unit="kernel", disable=not progress, file=sys.stderr,

@@ -270,8 +270,8 @@ def test_compile_many_is_parallel_and_prints_a_progress_line(cache, tmp_path, ca
     _ACTIVE[1] = 0
     entries = cache.compile_many(srcs + [srcs[1]], jobs=4, toolchain=tc)
     err = capsys.readouterr().err
-    assert "compiling 3 kernels for cuda-sm_90 (1 cached)" in err
-    assert "compiling 3 kernels for cuda-sm_80 (0 cached)" in err
+    assert "cuda-sm_90: 3 distinct kernels, compiling 2, 1 cached" in err
+    assert "cuda-sm_80: 3 distinct kernels, compiling 3, 0 cached" in err
     assert compiles(tc) == 6  # 1 before + 5 misses; the repeated source compiled once
     assert _ACTIVE[1] >= 2, "compiles did not overlap"
     assert [e.name for e in entries] == [s.name for s in srcs] + [srcs[1].name]
@@ -280,7 +280,7 @@ def test_compile_many_is_parallel_and_prints_a_progress_line(cache, tmp_path, ca
     again = cache.compile_many(srcs, toolchain=tc)
     assert compiles(tc) == 6 and all(e.hit for e in again)
     assert [e.path for e in again] == [e.path for e in entries[:6]]
-    assert "compiling 3 kernels for cuda-sm_90 (3 cached)" in capsys.readouterr().err
+    assert "cuda-sm_90: 3 distinct kernels, compiling 0, 3 cached" in capsys.readouterr().err
     cache.compile_many(srcs, toolchain=tc, progress=False)
     assert capsys.readouterr().err == ""
 
