@@ -18,7 +18,6 @@ loads through tools/gpu_checks/common.py.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, rel_err
+from tools.gpu_checks.common import compile_all, median_us, rel_err, standalone
 
 SHAPES = {
     "official": (dict(heads=64, head_dim=512, window=128),
@@ -135,22 +134,16 @@ def run(arch: str = "sm_90") -> list[dict]:
     return rows
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     print(f"{'ok':3s} {'rel_err':>9s} {'max_abs':>9s} {'us':>8s} {'GB/s':>7s} {'KV KB':>7s} {'regs':>4s}  spec")
     for r in rows:
         print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['max_abs']:9.2e} {r['us']:8.2f} "
               f"{r['GBps']:7.1f} {r['kv_bytes'] / 1024:7.0f} {str(r['regs']):>4s}  {r['spec']}")
-    bad = [r for r in rows if not r["ok"]]
-    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 * :func:`compile_all`: compile many sources in parallel and load them.
 * :func:`median_us`: the median of CUDA-event timings of a launch.
 * :func:`rel_err`: Frobenius relative error, infinite when the result is not finite.
+* :func:`standalone`: the ``main`` of a check run on its own (``--arch``, the table, the RESULT line).
 
 A check whose comparison or timing differs (per-row errors, L2 flushes, graph replay, back-to-back bursts)
 keeps its own helper; these are only the ones that were the same in every file that had them.
@@ -80,3 +81,21 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     if not bool(torch.isfinite(g).all()):
         return float("inf")
     return float((g - w).norm() / w.norm().clamp(min=1e-30))
+
+
+def standalone(run: Callable[[str], list[dict]], print_table: Callable[[list[dict]], None]) -> int:
+    """Run one family's check as a script: ``--arch`` (default sm_90), the family's table, the compile and
+    total seconds, and ``RESULT PASS|FAIL: n/m ok``. Returns the exit status (0 when every case is ok)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="sm_90")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(a.arch)
+    print_table(rows)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"compile (parallel) {rows[0].get('compile_total_s', 0) if rows else 0:.1f} s; "
+          f"total {time.perf_counter() - t0:.1f} s")
+    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
+    return 0 if not bad else 1

@@ -40,7 +40,7 @@ import torch
 
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_source, load, median_us
+from tools.gpu_checks.common import compile_source, load, median_us, standalone
 
 O = G.GemvOutput
 QS = (1, 5)
@@ -232,14 +232,8 @@ def run(arch: str = "sm_90") -> list[dict]:
     return rows
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     print(f"{'ok':3s} {'rel_err':>9s} {'us':>9s} {'GB/s':>7s} {'MB':>8s} {'grid':>5s} {'smem':>6s} {'regs':>4s}  spec")
     for r in rows:
         print(f"{'yes' if r['ok'] else 'NO ':3s} {r.get('rel_err', float('nan')):9.2e} "
@@ -249,10 +243,10 @@ def main() -> int:
               + (f"  ERROR {r['error']}" if "error" in r else "")
               + ("" if r.get("all_written", True) else "  (unwritten outputs)")
               + ("" if r.get("deterministic", True) else "  (not deterministic)"))
-    bad = [r for r in rows if not r["ok"]]
-    print(f"compile (parallel) {rows[0].get('compile_total_s', 0):.1f} s; total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from ds4c.runtime.families import indexer as I
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us
+from tools.gpu_checks.common import compile_all, median_us, standalone
 
 POISON_ID = -7777
 POISON_BF16 = 0x7FC1  # a NaN
@@ -207,14 +206,8 @@ def _graph_case(kernels: dict, dev: torch.device, g: torch.Generator) -> dict:
             "bytes": 0, "regs": "", "spills": False, "compile_s": 0.0, "detail": "; ".join(detail)}
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     print(f"{'ok':3s} {'rel_err':>9s} {'ids':>4s} {'own':>4s} {'bit':>4s} {'us':>8s} {'scores':>7s} {'select':>7s} "
           f"{'GB/s':>7s} {'regs':>7s}  spec")
     yn = {True: "yes", False: "NO"}
@@ -222,10 +215,10 @@ def main() -> int:
         print(f"{yn[r['ok']]:3s} {r['rel_err']:9.2e} {yn[r['ids_equal']]:>4s} {yn[r['ids_own']]:>4s} "
               f"{yn[r['scores_bitexact_model']]:>4s} {r['us']:8.2f} {r['us_scores']:7.2f} {r['us_select']:7.2f} "
               f"{r['GBps']:7.1f} {r['regs']:>7s}  {r['spec']}" + (f"  [{r['detail']}]" if r.get("detail") else ""))
-    bad = [r for r in rows if not r["ok"]]
-    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Usage: ``python tools/gpu_checks/router.py [--arch sm_90]`` (prints a table), or
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 
 from ds4c.runtime.families import router as R
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us
+from tools.gpu_checks.common import compile_all, median_us, standalone
 
 POISON_ID = -7777
 N_VOCAB = 1000
@@ -136,23 +135,17 @@ def _graph_case(kernels: dict, dev: torch.device, g: torch.Generator) -> dict:
             "compile_s": 0.0, "detail": "; ".join(detail)}
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     yn = {True: "yes", False: "NO"}
     print(f"{'ok':3s} {'rel_err':>9s} {'ids':>4s} {'us':>7s} {'GB/s':>7s} {'regs':>5s}  spec")
     for r in rows:
         print(f"{yn[r['ok']]:3s} {r['rel_err']:9.2e} {yn[r['ids_equal']]:>4s} {r['us']:7.2f} {r['GBps']:7.2f} "
               f"{r['regs']:>5s}  {r['spec']}" + (f"  [{r['detail']}]" if r.get("detail") else ""))
-    bad = [r for r in rows if not r["ok"]]
-    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 from ds4c.config import preset
 from ds4c.runtime.families import rowchain as R
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, compile_source, load, rel_err
+from tools.gpu_checks.common import compile_all, compile_source, load, rel_err, standalone
 
 _compile, _load = compile_source, load  # the names a local tuning script imports from here
 
@@ -221,24 +220,18 @@ def run(arch: str = "sm_90") -> list[dict]:
     return rows
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     print(f"{'ok':3s} {'rel_err':>9s} {'differ':>13s} {'ulp':>4s} {'step>1':>6s} {'us':>8s} {'GB/s':>7s} "
           f"{'regs':>4s}  spec")
     for r in rows:
         print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['bits_differ']:>6d}/{r['numel']:<6d} "
               f"{r['max_ulp']:>4d} {r['steps_over']:>6d} {r['us']:8.2f} {r['GBps']:7.1f} {str(r['regs']):>4s}  "
               f"{r['spec']}")
-    bad = [r for r in rows if not r["ok"]]
-    print(f"compile (parallel) {rows[0]['compile_total_s']:.1f} s; total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":
