@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 
 from ds4c.runtime.families import experts as X
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, rel_err
+from tools.gpu_checks.common import compile_all, rel_err, standalone
 
 TOL = 2e-2
 ITERS = 30
@@ -181,22 +180,16 @@ def _graph_case(spec: X.ExpertsSpec, fns: list, launches: list, inp: dict[str, t
             "rel_err": err, "all_written": written, "us": float("nan"), "GBps": float("nan")}
 
 
-def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
+def print_table(rows: list[dict]) -> None:
+    """The check's table: a header, then one line per case."""
     print(f"{'ok':3s} {'rel_err':>9s} {'us':>8s} {'up':>7s} {'down':>7s} {'GB/s':>7s} {'regs':>8s}  spec")
     for r in rows:
         print(f"{'yes' if r['ok'] else 'NO ':3s} {r['rel_err']:9.2e} {r['us']:8.1f} {r.get('us_up', float('nan')):7.1f} "
               f"{r.get('us_down', float('nan')):7.1f} {r['GBps']:7.1f} {r.get('regs', ''):>8s}  {r['spec']}")
-    bad = [r for r in rows if not r["ok"]]
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok in "
-          f"{time.perf_counter() - t0:.0f} s")
-    return 0 if not bad else 1
+
+
+def main() -> int:
+    return standalone(run, print_table)
 
 
 if __name__ == "__main__":
