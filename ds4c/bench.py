@@ -85,6 +85,7 @@ class BenchReport:
     """Everything one ``ds4c bench`` run measured (``as_dict`` is the --json record)."""
 
     model: str
+    model_file: str
     device: str
     copy_gbps: float | None
     compile_mode: str | None
@@ -128,8 +129,8 @@ def state_read_bytes(cfg: Ds4Config, end: int, q: int) -> int:
 
 
 def plan_weight_bytes(mf: ModelFile, width: int, context: int, capacity: int,
-                      experts_per_layer: dict[int, int] | None) -> tuple[int, int]:
-    """(stored weight bytes the step's kernels read, kernels per layer at most).
+                      experts_per_layer: dict[int, int] | None) -> tuple[int, int, dict[str, int]]:
+    """(stored weight bytes the step's kernels read, kernels per layer at most, bytes per plan kernel name).
 
     ``experts_per_layer`` gives the distinct routed experts per layer (default: ``width x n_active``, capped
     at the expert count)."""
@@ -142,14 +143,31 @@ def plan_weight_bytes(mf: ModelFile, width: int, context: int, capacity: int,
     types.update({s.name + ":shape": s.shape for s in tensor_specs(cfg)})
     g = run_pipeline(build_step(cfg, width, capacity), "default", context=context).graph
     base, one = kernel_plan(g, types, 0), kernel_plan(g, types, 1)
-    total = sum(k.weight_bytes for k in base.kernels)
+    per_kernel = {}
     for k0, k1 in zip(base.kernels, one.kernels):
         per_expert = k1.weight_bytes - k0.weight_bytes
-        if per_expert:
-            n = (experts_per_layer or {}).get(k0.layer, min(width * cfg.n_active_experts, cfg.n_experts))
-            total += per_expert * n
+        n = (experts_per_layer or {}).get(k0.layer, min(width * cfg.n_active_experts, cfg.n_experts))
+        per_kernel[k0.name] = k0.weight_bytes + per_expert * n
     per_layer = max(len(ks) for layer, ks in base.per_layer().items() if layer >= 0)
-    return total, per_layer
+    return sum(per_kernel.values()), per_layer, per_kernel
+
+
+def family_table(prof: list[dict[str, Any]], per_kernel: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per kernel family: launches, microseconds (each launch timed alone), the weight bytes its kernels read
+    and the GB/s that gives. ``prof``: :meth:`CompiledStep.time_launches` rows; ``per_kernel``: bytes per plan
+    kernel name (:func:`plan_weight_bytes`)."""
+    fam: dict[str, dict[str, float]] = {}
+    seen: set[str] = set()
+    for r in prof:
+        f = fam.setdefault(r["family"], {"launches": 0, "us": 0.0, "bytes": 0})
+        f["launches"] += 1
+        f["us"] += r["us"]
+        if r["kernel"] not in seen:  # a kernel of several launches reads its weights once
+            seen.add(r["kernel"])
+            f["bytes"] += per_kernel.get(r["kernel"], 0)
+    for f in fam.values():
+        f["GBps"] = f["bytes"] / (f["us"] * 1e3) if f["us"] else 0.0
+    return fam
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -311,7 +329,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     if list(widths) != sorted(set(widths)):
         raise BenchError(f"widths must be increasing without repeats, found {list(widths)}")
     if not contexts or any(c < 8 or c > cfg.max_position for c in contexts):
-        raise BenchError(f"contexts must be in 8..{cfg.max_position} (the model's context length), found {list(contexts)}")
+        raise BenchError(f"contexts must be in 8..{cfg.max_position} (the model's context length), "
+                         f"found {list(contexts)}")
     if list(contexts) != sorted(set(contexts)):
         raise BenchError(f"contexts must be increasing without repeats, found {list(contexts)}")
     bad_modes = [m for m in compile_modes if m not in COMPILE_MODES]
@@ -387,12 +406,6 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                 routed = _routed_experts(ex, w, bucket)
                 prof = ex.time_launches(step_toks, pos, repeats=5)
                 row.launches = len(prof)
-                fam: dict[str, dict[str, float]] = {}
-                for r in prof:
-                    f = fam.setdefault(r["family"], {"launches": 0, "us": 0.0})
-                    f["launches"] += 1
-                    f["us"] += r["us"]
-                row.families = fam
                 head_us = sum(r["us"] for r in prof if r["layer"] < 0)
                 layer_ms = max(row.ours_ms - head_us / 1e3, 0.0) / cfg.n_layers
                 row.projected_flash_ms = layer_ms * FLASH_LAYERS + head_us / 1e3
@@ -400,7 +413,9 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             else:
                 ref.restore(ref_snap)
                 row.notes.append("compiled step not run: needs a CUDA device")
-            row.weight_bytes, row.kernels_per_layer = plan_weight_bytes(mf, w, bucket, capacity, routed)
+            row.weight_bytes, row.kernels_per_layer, per_kernel = plan_weight_bytes(mf, w, bucket, capacity, routed)
+            if ex is not None:
+                row.families = family_table(prof, per_kernel)
             row.state_bytes = state_read_bytes(cfg, pos + w, w)
             if copy_gbps:
                 row.roofline_ms = row.total_bytes / (copy_gbps * 1e9) * 1e3
@@ -422,8 +437,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         tf_line = _time_transformers(mf, rows, toks_of, ref_repeats, say)
     else:
         tf_line = "transformers port not run: needs a CUDA device"
-    return BenchReport(cfg.name, torch.cuda.get_device_name() if compiled else "cpu", copy_gbps, best_mode,
-                       modes_used, tf_line, cold_s, load_s, rows)
+    return BenchReport(cfg.name, str(mf.path), torch.cuda.get_device_name() if compiled else "cpu", copy_gbps,
+                       best_mode, modes_used, tf_line, cold_s, load_s, rows)
 
 
 def _pick_compile_mode(ref: Reference, modes: tuple[str, ...], tokens: list[int], pos: int, repeats: int,
@@ -477,9 +492,9 @@ def format_report(rep: BenchReport) -> str:
     for r in rep.rows:
         if r.families:
             tot = sum(f["us"] for f in r.families.values()) or 1.0
-            shares = ", ".join(f"{k} {100 * v['us'] / tot:.0f}%" for k, v in
+            shares = ", ".join(f"{k} {100 * v['us'] / tot:.0f}% ({v['GBps']:.0f} GB/s)" for k, v in
                                sorted(r.families.items(), key=lambda kv: -kv[1]["us"]))
-            out.append(f"q={r.width} ctx={r.context} time share by family (launches timed alone): {shares}")
+            out.append(f"q={r.width} ctx={r.context} time share (GB/s) by family, launches timed alone: {shares}")
     out.append(f"{'q':>2s} {'ctx':>6s} {'ours ms':>9s} {'eager ms':>9s} {'compile':>9s} {'transf.':>8s} "
                f"{'GB read':>8s} {'roof ms':>8s} {'k/layer':>7s} {'43L ms':>7s} {'tok/s':>7s}")
     for r in rep.rows:
@@ -489,7 +504,8 @@ def format_report(rep: BenchReport) -> str:
                    f"{_f(r.roofline_ms):>8s} {r.kernels_per_layer:7d} {_f(r.projected_flash_ms, '.2f'):>7s} "
                    f"{_f(tps, '.0f'):>7s}")
     out.append("speed-ups (x) and roofline fraction:")
-    out.append(f"{'q':>2s} {'ctx':>6s} {'eager/ours':>10s} {'compile/ours':>12s} {'transf/ours':>11s} {'roof/ours':>9s}")
+    out.append(f"{'q':>2s} {'ctx':>6s} {'eager/ours':>10s} {'compile/ours':>12s} {'transf/ours':>11s} "
+               f"{'roof/ours':>9s}")
     for r in rep.rows:
         out.append(f"{r.width:2d} {r.context:6d} {_f(r.ratio(r.eager_ms), '.1f'):>10s} "
                    f"{_f(r.ratio(r.compile_ms), '.1f'):>12s} {_f(r.ratio(r.transformers_ms), '.1f'):>11s} "

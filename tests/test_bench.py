@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ds4c.bench import BenchError, plan_weight_bytes, run_bench, format_report, state_read_bytes
+from ds4c.bench import BenchError, family_table, format_report, plan_weight_bytes, run_bench, state_read_bytes
 from ds4c.cli import main
 from ds4c.config import preset
 from ds4c.gguf_file import open_model
@@ -30,9 +30,10 @@ def test_state_bytes_count_every_buffer_the_step_reads():
 def test_weight_bytes_count_only_the_routed_experts(tiny_path):
     mf = open_model(tiny_path)
     cfg = mf.config
-    full, per_layer = plan_weight_bytes(mf, 1, 256, 256, None)  # default: q x n_active experts per layer
-    one, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 1 for i in range(cfg.n_layers)})
-    none, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 0 for i in range(cfg.n_layers)})
+    full, per_layer, per_kernel = plan_weight_bytes(mf, 1, 256, 256, None)  # default: q x n_active per layer
+    one, _, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 1 for i in range(cfg.n_layers)})
+    none, _, _ = plan_weight_bytes(mf, 1, 256, 256, {i: 0 for i in range(cfg.n_layers)})
+    assert sum(per_kernel.values()) == full and per_kernel["linear"] == cfg.vocab_size * cfg.hidden_size * 2
     per_expert = (one - none) // cfg.n_layers
     assert per_expert > 0 and full - none == per_expert * cfg.n_layers * cfg.n_active_experts
     assert 1 <= per_layer <= 12
@@ -86,3 +87,12 @@ def test_cli_bench_checks_the_json_path_before_running(tiny_path, tmp_path):
     r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--json",
                                   str(tmp_path / "missing" / "b.json")], catch_exceptions=False)
     assert r.exit_code == 2 and "does not exist or is not writable" in r.output
+
+
+def test_family_table_counts_a_kernel_of_several_launches_once():
+    prof = [{"kernel": "l0.moe_experts", "family": "experts", "layer": 0, "entry": "up", "us": 30.0},
+            {"kernel": "l0.moe_experts", "family": "experts", "layer": 0, "entry": "down", "us": 10.0},
+            {"kernel": "linear", "family": "gemv", "layer": -1, "entry": "gemv", "us": 20.0}]
+    fam = family_table(prof, {"l0.moe_experts": 4_000_000, "linear": 2_000_000})
+    assert fam["experts"] == {"launches": 2, "us": 40.0, "bytes": 4_000_000, "GBps": 100.0}
+    assert fam["gemv"]["GBps"] == 100.0
