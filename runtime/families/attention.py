@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 KINDS = ("swa", "csa", "hca")
@@ -203,23 +204,15 @@ def render_attention(spec: AttentionSpec, target: Target, name: str) -> list[Ker
     return out
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape of one kernel: ``kernel`` is ``main`` or ``combine``; ``smem`` dynamic shared bytes."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 def launch_shapes(spec: AttentionSpec) -> list[Launch]:
     """Launches in order: main on grid (H / heads_per_block, q * splits) (block x = head group, y = row * splits
     + split), then, when split, the combine on grid (H, q). Both use static shared memory only."""
-    out = [Launch("main", (spec.heads // spec.heads_per_block, spec.q * spec.splits, 1),
-                  (spec.block_threads(), 1, 1))]
+    out = [Launch((spec.heads // spec.heads_per_block, spec.q * spec.splits, 1),
+                  (spec.block_threads(), 1, 1), kernel="main")]
     if spec.splits > 1:
-        out.append(Launch("combine", (spec.heads, spec.q, 1), (spec.combine_threads(), 1, 1)))
+        out.append(Launch((spec.heads, spec.q, 1), (spec.combine_threads(), 1, 1), kernel="combine"))
     return out
 
 

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "compressor/compress.cu.j2"
@@ -226,14 +227,6 @@ def render_compressor(specs: Sequence[CompressorSpec] | CompressorSpec, target: 
     return render(TEMPLATE, name, FAMILY, target, prm)
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape: ``grid`` (one block per compressor), ``block``, ``smem`` dynamic shared bytes (0: static
-    only)."""
-
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 def launch_shape(specs: Sequence[CompressorSpec] | CompressorSpec, threads: int = 0) -> Launch:

@@ -59,6 +59,7 @@ from typing import Any, Callable
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "experts/experts.cu.j2"
@@ -295,16 +296,6 @@ def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -
     return [render(TEMPLATE, f"{name}_{ph}", FAMILY, target, _params(spec, target, ph)) for ph in PHASES]
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape of one kernel: ``kernel`` is ``up`` or ``down``; ``smem`` dynamic shared bytes (the
-    launcher must allow it: above 48 KiB CUDA needs the function attribute, which
-    ``ds4c.runtime.launch.CudaModule.function(entry, dynamic_smem)`` sets)."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int
 
 
 def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
@@ -312,7 +303,7 @@ def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
     out = []
     for ph in PHASES:
         pl = plan(spec, target, ph)
-        out.append(Launch(ph, pl.grid, pl.block, pl.smem))
+        out.append(Launch(pl.grid, pl.block, pl.smem, kernel=ph))
     return out
 
 

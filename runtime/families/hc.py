@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 VARIANTS = ("post_pre", "embed_pre", "post_head")
@@ -179,15 +180,6 @@ def render_hc(spec: HcSpec, target: Target, name: str) -> list[KernelSource]:
     return [render(TEMPLATE, f"{name}_{stage}", FAMILY, target, spec.params(stage)) for stage in STAGES]
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape of one kernel: ``kernel`` is ``mix`` or ``norm``; ``smem`` dynamic shared bytes (0: both
-    use static shared memory only, under 1 KiB)."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 def launch_shapes(spec: HcSpec) -> list[Launch]:
@@ -196,7 +188,8 @@ def launch_shapes(spec: HcSpec) -> list[Launch]:
     wrote."""
     nt, _ = spec.norm_geometry()
     ny = 1 if spec.variant == "post_head" else 2
-    return [Launch("mix", (spec.n_blocks, 1, 1), (MIX_THREADS, 1, 1)), Launch("norm", (spec.q, ny, 1), (nt, 1, 1))]
+    return [Launch((spec.n_blocks, 1, 1), (MIX_THREADS, 1, 1), kernel="mix"),
+            Launch((spec.q, ny, 1), (nt, 1, 1), kernel="norm")]
 
 
 def arg_names(spec: HcSpec) -> dict[str, list[str]]:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "indexer/indexer_topk.cu.j2"
@@ -213,22 +214,13 @@ def render_indexer(spec: IndexerSpec, target: Target, name: str | None = None) -
     return [render(TEMPLATE, f"{name}_{stage}", FAMILY, target, spec.params(stage)) for stage in STAGES]
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape of one kernel: ``kernel`` is ``scores`` or ``select``; ``smem`` dynamic shared bytes (0:
-    both use static shared memory only)."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 def launch_shapes(spec: IndexerSpec) -> list[Launch]:
     """Launches in order, on one stream: scores on grid (ceil(cap / kt), q) x (H / th * kt / 4) threads
     (128 at H = 64), then select on grid (q) x :meth:`IndexerSpec.select_block` threads."""
-    return [Launch("scores", (spec.n_tiles, spec.q, 1), (spec.scores_threads, 1, 1)),
-            Launch("select", (spec.q, 1, 1), (spec.select_block(), 1, 1))]
+    return [Launch((spec.n_tiles, spec.q, 1), (spec.scores_threads, 1, 1), kernel="scores"),
+            Launch((spec.q, 1, 1), (spec.select_block(), 1, 1), kernel="select")]
 
 
 def arg_names(spec: IndexerSpec) -> dict[str, list[str]]:

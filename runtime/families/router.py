@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "router/route.cu.j2"
@@ -110,19 +111,11 @@ def render_router(spec: RouterSpec, target: Target, name: str | None = None) -> 
     return [render(TEMPLATE, name, FAMILY, target, spec.params())]
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Launch shape: ``kernel`` is ``route``; ``smem`` dynamic shared bytes (0: static only)."""
-
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 def launch_shapes(spec: RouterSpec) -> list[Launch]:
     """One launch: grid (q) x :meth:`RouterSpec.block_threads` (256 at E = 256)."""
-    return [Launch("route", (spec.q, 1, 1), (spec.block_threads(), 1, 1))]
+    return [Launch((spec.q, 1, 1), (spec.block_threads(), 1, 1), kernel="route")]
 
 
 def arg_names(spec: RouterSpec) -> dict[str, list[str]]:

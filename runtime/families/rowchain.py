@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
 FAMILY = "rowchain"
@@ -71,13 +72,6 @@ class Arg:
     doc: str
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Grid and block of one launch (static shared memory only)."""
-
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem: int = 0
 
 
 # =============================================================================================== rowchain
