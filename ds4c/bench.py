@@ -201,32 +201,11 @@ def _time_host(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
     return statistics.median(ts)
 
 
-def time_replays(ex: Any, tokens: list[int], pos: int, repeats: int) -> float:
-    """Median milliseconds of the (q, bucket) graph replayed back to back (state restored after)."""
-    snap = ex.snapshot()
-    ex.step(tokens, pos)  # captures the graph on first use
-    ex.restore(snap)
-    ex.step(tokens, pos)  # and the step's scalars are in place for the replays
-    sg = ex._graphs[(len(tokens), ex.buckets.bucket(pos, len(tokens)))]
-    evs = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    evs[0].record()
-    for i in range(repeats):
-        sg.cuda_graph.replay()
-        evs[i + 1].record()
-    torch.cuda.synchronize()
-    ex.restore(snap)
-    return statistics.median(evs[i].elapsed_time(evs[i + 1]) for i in range(repeats))
-
-
 def _routed_experts(ex: Any, width: int, context: int) -> dict[int, int]:
     """Distinct routed experts per layer in the last run of the (width, context) graph."""
-    sg = ex._graphs[(width, context)]
-    out = {}
-    for i in range(ex.cfg.n_layers):
-        ids = sg.values.get(f"l{i}.route.ids")
-        if ids is not None:
-            out[i] = int(torch.unique(ids[:width]).numel())
-    return out
+    vals = ex.values(width, context)
+    return {i: int(torch.unique(vals[f"l{i}.route.ids"][:width]).numel())
+            for i in range(ex.cfg.n_layers) if f"l{i}.route.ids" in vals}
 
 
 def _copy_state_into_reference(ex: Any, ref: Reference, pos: int) -> None:
@@ -366,7 +345,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         t0 = time.perf_counter()
         ex = CompiledStep(mf, buckets, arch, artifact=artifact)
         for w in buckets.widths:
-            ex._prepare(w, buckets.contexts[0])
+            ex.prepare(w, buckets.contexts[0])
         torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
         say(f"artifact loaded (weights + {len(buckets.widths)} graphs) in {load_s:.1f} s")
@@ -402,7 +381,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             routed = None
             if ex is not None:
                 ex.restore(snap)
-                row.ours_ms = time_replays(ex, step_toks, pos, repeats)
+                row.ours_ms = ex.time_replays(step_toks, pos, repeats)
                 routed = _routed_experts(ex, w, bucket)
                 prof = ex.time_launches(step_toks, pos, repeats=5)
                 row.launches = len(prof)

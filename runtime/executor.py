@@ -183,7 +183,15 @@ class CompiledStep:
         return self._weights[key]
 
     # ------------------------------------------------------------------------------------------ graphs
-    def _prepare(self, width: int, context: int) -> _StepGraph:
+    def prepare(self, width: int, context: int) -> _StepGraph:
+        """The step graph of (``width``, ``context``): pipelined, lowered, its binaries loaded and its arguments
+        bound (once; later calls return it). A server calls it for every key it will serve before the first
+        request, so no request pays for loading.
+
+        Raises:
+            StepError: the key is not among the compiled widths and context buckets.
+            ArtifactError: in artifact mode, the artifact lacks the key or this arch.
+        """
         key = (width, context)
         sg = self._graphs.get(key)
         if sg is not None:
@@ -253,6 +261,15 @@ class CompiledStep:
         return t
 
     # ------------------------------------------------------------------------------------------ steps
+    def _begin(self, tokens: list[int], pos: int) -> _StepGraph:
+        """Check that ``pos`` is the sequence's next position, get the step graph of (``len(tokens)``, bucket)
+        and upload the step's scalars. Raises StepError as :meth:`step`."""
+        if pos != self.pos:
+            raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
+        sg = self.prepare(len(tokens), self.buckets.bucket(pos, len(tokens)))
+        self._upload(tokens, pos)
+        return sg
+
     def _upload(self, tokens: list[int], pos: int) -> None:
         """Write the step's scalars into the pinned host buffer and copy them to the device (one copy)."""
         q = len(tokens)
@@ -277,12 +294,7 @@ class CompiledStep:
             StepError: ``pos`` is not the sequence's next position, positions past max_ctx, or no compiled
                 graph for the (width, bucket) key.
         """
-        q = len(tokens)
-        if pos != self.pos:
-            raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
-        context = self.buckets.bucket(pos, q)
-        sg = self._prepare(q, context)
-        self._upload(tokens, pos)
+        sg = self._begin(tokens, pos)
         if self.use_graphs:
             if sg.cuda_graph is None:
                 self._run(sg)  # warm-up outside the capture (module loads, attributes)
@@ -298,7 +310,7 @@ class CompiledStep:
                 sg.cuda_graph.replay()
         else:
             self._run(sg)
-        self.pos = pos + q
+        self.pos = pos + len(tokens)
         return sg.values["logits"]
 
     # the stepper interface of ds4c.generate.generate
@@ -319,11 +331,7 @@ class CompiledStep:
         Raises:
             StepError: as :meth:`step`.
         """
-        q = len(tokens)
-        if pos != self.pos:
-            raise StepError(f"time_launches at position {pos}, but the sequence's next position is {self.pos}")
-        sg = self._prepare(q, self.buckets.bucket(pos, q))
-        self._upload(tokens, pos)
+        sg = self._begin(tokens, pos)
         snap = self.snapshot()
         pairs = [(k, la) for k in sg.kernels for la in k.launches]
         evs = [[torch.cuda.Event(enable_timing=True) for _ in range(len(pairs) + 1)] for _ in range(repeats)]
@@ -341,6 +349,41 @@ class CompiledStep:
             out.append({"kernel": k.name, "family": k.family, "layer": k.layer, "entry": la.kernel.entry,
                         "us": ts[len(ts) // 2]})
         return out
+
+    def time_replays(self, tokens: list[int], pos: int, repeats: int = 50) -> float:
+        """Median milliseconds of the step's CUDA graph replayed ``repeats`` times back to back (CUDA events
+        between replays, no host work in between); the graph is captured first if needed. The state is
+        snapshotted and restored, so the sequence is unchanged.
+
+        Raises:
+            StepError: as :meth:`step`, or ``use_graphs`` is off.
+        """
+        if not self.use_graphs:
+            raise StepError("time_replays needs use_graphs=True")
+        snap = self.snapshot()
+        self.step(tokens, pos)  # captures the graph on first use; uploads this step's scalars
+        self.restore(snap)
+        sg = self._graphs[(len(tokens), self.buckets.bucket(pos, len(tokens)))]
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        evs[0].record()
+        for i in range(repeats):
+            sg.cuda_graph.replay()
+            evs[i + 1].record()
+        torch.cuda.synchronize()
+        self.restore(snap)
+        ts = sorted(evs[i].elapsed_time(evs[i + 1]) for i in range(repeats))
+        return ts[len(ts) // 2]
+
+    def values(self, width: int, context: int) -> dict[str, torch.Tensor]:
+        """The device tensors of the (``width``, ``context``) graph by IR value name (activations as the last
+        run of that graph left them, e.g. ``l3.route.ids``); empty when the graph was never prepared."""
+        sg = self._graphs.get((width, context))
+        return {} if sg is None else sg.values
+
+    @property
+    def capture_ms(self) -> dict[tuple[int, int], float]:
+        """Milliseconds each captured (width, context) graph took to capture."""
+        return {k: g.capture_s * 1e3 for k, g in self._graphs.items() if g.cuda_graph is not None}
 
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:

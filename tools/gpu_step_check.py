@@ -75,8 +75,7 @@ def teacher_forced(ex: CompiledStep, ref: Reference, buckets: BucketSpec, toks: 
         ex.pos = p
         key = (q, buckets.bucket(p, q))
         if key not in eager_checked:
-            sg = ex._prepare(*key)
-            ex._upload(toks[p:p + q], p)
+            sg = ex._begin(toks[p:p + q], p)
             bad = first_bad_launch(ex, sg)
             if bad:
                 raise SystemExit(f"FIRST BAD LAUNCH: {bad}")
@@ -156,7 +155,7 @@ def main() -> int:
     t1 = time.perf_counter()
     ex = CompiledStep(mf, buckets, a.arch, cache, artifact=str(art) if art else None)
     for w in buckets.widths:  # load every graph of the first bucket (weights, modules), as a server would
-        ex._prepare(w, buckets.contexts[0])
+        ex.prepare(w, buckets.contexts[0])
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t1
     print(f"compiled step ready (weights + {len(buckets.widths)} graphs{' from the artifact' if art else ''}) "
@@ -227,7 +226,7 @@ def main() -> int:
         ex.step([cur], i)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t1) / n
-    caps = {f"q{k[0]}c{k[1]}": round(v.capture_s * 1e3, 1) for k, v in ex._graphs.items() if v.cuda_graph is not None}
+    caps = {f"q{k[0]}c{k[1]}": round(v, 1) for k, v in ex.capture_ms.items()}
     print(f"graph capture ms per (width, bucket): {caps}")
     print(f"greedy: compiled {te[:12]}... reference {tr[:12]}...; identical for the first {same} of {len(te)} tokens")
     print(f"two requests in a row identical: {outs[0] == outs[1]}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where the compiled step's time goes: every launch timed on its own (CUDA events), summed per kernel family,
-next to the graph-replay time of the whole step. Usage:
+next to the graph-replay time of the whole step (``CompiledStep.time_replays``: back-to-back replays, the
+method ``ds4c bench`` uses). Usage:
 
     python tools/gpu_step_profile.py [--model tiny|flash-l4 | --gguf FILE] [--widths 1,5] [--pos P]
 """
@@ -23,23 +24,6 @@ from ds4c.gguf_file import open_model  # noqa: E402
 from ds4c.runtime.cache import KernelCache  # noqa: E402
 from ds4c.runtime.executor import CompiledStep  # noqa: E402
 from ds4c.synth import make_model  # noqa: E402
-
-
-def replay_ms(ex: CompiledStep, toks: list[int], pos: int, n: int = 50) -> float:
-    """Median ms of the step's graph replay (state snapshotted and restored around the measurement)."""
-    snap = ex.snapshot()
-    ex.step(toks, pos)  # capture if needed
-    ts = []
-    for _ in range(n):
-        ex.restore(snap)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        ex.step(toks, pos)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    ex.restore(snap)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> int:
@@ -70,7 +54,7 @@ def main() -> int:
     for w in widths:
         rows = ex.time_launches(toks[p:p + w], p)
         total = sum(r["us"] for r in rows)
-        rep = replay_ms(ex, toks[p:p + w], p)
+        rep = ex.time_replays(toks[p:p + w], p)
         fam = defaultdict(lambda: [0.0, 0])
         for r in rows:
             fam[r["family"]][0] += r["us"]
