@@ -38,7 +38,6 @@ from ds4c.config import Ds4Config
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
 from ds4c.reference import MAX_WIDTH, Reference, ReferenceWeights
-from ds4c.tensors import tensor_specs
 
 # Targets of the performance issue (flash-l4 on an H200).
 TARGETS = {"roofline_q1": 0.70, "roofline_q5": 0.60, "vs_compile": 3.0, "vs_transformers": 20.0,
@@ -136,11 +135,10 @@ def plan_weight_bytes(mf: ModelFile, width: int, context: int, capacity: int,
     at the expert count)."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
-    from ds4c.passes.partition import kernel_plan
+    from ds4c.passes.partition import kernel_plan, plan_weight_types
 
     cfg = mf.config
-    types: dict[str, Any] = {name: mf.ggml_type(name) for name in mf.specs}
-    types.update({s.name + ":shape": s.shape for s in tensor_specs(cfg)})
+    types = plan_weight_types(cfg, {name: mf.ggml_type(name) for name in mf.specs})
     g = run_pipeline(build_step(cfg, width, capacity), "default", context=context).graph
     base, one = kernel_plan(g, types, 0), kernel_plan(g, types, 1)
     per_kernel = {}

@@ -245,7 +245,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     from ds4c.ir import build_step, print_graph
     from ds4c.ir.export import to_dot
     from ds4c.passes.manager import PIPELINES, run_pipeline
-    from ds4c.passes.partition import kernel_plan
+    from ds4c.passes.partition import kernel_plan, plan_weight_types
     from ds4c.tensors import FORMATS, tensor_specs
 
     if file and preset_name:
@@ -257,7 +257,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
         mf = open_model(_model_path(file))
         cfg = mf.config
         types = {name: mf.ggml_type(name) for name in mf.specs}
-    types.update({s.name + ":shape": s.shape for s in tensor_specs(cfg)})
+    types = plan_weight_types(cfg, types)
     buckets = BucketSpec.build(cfg, (width,), max_ctx)
     ctx = context if context is not None else buckets.contexts[-1]
     if ctx not in buckets.contexts:
