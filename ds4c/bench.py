@@ -458,14 +458,13 @@ def format_row(r: StepRow) -> str:
 
 
 def format_report(rep: BenchReport) -> str:
-    """The printed table: per-family time shares, then per-row times, then the ratios last."""
+    """The printed table: per-family time shares, per-row times, then the ratios, the cold compile and warm
+    artifact load times, and the notes (why a column was not run) last."""
     out = [f"model {rep.model} on {rep.device}; copy bandwidth "
            f"{_f(rep.copy_gbps and rep.copy_gbps / 1e3, '.2f')} TB/s; torch.compile mode: {rep.compile_mode or 'none'}"]
     for mode, note in rep.compile_modes.items():
         out.append(f"  torch.compile {mode}: {note}")
     out.append(f"  {rep.transformers}")
-    out.append(f"cold compile (artifact, this machine): {_f(rep.cold_compile_s, '.1f')} s; "
-               f"warm artifact load: {_f(rep.artifact_load_s, '.2f')} s")
     for r in rep.rows:
         if r.families:
             tot = sum(f["us"] for f in r.families.values()) or 1.0
@@ -487,6 +486,8 @@ def format_report(rep: BenchReport) -> str:
         out.append(f"{r.width:2d} {r.context:6d} {_f(r.ratio(r.eager_ms), '.1f'):>10s} "
                    f"{_f(r.ratio(r.compile_ms), '.1f'):>12s} {_f(r.ratio(r.transformers_ms), '.1f'):>11s} "
                    f"{_f(r.ratio(r.roofline_ms), '.2f'):>9s}")
+    out.append(f"cold compile (artifact, this machine): {_f(rep.cold_compile_s, '.1f')} s; "
+               f"warm artifact load: {_f(rep.artifact_load_s, '.2f')} s")
     notes = sorted({n for r in rep.rows for n in r.notes})
     out += [f"note: {n}" for n in notes]
     return "\n".join(out)
