@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -26,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
+from ds4c.tempfiles import OwnedTemp, remove_stale
 from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, tensor_specs
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
@@ -212,7 +212,9 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
     """Write a complete model file for ``cfg``, streaming.
 
     Args:
-        path: destination; written as ``<path>.tmp-*`` in the same folder and renamed when complete.
+        path: destination; written as ``<path>.tmp-<pid>-<host>-<random>`` in the same folder (locked while
+            written, see :mod:`ds4c.tempfiles`) and renamed when complete. Temporaries of earlier writers of
+            ``path`` that were killed (SIGKILL included) are removed first.
         cfg: the config; its metadata goes to the ``deepseek4.*`` keys.
         types: role -> GGUF type to store (see :data:`ds4c.tensors.FORMATS`).
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
@@ -228,10 +230,11 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         raise ModelFileError(f"{path}: expected a regular file path to write, found a directory or special file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+        remove_stale(path.parent, path.name)  # what killed writers of this path left
+        owned = OwnedTemp.create(path.parent, path.name)
     except OSError as e:
         raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
-    os.close(fd)
+    tmp = owned.path
     specs = tensor_specs(cfg)
     w = None
     try:
@@ -269,13 +272,11 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             os.fsync(fout.fileno())
             w.close()
             os.replace(tmp, path)
+            owned.release()
     except BaseException as e:
         if w is not None:
             w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        owned.discard()
         if isinstance(e, OSError):
             raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
         raise

@@ -16,8 +16,11 @@ Layout: ``<root>/<ds4c-version>/<vendor>-<arch>/<kernel-name>-<hash12>/`` with
 
 Root: ``$DS4C_CACHE``, else ``~/.cache/ds4c/kernels``.
 
-Publication is atomic: an entry is compiled in a temporary folder beside its final one and renamed into place;
-when the final folder already exists (another process won the race), ours is discarded and theirs used. An
+Publication is atomic: an entry is compiled in a temporary folder ``.<kernel-name>-<hash12>.tmp-<pid>-<host>-<random>``
+beside its final one (locked by its writer, see :mod:`ds4c.tempfiles`; the compiler's own temp files go into it
+too, never to /tmp) and renamed into place; when the final folder already exists (another process won the
+race), ours is discarded and theirs used. Opening the cache removes the temporaries whose writer was killed
+(:meth:`KernelCache.sweep`); ``ds4c cache list`` counts the ones left. An
 entry with a missing or unreadable ``meta.json``, a missing binary, or a hash mismatch is a miss: it is removed
 (under a per-key file lock, so a valid entry published meanwhile is never removed) and compiled again.
 """
@@ -31,7 +34,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -44,11 +46,13 @@ from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import Toolchain, find_toolchain, is_valid_binary, resource_usage
+from ds4c.tempfiles import TMP_TAG, OwnedTemp, find_leftovers, owner_tag, remove_stale
 
 META = "meta.json"
 _KEY_FIELDS = ("ds4c_version", "kernel", "templates", "params", "target", "toolchain", "flags")
 LOG = "compile.log"
-_TMP_PREFIX = ".tmp-"
+_TRASH_TAG = ".trash-"
+_TEMP_TAGS = (TMP_TAG, _TRASH_TAG)
 _LOCKS = ".locks"
 
 
@@ -215,6 +219,20 @@ class KernelCache:
         self._toolchains: dict[Target, Toolchain] = {}
         if self.root.exists() and not self.root.is_dir():
             raise CacheError(f"the kernel cache {self.root} is not a directory (set $DS4C_CACHE to a folder)")
+        self.swept = self.sweep()
+        """How many stale temporaries (of killed compiles) opening the cache removed."""
+
+    # ------------------------------------------------------------------------------------- leftovers
+    def sweep(self) -> int:
+        """Remove the temporary entry folders (with the compiler temp files inside them) and the trash that
+        killed compiles left under every target folder; returns how many. Live compiles' folders are kept
+        (:mod:`ds4c.tempfiles`)."""
+        return sum(len(remove_stale(t, None, _TEMP_TAGS)) for t in self._target_dirs())
+
+    def temporaries(self) -> tuple[int, int]:
+        """``(live, stale)`` counts of the temporary entry folders under the root (``ds4c cache list``)."""
+        found = [lo.stale for t in self._target_dirs() for lo in find_leftovers(t, None, _TEMP_TAGS)]
+        return len(found) - sum(found), sum(found)
 
     def check_writable(self) -> None:
         """Raises CacheError when entries cannot be published under the root (checked before compiling)."""
@@ -284,7 +302,7 @@ class KernelCache:
         """Remove an incomplete or inconsistent entry, unless a valid one replaced it meanwhile."""
         with self._lock(final):
             if final.exists() and _load_entry(final, key) is None:
-                trash = final.parent / f"{_TMP_PREFIX}corrupt-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+                trash = final.parent / f".{final.name}{_TRASH_TAG}{owner_tag()}-{time.monotonic_ns()}"
                 try:
                     os.rename(final, trash)
                 except FileNotFoundError:
@@ -294,7 +312,8 @@ class KernelCache:
     def _compile_and_publish(self, src: KernelSource, tc: Toolchain, inputs: dict[str, Any], key: str,
                              final: Path) -> CacheEntry:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}-", dir=final.parent))
+        owned = OwnedTemp.create(final.parent, "." + final.name, TMP_TAG, is_dir=True)
+        tmp = owned.path
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a published entry is as readable as its siblings
             res = tc.compile(src, tmp)
@@ -338,8 +357,7 @@ class KernelCache:
                 raise CacheError(f"cache entry {final} vanished right after it was written")
             return dataclasses.replace(entry, hit=False)
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            owned.discard()  # after a publication only the lock is left to drop
 
     # -------------------------------------------------------------------------------- compile many
     def compile_many(self, sources: Sequence[KernelSource], jobs: int | None = None, progress: bool = True,

@@ -89,10 +89,23 @@ class CompileResult:
     command: tuple[str, ...] = field(default=())
 
 
+COMPILER_TMP = ".cc-tmp"
+"""The folder inside a compile's work folder that the compiler's own temporary files go to (``TMPDIR``)."""
+
+
 def _run(cmd: Sequence[str], cwd: Path, timeout: float = COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run one compiler command (stdout and stderr together, text). Tests wrap this to count compiles."""
-    return subprocess.run(list(cmd), cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace", timeout=timeout, stdin=subprocess.DEVNULL)
+    """Run one compiler command (stdout and stderr together, text) in ``cwd``, with ``TMPDIR`` (and ``TMP``,
+    ``TEMP``) set to ``cwd/.cc-tmp`` so that nvcc's and clang's intermediate files stay inside the work folder
+    (a killed compile leaves them there, where the kernel cache's sweep finds them, not in /tmp); the folder is
+    removed afterwards. Tests wrap this to count compiles."""
+    tmp = Path(cwd) / COMPILER_TMP
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp), "TMP": str(tmp), "TEMP": str(tmp)}
+    try:
+        return subprocess.run(list(cmd), cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace", timeout=timeout, stdin=subprocess.DEVNULL, env=env)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass(frozen=True)
