@@ -324,6 +324,13 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     ex, cold_s, load_s, copy_gbps = None, None, None, None
     max_ctx = max(contexts)
     buckets = BucketSpec.build(cfg, tuple(range(1, MAX_WIDTH + 1)), max_ctx)
+    if artifact is not None:  # the artifact's own buckets (it serves only those), checked to cover the bench
+        from ds4c.runtime.artifact import load_manifest, manifest_buckets
+
+        buckets = manifest_buckets(load_manifest(artifact))
+        if not set(widths) <= set(buckets.widths) or max_ctx > buckets.max_ctx:
+            raise BenchError(f"--artifact {artifact} serves widths {list(buckets.widths)} up to max_ctx "
+                             f"{buckets.max_ctx}, the bench asks for widths {list(widths)} up to {max_ctx}")
     if compiled:
         from ds4c.runtime.artifact import build_artifact
         from ds4c.runtime.cache import KernelCache

@@ -192,10 +192,9 @@ def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device:
         cfg = mf.config.replace(quant_emulation=False) if no_quant_emulation else mf.config
         mf.config = cfg
         if artifact:
-            from ds4c.runtime.artifact import load_manifest
+            from ds4c.runtime.artifact import load_manifest, manifest_buckets
 
-            b = load_manifest(artifact)["buckets"]
-            buckets = BucketSpec(tuple(b["widths"]), tuple(b["contexts"]), int(b["max_ctx"]))
+            buckets = manifest_buckets(load_manifest(artifact))
             if len(ids) + max_new_tokens > buckets.max_ctx:
                 raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the artifact's "
                                 f"max_ctx {buckets.max_ctx}")
@@ -436,16 +435,31 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
               help="With --kernel: print the machine code (cuobjdump -sass / llvm-objdump -d).")
 @click.option("--target", "arch", default=None, help="Target arch (default: the first of the artifact).")
 @click.option("--graph", "graph", default=None, help="Graph key, e.g. q1_c256 (default: the first).")
+@click.option("--model", "model", type=click.Path(dir_okay=False), default=None,
+              help="Check (no GPU needed) that the artifact serves this GGUF: config, weight formats, every binary. "
+                   "Exit 0 when it does, else a one-line error naming the first tensor whose format differs.")
 def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
-                show_sass: bool, arch: str | None, graph: str | None) -> None:
-    """Inspect an artifact folder built by `ds4c compile`."""
-    from ds4c.runtime.artifact import disassemble, find_binaries, find_graph, find_target, load_manifest
+                show_sass: bool, arch: str | None, graph: str | None, model: str | None) -> None:
+    """Inspect an artifact folder built by `ds4c compile` (every load checks that manifest.json is unchanged)."""
+    from ds4c.runtime.artifact import (check_serves, disassemble, find_binaries, find_graph, find_target,
+                                       load_manifest)
 
     if sum((show_source, show_resources, show_sass)) > 1:
         raise click.UsageError("give at most one of --source, --resources, --sass")
     if (show_source or show_resources or show_sass) and kernel is None:
         raise click.UsageError("--source, --resources and --sass need --kernel NAME")
+    if model is not None and (list_kernels or kernel is not None or arch is not None or graph is not None):
+        raise click.UsageError("--model checks the whole artifact: give it alone")
     man = load_manifest(artifact)
+    if model is not None:
+        from ds4c.gguf_file import open_model
+
+        mf = open_model(model)
+        check_serves(man, artifact, mf.config, {n: mf.ggml_type(n) for n in mf.specs})
+        n_bin = sum(len(t["binaries"]) for t in man["targets"].values())
+        click.echo(f"artifact {Path(artifact).absolute()} serves {mf.path}: config {man['config_hash'][:12]}, "
+                   f"{len(man['weight_types'])} weight formats, {n_bin} binaries checked")
+        return
     slug = find_target(man, arch)
     t = man["targets"][slug]
     if kernel is not None:
@@ -544,7 +558,8 @@ def _human_age(seconds: float) -> str:
 
 @cache_group.command("list")
 def cache_list_cmd() -> None:
-    """One line per cache entry: target, kernel name, hash, binary size, age."""
+    """One line per cache entry: target, kernel name, hash, binary size, age; then the temporary folders of
+    compiles (in progress, and the stale ones of killed compiles, which opening the cache removes)."""
     import time
 
     from ds4c.runtime.cache import KernelCache
@@ -557,6 +572,9 @@ def cache_list_cmd() -> None:
         click.echo(f"{e.target.slug:14s} {e.name:40s} {e.key[:12]}  {_human_bytes(e.size):>10s}  "
                    f"{_human_age(now - e.created):>4s}{ver}")
     click.echo(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in {cache.root}")
+    live, stale = cache.temporaries()
+    click.echo(f"temporary folders: {live} of compiles in progress, {stale} stale left; {cache.swept} stale "
+               f"removed on opening the cache")
 
 
 @cache_group.command("show")

@@ -25,24 +25,39 @@ kernel that many layers (or graphs) share is stored once.
                        kernels: [describe(k) whose launches also have "binary" (path in the artifact) and
                                  "key" (full cache key)]}},
               binaries: {"bin/<slug>/<name>-<hash12>.<kind>": {key, kind, bytes, sha256, kernel, family,
-                         entry, source, resources}}}}
+                         entry, source, source_sha256, weights, resources}}}}
     build:   {seconds, plan_kernels, launches, unique_binaries, compiled, cached}
+    integrity: {algorithm, fields: {top-level field: sha256 of its canonical JSON}, digest}   (always last)
 
-Publication is atomic: the artifact is written into ``<out_dir>.tmp-<pid>-<random>`` beside ``out_dir``;
-then the old ``out_dir`` (if any) is renamed aside to ``<out_dir>.old-<pid>-<random>/a``, the new one renamed
-in, and the old one deleted. An interrupted build leaves the previous artifact (or nothing), never a half-written
-one; leftovers of a killed build are cleaned (or, when the swap was cut between its two renames, the old
-artifact is put back) by the next build into the same folder.
+A binary's ``weights`` lists the format each weight argument of its launches is read in (:func:`weight_formats`:
+the stored GGML type for weights the kernel decodes itself, F32/BF16/I64 for weights converted on upload), so a
+binary rendered for BF16 weights can never be paired with a model that stores MXFP4.
+
+An artifact serves a model only when the config hash, the bucket spec and the weight-format table all match and
+every binary's recorded formats are those its launches read in the model (:func:`check_serves`, which
+``ds4c inspect DIR --model FILE`` runs without a GPU, and the runtime before it loads anything). The manifest
+is checked unchanged on every load (:func:`load_manifest`): each top-level field against its digest, the text
+byte for byte, then the type, range, hash and cross-reference of every field the runtime reads.
+
+Publication is atomic: the artifact is written into ``<out_dir>.tmp-<pid>-<host>-<random>`` beside ``out_dir``
+(locked by the build while it lives, :mod:`ds4c.tempfiles`), then swapped with the old ``out_dir`` in one step
+(``renameat2(RENAME_EXCHANGE)``) and the old one deleted; where the file system cannot swap, the old one is
+renamed aside to ``<out_dir>.old-<pid>-<host>-<random>/a`` first. A build killed at any moment (SIGKILL
+included) leaves the previous complete artifact or the new complete one at ``out_dir``; its temporaries are
+removed (and, when the fallback swap was cut between its two renames, the old artifact is put back) by the next
+build into the same folder.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -55,11 +70,15 @@ from ds4c.runtime.cache import KernelCache, _safe_name, canonical_json
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import is_valid_binary
+from ds4c.tempfiles import TMP_TAG, OwnedTemp, remove_stale
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-_TMP_TAG = ".tmp-"
+MANIFEST_FORMAT = 2
+_TMP_TAG = TMP_TAG
 _OLD_TAG = ".old-"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_FORMS = ("raw", "f32", "bf16", "i64")
+_ARG_KINDS = ("value", "weight", "step", "workspace", "int")
 
 
 class ArtifactError(Ds4cError):
@@ -93,6 +112,34 @@ def effective_weight_types(cfg: Ds4Config, weight_types: dict | None = None) -> 
 def weight_types_hash(types: dict[str, str]) -> str:
     """sha256 of the canonical JSON of :func:`effective_weight_types`' result."""
     return hashlib.sha256(canonical_json(types).encode()).hexdigest()
+
+
+def weight_formats(args: Iterable[Any], types: dict[str, str]) -> list[str]:
+    """The format each weight argument of one launch is read in, in argument order: the stored GGML type name
+    (from ``types``, ``{tensor name: type name}``; ``"absent"`` when the tensor is not there) for ``raw``
+    weights, whose bytes the kernel decodes itself; ``F32`` / ``BF16`` / ``I64`` for weights the runtime converts
+    on upload (the kernel then does not depend on the stored type). ``args`` are :class:`~ds4c.runtime.lower.Arg`
+    objects or their manifest records (dicts with ``kind``, ``name``, ``form``)."""
+    out = []
+    for a in args:
+        kind, name, form = (a.get("kind"), a.get("name"), a.get("form")) if isinstance(a, dict) else \
+            (a.kind, a.name, a.form)
+        if kind == "weight":
+            form = form or "f32"
+            out.append(types.get(name, "absent") if form == "raw" else form.upper())
+    return out
+
+
+def first_format_difference(expected: dict[str, str], found: dict[str, str]) -> tuple[str, str, str, int] | None:
+    """``(tensor, expected type, found type, number of tensors that differ)`` of the first tensor (by name) whose
+    format differs between two ``{tensor name: GGML type name}`` tables (``"absent"`` where one lacks it), or
+    None when they are equal."""
+    names = sorted(set(expected) | set(found))
+    diff = [n for n in names if expected.get(n) != found.get(n)]
+    if not diff:
+        return None
+    n = diff[0]
+    return n, expected.get(n, "absent"), found.get(n, "absent"), len(diff)
 
 
 def _source_id(src: KernelSource) -> tuple:
@@ -170,8 +217,10 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     entries = cache.compile_many(sources, jobs=jobs, progress=progress)
     entry_of = {sid: e for sid, e in zip(uniq, entries)}
 
-    # ---- write into a temporary folder beside out_dir, then swap it in
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{_TMP_TAG}{os.getpid()}-", dir=out.parent))
+    # ---- write into a temporary folder beside out_dir (owned: see ds4c.tempfiles), then swap it in
+    owned = OwnedTemp.create(out.parent, out.name, _TMP_TAG, is_dir=True)
+    tmp = owned.path
+    wtypes = effective_weight_types(cfg, weight_types)
     try:
         os.chmod(tmp, 0o755)
         tinfo: dict[str, dict[str, Any]] = {}
@@ -199,7 +248,9 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
                         bins[rel_bin] = {"key": e.key, "kind": e.kind, "bytes": int(b["bytes"]),
                                          "sha256": b["sha256"], "kernel": launch.kernel.name,
                                          "family": launch.kernel.family, "entry": launch.kernel.entry,
-                                         "source": rel_src, "resources": e.resources}
+                                         "source": rel_src, "source_sha256": _sha256_file(tmp / rel_src),
+                                         "weights": weight_formats(launch.args, wtypes),
+                                         "resources": e.resources}
                         seen_keys[(slug, e.key)] = seen_keys.get((slug, e.key), False) or not e.hit
                     ld["binary"] = rel_bin
                     ld["key"] = e.key
@@ -211,7 +262,6 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
                                         "graph_hash": g["graph_hash"], "arena_bytes": g["arena_bytes"],
                                         "kernels": kernels}
         compiled = sum(seen_keys.values())
-        wtypes = effective_weight_types(cfg, weight_types)
         manifest = {
             "format": MANIFEST_FORMAT,
             "ds4c_version": __version__,
@@ -224,12 +274,32 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
                       "unique_binaries": len(seen_keys), "compiled": compiled, "cached": len(seen_keys) - compiled,
                       "jobs": jobs or os.cpu_count() or 1},
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, separators=(",", ":")) + "\n")
+        manifest["integrity"] = _integrity(manifest)
+        (tmp / MANIFEST).write_text(_manifest_text(manifest))
         _publish(tmp, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        owned.discard()  # after the publication, only the previous artifact (if swapped here) or nothing
     return out
+
+
+def _sha256_file(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _manifest_text(man: dict[str, Any]) -> str:
+    """The exact text of ``manifest.json`` (compact JSON in key order, one trailing newline)."""
+    return json.dumps(man, separators=(",", ":")) + "\n"
+
+
+def _integrity(man: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's record of its own content: per top-level field the sha256 of its canonical JSON, and the
+    sha256 of those field digests (``digest``)."""
+    fields = {k: hashlib.sha256(canonical_json(v).encode()).hexdigest() for k, v in man.items() if k != "integrity"}
+    return {"algorithm": _INTEGRITY_ALGORITHM, "fields": fields,
+            "digest": hashlib.sha256(canonical_json(fields).encode()).hexdigest()}
+
+
+_INTEGRITY_ALGORITHM = "sha256 of the canonical JSON of each top-level field"
 
 
 # -------------------------------------------------------------------------------------------- publication
@@ -248,80 +318,102 @@ def _check_replaceable(out: Path) -> None:
                             f"remove it or choose another output folder (-o)")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _leftovers(out: Path) -> Iterable[tuple[Path, str, int]]:
-    """``(path, tag, pid)`` of the temporary / set-aside folders of builds into ``out``."""
-    for tag in (_TMP_TAG, _OLD_TAG):
-        for p in out.parent.glob(f"{out.name}{tag}*"):
-            pid = p.name[len(out.name) + len(tag):].split("-", 1)[0]
-            if pid.isdigit():
-                yield p, tag, int(pid)
-
-
 def _clean_leftovers(out: Path) -> None:
-    """Remove what killed builds into ``out`` left behind; if one died between its two renames (``out`` gone,
-    the previous artifact set aside), put the previous artifact back."""
-    for p, tag, pid in sorted(_leftovers(out), key=lambda x: x[1] != _OLD_TAG):
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        if tag == _OLD_TAG and not out.exists() and _is_artifact_dir(p / "a"):
+    """Remove what killed builds into ``out`` left behind (temporary and set-aside folders whose owner is gone,
+    :mod:`ds4c.tempfiles`); if one died between the two renames of the fallback swap (``out`` gone, the previous
+    artifact set aside), put the previous artifact back first."""
+
+    def rescue(p: Path) -> bool:
+        if p.name.startswith(out.name + _OLD_TAG) and not out.exists() and _is_artifact_dir(p / "a"):
             try:
                 os.rename(p / "a", out)
             except OSError:
                 pass
-        shutil.rmtree(p, ignore_errors=True)
+        return False
+
+    remove_stale(out.parent, out.name, (_OLD_TAG, _TMP_TAG), keep=rescue)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). Returns False
+    when this system or file system cannot (then the caller falls back to two renames).
+
+    Raises:
+        OSError: the swap failed for another reason (e.g. ``b`` vanished: FileNotFoundError).
+    """
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _publish(tmp: Path, out: Path) -> None:
-    """Swap ``tmp`` in as ``out`` (see module docstring)."""
+    """Put ``tmp`` in place as ``out``. When ``out`` exists, the two are swapped in one atomic step, so ``out``
+    is at every moment the old or the new complete artifact, and the old one (now at ``tmp``) is deleted with
+    it. Where the system cannot swap atomically: ``out`` is renamed aside into ``<out>.old-<owner>/a``, ``tmp``
+    renamed in, and the old one deleted; a kill between those two renames is repaired by the next build
+    (:func:`_clean_leftovers`)."""
     for _ in range(10):
-        old: Path | None = None
+        old: OwnedTemp | None = None
         if out.exists() or out.is_symlink():
             _check_replaceable(out)
-            old = Path(tempfile.mkdtemp(prefix=f"{out.name}{_OLD_TAG}{os.getpid()}-", dir=out.parent))
             try:
-                os.rename(out, old / "a")  # rename into a fresh folder: no clash with another build
+                if _exchange(tmp, out):
+                    shutil.rmtree(tmp, ignore_errors=True)  # the previous artifact
+                    return
             except FileNotFoundError:  # another build moved it meanwhile
-                shutil.rmtree(old, ignore_errors=True)
+                continue
+            old = OwnedTemp.create(out.parent, out.name, _OLD_TAG, is_dir=True)
+            try:
+                os.rename(out, old.path / "a")  # rename into a fresh folder: no clash with another build
+            except FileNotFoundError:  # another build moved it meanwhile
+                old.discard()
                 old = None
         try:
             os.rename(tmp, out)
         except OSError:
             if old is not None:  # put the previous artifact back, unless someone published meanwhile
                 try:
-                    os.rename(old / "a", out)
+                    os.rename(old.path / "a", out)
                 except OSError:
                     pass
-                shutil.rmtree(old, ignore_errors=True)
+                old.discard()
             if out.exists():
                 continue  # another build published between our renames: replace theirs
             raise
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            old.discard()
         return
     raise ArtifactError(f"cannot publish the artifact at {out}: another build keeps replacing it")
 
 
 # ------------------------------------------------------------------------------------------------ loading
 def load_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
-    """The parsed ``manifest.json`` of the artifact folder ``path``, checked complete.
+    """The parsed ``manifest.json`` of the artifact folder ``path``, checked complete and unchanged.
 
-    Checked: the manifest parses and has every top-level key, it was written by this ds4c version (and
-    manifest format), and every binary it lists exists with its recorded size (with ``verify``: also its
-    sha256, and it is a valid ELF of its kind).
+    Checked, in order: the manifest parses; it was written by this ds4c version (and manifest format); it was
+    not changed after it was written (each top-level field against its digest in ``integrity``, then the
+    text byte for byte against the form ds4c writes); every field the runtime reads has the expected type and
+    range, every hash equals its recomputation from the field it covers, and every reference (a launch's
+    binary, a binary's source, a target's graphs) points at an entry that exists; every binary and source it
+    lists exists with its recorded size (with ``verify``: also their sha256, and the binary is a valid ELF of its
+    kind).
 
     Raises:
-        ArtifactError: a missing folder or manifest, a corrupt manifest, a manifest of another ds4c version,
-            or a listed binary missing or not as recorded.
+        ArtifactError: a missing folder or manifest, a corrupt or edited manifest, a manifest of another ds4c
+            version, or a listed binary or source missing or not as recorded. The message is one line that
+            names the file and field and says to rebuild with ``ds4c compile``.
     """
     d = Path(path)
     if not d.is_dir():
@@ -330,43 +422,307 @@ def load_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
     if not mpath.is_file():
         raise ArtifactError(f"{d} is not a ds4c artifact: {MANIFEST} is missing (build one with `ds4c compile`)")
     try:
-        man = json.loads(mpath.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ArtifactError(f"corrupt artifact manifest {mpath}: {e}; rebuild it with `ds4c compile`") from None
+        text = mpath.read_bytes().decode("utf-8")
+        man = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"corrupt artifact manifest {mpath}: {msg}; rebuild it with `ds4c compile`") from None
     if not isinstance(man, dict):
         raise ArtifactError(f"corrupt artifact manifest {mpath}: expected a JSON object, found "
                             f"{type(man).__name__}; rebuild it with `ds4c compile`")
     ver = man.get("ds4c_version")
     if ver != __version__:
-        raise ArtifactError(f"artifact {d} was built by ds4c {ver}, this is ds4c {__version__}: rebuild it with "
-                            f"`ds4c compile`")
+        raise ArtifactError(f"artifact {d} was built by ds4c {_short(ver)}, this is ds4c {__version__}: rebuild it "
+                            f"with `ds4c compile`")
     if man.get("format") != MANIFEST_FORMAT:
-        raise ArtifactError(f"artifact {d} has manifest format {man.get('format')!r}, this ds4c reads format "
+        raise ArtifactError(f"artifact {d} has manifest format {_short(man.get('format'))}, this ds4c reads format "
                             f"{MANIFEST_FORMAT}: rebuild it with `ds4c compile`")
-    need = ("config", "config_hash", "buckets", "buckets_hash", "graphs", "targets")
+    need = ("config", "config_hash", "buckets", "buckets_hash", "weight_types", "weight_types_hash", "graphs",
+            "targets", "build", "integrity")
     missing = [k for k in need if k not in man]
     if missing:
         raise ArtifactError(f"corrupt artifact manifest {mpath}: missing {', '.join(missing)}; rebuild it with "
                             f"`ds4c compile`")
-    try:
-        for slug, t in man["targets"].items():
-            for rel, b in t["binaries"].items():
-                f = d / rel
+    _check_integrity(man, text, mpath)
+    _validate(man, mpath)
+    for slug, t in man["targets"].items():
+        for rel, b in t["binaries"].items():
+            for f_rel, size, sha, what in ((rel, b["bytes"], b["sha256"], "binary"),
+                                           (b["source"], None, b["source_sha256"], "source")):
+                f = d / f_rel
                 if not f.is_file():
-                    raise ArtifactError(f"artifact {d} is incomplete: binary {rel} ({b['kernel']} for {slug}) "
+                    raise ArtifactError(f"artifact {d} is incomplete: {what} {f_rel} ({b['kernel']} for {slug}) "
                                         f"is missing; rebuild it with `ds4c compile`")
-                if f.stat().st_size != b["bytes"]:
-                    raise ArtifactError(f"artifact {d}: binary {rel} has {f.stat().st_size} bytes, the manifest "
-                                        f"says {b['bytes']}; rebuild it with `ds4c compile`")
+                if size is not None and f.stat().st_size != size:
+                    raise ArtifactError(f"artifact {d}: binary {f_rel} has {f.stat().st_size} bytes, the manifest "
+                                        f"says {size}; rebuild it with `ds4c compile`")
                 if verify:
                     data = f.read_bytes()
-                    if hashlib.sha256(data).hexdigest() != b["sha256"] or not is_valid_binary(data, b["kind"]):
-                        raise ArtifactError(f"artifact {d}: binary {rel} does not match its manifest entry "
-                                            f"(sha256 or ELF header); rebuild it with `ds4c compile`")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ArtifactError(f"corrupt artifact manifest {mpath}: bad or missing field {e}; rebuild it with "
-                            f"`ds4c compile`") from None
+                    if hashlib.sha256(data).hexdigest() != sha or (what == "binary"
+                                                                    and not is_valid_binary(data, b["kind"])):
+                        raise ArtifactError(f"artifact {d}: {what} {f_rel} does not match its manifest entry "
+                                            f"(sha256{' or ELF header' if what == 'binary' else ''}); rebuild it "
+                                            f"with `ds4c compile`")
     return man
+
+
+def _short(v: Any, n: int = 60) -> str:
+    """``v`` for a message: printable strings as they are, anything else as its repr; at most ``n`` chars."""
+    r = v if isinstance(v, str) and v.isprintable() else repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _changed(mpath: Path, what: str) -> ArtifactError:
+    return ArtifactError(f"{mpath.name} was changed after it was written: {what} ({mpath}); rebuild the artifact "
+                         f"with `ds4c compile`")
+
+
+def _check_integrity(man: dict[str, Any], text: str, mpath: Path) -> None:
+    rec = man["integrity"]
+    if not (isinstance(rec, dict) and list(rec) == ["algorithm", "fields", "digest"]
+            and rec["algorithm"] == _INTEGRITY_ALGORITHM and isinstance(rec["fields"], dict)
+            and isinstance(rec["digest"], str)):
+        raise _changed(mpath, "its integrity record is not the one ds4c writes")
+    fields = rec["fields"]
+    if hashlib.sha256(canonical_json(fields).encode()).hexdigest() != rec["digest"]:
+        raise _changed(mpath, "its integrity record was edited")
+    now = _integrity(man)["fields"]
+    for k in list(now) + [k for k in fields if k not in now]:
+        if k not in fields:
+            raise _changed(mpath, f"field {_short(k, 40)} was added")
+        if k not in now:
+            raise _changed(mpath, f"field {_short(k, 40)} was removed")
+        if fields[k] != now[k]:
+            raise _changed(mpath, f"field {k!r} differs from what was written")
+    if text != _manifest_text(man):
+        raise _changed(mpath, "its text is not byte for byte what ds4c wrote (reformatted or re-encoded)")
+
+
+class _Schema:
+    """Type and range checks of manifest fields; the first failure is an ArtifactError naming the field."""
+
+    def __init__(self, mpath: Path):
+        self.mpath = mpath
+
+    def fail(self, where: str, expected: str, found: Any) -> None:
+        raise ArtifactError(f"invalid artifact manifest {self.mpath}: {where}: expected {expected}, found "
+                            f"{_short(found)}; rebuild it with `ds4c compile`")
+
+    def obj(self, v: Any, where: str, keys: Iterable[str] = ()) -> dict:
+        if not isinstance(v, dict):
+            self.fail(where, "an object", v)
+        for k in keys:
+            if k not in v:
+                self.fail(f"{where}.{k}", "a value", "nothing")
+        return v
+
+    def integer(self, v: Any, where: str, lo: int = 0, hi: int | None = None) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            self.fail(where, f"an integer in {lo}..{'' if hi is None else hi}", v)
+        return v
+
+    def string(self, v: Any, where: str, pattern: re.Pattern | None = None, choices: tuple = ()) -> str:
+        if not isinstance(v, str) or (pattern is not None and not pattern.fullmatch(v)) or \
+                (choices and v not in choices):
+            self.fail(where, f"one of {list(choices)}" if choices else
+                      f"a string matching {pattern.pattern}" if pattern is not None else "a string", v)
+        return v
+
+    def integers(self, v: Any, where: str, n: int | None = None, lo: int = 0, hi: int | None = None) -> list[int]:
+        if not isinstance(v, list) or not v or (n is not None and len(v) != n):
+            self.fail(where, f"a list of {n or 'one or more'} integers", v)
+        return [self.integer(x, f"{where}[{i}]", lo, hi) for i, x in enumerate(v)]
+
+    def hash(self, v: Any, where: str, of: Any) -> None:
+        """``v`` is the sha256 of ``json.dumps(of, sort_keys=True)`` (as Ds4Config.hash / BucketSpec.hash)."""
+        self.string(v, where, _HEX64)
+        want = hashlib.sha256(json.dumps(of, sort_keys=True).encode()).hexdigest()
+        if v != want:
+            self.fail(where, f"the sha256 of the field it covers ({want[:12]}...)", v)
+
+
+def _validate(man: dict[str, Any], mpath: Path) -> None:
+    """Every field the runtime and ``ds4c inspect`` read: types, ranges, recomputed hashes, references."""
+    from ds4c.quant import GGMLType
+
+    c = _Schema(mpath)
+    c.obj(man["config"], "config", ("name", "n_layers", "hidden_size", "vocab_size"))
+    c.hash(man["config_hash"], "config_hash", man["config"])
+    b = c.obj(man["buckets"], "buckets", ("widths", "contexts", "max_ctx"))
+    widths = c.integers(b["widths"], "buckets.widths", lo=1, hi=5)
+    contexts = c.integers(b["contexts"], "buckets.contexts", lo=1)
+    c.integer(b["max_ctx"], "buckets.max_ctx", 1, contexts[-1])
+    if widths != sorted(set(widths)) or contexts != sorted(set(contexts)):
+        c.fail("buckets", "increasing widths and contexts", b)
+    c.hash(man["buckets_hash"], "buckets_hash", b)
+    wt = c.obj(man["weight_types"], "weight_types")
+    type_names = tuple(t.name for t in GGMLType)
+    for k, v in wt.items():
+        c.string(v, f"weight_types[{_short(k, 40)}]", choices=type_names)
+    c.string(man["weight_types_hash"], "weight_types_hash", _HEX64)
+    if man["weight_types_hash"] != weight_types_hash(wt):
+        c.fail("weight_types_hash", "the sha256 of weight_types", man["weight_types_hash"])
+    keys = [graph_key(w, x) for w in widths for x in contexts]
+    graphs = c.obj(man["graphs"], "graphs")
+    if list(graphs) != keys:
+        c.fail("graphs", f"the graphs of the buckets {keys}", list(graphs))
+    for gk, g in graphs.items():
+        c.obj(g, f"graphs.{gk}", ("width", "context", "graph_hash", "arena_bytes"))
+        if graph_key(g["width"], g["context"]) != gk:
+            c.fail(f"graphs.{gk}", f"width and context of {gk}", (g["width"], g["context"]))
+        c.string(g["graph_hash"], f"graphs.{gk}.graph_hash", _HEX64)
+        c.integer(g["arena_bytes"], f"graphs.{gk}.arena_bytes")
+    targets = c.obj(man["targets"], "targets")
+    if not targets:
+        c.fail("targets", "at least one target", targets)
+    for slug, t in targets.items():
+        w = f"targets.{_short(slug, 30)}"
+        c.obj(t, w, ("vendor", "arch", "wave", "toolchain", "graphs", "binaries"))
+        vendor = c.string(t["vendor"], f"{w}.vendor", choices=("cuda", "hip"))
+        c.string(t["arch"], f"{w}.arch", re.compile(r"[a-z0-9_]+"))
+        if slug != f"{vendor}-{t['arch']}":
+            c.fail(w, f"the name {vendor}-{t['arch']}", slug)
+        if t["wave"] not in (32, 64) or isinstance(t["wave"], bool):
+            c.fail(f"{w}.wave", "32 or 64", t["wave"])
+        tc = c.obj(t["toolchain"], f"{w}.toolchain", ("name", "version"))
+        c.string(tc["name"], f"{w}.toolchain.name")
+        c.string(tc["version"], f"{w}.toolchain.version")
+        kind = "cubin" if vendor == "cuda" else "hsaco"
+        ext = ".cu" if vendor == "cuda" else ".hip"
+        bins = c.obj(t["binaries"], f"{w}.binaries")
+        bin_pat = re.compile(rf"bin/{re.escape(slug)}/[A-Za-z0-9._-]+-[0-9a-f]{{12}}\.{kind}")
+        src_pat = re.compile(rf"src/{re.escape(slug)}/[A-Za-z0-9._-]+-[0-9a-f]{{12}}{re.escape(ext)}")
+        for rel, r in bins.items():
+            wb = f"{w}.binaries[{_short(rel, 60)}]"
+            c.string(rel, f"{w}.binaries key", bin_pat)
+            c.obj(r, wb, ("key", "kind", "bytes", "sha256", "kernel", "family", "entry", "source", "source_sha256",
+                          "weights", "resources"))
+            c.string(r["key"], f"{wb}.key", _HEX64)
+            if not rel.endswith(f"-{r['key'][:12]}.{kind}"):
+                c.fail(f"{wb}.key", f"a key starting with the file's hash {rel[-18:-6]}", r["key"])
+            c.string(r["kind"], f"{wb}.kind", choices=(kind,))
+            c.integer(r["bytes"], f"{wb}.bytes", 1)
+            c.string(r["sha256"], f"{wb}.sha256", _HEX64)
+            for f in ("kernel", "family", "entry"):
+                c.string(r[f], f"{wb}.{f}")
+            c.string(r["source"], f"{wb}.source", src_pat)
+            c.string(r["source_sha256"], f"{wb}.source_sha256", _HEX64)
+            if not isinstance(r["weights"], list):
+                c.fail(f"{wb}.weights", "a list of formats", r["weights"])
+            for i, x in enumerate(r["weights"]):
+                c.string(x, f"{wb}.weights[{i}]", choices=type_names + ("I64", "absent"))
+            c.obj(r["resources"], f"{wb}.resources")
+        tg = c.obj(t["graphs"], f"{w}.graphs")
+        if list(tg) != keys:
+            c.fail(f"{w}.graphs", f"the graphs of the buckets {keys}", list(tg))
+        for gk, g in tg.items():
+            wg = f"{w}.graphs.{gk}"
+            c.obj(g, wg, ("width", "context", "graph_hash", "arena_bytes", "kernels"))
+            for f in ("width", "context", "graph_hash", "arena_bytes"):
+                if g[f] != graphs[gk][f]:
+                    c.fail(f"{wg}.{f}", f"graphs.{gk}.{f} = {_short(graphs[gk][f], 20)}", g[f])
+            if not isinstance(g["kernels"], list) or not g["kernels"]:
+                c.fail(f"{wg}.kernels", "a list of plan kernels", g["kernels"])
+            for i, k in enumerate(g["kernels"]):
+                wk = f"{wg}.kernels[{i}]"
+                c.obj(k, wk, ("name", "family", "layer", "launches"))
+                c.string(k["name"], f"{wk}.name")
+                c.string(k["family"], f"{wk}.family")
+                c.integer(k["layer"], f"{wk}.layer", -1)
+                if not isinstance(k["launches"], list) or not k["launches"]:
+                    c.fail(f"{wk}.launches", "a list of launches", k["launches"])
+                for j, ld in enumerate(k["launches"]):
+                    _validate_launch(c, ld, f"{wk}.launches[{j}]", bins)
+
+
+def _validate_launch(c: _Schema, ld: Any, w: str, bins: dict[str, Any]) -> None:
+    c.obj(ld, w, ("entry", "kernel", "grid", "block", "smem", "args", "binary", "key"))
+    c.string(ld["entry"], f"{w}.entry")
+    c.string(ld["kernel"], f"{w}.kernel")
+    c.integers(ld["grid"], f"{w}.grid", 3, 1, 2**31 - 1)
+    block = c.integers(ld["block"], f"{w}.block", 3, 1, 1024)
+    if block[0] * block[1] * block[2] > 1024:
+        c.fail(f"{w}.block", "at most 1024 threads", block)
+    c.integer(ld["smem"], f"{w}.smem", 0, 1 << 20)
+    if not isinstance(ld["args"], list):
+        c.fail(f"{w}.args", "a list of arguments", ld["args"])
+    for i, a in enumerate(ld["args"]):
+        wa = f"{w}.args[{i}]"
+        c.obj(a, wa, ("kind", "name"))
+        kind = c.string(a["kind"], f"{wa}.kind", choices=_ARG_KINDS)
+        c.string(a["name"], f"{wa}.name")
+        if "nbytes" in a:
+            c.integer(a["nbytes"], f"{wa}.nbytes")
+        if "form" in a:
+            c.string(a["form"], f"{wa}.form", choices=_FORMS)
+        if kind == "int":
+            c.integer(a.get("value"), f"{wa}.value", -(2**31), 2**31 - 1)
+        elif "value" in a:
+            c.fail(f"{wa}.value", "no value (only int arguments have one)", a["value"])
+    rel = c.string(ld["binary"], f"{w}.binary")
+    if rel not in bins:
+        c.fail(f"{w}.binary", "a binary listed under the target's binaries", rel)
+    rec = bins[rel]
+    for f in ("key", "entry", "kernel"):
+        if ld[f] != rec[f]:
+            c.fail(f"{w}.{f}", f"the binary's {f} {_short(rec[f], 30)}", ld[f])
+    if len(weight_formats(ld["args"], {})) != len(rec["weights"]):
+        c.fail(f"{w}.args", f"{len(rec['weights'])} weight arguments (as the binary records)",
+               len(weight_formats(ld["args"], {})))
+
+
+def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
+    """The :class:`~ds4c.buckets.BucketSpec` an artifact was built for (from a :func:`load_manifest` result)."""
+    b = man["buckets"]
+    return BucketSpec(tuple(b["widths"]), tuple(b["contexts"]), int(b["max_ctx"]))
+
+
+def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict,
+                 buckets: BucketSpec | None = None) -> None:
+    """Check that the artifact ``man`` (:func:`load_manifest` of ``artifact``) serves a model: its config hash,
+    its bucket spec (when ``buckets`` is given) and its weight-format table all equal the model's, and every
+    binary was rendered for the formats its launches read in this model. ``weight_types`` is the model's
+    ``{tensor name: GGMLType}`` (e.g. ``{n: mf.ggml_type(n) for n in mf.specs}``). Needs no GPU.
+
+    Raises:
+        ArtifactError: the first mismatch, in one line: another config (both hashes), another bucket spec
+            (both), or the first tensor whose format differs (the artifact's type vs the model's, and how
+            many tensors differ).
+    """
+    where = f"artifact {artifact} does not serve this model"
+    if man["config_hash"] != cfg.hash():
+        raise ArtifactError(f"{where}: it was built for another config (hash {man['config_hash'][:12]}, "
+                            f"{man['config'].get('name')}; this model {cfg.hash()[:12]}, {cfg.name}); rebuild it "
+                            f"with `ds4c compile` for this model")
+    if buckets is not None and man["buckets_hash"] != buckets.hash():
+        raise ArtifactError(f"{where}: it was built for buckets {man['buckets']}, asked for {buckets.as_dict()}")
+    types = effective_weight_types(cfg, weight_types)
+    diff = first_format_difference(man["weight_types"], types)
+    if diff is not None:
+        name, want, got, n = diff
+        raise ArtifactError(f"{where}: tensor {name} is {want} in the artifact's weight formats, {got} in the "
+                            f"model ({n} tensor{'s' * (n != 1)} differ); rebuild it with `ds4c compile` from this "
+                            f"model file")
+    for slug, t in man["targets"].items():
+        for g in t["graphs"].values():
+            for k in g["kernels"]:
+                for ld in k["launches"]:
+                    _check_launch_formats(ld["args"], t["binaries"][ld["binary"]], ld["binary"], types, where)
+
+
+def _check_launch_formats(args: list, rec: dict[str, Any], rel: str, types: dict[str, str], where: str) -> None:
+    """The binary ``rel`` (record ``rec``) was rendered for the formats a launch with ``args`` reads."""
+    found = weight_formats(args, types)
+    if found == rec["weights"]:
+        return
+    names = [a["name"] if isinstance(a, dict) else a.name for a in args
+             if (a["kind"] if isinstance(a, dict) else a.kind) == "weight"]
+    i = next((i for i, (x, y) in enumerate(zip(rec["weights"], found)) if x != y), min(len(found), len(rec["weights"])))
+    name = names[i] if i < len(names) else "?"
+    want = rec["weights"][i] if i < len(rec["weights"]) else "absent"
+    got = found[i] if i < len(found) else "absent"
+    raise ArtifactError(f"{where}: binary {rel} was rendered for tensor {name} as {want}, the model has {got}; "
+                        f"rebuild it with `ds4c compile` from this model file")
 
 
 def find_target(man: dict[str, Any], arch: str | None) -> str:
@@ -486,18 +842,20 @@ def disassemble(artifact: str | os.PathLike, rel: str, record: dict[str, Any], a
 
 
 def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str, width: int, context: int,
-                    kernels: list) -> list[Path]:
+                    kernels: list, weight_types: dict) -> list[Path]:
     """The binary of every launch of ``kernels`` (``lower_graph`` of the (width, context) graph for ``arch``),
     in launch order, from an artifact: the runtime's path that needs no compiler.
 
     The lowering is deterministic, so the manifest lists the same plan kernels and launches in the same order;
-    each pairing is checked by plan-kernel name and entry point.
+    each pairing is checked by plan-kernel name and entry point, and by the weight formats each launch reads in
+    this model (``weight_types``: ``{tensor name: GGMLType}``) against those its binary was rendered for.
 
     Raises:
         ArtifactError: the artifact has no binaries for ``arch``, no graph for (width, context) — the message
             names the missing key — or its launches do not match the lowering (built by another ds4c or for
-            another model).
+            another model), or a binary was rendered for other weight formats (naming the tensor).
     """
+    types = {k: getattr(v, "name", str(v)) for k, v in weight_types.items()}
     slug = find_target(man, arch)
     key = graph_key(width, context)
     graphs = man["targets"][slug]["graphs"]
@@ -512,5 +870,8 @@ def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str,
     for k, rec in zip(kernels, listed):
         if [l["entry"] for l in rec["launches"]] != [la.kernel.entry for la in k.launches]:
             raise ArtifactError(f"artifact kernel {k.name} ({key}, {slug}) has other launches than the lowering")
+        for l, la in zip(rec["launches"], k.launches):
+            _check_launch_formats(la.args, man["targets"][slug]["binaries"][l["binary"]], l["binary"], types,
+                                  f"artifact {artifact} does not serve this model")
         out += [Path(artifact) / l["binary"] for l in rec["launches"]]
     return out

@@ -69,11 +69,14 @@ class CompiledStep:
         arch: the CUDA arch to compile for (e.g. ``sm_90``).
         cache: the kernel cache (compiles what is missing; an AOT-filled cache compiles nothing).
         use_graphs: capture one CUDA graph per (width, bucket) on first use and replay it.
-        artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled
-            (its config must be this model's; a missing arch or (width, bucket) graph raises ArtifactError).
+        artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled.
+            It must serve this model (``ds4c.runtime.artifact.check_serves``: config, ``buckets`` and weight
+            formats equal); a missing arch or (width, bucket) graph raises ArtifactError.
 
     Raises:
         StepError: no CUDA device.
+        ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
+            format differs is named).
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
@@ -86,13 +89,12 @@ class CompiledStep:
         self.use_graphs = use_graphs
         self.artifact = artifact
         self._manifest = None
+        self._types = {n: mf.ggml_type(n) for n in mf.specs}
         if artifact is not None:
-            from ds4c.runtime.artifact import ArtifactError, load_manifest
+            from ds4c.runtime.artifact import check_serves, load_manifest
 
             self._manifest = load_manifest(artifact)
-            if self._manifest["config_hash"] != self.cfg.hash():
-                raise ArtifactError(f"artifact {artifact} was built for another config (hash "
-                                    f"{self._manifest['config_hash'][:12]}, this model {self.cfg.hash()[:12]})")
+            check_serves(self._manifest, artifact, self.cfg, self._types, buckets)
         self.dev = torch.device("cuda")
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
@@ -200,12 +202,12 @@ class CompiledStep:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
         g = run_pipeline(build_step(self.cfg, width, self.capacity), "default", context=context).graph
-        types = {n: self.mf.ggml_type(n) for n in self.mf.specs}
-        kernels = lower_graph(g, self.cfg, self.target, types)
+        kernels = lower_graph(g, self.cfg, self.target, self._types)
         if self._manifest is not None:
             from ds4c.runtime.artifact import launch_binaries
 
-            paths = launch_binaries(self._manifest, self.artifact, self.target.arch, width, context, kernels)
+            paths = launch_binaries(self._manifest, self.artifact, self.target.arch, width, context, kernels,
+                                    self._types)
             binary_of = {id(la): p for la, p in zip([la for k in kernels for la in k.launches], paths)}
         else:
             srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}

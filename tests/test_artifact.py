@@ -238,17 +238,20 @@ def test_interrupted_build_keeps_previous_artifact(tmp_path, cache_dir, fake_low
 def test_leftovers_of_a_killed_build_are_cleaned(tmp_path, monkeypatch):
     """A killed build's temp folder is removed; an old artifact set aside by a build killed between its two
     renames is put back."""
+    from ds4c.tempfiles import host_id
+
     out = tmp_path / "art"
     dead = 2**22 + 12345  # above the default pid_max of most systems: no such process
-    monkeypatch.setattr(art, "_pid_alive", lambda pid: pid != dead)
-    (tmp_path / f"art.tmp-{dead}-abc").mkdir()
-    (tmp_path / f"art.tmp-{dead}-abc" / "manifest.json").write_text("{}")
-    old = tmp_path / f"art.old-{dead}-xyz" / "a"
+    (tmp_path / f"art.tmp-{dead}-{host_id()}-abc").mkdir()
+    (tmp_path / f"art.tmp-{dead}-{host_id()}-abc" / "manifest.json").write_text("{}")
+    old = tmp_path / f"art.old-{dead}-{host_id()}-xyz" / "a"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text("{}")
+    live = tmp_path / f"art.tmp-{os.getpid()}-{host_id()}-live"  # a build in progress (this process) is kept
+    live.mkdir()
     art._clean_leftovers(out)
     assert (out / "manifest.json").read_text() == "{}"
-    assert leftovers(out) == []
+    assert leftovers(out) == [live.name]
 
 
 def test_refuses_to_replace_other_folders(tmp_path, cache_dir, fake_lower):
@@ -486,21 +489,24 @@ def test_runtime_finds_every_launch_binary_in_the_artifact(real_artifact):
     from ds4c.runtime.lower import lower_graph
     from ds4c.runtime.targets import target
 
+    from ds4c.tensors import FORMATS, tensor_specs
+
     out, first, _ = real_artifact
     assert first.exit_code == 0, first.output
     man = load_manifest(out)
     cfg = preset("tiny")
+    official = {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
     for arch in ("sm_90", "gfx1151"):
         for key, rec in man["graphs"].items():
             w, c = rec["width"], rec["context"]
             g = run_pipeline(build_step(cfg, w, man["buckets"]["contexts"][-1]), "default", context=c).graph
             ks = lower_graph(g, cfg, target(arch))
-            paths = launch_binaries(man, out, arch, w, c, ks)
+            paths = launch_binaries(man, out, arch, w, c, ks, official)
             assert len(paths) == sum(len(k.launches) for k in ks) and all(p.is_file() for p in paths)
     with pytest.raises(ArtifactError, match="no step graph q3_c128"):
-        launch_binaries(man, out, "sm_90", 3, 128, [])
+        launch_binaries(man, out, "sm_90", 3, 128, [], official)
     with pytest.raises(ArtifactError, match="no target 'sm_80'"):
-        launch_binaries(man, out, "sm_80", 1, 128, [])
+        launch_binaries(man, out, "sm_80", 1, 128, [], official)
 
 
 def test_an_artifact_under_a_file_is_an_error_before_any_work(tmp_path):
