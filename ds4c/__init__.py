@@ -5,7 +5,7 @@ artifact -> runtime. This package holds the front half (config, GGUF model files
 models, the PyTorch reference) and the CLI; ``ds4c.passes`` and ``ds4c.runtime`` hold the rest.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from ds4c.errors import ConfigError, Ds4cError, ModelFileError, QuantError, StepError  # noqa: E402
 

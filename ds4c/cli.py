@@ -115,11 +115,24 @@ def info_cmd(file: str | None, as_json: bool) -> None:
                "router": "hash" if cfg.is_hash_layer(i) else "scored"} for i in range(cfg.n_layers)]
     by_type = mf.weight_bytes_by_type()
     if as_json:
-        click.echo(json.dumps({"file": str(mf.path), "config": cfg.model_dict(), "config_hash": cfg.hash(),
+        click.echo(json.dumps({"file": str(mf.path), "file_type": mf.file_type, "tokenizer": _tokenizer_summary(mf),
+                               "extra_tensors": mf.extra_tensors,
+                               "legacy_names": mf.legacy_names, "config": cfg.model_dict(), "config_hash": cfg.hash(),
                                "layers": layers, "tensors": {k: {"count": n, "bytes": b}
                                                              for k, (n, b) in by_type.items()}}))
         return
     click.echo(f"file: {mf.path}")
+    click.echo(f"file type: {mf.file_type}; {mf.n_tensors} tensors, {len(mf.extra_tensors)} not read by ds4c"
+               + (f" ({', '.join(mf.extra_tensors[:4])}{', ...' if len(mf.extra_tensors) > 4 else ''})"
+                  if mf.extra_tensors else ""))
+    tok = _tokenizer_summary(mf)
+    click.echo("tokenizer: " + (f"{tok['model']} (pre {tok['pre']}), {tok['size']:,d} tokens, bos {tok['bos']}, "
+                                f"eos {tok['eos']}, {tok['n_special']} special, chat template "
+                                f"{'present' if tok['chat_template'] else 'absent'}" if tok else
+                                "none (ids only: --prompt-ids)"))
+    if mf.legacy_names:
+        click.echo(f"layout: ds4c 0.1 names for {len(mf.legacy_names)} HC tensors (read as the converter names "
+                   f"them; `ds4c make-model` writes the current layout)")
     click.echo(f"config ({cfg.name}, hash {cfg.hash()[:12]}):")
     for k, v in cfg.model_dict().items():
         if k != "compress_ratios":
@@ -134,6 +147,17 @@ def info_cmd(file: str | None, as_json: bool) -> None:
         total_n += n
         total_b += b
     click.echo(f"  {'total':6s} {total_n:6d} tensors  {total_b:>16,d} bytes  ({total_b / 2**30:8.3f} GiB)")
+
+
+def _tokenizer_summary(mf) -> dict | None:
+    """What ``ds4c info`` says of the file's tokenizer, or None when it has none."""
+    from ds4c.tokenizer import Tokenizer, has_tokenizer
+
+    if not has_tokenizer(mf.metadata):
+        return None
+    tok = Tokenizer.from_metadata(mf.metadata, source=str(mf.path))
+    return {"model": tok.model, "pre": tok.pre, "size": tok.vocab_size, "bos": tok.bos_id, "eos": tok.eos_id,
+            "n_special": len(tok.specials), "chat_template": tok.chat_template is not None}
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -239,7 +239,6 @@ def preset(name: str) -> Ds4Config:
 
 _P = ARCH + "."
 _KEYS: list[tuple[str, str, str]] = [
-    ("vocab_size", "vocab_size", "u32"),
     ("embedding_length", "hidden_size", "u32"),
     ("block_count", "n_layers", "u32"),
     ("context_length", "max_position", "u32"),
@@ -286,6 +285,7 @@ def to_gguf_metadata(cfg: Ds4Config) -> list[tuple[str, Any, str]]:
         out.append((_P + key, val, kind))
         seen.add(fld)
     out += [
+        (_P + "embedding_length_out", cfg.hidden_size * cfg.hc_mult, "u32"),
         (_P + "attention.head_count_kv", 1, "u32"),
         (_P + "rope.scaling.type", "yarn", "str"),
         (_P + "expert_gating_func", GATING_SQRT_SOFTPLUS, "u32"),
@@ -304,8 +304,13 @@ def _f32(x: Any) -> float:
     return float(str(np.float32(float(x))))
 
 
-def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>") -> Ds4Config:
+def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>", vocab_size: int | None = None
+                       ) -> Ds4Config:
     """Build a :class:`Ds4Config` from GGUF metadata values (a mapping full key -> python value).
+
+    The vocabulary size is ``deepseek4.vocab_size`` when present (ds4c 0.1 wrote it), else ``vocab_size``
+    (the caller passes the rows of ``token_embd.weight``: llama.cpp's converter writes no such key), else the
+    length of ``tokenizer.ggml.tokens``.
 
     Raises:
         ConfigError: when ``general.architecture`` is not ``deepseek4``, a required key is missing, the
@@ -327,6 +332,18 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>") -> D
         else:
             v = _f32(v)
         kw[fld] = v
+    if _P + "vocab_size" in meta:
+        kw["vocab_size"] = int(meta[_P + "vocab_size"])
+        if vocab_size is not None and kw["vocab_size"] != vocab_size:
+            raise ConfigError(f"{source}: {_P}vocab_size is {kw['vocab_size']} but token_embd.weight has "
+                              f"{vocab_size} rows")
+    elif vocab_size is not None:
+        kw["vocab_size"] = int(vocab_size)
+    elif isinstance(meta.get("tokenizer.ggml.tokens"), (list, tuple)):
+        kw["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    else:
+        raise ConfigError(f"{source}: cannot tell the vocabulary size: no {_P}vocab_size key, no token_embd.weight "
+                          f"and no tokenizer.ggml.tokens")
     key_len, value_len = int(meta[_P + "attention.key_length"]), int(meta[_P + "attention.value_length"])
     if value_len != key_len:  # both keys map to head_dim: compare the stored values, not head_dim with itself
         raise ConfigError(f"{source}: expected attention.value_length == key_length ({key_len}), found {value_len}")

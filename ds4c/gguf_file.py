@@ -26,7 +26,7 @@ from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tempfiles import OwnedTemp, remove_stale
-from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, tensor_specs
+from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, legacy_names, tensor_specs
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
@@ -107,11 +107,19 @@ class ModelFile:
         arch = self.metadata.get("general.architecture")
         if arch != ARCH:
             raise ModelFileError(f"{self.path}: expected general.architecture = {ARCH!r}, found {arch!r}")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        emb = self._tensors.get("token_embd.weight")
         try:
-            self.config = from_gguf_metadata(self.metadata, source=str(self.path))
+            self.config = from_gguf_metadata(self.metadata, source=str(self.path),
+                                             vocab_size=None if emb is None else int(emb.shape.tolist()[-1]))
         except ConfigError as e:
             raise ModelFileError(str(e)) from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.legacy_names = [old for old, new in legacy_names(self.config).items()
+                             if old in self._tensors and new not in self._tensors]
+        """Tensors found under their ds4c 0.1 names (read under the converter's names, :data:`legacy_names`)."""
+        for old, new in legacy_names(self.config).items():
+            if old in self.legacy_names:
+                self._tensors[new] = self._tensors[old]
         self.specs = {s.name: s for s in tensor_specs(self.config)}
         self._validate(size)
 
@@ -121,7 +129,8 @@ class ModelFile:
             t = self._tensors.get(name)
             if t is None:
                 raise ModelFileError(f"{self.path}: missing tensor {name!r} (expected shape {list(spec.shape)} "
-                                     f"in torch order, role {spec.role})")
+                                     f"in torch order, role {spec.role}; names as llama.cpp's converter "
+                                     f"writes them)")
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             if shape != spec.shape:
                 hint = ""
@@ -183,6 +192,24 @@ class ModelFile:
         return out
 
     @property
+    def extra_tensors(self) -> list[str]:
+        """Tensors of the file the model does not read (e.g. the converter's ``exp_probs_b_vl`` image-token
+        routing bias, MTP/nextn tensors of a ``--mtp`` conversion), in file order."""
+        used = set(self.specs) | set(self.legacy_names)
+        return [t.name for t in self._reader.tensors if t.name not in used]
+
+    @property
+    def file_type(self) -> str:
+        """``general.file_type`` as llama.cpp names it (e.g. ``MOSTLY_MXFP4_MOE``), or ``unset``."""
+        from gguf import LlamaFileType
+
+        v = self.metadata.get("general.file_type")
+        try:
+            return "unset" if v is None else LlamaFileType(int(v)).name
+        except ValueError:
+            return f"unknown ({v})"
+
+    @property
     def n_tensors(self) -> int:
         return len(self._reader.tensors)
 
@@ -208,7 +235,8 @@ Producer = Callable[[TensorSpec, GGMLType], Iterable[np.ndarray]]
 
 def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, GGMLType], produce: Producer,
                 extra_metadata: dict[str, Any] | None = None,
-                progress: Callable[[TensorSpec, int], None] | None = None) -> Path:
+                progress: Callable[[TensorSpec, int], None] | None = None,
+                tokenizer: dict[str, Any] | None = None) -> Path:
     """Write a complete model file for ``cfg``, streaming.
 
     Args:
@@ -220,6 +248,9 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
         extra_metadata: extra ``ds4c.*`` string/int/float keys.
         progress: called with ``(spec, bytes)`` after each tensor.
+        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.tokenizer.synthetic_vocab`), written with the
+            GGUF types llama.cpp's converter uses (string arrays, INT32 token types, UINT32 ids, BOOL flags);
+            its bos/eos ids must equal ``cfg``'s.
 
     Returns:
         the final path. Raises ModelFileError when a producer yields the wrong number of bytes (the
@@ -243,7 +274,8 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
             w = GGUFWriter(tmp, ARCH)
-            _add_metadata(w, cfg, extra_metadata or {})
+            _add_metadata(w, cfg, extra_metadata or {}, types)
+            add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))
             for s in specs:
                 t = types[s.role]
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32) if t == GGMLType.F32 else
@@ -326,8 +358,51 @@ def add_metadata_entries(w: GGUFWriter, entries: Iterable[tuple[str, Any, str]])
             raise ValueError(f"unknown metadata kind {kind!r}")
 
 
-def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any]) -> None:
+def tokenizer_entries(cfg: Ds4Config, meta: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """``(key, value, kind)`` entries of the ``tokenizer.*`` keys ``meta`` for :func:`add_metadata_entries`, less
+    the bos/eos ids the config writes.
+
+    Raises:
+        ModelFileError: a bos/eos id that differs from the config's, or a value of no GGUF kind.
+    """
+    out = []
+    for key, val in meta.items():
+        if key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            want = cfg.bos_id if key.endswith("bos_token_id") else cfg.eos_id
+            if int(val) != want:
+                raise ModelFileError(f"{key} is {val} in the tokenizer but {want} in the config")
+            continue
+        if isinstance(val, bool):
+            kind = "bool"
+        elif isinstance(val, int):
+            kind = "u32"
+        elif isinstance(val, str):
+            kind = "str"
+        elif isinstance(val, (list, tuple)) and all(isinstance(v, str) for v in val):
+            kind = "arr_str"
+        elif isinstance(val, (list, tuple)) and all(isinstance(v, int) for v in val):
+            kind = "arr_i32"
+        else:
+            raise ModelFileError(f"tokenizer key {key}: no GGUF kind for a {type(val).__name__}")
+        out.append((key, val, kind))
+    return out
+
+
+def file_type(types: dict[str, GGMLType]) -> int:
+    """``general.file_type`` (llama.cpp's ``LlamaFileType``) of a role -> type table: MOSTLY_MXFP4_MOE (38) when
+    the routed experts are MXFP4, as the converter sets for the official checkpoint; else MOSTLY_BF16 (32) when
+    the experts are BF16, MOSTLY_Q8_0 (7) for Q8_0, ALL_F32 (0) for F32."""
+    from gguf import LlamaFileType
+
+    t = types["fp4"]
+    return int({GGMLType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE, GGMLType.BF16: LlamaFileType.MOSTLY_BF16,
+                GGMLType.Q8_0: LlamaFileType.MOSTLY_Q8_0, GGMLType.F16: LlamaFileType.MOSTLY_F16}.get(
+        t, LlamaFileType.ALL_F32))
+
+
+def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any], types: dict[str, GGMLType]) -> None:
     add_metadata_entries(w, to_gguf_metadata(cfg))
+    w.add_file_type(file_type(types))
     for key, val in extra.items():
         if isinstance(val, bool):
             w.add_bool(key, val)

@@ -204,14 +204,14 @@ def hf_weight_map(cfg: Ds4Config) -> list[WeightMap]:
         WeightMap("lm_head.weight", ("output.weight",)),
         WeightMap("model.norm.weight", ("output_norm.weight",)),
         WeightMap("model.hc_head.hc_fn", ("output_hc_fn.weight",)),
-        WeightMap("model.hc_head.hc_base", ("output_hc_base",)),
-        WeightMap("model.hc_head.hc_scale", ("output_hc_scale",)),
+        WeightMap("model.hc_head.hc_base", ("output_hc_base.weight",)),
+        WeightMap("model.hc_head.hc_scale", ("output_hc_scale.weight",)),
     ]
     for i in range(cfg.n_layers):
         h, g = f"model.layers.{i}.", f"blk.{i}."
         pairs = [
-            ("attn_hc.fn", "hc_attn_fn.weight"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
-            ("ffn_hc.fn", "hc_ffn_fn.weight"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
+            ("attn_hc.fn", "hc_attn_fn.weight"), ("attn_hc.base", "hc_attn_base.weight"), ("attn_hc.scale", "hc_attn_scale.weight"),
+            ("ffn_hc.fn", "hc_ffn_fn.weight"), ("ffn_hc.base", "hc_ffn_base.weight"), ("ffn_hc.scale", "hc_ffn_scale.weight"),
             ("input_layernorm.weight", "attn_norm.weight"),
             ("post_attention_layernorm.weight", "ffn_norm.weight"),
             ("self_attn.q_a_proj.weight", "attn_q_a.weight"),

@@ -11,6 +11,10 @@ Scales are chosen so activations stay sane through all layers (see :data:`RESIDU
 that runs 43 tiny-width layers): projections preserve unit RMS (std = 1/sqrt(fan_in)); the two sub-block
 output projections (``wo_b``, expert/shared ``w2``) have gain :data:`OUT_GAIN`, so the HC residual grows
 slowly; the HC comb logits favour the diagonal so Sinkhorn converges from a well-conditioned start.
+
+Every synthetic file carries a real byte-level BPE vocabulary of the preset's vocab size with DeepSeek's
+special tokens and a chat template (:func:`ds4c.tokenizer.synthetic_vocab`, deterministic), so text works on
+every preset.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from ds4c.config import Ds4Config
 from ds4c.gguf_file import write_model
 from ds4c.quant import GGMLType, dequantize
-from ds4c.tensors import FORMATS, ROLE_BF16, ROLE_F32, ROLE_FP4, ROLE_FP8, ROLE_I32, TensorSpec
+from ds4c.tensors import FORMATS, ROLE_BF16, ROLE_F32, ROLE_FP4, ROLE_FP8, ROLE_I32, ROLE_NORM, TensorSpec
 
 OUT_GAIN = 0.25
 """RMS gain of the sub-block output projections relative to a unit-RMS projection."""
@@ -121,16 +125,16 @@ def _small(cfg: Ds4Config, spec: TensorSpec, rng: np.random.Generator) -> np.nda
         return 1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)
     if n.endswith("hc_attn_fn.weight") or n.endswith("hc_ffn_fn.weight") or n == "output_hc_fn.weight":
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(cfg.hc_dim))
-    if n.endswith("_scale"):  # pre, post, comb logit scales (the head has only the first)
+    if n.endswith("_scale.weight"):  # pre, post, comb logit scales (the head has only the first)
         want = np.array([0.5, 0.5, HC_COMB_SCALE], dtype=np.float32)[: shape[0]]
         return want + 0.02 * rng.standard_normal(shape, dtype=np.float32)
-    if n.endswith("hc_attn_base") or n.endswith("hc_ffn_base"):
+    if n.endswith("hc_attn_base.weight") or n.endswith("hc_ffn_base.weight"):
         hc = cfg.hc_mult
         base = 0.2 * rng.standard_normal(shape, dtype=np.float32)
         comb = base[2 * hc:].reshape(hc, hc)
         comb += np.eye(hc, dtype=np.float32) * HC_COMB_DIAG  # favour keeping each stream
         return base
-    if n == "output_hc_base":
+    if n == "output_hc_base.weight":
         return 0.2 * rng.standard_normal(shape, dtype=np.float32)
     if n.endswith("attn_sinks.weight"):
         return rng.standard_normal(shape, dtype=np.float32)
@@ -160,11 +164,14 @@ def producer(cfg: Ds4Config, seed: int) -> Callable[[TensorSpec, GGMLType], Iter
             yield from _matrix(rng, spec, t, _std(cfg, spec))
         elif spec.name == "token_embd.weight":
             yield from _matrix(rng, spec, t, 1.0)
-        elif len(spec.shape) == 2 and spec.role == ROLE_BF16 and not spec.name.endswith("norm.weight"):
+        elif spec.role == ROLE_BF16:
             yield from _matrix(rng, spec, t, _std(cfg, spec))  # head, router, compressor, indexer proj
         else:
-            assert spec.role in (ROLE_F32, ROLE_BF16), spec
-            yield _as_type(_small(cfg, spec, rng), t)
+            assert spec.role in (ROLE_F32, ROLE_NORM), spec
+            x = _small(cfg, spec, rng)
+            if spec.role == ROLE_NORM:  # BF16 in the checkpoint: bf16 values, whatever type stores them
+                x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+            yield _as_type(x, t)
 
     return produce
 
@@ -187,5 +194,8 @@ def make_model(cfg: Ds4Config, path: str | Path, seed: int = 0, formats: str = "
 
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
+    from ds4c.tokenizer import synthetic_vocab
+
     extra = {"ds4c.synthetic_seed": int(seed), "ds4c.formats": formats}
-    return write_model(path, cfg, FORMATS[formats], producer(cfg, seed), extra_metadata=extra, progress=progress)
+    return write_model(path, cfg, FORMATS[formats], producer(cfg, seed), extra_metadata=extra, progress=progress,
+                       tokenizer=synthetic_vocab(cfg.vocab_size, seed))

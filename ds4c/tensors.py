@@ -7,11 +7,15 @@ its GGUF name, its shape in **torch order** (the reverse of the ggml order the G
 
 * ``fp8``  FP8 block weights officially (wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared expert);
 * ``fp4``  MXFP4 routed experts;
-* ``bf16`` BF16 tensors (embedding, head, norm gains, compressor projections, router, indexer proj);
+* ``bf16`` BF16 matrices (embedding, head, compressor projections, router, indexer proj);
+* ``norm`` RMSNorm gains: BF16 in the checkpoint, stored F32 by llama.cpp's converter (every 1-D tensor);
 * ``f32``  F32 tensors (HC parameters, compressor ``ape``, sinks, router bias);
 * ``i32``  the hash-routing table ``tid2eid``.
 
-A role decides which GGUF types a reader accepts and which type each ``--formats`` choice writes.
+A role decides which GGUF types a reader accepts and which type each ``--formats`` choice writes. Names and
+types are those llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4Model``) writes from the official
+checkpoint; docs/gguf-layout.md records what was taken from it. Files of ds4c 0.1 (bare HC base/scale names,
+BF16 norm gains, no tokenizer) still load: :data:`LEGACY_NAMES` maps their names.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from dataclasses import dataclass
 from ds4c.config import Ds4Config
 from ds4c.quant import GGMLType
 
-ROLE_FP8, ROLE_FP4, ROLE_BF16, ROLE_F32, ROLE_I32 = "fp8", "fp4", "bf16", "f32", "i32"
+ROLE_FP8, ROLE_FP4, ROLE_BF16, ROLE_NORM, ROLE_F32, ROLE_I32 = "fp8", "fp4", "bf16", "norm", "f32", "i32"
 
 # GGUF types a reader accepts per role. Quantized roles may also be stored wider (bf16/f16/f32).
 ACCEPTED_TYPES: dict[str, tuple[GGMLType, ...]] = {
     ROLE_FP8: (GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
     ROLE_FP4: (GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
     ROLE_BF16: (GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_NORM: (GGMLType.F32, GGMLType.BF16, GGMLType.F16),
     ROLE_F32: (GGMLType.F32,),
     ROLE_I32: (GGMLType.I32,),
 }
@@ -35,10 +40,21 @@ ACCEPTED_TYPES: dict[str, tuple[GGMLType, ...]] = {
 # Type written per role for each `make-model --formats` choice.
 FORMATS: dict[str, dict[str, GGMLType]] = {
     "official": {ROLE_FP8: GGMLType.Q8_0, ROLE_FP4: GGMLType.MXFP4, ROLE_BF16: GGMLType.BF16,
-                 ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+                 ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
     "bf16": {ROLE_FP8: GGMLType.BF16, ROLE_FP4: GGMLType.BF16, ROLE_BF16: GGMLType.BF16,
-             ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+             ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
 }
+
+
+def legacy_names(cfg: Ds4Config) -> dict[str, str]:
+    """``{ds4c 0.1 name: name llama.cpp's converter writes}``: the HC base/scale tensors, which ds4c 0.1 wrote
+    without the ``.weight`` suffix."""
+    out = {f"output_hc_{k}": f"output_hc_{k}.weight" for k in ("base", "scale")}
+    for layer in range(cfg.n_layers):
+        for sub in ("attn", "ffn"):
+            for k in ("base", "scale"):
+                out[f"blk.{layer}.hc_{sub}_{k}"] = f"blk.{layer}.hc_{sub}_{k}.weight"
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,15 +87,15 @@ def layer_tensor_specs(cfg: Ds4Config, layer: int) -> list[TensorSpec]:
 
     for sub in ("attn", "ffn"):
         add(f"hc_{sub}_fn.weight", (cfg.n_mix, cfg.hc_dim), ROLE_F32)
-        add(f"hc_{sub}_base", (cfg.n_mix,), ROLE_F32)
-        add(f"hc_{sub}_scale", (3,), ROLE_F32)
-    add("attn_norm.weight", (D,), ROLE_BF16)
-    add("ffn_norm.weight", (D,), ROLE_BF16)
+        add(f"hc_{sub}_base.weight", (cfg.n_mix,), ROLE_F32)
+        add(f"hc_{sub}_scale.weight", (3,), ROLE_F32)
+    add("attn_norm.weight", (D,), ROLE_NORM)
+    add("ffn_norm.weight", (D,), ROLE_NORM)
     add("attn_q_a.weight", (cfg.q_lora_rank, D), ROLE_FP8)
-    add("attn_q_a_norm.weight", (cfg.q_lora_rank,), ROLE_BF16)
+    add("attn_q_a_norm.weight", (cfg.q_lora_rank,), ROLE_NORM)
     add("attn_q_b.weight", (H * hd, cfg.q_lora_rank), ROLE_FP8)
     add("attn_kv.weight", (hd, D), ROLE_FP8)
-    add("attn_kv_a_norm.weight", (hd,), ROLE_BF16)
+    add("attn_kv_a_norm.weight", (hd,), ROLE_NORM)
     add("attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * hd), ROLE_FP8)
     add("attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), ROLE_FP8)
     add("attn_sinks.weight", (H,), ROLE_F32)
@@ -88,7 +104,7 @@ def layer_tensor_specs(cfg: Ds4Config, layer: int) -> list[TensorSpec]:
         add("attn_compressor_kv.weight", (c * hd, D), ROLE_BF16)
         add("attn_compressor_gate.weight", (c * hd, D), ROLE_BF16)
         add("attn_compressor_ape.weight", (r, c * hd), ROLE_F32)
-        add("attn_compressor_norm.weight", (hd,), ROLE_BF16)
+        add("attn_compressor_norm.weight", (hd,), ROLE_NORM)
     if r == 4:
         ihd = cfg.index_head_dim
         add("indexer.attn_q_b.weight", (cfg.index_n_heads * ihd, cfg.q_lora_rank), ROLE_FP8)
@@ -96,7 +112,7 @@ def layer_tensor_specs(cfg: Ds4Config, layer: int) -> list[TensorSpec]:
         add("indexer_compressor_kv.weight", (2 * ihd, D), ROLE_BF16)
         add("indexer_compressor_gate.weight", (2 * ihd, D), ROLE_BF16)
         add("indexer_compressor_ape.weight", (4, 2 * ihd), ROLE_F32)
-        add("indexer_compressor_norm.weight", (ihd,), ROLE_BF16)
+        add("indexer_compressor_norm.weight", (ihd,), ROLE_NORM)
     E, F = cfg.n_experts, cfg.moe_inter
     add("ffn_gate_inp.weight", (E, D), ROLE_BF16)
     if cfg.is_hash_layer(layer):
@@ -120,9 +136,9 @@ def tensor_specs(cfg: Ds4Config) -> list[TensorSpec]:
         specs += layer_tensor_specs(cfg, layer)
     specs += [
         TensorSpec("output_hc_fn.weight", (cfg.hc_mult, cfg.hc_dim), ROLE_F32),
-        TensorSpec("output_hc_base", (cfg.hc_mult,), ROLE_F32),
-        TensorSpec("output_hc_scale", (1,), ROLE_F32),
-        TensorSpec("output_norm.weight", (D,), ROLE_BF16),
+        TensorSpec("output_hc_base.weight", (cfg.hc_mult,), ROLE_F32),
+        TensorSpec("output_hc_scale.weight", (1,), ROLE_F32),
+        TensorSpec("output_norm.weight", (D,), ROLE_NORM),
         TensorSpec("output.weight", (cfg.vocab_size, D), ROLE_BF16),
     ]
     return specs

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ds4c import __version__
 from ds4c.cli import main
 from ds4c.runtime import render as render_mod
 from ds4c.runtime import toolchain as tcm
@@ -113,7 +114,7 @@ def test_every_key_input_changes_the_key():
         "wave": cache_key(dataclasses.replace(src, target=dataclasses.replace(src.target, wave=64)), NVCC),
         "toolchain version": cache_key(src, Toolchain("nvcc", "13.1.0", NVCC.path)),
         "toolchain name": cache_key(src, Toolchain("nvrtc", "13.0.88")),
-        "ds4c version": cache_key(src, NVCC, version="0.2.0"),
+        "ds4c version": cache_key(src, NVCC, version=__version__ + ".post1"),
         "kernel name": cache_key(dataclasses.replace(src, name="selftest.other"), NVCC),
         "entry": cache_key(dataclasses.replace(src, entry="other"), NVCC),
     }
@@ -161,7 +162,7 @@ def test_miss_then_hit_compiles_once(cache, fake):
     assert not e.hit and compiles(fake) == 1
     key = cache_key(src, fake)
     assert e.key == key
-    assert e.path == cache.root / "0.1.0" / "cuda-sm_90" / f"selftest.axpy-{key[:12]}"
+    assert e.path == cache.root / __version__ / "cuda-sm_90" / f"selftest.axpy-{key[:12]}"
     assert sorted(p.name for p in e.path.iterdir()) == ["compile.log", "kernel.cu", "kernel.cubin", "meta.json"]
     assert e.source_path.read_text() == src.source and e.binary() == (e.path / "kernel.cubin").read_bytes()
     meta = json.loads((e.path / "meta.json").read_text())
@@ -192,7 +193,7 @@ def test_failed_compile_publishes_nothing(cache, fake):
     with pytest.raises(CompileError, match="asked to fail"):
         cache.get_or_compile(axpy(fail=True), toolchain=fake)
     assert cache.list() == []
-    d = cache.root / "0.1.0" / "cuda-sm_90"
+    d = cache.root / __version__ / "cuda-sm_90"
     assert [p.name for p in d.iterdir() if not p.name.startswith(".locks")] == []
 
 

@@ -163,11 +163,11 @@ def test_metadata_round_trip_in_memory(name):
     assert meta["deepseek4.block_count"] == c.n_layers
     assert meta["deepseek4.attention.head_count_kv"] == 1
     assert meta["deepseek4.swiglu_clamp_exp"] == [10.0] * c.n_layers
-    back = from_gguf_metadata(meta)
+    back = from_gguf_metadata(meta, vocab_size=c.vocab_size)
     assert back == c
     assert back.hash() == c.hash()
     # as a file stores it (f32 values rounded to float32): still the same config and hash
-    back32 = from_gguf_metadata(_as_stored(entries))
+    back32 = from_gguf_metadata(_as_stored(entries), vocab_size=c.vocab_size)
     assert back32 == c
     assert back32.hash() == c.hash()
 
@@ -176,7 +176,7 @@ def test_metadata_flash_values_match_gguf_spec_table():
     meta = {k: v for k, v, _ in to_gguf_metadata(preset("flash"))}
     want = {
         "deepseek4.block_count": 43, "deepseek4.context_length": 1048576, "deepseek4.embedding_length": 4096,
-        "deepseek4.vocab_size": 129280, "deepseek4.attention.head_count": 64,
+        "deepseek4.embedding_length_out": 16384, "deepseek4.attention.head_count": 64,
         "deepseek4.attention.key_length": 512, "deepseek4.attention.value_length": 512,
         "deepseek4.attention.q_lora_rank": 1024, "deepseek4.attention.output_lora_rank": 1024,
         "deepseek4.attention.output_group_count": 8, "deepseek4.attention.compress_rope_freq_base": 160000.0,
@@ -195,6 +195,18 @@ def test_metadata_flash_values_match_gguf_spec_table():
     }
     for k, v in want.items():
         assert meta[k] == v, k
+    assert "deepseek4.vocab_size" not in meta  # llama.cpp's converter writes none: it comes from token_embd
+
+
+def test_vocab_size_from_the_legacy_key_the_embedding_or_the_tokens():
+    m = _meta()
+    assert from_gguf_metadata(m, vocab_size=512).vocab_size == 512
+    assert from_gguf_metadata({**m, "tokenizer.ggml.tokens": ["a"] * 512}).vocab_size == 512
+    assert from_gguf_metadata({**m, "deepseek4.vocab_size": 512}).vocab_size == 512  # ds4c 0.1 files
+    with pytest.raises(ConfigError, match="vocab_size is 512 but token_embd.weight has 1024 rows"):
+        from_gguf_metadata({**m, "deepseek4.vocab_size": 512}, vocab_size=1024)
+    with pytest.raises(ConfigError, match="cannot tell the vocabulary size"):
+        from_gguf_metadata(m)
 
 
 def test_metadata_round_trip_through_real_file(tiny_path):
@@ -216,7 +228,7 @@ def test_metadata_extra_drafter_ratios_accepted():
     c = preset("flash")
     meta = {k: v for k, v, _ in to_gguf_metadata(c)}
     meta["deepseek4.attention.compress_ratios"] = list(FLASH_RATIOS) + [0, 0, 0]
-    back = from_gguf_metadata(meta)
+    back = from_gguf_metadata(meta, vocab_size=c.vocab_size)
     assert back.n_layers == 43
     assert [back.layer_kind(i) for i in range(43)] == [c.layer_kind(i) for i in range(43)]
     assert back.hash() == c.hash()
@@ -230,10 +242,10 @@ def test_from_metadata_wrong_architecture():
     m = _meta()
     m["general.architecture"] = "llama"
     with pytest.raises(ConfigError, match=r"general\.architecture.*deepseek4.*'llama'"):
-        from_gguf_metadata(m, source="x.gguf")
+        from_gguf_metadata(m, vocab_size=512, source="x.gguf")
     del m["general.architecture"]
     with pytest.raises(ConfigError, match=r"general\.architecture.*None"):
-        from_gguf_metadata(m)
+        from_gguf_metadata(m, vocab_size=512)
 
 
 @pytest.mark.parametrize("key", ["deepseek4.attention.q_lora_rank", "deepseek4.attention.compress_ratios",
@@ -242,7 +254,7 @@ def test_from_metadata_missing_key_named(key):
     m = _meta()
     del m[key]
     with pytest.raises(ConfigError, match="missing metadata key '" + key.replace(".", r"\.") + "'") as ei:
-        from_gguf_metadata(m, source="model.gguf")
+        from_gguf_metadata(m, vocab_size=512, source="model.gguf")
     assert "model.gguf" in str(ei.value)
 
 
@@ -250,7 +262,7 @@ def test_from_metadata_gating_func_not_sqrt_softplus():
     m = _meta()
     m["deepseek4.expert_gating_func"] = 1
     with pytest.raises(ConfigError, match=r"expert_gating_func = 4.*found 1"):
-        from_gguf_metadata(m)
+        from_gguf_metadata(m, vocab_size=512)
 
 
 @pytest.mark.parametrize("key,val,pattern", [
@@ -263,7 +275,7 @@ def test_from_metadata_other_unsupported_values(key, val, pattern):
     m = _meta()
     m[key] = val
     with pytest.raises(ConfigError, match=pattern):
-        from_gguf_metadata(m)
+        from_gguf_metadata(m, vocab_size=512)
 
 
 def test_from_metadata_reads_swiglu_and_ids():
@@ -271,7 +283,7 @@ def test_from_metadata_reads_swiglu_and_ids():
     m["deepseek4.swiglu_clamp_exp"] = [7.0] * 6
     m["tokenizer.ggml.bos_token_id"] = 5
     m["tokenizer.ggml.eos_token_id"] = 6
-    c = from_gguf_metadata(m)
+    c = from_gguf_metadata(m, vocab_size=512)
     assert (c.swiglu_limit, c.bos_id, c.eos_id) == (7.0, 5, 6)
 
 
@@ -279,7 +291,7 @@ def test_from_metadata_inconsistent_values_name_the_field():
     m = _meta()
     m["deepseek4.expert_used_count"] = 32  # > 16 experts
     with pytest.raises(ConfigError, match=r"src\.gguf: .*n_active_experts"):
-        from_gguf_metadata(m, source="src.gguf")
+        from_gguf_metadata(m, vocab_size=512, source="src.gguf")
 
 
 # ------------------------------------------------------------------------------------------------ hash

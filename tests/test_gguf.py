@@ -25,6 +25,7 @@ from ds4c.tensors import (
     ACCEPTED_TYPES,
     FORMATS,
     ROLE_BF16,
+    ROLE_NORM,
     ROLE_F32,
     ROLE_FP4,
     ROLE_FP8,
@@ -124,8 +125,10 @@ def test_tiny_inventory_matches_gguf_spec_shapes(tiny):
     D, H, hd, E, F = 256, 4, 192, 16, 128
     want = {
         "token_embd.weight": (512, D), "output.weight": (512, D), "output_norm.weight": (D,),
-        "output_hc_fn.weight": (4, 4 * D), "output_hc_base": (4,), "output_hc_scale": (1,),
-        "blk.0.hc_attn_fn.weight": (24, 4 * D), "blk.0.hc_ffn_base": (24,), "blk.0.hc_attn_scale": (3,),
+        "output_hc_fn.weight": (4, 4 * D), "output_hc_base.weight": (4,),
+        "output_hc_scale.weight": (1,),
+        "blk.0.hc_attn_fn.weight": (24, 4 * D), "blk.0.hc_ffn_base.weight": (24,),
+        "blk.0.hc_attn_scale.weight": (3,),
         "blk.0.attn_q_a.weight": (128, D), "blk.0.attn_q_b.weight": (H * hd, 128), "blk.0.attn_kv.weight": (hd, D),
         "blk.0.attn_output_a.weight": (2 * 64, 2 * hd), "blk.0.attn_output_b.weight": (D, 2 * 64),
         "blk.0.attn_sinks.weight": (H,), "blk.0.ffn_gate_tid2eid.weight": (512, 4),
@@ -261,7 +264,7 @@ def test_write_read_round_trip_of_known_values(tmp_path, tiny):
     }
     known_raw: dict[str, np.ndarray] = {
         "blk.0.attn_sinks.weight": known_vals["blk.0.attn_sinks.weight"],
-        "output_norm.weight": bf16_bytes(known_vals["output_norm.weight"]),
+        "output_norm.weight": known_vals["output_norm.weight"],  # 1-D: F32 as llama.cpp's converter writes
         "blk.0.ffn_gate_tid2eid.weight": known_vals["blk.0.ffn_gate_tid2eid.weight"],
     }
     known_raw["blk.3.attn_q_a.weight"], known_vals["blk.3.attn_q_a.weight"] = _q8_known(128, D)
@@ -295,7 +298,8 @@ def test_write_read_round_trip_of_known_values(tmp_path, tiny):
 
 def test_wider_storage_types_are_accepted(tmp_path):
     """Quantized roles may be stored wider (spec: FP8 weights as Q8_0 or BF16; here F32 / Q8_0 / F16)."""
-    types = {ROLE_FP8: G.F32, ROLE_FP4: G.Q8_0, ROLE_BF16: G.F16, ROLE_F32: G.F32, ROLE_I32: G.I32}
+    types = {ROLE_FP8: G.F32, ROLE_FP4: G.Q8_0, ROLE_BF16: G.F16, ROLE_NORM: G.F16, ROLE_F32: G.F32,
+             ROLE_I32: G.I32}
     for role, t in types.items():
         assert t in ACCEPTED_TYPES[role]
     synth = producer(TINY, 3)
@@ -549,3 +553,72 @@ def test_not_a_gguf(tmp_path, content):
 def test_nonexistent_path_and_directory(tmp_path):
     _open_fails(tmp_path / "nope.gguf", "no such model file")
     _open_fails(tmp_path, "found a directory")
+
+
+def _write_legacy_copy(src: ModelFile, dst: Path) -> None:
+    """``src`` rewritten the way ds4c 0.1 wrote files: bare HC base/scale names, BF16 norm gains, a
+    ``deepseek4.vocab_size`` key, no ``general.file_type``."""
+    from gguf import GGUFWriter
+
+    from ds4c.config import to_gguf_metadata
+    from ds4c.gguf_file import add_metadata_entries
+    from ds4c.tensors import legacy_names
+
+    new_to_old = {v: k for k, v in legacy_names(src.config).items()}
+    w = GGUFWriter(str(dst), "deepseek4")
+    add_metadata_entries(w, [e for e in to_gguf_metadata(src.config) if not e[0].endswith("embedding_length_out")])
+    w.add_uint32("deepseek4.vocab_size", src.config.vocab_size)
+    for name, spec in src.specs.items():
+        if spec.role == ROLE_NORM:
+            w.add_tensor(name, bf16_bytes(src.tensor(name)).reshape(spec.shape), raw_dtype=G.BF16)
+        else:
+            t = src._get(name)
+            w.add_tensor(new_to_old.get(name, name), np.asarray(t.data), raw_dtype=src.ggml_type(name))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_files_of_ds4c_0_1_still_load(tmp_path, tiny):
+    """ds4c 0.1 wrote bare HC base/scale names, BF16 norm gains and a vocab_size key: such a file opens with the
+    same config and the same tensor values under the converter's names."""
+    legacy = tmp_path / "legacy.gguf"
+    _write_legacy_copy(tiny, legacy)
+    mf = open_model(legacy)
+    assert mf.config == tiny.config
+    assert "blk.0.hc_attn_base" in mf.legacy_names and "output_hc_scale" in mf.legacy_names
+    assert mf.ggml_type("blk.0.attn_norm.weight") == G.BF16 and tiny.ggml_type("blk.0.attn_norm.weight") == G.F32
+    for name in ("blk.0.hc_attn_base.weight", "output_hc_scale.weight", "blk.3.attn_norm.weight", "output.weight"):
+        assert torch.equal(mf.tensor(name), tiny.tensor(name)), name
+    assert tiny.legacy_names == []
+
+
+def test_written_layout_is_the_converters(tiny):
+    """Names, types and keys as llama.cpp's converter writes them (conversion/deepseek.py): '.weight' on every
+    HC base/scale, F32 1-D tensors, MOSTLY_MXFP4_MOE file type, embedding_length_out, no vocab_size key."""
+    for name in tiny.specs:
+        if name.startswith(("blk.", "output_hc")) and ("_base" in name or "_scale" in name):
+            assert name.endswith(".weight"), name
+        if len(tiny.specs[name].shape) == 1 and tiny.specs[name].role != ROLE_I32:
+            assert tiny.ggml_type(name) == G.F32, name
+    assert tiny.metadata["general.file_type"] == 38
+    assert tiny.metadata["deepseek4.embedding_length_out"] == TINY.hidden_size * TINY.hc_mult
+    assert "deepseek4.vocab_size" not in tiny.metadata
+
+
+def test_synthetic_files_carry_a_tokenizer_in_the_converters_keys(tiny):
+    from gguf import GGUFReader
+
+    from ds4c.tokenizer import Tokenizer
+
+    m = tiny.metadata
+    assert m["tokenizer.ggml.model"] == "gpt2" and m["tokenizer.ggml.pre"] == "deepseek-v3"
+    assert len(m["tokenizer.ggml.tokens"]) == TINY.vocab_size == len(m["tokenizer.ggml.token_type"])
+    fields = GGUFReader(tiny.path).fields
+    assert fields["tokenizer.ggml.token_type"].types == [GGUFValueType.ARRAY, GGUFValueType.INT32]
+    assert fields["tokenizer.ggml.tokens"].types == [GGUFValueType.ARRAY, GGUFValueType.STRING]
+    tok = Tokenizer.from_metadata(m)
+    ids = tok.encode("Hello, world! 你好 123456")
+    assert tok.decode(ids, skip_special=True) == "Hello, world! 你好 123456"
+    assert tok.bos_id == TINY.bos_id and tok.eos_id == TINY.eos_id and tok.chat_template

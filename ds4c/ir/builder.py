@@ -108,7 +108,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
     def hc_pre(x: Value, sub: str, norm: str, tag: str) -> tuple[Value, Value, Value]:
         p = f"blk.{b.layer}."
         m = b.op("hc_mix", x, W(p + f"hc_{sub}_fn.weight"), eps=eps, name=f"{tag}.mix")
-        pre, post, comb = b.op("sinkhorn", m, W(p + f"hc_{sub}_scale"), W(p + f"hc_{sub}_base"), hc=hc,
+        pre, post, comb = b.op("sinkhorn", m, W(p + f"hc_{sub}_scale.weight"), W(p + f"hc_{sub}_base.weight"), hc=hc,
                                iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, name=f"{tag}.hc")
         y = b.op("hc_premix", x, pre, name=f"{tag}.y")
         return b.op("rms_norm", y, W(p + norm), eps=eps, name=f"{tag}.normed"), post, comb
@@ -198,7 +198,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
     # ---- head (spec 5.4)
     b.layer = -1
     m = b.op("hc_mix", x, W("output_hc_fn.weight"), eps=eps, name="head.mix")
-    pre = b.op("hc_head_gate", m, W("output_hc_scale"), W("output_hc_base"), eps=cfg.hc_eps, name="head.pre")
+    pre = b.op("hc_head_gate", m, W("output_hc_scale.weight"), W("output_hc_base.weight"), eps=cfg.hc_eps, name="head.pre")
     y = b.op("hc_premix", x, pre, name="head.y")
     y = b.op("rms_norm", y, W("output_norm.weight"), eps=eps, name="head.normed")
     outputs["logits"] = b.op("linear", y, W("output.weight"), mode="f32", name="logits")

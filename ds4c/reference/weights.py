@@ -128,8 +128,8 @@ class ReferenceWeights:
 
             r = cfg.ratio(i)
             layers.append(LayerWeights(
-                hc_attn=(t(p + "hc_attn_fn.weight"), t(p + "hc_attn_scale"), t(p + "hc_attn_base")),
-                hc_ffn=(t(p + "hc_ffn_fn.weight"), t(p + "hc_ffn_scale"), t(p + "hc_ffn_base")),
+                hc_attn=(t(p + "hc_attn_fn.weight"), t(p + "hc_attn_scale.weight"), t(p + "hc_attn_base.weight")),
+                hc_ffn=(t(p + "hc_ffn_fn.weight"), t(p + "hc_ffn_scale.weight"), t(p + "hc_ffn_base.weight")),
                 attn_norm=t(p + "attn_norm.weight"), ffn_norm=t(p + "ffn_norm.weight"),
                 wq_a=t(p + "attn_q_a.weight"), q_norm=t(p + "attn_q_a_norm.weight"),
                 wq_b=t(p + "attn_q_b.weight"), wkv=t(p + "attn_kv.weight"),
@@ -153,6 +153,6 @@ class ReferenceWeights:
         return cls(
             config=cfg, embed=t("token_embd.weight", BF16), layers=layers,
             experts=ExpertStore(mf, dev, cache_experts),
-            hc_head=(t("output_hc_fn.weight"), t("output_hc_scale"), t("output_hc_base")),
+            hc_head=(t("output_hc_fn.weight"), t("output_hc_scale.weight"), t("output_hc_base.weight")),
             out_norm=t("output_norm.weight"), head=t("output.weight"), by_name=by_name,
         )
