@@ -56,8 +56,8 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except Ds4cError as e:
-            click.echo(f"ds4c: error: {e}", err=True)
+        except Ds4cError as e:  # one line, whatever a file or manifest put into the message
+            click.echo("ds4c: error: " + " ".join(str(e).split("\n")).replace("\r", " "), err=True)
             sys.exit(2)
         except BrokenPipeError:  # output piped into e.g. `head`, which exited: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -460,13 +460,14 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 @click.option("--target", "arch", default=None, help="Target arch (default: the first of the artifact).")
 @click.option("--graph", "graph", default=None, help="Graph key, e.g. q1_c256 (default: the first).")
 @click.option("--model", "model", type=click.Path(dir_okay=False), default=None,
-              help="Check (no GPU needed) that the artifact serves this GGUF: config, weight formats, every binary. "
+              help="Check (no GPU needed) that the artifact serves this GGUF: config, weight formats, every binary, "
+                   "every graph paired with this model's lowering. "
                    "Exit 0 when it does, else a one-line error naming the first tensor whose format differs.")
 def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
                 show_sass: bool, arch: str | None, graph: str | None, model: str | None) -> None:
     """Inspect an artifact folder built by `ds4c compile` (every load checks that manifest.json is unchanged)."""
-    from ds4c.runtime.artifact import (check_serves, disassemble, find_binaries, find_graph, find_target,
-                                       load_manifest)
+    from ds4c.runtime.artifact import (check_lowering, check_serves, disassemble, find_binaries, find_graph,
+                                       find_target, load_manifest)
 
     if sum((show_source, show_resources, show_sass)) > 1:
         raise click.UsageError("give at most one of --source, --resources, --sass")
@@ -479,10 +480,13 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         from ds4c.gguf_file import open_model
 
         mf = open_model(model)
-        check_serves(man, artifact, mf.config, {n: mf.ggml_type(n) for n in mf.specs})
+        types = {n: mf.ggml_type(n) for n in mf.specs}
+        check_serves(man, artifact, mf.config, types)
+        n_launch = check_lowering(man, artifact, mf.config, types)
         n_bin = sum(len(t["binaries"]) for t in man["targets"].values())
         click.echo(f"artifact {Path(artifact).absolute()} serves {mf.path}: config {man['config_hash'][:12]}, "
-                   f"{len(man['weight_types'])} weight formats, {n_bin} binaries checked")
+                   f"{len(man['weight_types'])} weight formats, {n_bin} binaries, {n_launch} launches paired with "
+                   f"this model's lowering")
         return
     slug = find_target(man, arch)
     t = man["targets"][slug]

@@ -291,15 +291,20 @@ def _manifest_text(man: dict[str, Any]) -> str:
     return json.dumps(man, separators=(",", ":")) + "\n"
 
 
+def _ordered_json(v: Any) -> str:
+    """Compact JSON keeping key order (so a reordering changes the digest, unlike ``canonical_json``)."""
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def _integrity(man: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's record of its own content: per top-level field the sha256 of its canonical JSON, and the
-    sha256 of those field digests (``digest``)."""
-    fields = {k: hashlib.sha256(canonical_json(v).encode()).hexdigest() for k, v in man.items() if k != "integrity"}
+    """The manifest's record of its own content: per top-level field (in file order) the sha256 of its compact
+    JSON in key order, and the sha256 of that list of field digests (``digest``)."""
+    fields = {k: hashlib.sha256(_ordered_json(v).encode()).hexdigest() for k, v in man.items() if k != "integrity"}
     return {"algorithm": _INTEGRITY_ALGORITHM, "fields": fields,
-            "digest": hashlib.sha256(canonical_json(fields).encode()).hexdigest()}
+            "digest": hashlib.sha256(_ordered_json(fields).encode()).hexdigest()}
 
 
-_INTEGRITY_ALGORITHM = "sha256 of the canonical JSON of each top-level field"
+_INTEGRITY_ALGORITHM = "sha256 of the compact key-ordered JSON of each top-level field"
 
 
 # -------------------------------------------------------------------------------------------- publication
@@ -432,9 +437,10 @@ def load_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any
                             f"{type(man).__name__}; rebuild it with `ds4c compile`")
     ver = man.get("ds4c_version")
     if ver != __version__:
-        raise ArtifactError(f"artifact {d} was built by ds4c {_short(ver)}, this is ds4c {__version__}: rebuild it "
+        by = f"ds4c {_short(ver)}" if isinstance(ver, str) else "an unknown ds4c version (no ds4c_version field)"
+        raise ArtifactError(f"artifact {d} was built by {by}, this is ds4c {__version__}: rebuild it "
                             f"with `ds4c compile`")
-    if man.get("format") != MANIFEST_FORMAT:
+    if type(man.get("format")) is not int or man.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"artifact {d} has manifest format {_short(man.get('format'))}, this ds4c reads format "
                             f"{MANIFEST_FORMAT}: rebuild it with `ds4c compile`")
     need = ("config", "config_hash", "buckets", "buckets_hash", "weight_types", "weight_types_hash", "graphs",
@@ -484,9 +490,13 @@ def _check_integrity(man: dict[str, Any], text: str, mpath: Path) -> None:
             and isinstance(rec["digest"], str)):
         raise _changed(mpath, "its integrity record is not the one ds4c writes")
     fields = rec["fields"]
-    if hashlib.sha256(canonical_json(fields).encode()).hexdigest() != rec["digest"]:
+    try:
+        recorded = hashlib.sha256(_ordered_json(fields).encode()).hexdigest()
+        now = _integrity(man)["fields"]
+    except ValueError:  # NaN / Infinity, which ds4c never writes
+        raise _changed(mpath, "it holds NaN or Infinity") from None
+    if recorded != rec["digest"]:
         raise _changed(mpath, "its integrity record was edited")
-    now = _integrity(man)["fields"]
     for k in list(now) + [k for k in fields if k not in now]:
         if k not in fields:
             raise _changed(mpath, f"field {_short(k, 40)} was added")
@@ -494,6 +504,8 @@ def _check_integrity(man: dict[str, Any], text: str, mpath: Path) -> None:
             raise _changed(mpath, f"field {_short(k, 40)} was removed")
         if fields[k] != now[k]:
             raise _changed(mpath, f"field {k!r} differs from what was written")
+    if list(fields) != list(now):
+        raise _changed(mpath, "its top-level fields were reordered")
     if text != _manifest_text(man):
         raise _changed(mpath, "its text is not byte for byte what ds4c wrote (reformatted or re-encoded)")
 
@@ -514,6 +526,11 @@ class _Schema:
         for k in keys:
             if k not in v:
                 self.fail(f"{where}.{k}", "a value", "nothing")
+        return v
+
+    def number(self, v: Any, where: str) -> float:
+        if type(v) not in (int, float) or not v >= 0:
+            self.fail(where, "a number >= 0", v)
         return v
 
     def integer(self, v: Any, where: str, lo: int = 0, hi: int | None = None) -> int:
@@ -572,6 +589,11 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
             c.fail(f"graphs.{gk}", f"width and context of {gk}", (g["width"], g["context"]))
         c.string(g["graph_hash"], f"graphs.{gk}.graph_hash", _HEX64)
         c.integer(g["arena_bytes"], f"graphs.{gk}.arena_bytes")
+    build = c.obj(man["build"], "build", ("seconds", "plan_kernels", "launches", "unique_binaries", "compiled",
+                                          "cached"))
+    c.number(build["seconds"], "build.seconds")
+    for f in ("plan_kernels", "launches", "unique_binaries", "compiled", "cached"):
+        c.integer(build[f], f"build.{f}")
     targets = c.obj(man["targets"], "targets")
     if not targets:
         c.fail("targets", "at least one target", targets)
@@ -582,7 +604,7 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
         c.string(t["arch"], f"{w}.arch", re.compile(r"[a-z0-9_]+"))
         if slug != f"{vendor}-{t['arch']}":
             c.fail(w, f"the name {vendor}-{t['arch']}", slug)
-        if t["wave"] not in (32, 64) or isinstance(t["wave"], bool):
+        if type(t["wave"]) is not int or t["wave"] not in (32, 64):
             c.fail(f"{w}.wave", "32 or 64", t["wave"])
         tc = c.obj(t["toolchain"], f"{w}.toolchain", ("name", "version"))
         c.string(tc["name"], f"{w}.toolchain.name")
@@ -611,7 +633,10 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
                 c.fail(f"{wb}.weights", "a list of formats", r["weights"])
             for i, x in enumerate(r["weights"]):
                 c.string(x, f"{wb}.weights[{i}]", choices=type_names + ("I64", "absent"))
-            c.obj(r["resources"], f"{wb}.resources")
+            for fn, use in c.obj(r["resources"], f"{wb}.resources").items():
+                for k, v in c.obj(use, f"{wb}.resources[{_short(fn, 40)}]").items():
+                    if type(v) not in (int, float, bool):
+                        c.fail(f"{wb}.resources[{_short(fn, 40)}].{_short(k, 30)}", "a number", v)
         tg = c.obj(t["graphs"], f"{w}.graphs")
         if list(tg) != keys:
             c.fail(f"{w}.graphs", f"the graphs of the buckets {keys}", list(tg))
@@ -708,6 +733,29 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
             for k in g["kernels"]:
                 for ld in k["launches"]:
                     _check_launch_formats(ld["args"], t["binaries"][ld["binary"]], ld["binary"], types, where)
+
+
+def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict) -> int:
+    """Pair every graph of every target of the artifact with this model's lowering, as the runtime does before it
+    loads a graph (:func:`launch_binaries`): the same plan kernels and launches in the same order, each binary
+    rendered for the formats its launch reads. Runs the pass pipeline and the lowering for each (width,
+    context) graph (CPU only; seconds for a 43-layer model). Returns the number of launches checked.
+
+    Raises:
+        ArtifactError: the first graph whose kernels, launches or weight formats differ.
+    """
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+
+    b = manifest_buckets(man)
+    n = 0
+    for width, context in b.keys():
+        g = run_pipeline(build_step(cfg, width, b.contexts[-1]), "default", context=context).graph
+        for slug, t in man["targets"].items():
+            tgt = Target(t["vendor"], t["arch"], t["wave"])
+            n += len(launch_binaries(man, artifact, slug, width, context, _lower_graph(g, cfg, tgt, weight_types),
+                                     weight_types))
+    return n
 
 
 def _check_launch_formats(args: list, rec: dict[str, Any], rel: str, types: dict[str, str], where: str) -> None:

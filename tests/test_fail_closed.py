@@ -157,13 +157,28 @@ def test_the_pairing_checks_each_binary_even_when_the_table_was_forged(fake_art)
 def test_inspect_model_says_whether_the_artifact_serves_it(fake_art, tiny_path, tiny_bf16_path):
     r = run("inspect", fake_art, "--model", tiny_bf16_path)
     assert r.exit_code == 0, r.output
-    assert "serves" in r.stdout and "2 binaries checked" in r.stdout
+    assert "serves" in r.stdout and "2 binaries, 2 launches" in r.stdout
     line = one_error_line(run("inspect", fake_art, "--model", tiny_path))
     assert "does not serve this model" in line and "is BF16 in the artifact's weight formats" in line
     assert "Q8_0 in the model" in line or "MXFP4 in the model" in line
     one_error_line(run("inspect", fake_art, "--model", fake_art / "manifest.json"))  # not a GGUF
     r = run("inspect", fake_art, "--model", tiny_path, "--kernels")
     assert r.exit_code == 2 and "give it alone" in r.output
+    assert "launches paired with this model's lowering" in run("inspect", fake_art, "--model", tiny_bf16_path).stdout
+
+
+def test_inspect_model_pairs_each_graph_with_the_lowering(fake_art, tiny_bf16_path, monkeypatch):
+    """A manifest whose plan lost a kernel (integrity recomputed) passes the table checks but not the pairing."""
+    mpath = fake_art / "manifest.json"
+    man = json.loads(mpath.read_text())
+    for t in man["targets"].values():
+        for g in t["graphs"].values():
+            g["kernels"].pop()
+    man.pop("integrity")
+    man["integrity"] = art._integrity(man)
+    mpath.write_text(art._manifest_text(man))
+    line = one_error_line(run("inspect", fake_art, "--model", tiny_bf16_path))
+    assert "lists other plan kernels than this model's lowering" in line
 
 
 @needs_hip
@@ -227,6 +242,14 @@ def test_edits_of_the_manifest_are_named_errors(fake_art):
         assert "rebuild" in line
     mpath.write_text(good.replace(",", ", ", 1))  # reformatted only
     assert "not byte for byte what ds4c wrote" in one_error_line(run("inspect", fake_art))
+    # reordered keys: inside a field, and of the top level
+    man = json.loads(good)
+    man["config"] = dict(reversed(list(man["config"].items())))
+    mpath.write_text(json.dumps(man, separators=(",", ":")) + "\n")
+    assert "field 'config' differs" in one_error_line(run("inspect", fake_art))
+    man = json.loads(good)
+    mpath.write_text(json.dumps({k: man[k] for k in reversed(list(man))}, separators=(",", ":")) + "\n")
+    assert "fields were reordered" in one_error_line(run("inspect", fake_art))
     mpath.write_text(good)
     assert run("inspect", fake_art).exit_code == 0
 
@@ -261,6 +284,15 @@ def test_a_forged_integrity_record_is_caught_by_the_field_checks(fake_art):
         lambda m: m["targets"]["hip-gfx1151"].__setitem__("binaries", {
             "../x.hsaco": v for v in m["targets"]["hip-gfx1151"]["binaries"].values()}))
     assert "expected the graphs of the buckets" in forge(lambda m: m["graphs"].clear())
+    rec = lambda m: next(iter(m["targets"]["hip-gfx1151"]["binaries"].values()))  # noqa: E731
+    assert "resources[" in forge(lambda m: rec(m).__setitem__("resources", {"f": 3}))
+    assert "expected a number" in forge(lambda m: rec(m)["resources"].__setitem__("f", {"registers": "x"}))
+    assert "build: expected an object" in forge(lambda m: m.__setitem__("build", []))
+    assert "manifest format" in forge(lambda m: m.__setitem__("format", 2.0))
+    assert "wave: expected 32 or 64" in forge(lambda m: m["targets"]["hip-gfx1151"].__setitem__("wave", 32.0))
+    # a message carrying a newline from the manifest is still one line
+    line = forge(lambda m: m["targets"]["hip-gfx1151"].__setitem__("arch", "gfx\n1151"))
+    assert "arch" in line
 
 
 def test_fuzz_random_byte_flips_are_never_accepted(fake_art):
