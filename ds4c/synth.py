@@ -20,6 +20,7 @@ every preset.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,6 +50,10 @@ _MX_RMS = math.sqrt(sum(v * v for v in _MX_TABLE) / 8)  # RMS of the doubled e2m
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
+    """The tensor's own stream. HC base/scale tensors are seeded by their ds4c 0.1 names (without ``.weight``),
+    so a (preset, seed) gives the same weights in the converter's layout as it gave before."""
+    if re.fullmatch(r"(blk\.\d+\.hc_(attn|ffn)|output_hc)_(base|scale)\.weight", name):
+        name = name[: -len(".weight")]
     return np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
 
 
