@@ -9,4 +9,15 @@ __version__ = "0.2.0"
 
 from ds4c.errors import ConfigError, Ds4cError, ModelFileError, QuantError, StepError  # noqa: E402
 
-__all__ = ["__version__", "Ds4cError", "ConfigError", "ModelFileError", "QuantError", "StepError"]
+__all__ = ["__version__", "Model", "Completion", "Ds4cError", "ConfigError", "ModelFileError", "QuantError",
+           "StepError"]
+
+
+def __getattr__(name: str):
+    """``ds4c.Model`` / ``ds4c.Completion`` (:mod:`ds4c.api`), imported on first use so ``import ds4c`` stays
+    light (torch and the tokenizer load only when a model is opened)."""
+    if name in ("Model", "Completion", "CompletionStream", "Timings"):
+        from ds4c import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'ds4c' has no attribute {name!r}")

@@ -169,81 +169,145 @@ def _parse_ids(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
+#: The prompt of ``ds4c generate`` when no prompt option is given: this text on a model with a tokenizer, these
+#: ids on a file without one.
+DEFAULT_PROMPT, DEFAULT_PROMPT_IDS = "The quick brown fox", "0,1,2,3"
+
+
+def _read_prompt_file(path: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise Ds4cError(f"--prompt-file {path}: no such file")
+    if not p.is_file():
+        raise Ds4cError(f"--prompt-file {path}: expected a text file, found a directory or special file")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Ds4cError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def _timings_line(load_s: float, res, n_prompt: int) -> str:
+    tps, ptps = res.decode_tokens_per_s, res.prefill_tokens_per_s
+    dec = f"{tps:.2f} tokens/s" if tps is not None else "n/a (fewer than 2 new tokens)"
+    pre = f"prefill {ptps:.1f} tokens/s; " if ptps is not None else ""
+    return (f"load {load_s:.2f} s, prefill {n_prompt} tokens in {res.prefill_s:.3f} s, decode {dec} "
+            f"({pre}{len(res.tokens)} new tokens, stop: {res.stop_reason})")
+
+
 @main.command("generate")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
-@click.option("--prompt-ids", default="0,1,2,3", show_default=True, help="Comma-separated prompt token ids.")
+@click.option("--prompt", default=None, metavar="TEXT", help="Prompt text (tokenized with bos). Default: "
+              f"{DEFAULT_PROMPT!r} (or ids {DEFAULT_PROMPT_IDS} on a file without tokenizer).")
+@click.option("--prompt-file", default=None, metavar="FILE", help="Read the prompt text from this UTF-8 file.")
+@click.option("--prompt-ids", default=None, metavar="IDS", help="Comma-separated prompt token ids (prints ids).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
               help="0 = greedy; else seeded sampling (spec P12).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely (0 = off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass in (0, 1] (1 = off).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Sampling seed.")
+@click.option("--stop", "stops", multiple=True, help="Stop when the text contains this string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the eos token.")
+@click.option("--threads", type=int, default=None, help="CPU threads of the reference (default: torch's).")
 @click.option("--no-quant-emulation", is_flag=True,
               help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
 @click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
               help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
 @click.option("--artifact", type=click.Path(file_okay=False), default=None,
               help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, timings).")
-def generate_cmd(file: str | None, prompt_ids: str, max_new_tokens: int, device: str, temperature: float,
-                 seed: int, no_quant_emulation: bool, engine: str, artifact: str | None, as_json: bool) -> None:
-    """Generate tokens (greedy by default): with the compiled step on cuda, the PyTorch reference on cpu."""
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
+def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
+                 max_new_tokens: int, device: str, temperature: float, top_k: int, top_p: float, seed: int,
+                 stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool, engine: str,
+                 artifact: str | None, as_json: bool) -> None:
+    """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
+    cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
     import time
 
-    import torch
-
-    from ds4c.generate import generate
+    from ds4c.api import Model
+    from ds4c.engine import resolve_engine
     from ds4c.gguf_file import open_model
-    from ds4c.reference import Reference, ReferenceWeights
+    from ds4c.tokenizer import has_tokenizer
 
-    ids = _parse_ids(prompt_ids)
+    given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
+             if v is not None]
+    if len(given) > 1:
+        raise Ds4cError(f"give one of --prompt, --prompt-file, --prompt-ids; found {' and '.join(given)}")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     if not math.isfinite(temperature):
         raise click.BadParameter(f"expected a finite number >= 0, found {temperature}", param_hint="--temperature")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if top_k < 0:
+        raise Ds4cError(f"--top-k must be >= 0 (0 = off), found {top_k}")
+    if not (0 < top_p <= 1):
+        raise Ds4cError(f"--top-p must be in (0, 1] (1 = off), found {top_p}")
+    if threads is not None and threads < 1:
+        raise Ds4cError(f"--threads must be >= 1, found {threads}")
+    if any(not s for s in stops):
+        raise Ds4cError("--stop: expected a non-empty string")
+    text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
+    resolve_engine(device, engine)  # device / engine errors before a model is opened
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
-    if len(ids) + max_new_tokens > mf.config.max_position:
-        raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the model's context "
-                        f"length {mf.config.max_position}")
-    if engine == "auto":
-        engine = "compiled" if device == "cuda" else "reference"
-    if engine == "compiled":
-        if device != "cuda":
-            raise Ds4cError("--engine compiled runs on --device cuda only")
-        from ds4c.buckets import BucketSpec
-        from ds4c.runtime.executor import CompiledStep, device_arch
-
-        cfg = mf.config.replace(quant_emulation=False) if no_quant_emulation else mf.config
-        mf.config = cfg
-        if artifact:
-            from ds4c.runtime.artifact import load_manifest, manifest_buckets
-
-            buckets = manifest_buckets(load_manifest(artifact))
-            if len(ids) + max_new_tokens > buckets.max_ctx:
-                raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the artifact's "
-                                f"max_ctx {buckets.max_ctx}")
+    limit = mf.config.max_position
+    if ids is None and text is None:
+        if has_tokenizer(mf.metadata):
+            text = DEFAULT_PROMPT
         else:
-            buckets = BucketSpec.build(cfg, (1, 2, 3, 4, 5), len(ids) + max_new_tokens)
-        ref = CompiledStep(mf, buckets, device_arch(), artifact=artifact)
+            ids = _parse_ids(DEFAULT_PROMPT_IDS)
+    if ids is not None:
+        if len(ids) + max_new_tokens > limit:
+            raise Ds4cError(f"{len(ids)} prompt ids + --max-new-tokens {max_new_tokens} exceed the model's context "
+                            f"length {limit}")
+        need = len(ids) + max_new_tokens
     else:
-        if artifact:
-            raise Ds4cError("--artifact is used only by the compiled engine (--device cuda, --engine auto|compiled)")
-        weights = ReferenceWeights.load(mf, device)
-        if no_quant_emulation:
-            weights.config = weights.config.replace(quant_emulation=False)
-        ref = Reference(weights, max_ctx=len(ids) + max_new_tokens)
+        if not has_tokenizer(mf.metadata):
+            raise Ds4cError(f"{mf.path}: the file has no tokenizer (no tokenizer.ggml.* keys; written by ds4c before "
+                            f"0.2?): give the prompt as --prompt-ids, or write the model again with ds4c make-model")
+        if 1 + max_new_tokens > limit:
+            raise Ds4cError(f"the prompt (at least 1 token) + --max-new-tokens {max_new_tokens} exceed the model's "
+                            f"context length {limit}")
+        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)  # a token is >= 1 byte, + bos
+    model = Model(mf, device=device, artifact=artifact, max_ctx=None if artifact else need, engine=engine,
+                  quant_emulation=not no_quant_emulation, threads=threads)
     load_s = time.perf_counter() - t0
-    res = generate(ref, ids, max_new_tokens, temperature=temperature, seed=seed)
-    if as_json:
-        rec = {"model": str(mf.path), "device": device, "engine": engine, "temperature": temperature, "seed": seed,
-               "load_s": load_s, **res.as_dict()}
-        click.echo(json.dumps(rec))
+    prompt_arg = ids if ids is not None else text
+    ids = model.prompt_ids(prompt_arg)
+    if len(ids) + max_new_tokens > limit:
+        raise Ds4cError(f"the prompt's {len(ids)} tokens + --max-new-tokens {max_new_tokens} exceed the model's "
+                        f"context length {limit}")
+    if len(ids) + max_new_tokens > model.max_ctx:
+        raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the artifact's "
+                        f"max_ctx {model.max_ctx}")
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+              stop=list(stops) or None, ignore_eos=ignore_eos)
+    text_mode = prompt_ids is None and model.tokenizer is not None
+    if as_json or not text_mode:
+        c = model.generate(ids, **kw)
+        res = c.result
+        if as_json:
+            rec = {"model": str(mf.path), "device": device, "engine": model.engine, "temperature": temperature,
+                   "top_k": top_k, "top_p": top_p, "seed": seed, "load_s": load_s, **res.as_dict(), "text": c.text}
+            click.echo(json.dumps(rec))
+            return
+        click.echo(f"prompt: {ids}")
+        click.echo(f"tokens: {res.tokens}")
+        if c.text is not None:
+            click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
+        click.echo(_timings_line(load_s, res, len(ids)))
         return
-    click.echo(f"prompt: {ids}")
-    click.echo(f"tokens: {res.tokens}")
-    tps = res.decode_tokens_per_s
-    click.echo(f"load {load_s:.2f} s, prefill {len(ids)} tokens in {res.prefill_s:.3f} s, decode "
-               + (f"{tps:.2f} tokens/s" if tps is not None else "n/a (fewer than 2 new tokens)"))
+    s = model.generate(ids, stream=True, **kw)
+    try:
+        for piece in s:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got
+        c = s.close()
+        click.echo("")
+        click.echo(_timings_line(load_s, c.result, len(ids)) + ", interrupted", err=True)
+        sys.exit(130)
+    click.echo("")
+    click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
 
 
 # ------------------------------------------------------------------------------------------------------

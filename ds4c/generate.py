@@ -1,11 +1,19 @@
-"""Token generation on the reference: prefill as verify steps of the widest width, then q = 1 decodes.
+"""Token generation on any stepper: prefill as verify steps of the widest width, then q = 1 decodes.
 
-Spec ds4-flash.md sections 5-6 and P12 (sampling).
+Spec ds4-flash.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
+(:class:`~ds4c.reference.Reference`, CPU or CUDA) or the compiled step
+(:class:`~ds4c.runtime.executor.CompiledStep`); logits are brought to the CPU and sampled there, so a seed gives
+the same tokens on every engine whose logits agree.
+
+Two forms: :func:`generate` runs to the end (an ``on_token`` callback sees each token as it is sampled and may
+stop the run); :func:`stream` returns a :class:`TokenStream`, an iterator of the new token ids whose
+``result`` is the :class:`GenerationResult` once it has ended (or been stopped).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,16 +23,30 @@ from ds4c.errors import StepError
 from ds4c.reference import MAX_WIDTH, Reference
 from ds4c.reference.primitives import sample
 
+#: Why generation ended: a stop id was sampled (``"eos"``), the caller stopped it (``"stop"``: an ``on_token``
+#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made.
+STOP_REASONS = ("eos", "stop", "length")
+
 
 @dataclass
 class GenerationResult:
-    """Output of :func:`generate`: the prompt, the new tokens, and wall-clock timings in seconds."""
+    """Output of :func:`generate`: the prompt, the new tokens, wall-clock timings in seconds, and why it ended.
+
+    ``tokens`` includes the stop id that ended the run (``stop_reason == "eos"``) as its last entry.
+    ``decode_s`` is the time spent producing tokens (sampling the first one and every decode step), not the
+    time a streaming consumer spent between tokens; ``step_s`` holds each decode step's time."""
 
     prompt: list[int]
     tokens: list[int]
     prefill_s: float
     decode_s: float
     step_s: list[float] = field(default_factory=list)
+    stop_reason: str = "length"
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens per second of prefill (None when the prefill took no measurable time)."""
+        return len(self.prompt) / self.prefill_s if self.prefill_s > 0 else None
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -34,47 +56,171 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else None
 
     def as_dict(self) -> dict:
-        return {"prompt": self.prompt, "tokens": self.tokens, "prefill_s": self.prefill_s,
-                "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+        return {"prompt": self.prompt, "tokens": self.tokens, "stop_reason": self.stop_reason,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
                 "step_ms": [round(s * 1e3, 3) for s in self.step_s]}
 
 
-def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0, width: int = MAX_WIDTH) -> GenerationResult:
-    """Generate ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of fp32 ``[R, V]`` logits: removed tokens get ``-inf``.
 
-    ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
-    ``decode(token, pos)`` and ``max_ctx`` (the compiled step's :class:`~ds4c.runtime.executor.CompiledStep`).
-    The prompt runs as verify steps of ``width`` rows (the last may be narrower); the last row's logits
-    give the first new token; each further token is one decode step. Sampling: greedy when
-    ``temperature == 0``, else P12 with a CPU generator seeded by ``seed``.
-
-    Raises:
-        StepError: empty prompt, negative ``max_new_tokens``, or prompt + new tokens past ``ref.max_ctx``.
+    ``top_k`` keeps the tokens whose logit is at least the k-th largest (ties at the boundary are kept, as
+    HuggingFace's ``TopKLogitsWarper``); 0 or >= V keeps all. ``top_p`` keeps the smallest set of most probable
+    tokens (probabilities of ``softmax(logits / temperature)``, after top-k) whose mass reaches ``top_p``, at
+    least one token; 1.0 keeps all. Greedy (``temperature == 0``) is returned unfiltered: both keep the argmax.
     """
+    if temperature == 0:
+        return logits
+    v = logits.shape[-1]
+    if 0 < top_k < v:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        sp, idx = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sp, dim=-1) - sp   # mass of the more probable tokens
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """Raises StepError unless ``temperature`` is finite >= 0, ``top_k`` an int >= 0, ``top_p`` in (0, 1]."""
+    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
+        raise StepError(f"temperature must be a finite number >= 0, found {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise StepError(f"top_k must be an int >= 0 (0 = off), found {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise StepError(f"top_p must be in (0, 1] (1 = off), found {top_p!r}")
+
+
+class TokenStream:
+    """Iterator over the new token ids of one generation (see :func:`stream`).
+
+    Iterate it to run the model step by step; :meth:`stop` ends the run early (``stop_reason == "stop"``);
+    :attr:`result` is the :class:`GenerationResult` once the run has ended, None before. Time the consumer
+    spends between tokens is not counted in ``decode_s``.
+    """
+
+    def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
+                 top_k: int, top_p: float, stop_ids: frozenset[int]):
+        self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
+        self._temp, self._seed, self._width = temperature, seed, width
+        self._top_k, self._top_p, self._stop_ids = top_k, top_p, stop_ids
+        self._gen = self._run()
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self.result is not None:
+            raise StopIteration
+        return next(self._gen)
+
+    def stop(self) -> GenerationResult:
+        """End the run now (``stop_reason`` ``"stop"`` unless it had already ended); returns the result."""
+        if self.result is None:
+            self._gen.close()
+            self.result = self._finish("stop")
+        return self.result
+
+    def run(self) -> GenerationResult:
+        """Run to the end; returns the result."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    def _sample(self, logits: torch.Tensor) -> int:
+        logits = filter_logits(logits, self._temp, self._top_k, self._top_p)
+        return int(sample(logits, self._temp, self._rng)[0])
+
+    def _finish(self, reason: str) -> GenerationResult:
+        return GenerationResult(self._prompt, self._out, self._prefill_s, self._decode_s, self._steps, reason)
+
+    def _run(self) -> Iterator[int]:
+        ref, prompt = self._ref, self._prompt
+        self._rng = torch.Generator().manual_seed(self._seed)
+        self._out: list[int] = []
+        self._steps: list[float] = []
+        self._prefill_s = self._decode_s = 0.0
+        ref.reset()
+        t0 = time.perf_counter()
+        logits = None
+        for s in range(0, len(prompt), self._width):
+            logits = ref.verify(prompt[s:s + self._width], s)
+        t1 = time.perf_counter()
+        self._prefill_s = t1 - t0
+        if self._n == 0:
+            self.result = self._finish("length")
+            return
+        tok = self._sample(logits[-1:].float().cpu())
+        self._out.append(tok)
+        self._decode_s += time.perf_counter() - t1
+        while True:
+            if tok in self._stop_ids:
+                self.result = self._finish("eos")
+            elif len(self._out) >= self._n:
+                self.result = self._finish("length")
+            yield tok
+            if self.result is not None:
+                return
+            ts = time.perf_counter()
+            logits = ref.decode(tok, len(prompt) + len(self._out) - 1).float().cpu()
+            tok = self._sample(logits)
+            self._out.append(tok)
+            dt = time.perf_counter() - ts
+            self._steps.append(dt)
+            self._decode_s += dt
+
+
+def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+           width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
+           stop_ids: Collection[int] = ()) -> TokenStream:
+    """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled).
+
+    The arguments are checked here, before any step runs. Raises as :func:`generate`."""
     if not prompt:
         raise StepError("the prompt must hold at least one token id")
-    if not (temperature >= 0 and temperature != float("inf")):
-        raise StepError(f"temperature must be a finite number >= 0, found {temperature}")
-    if max_new_tokens < 0:
-        raise StepError(f"max_new_tokens must be >= 0, found {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise StepError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
     if len(prompt) + max_new_tokens > ref.max_ctx:
         raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={ref.max_ctx}")
-    gen = torch.Generator().manual_seed(seed)
-    ref.reset()
-    t0 = time.perf_counter()
-    logits = None
-    for s in range(0, len(prompt), width):
-        logits = ref.verify(prompt[s:s + width], s)
-    out: list[int] = []
-    steps: list[float] = []
-    prefill_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    if max_new_tokens:
-        out.append(int(sample(logits[-1:].float().cpu(), temperature, gen)[0]))
-    while len(out) < max_new_tokens:
-        ts = time.perf_counter()
-        logits = ref.decode(out[-1], len(prompt) + len(out) - 1).float().cpu()
-        out.append(int(sample(logits, temperature, gen)[0]))
-        steps.append(time.perf_counter() - ts)
-    return GenerationResult(list(prompt), out, prefill_s, time.perf_counter() - t1, steps)
+    return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
+                       frozenset(int(t) for t in stop_ids))
+
+
+def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0, width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
+             stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
+
+    ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
+    ``decode(token, pos)`` and ``max_ctx`` (the compiled step's :class:`~ds4c.runtime.executor.CompiledStep`;
+    :func:`ds4c.engine.open_engine` opens either). The prompt runs as verify steps of ``width`` rows (the last
+    may be narrower); the last row's logits give the first new token; each further token is one decode step.
+
+    Sampling: greedy when ``temperature == 0`` (``top_k`` / ``top_p`` change nothing then); else the logits are
+    filtered by ``top_k`` and ``top_p`` (:func:`filter_logits`) and sampled by P12 with a CPU generator seeded by
+    ``seed``. Generation ends when a token of ``stop_ids`` is sampled (kept as the last token; ``stop_reason``
+    ``"eos"``), when ``on_token(token)`` returns a true value (``"stop"``), or after ``max_new_tokens``
+    (``"length"``). Without ``stop_ids`` (the default) it always runs ``max_new_tokens``.
+
+    Raises:
+        StepError: empty prompt, a bad temperature / top_k / top_p, negative ``max_new_tokens``, or prompt + new
+            tokens past ``ref.max_ctx``; what the stepper raises (token ids outside the vocabulary).
+    """
+    ts = stream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p, stop_ids)
+    for tok in ts:
+        if on_token is not None and on_token(tok):
+            if ts.result is None:
+                return ts.stop()
+            if ts.result.stop_reason == "length":  # stopped by the caller on the last token
+                ts.result.stop_reason = "stop"
+    assert ts.result is not None
+    return ts.result

@@ -1,0 +1,409 @@
+"""The Python API: :class:`Model`, shaped like llama-cpp-python's ``Llama`` and vLLM's ``LLM``.
+
+::
+
+    import ds4c
+
+    m = ds4c.Model("model.gguf")                       # or Model() for the built-in default model
+    c = m.generate("The quick brown fox", max_new_tokens=32, stop=["\\n\\n"])
+    print(c.text, c.stop_reason, c.timings.decode_tokens_per_s)
+
+    s = m.generate("Once upon a time", max_new_tokens=64, temperature=0.8, top_p=0.95, seed=7, stream=True)
+    for piece in s:                                    # complete UTF-8 text as tokens arrive
+        print(piece, end="", flush=True)
+    print(s.completion.stop_reason)
+
+    ids = m.tokenize("hello")                          # bos + the text's ids
+    m.detokenize(ids)
+
+The engine (reference or compiled step, device, artifact) is chosen by :func:`ds4c.engine.open_engine`; the
+token loop is :func:`ds4c.generate.stream`; text comes from the file's GGUF tokenizer (:mod:`ds4c.tokenizer`).
+Files without tokenizer keys (written by ds4c before 0.2) take token ids only.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds4c.errors import Ds4cError
+from ds4c.generate import GenerationResult, TokenStream, check_sampling
+from ds4c.generate import stream as stream_tokens
+from ds4c.gguf_file import ModelFile, open_model
+
+
+@dataclass
+class Timings:
+    """Wall-clock seconds of a completion: opening the model (file, weights, engine: once per :class:`Model`),
+    the prefill and the decode, and their rates (None when not measurable)."""
+
+    load_s: float
+    prefill_s: float
+    decode_s: float
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+
+    def as_dict(self) -> dict:
+        return {"load_s": self.load_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@dataclass
+class Completion:
+    """The result of :meth:`Model.generate`.
+
+    Attributes:
+        text: the generated text (None when the file has no tokenizer): the decoded new ids less an ending eos
+            token, cut before the first stop string.
+        ids: the new token ids (an eos that ended the run is the last; at a stop string, up to the token that
+            completed it).
+        prompt_ids: the prompt's ids (with bos for a text prompt).
+        stop_reason: ``"eos"`` (the eos token), ``"stop"`` (a stop string, or the stream was closed early) or
+            ``"length"`` (``max_new_tokens``).
+        timings: :class:`Timings`.
+        result: the underlying :class:`~ds4c.generate.GenerationResult` (per-step times in ``step_s``).
+    """
+
+    text: str | None
+    ids: list[int]
+    prompt_ids: list[int]
+    stop_reason: str
+    timings: Timings
+    result: GenerationResult = field(repr=False)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "ids": self.ids, "prompt_ids": self.prompt_ids, "stop_reason": self.stop_reason,
+                **self.timings.as_dict()}
+
+
+class CompletionStream:
+    """What :meth:`Model.generate` returns with ``stream=True``: an iterator of text pieces (each complete
+    UTF-8 text; their concatenation is the completion's ``text``).
+
+    :attr:`completion` is the :class:`Completion` once the stream has ended; reading it before that runs the
+    generation to its end first (the pieces not yet read are then only in ``completion.text``). :meth:`close`
+    ends the generation early (``stop_reason`` ``"stop"``, ``text`` the pieces delivered so far).
+    """
+
+    def __init__(self, run: Iterator[str], holder: dict[str, Any]):
+        self._run, self._holder = run, holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._run)
+
+    @property
+    def done(self) -> bool:
+        """Whether the generation has ended."""
+        return "completion" in self._holder
+
+    @property
+    def completion(self) -> Completion:
+        """The final :class:`Completion` (runs the rest of the generation when it has not ended yet)."""
+        for _ in self._run:
+            pass
+        return self._holder["completion"]
+
+    def close(self) -> Completion:
+        """Stop generating now; returns the final :class:`Completion`."""
+        self._run.close()
+        return self._holder["completion"]
+
+
+def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (held back: it may be
+    the start of one)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class Model:
+    """A DeepSeek-V4-Flash model opened for generation.
+
+    Args:
+        path: a GGUF file (or an opened :class:`~ds4c.gguf_file.ModelFile`); None: the built-in default model
+            (the ``tiny`` preset, seed 0, written on first use under ``$DS4C_HOME``).
+        device: ``"cpu"`` or ``"cuda"``.
+        artifact: a ``ds4c compile`` folder whose kernels the compiled engine runs (nothing is compiled).
+        max_ctx: positions a sequence may hold (prompt + new tokens); with an artifact at most its ``max_ctx``;
+            None: the artifact's, else 4096.
+        engine: ``"auto"`` (compiled on cuda, reference on cpu), ``"reference"`` or ``"compiled"``.
+        quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (off for comparing with ports).
+        threads: torch CPU threads for the reference (``torch.set_num_threads``, process-wide).
+
+    Attributes:
+        file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
+        :class:`~ds4c.tokenizer.Tokenizer` or None; ``stepper``: the engine's stepper; ``engine``: its name;
+        ``load_s``: seconds spent opening it all.
+
+    Raises:
+        Ds4cError: what :func:`~ds4c.gguf_file.open_model`, :func:`~ds4c.engine.open_engine` and the tokenizer
+            raise (a missing or corrupt file, no CUDA device, an artifact that does not serve the model...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
+                 artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
+                 quant_emulation: bool = True, threads: int | None = None):
+        from ds4c.engine import open_engine, resolve_engine
+        from ds4c.tokenizer import Tokenizer, has_tokenizer
+
+        t0 = time.perf_counter()
+        self.engine = resolve_engine(device, engine)
+        self.device = device
+        if isinstance(path, ModelFile):
+            mf = path
+        else:
+            if path is None:
+                from ds4c.cli import default_model_path
+
+                path = default_model_path()
+            mf = open_model(Path(path))
+        self.file = mf
+        self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
+            if has_tokenizer(mf.metadata) else None
+        self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
+                                   quant_emulation=quant_emulation, threads=threads)
+        self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
+        self.load_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def config(self):
+        """The model's :class:`~ds4c.config.Ds4Config`."""
+        return self.file.config
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-sequence id generation stops at (the tokenizer's, else the config's)."""
+        tok = self.tokenizer
+        return tok.eos_id if tok is not None and tok.eos_id is not None else self.config.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def __repr__(self) -> str:
+        return (f"Model({str(self.path)!r}, device={self.device!r}, engine={self.engine!r}, max_ctx={self.max_ctx}, "
+                f"tokenizer={'yes' if self.tokenizer else 'no'})")
+
+    # ------------------------------------------------------------------------------------------ text
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise Ds4cError(f"{self.path}: {what} needs a tokenizer, but the file has no tokenizer.ggml.* keys "
+                            f"(written by ds4c before 0.2?): pass token ids instead, or write the model again "
+                            f"with ds4c make-model")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Token ids of ``text``: bos first when ``add_bos`` (and the vocabulary has one); ``special`` matches
+        control tokens written in the text (``<｜User｜>``...) as single ids.
+
+        Raises:
+            Ds4cError: the file has no tokenizer; ``text`` is not a str.
+        """
+        tok = self._need_tokenizer("tokenize (a text prompt)")
+        ids = tok.encode(text, add_bos=False, parse_special=special)
+        if add_bos and tok.bos_id is not None:
+            ids.insert(0, tok.bos_id)
+        return ids
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """The text of ``ids`` (``skip_special`` leaves out control tokens such as bos / eos).
+
+        Raises:
+            Ds4cError: the file has no tokenizer; an id outside the vocabulary.
+        """
+        return self._need_tokenizer("detokenize").decode(ids, skip_special=skip_special)
+
+    # ------------------------------------------------------------------------------------------ generate
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The ids a prompt runs as: a str is tokenized with bos (unless it already begins with bos); ids are
+        checked to be ints in the vocabulary.
+
+        Raises:
+            Ds4cError: a str on a file without tokenizer; an empty prompt; an id that is not an int or is outside
+                ``0..vocab_size-1``.
+        """
+        if isinstance(prompt, str):
+            tok = self._need_tokenizer("a text prompt")
+            ids = tok.encode(prompt, add_bos=False)
+            if tok.bos_id is not None and (tok.add_bos or not ids) and (not ids or ids[0] != tok.bos_id):
+                ids.insert(0, tok.bos_id)
+        else:
+            if isinstance(prompt, (bytes, bytearray)):
+                raise Ds4cError("prompt: expected a str or a list of token ids, found bytes")
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise Ds4cError(f"prompt: expected a str or a list of int token ids, found "
+                                f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise Ds4cError(f"prompt token ids must be in 0..{self.vocab_size - 1}, found {bad[0]}")
+        if not ids:
+            raise Ds4cError("the prompt must hold at least one token")
+        return ids
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
+                 ignore_eos: bool = False, stream: bool = False) -> Completion | CompletionStream:
+        """Generate after ``prompt`` (text or token ids) on a fresh sequence.
+
+        Args:
+            prompt: a str (tokenized with bos) or token ids.
+            max_new_tokens: at most this many new tokens (prompt + new tokens <= ``max_ctx``).
+            temperature: 0 = greedy; else seeded sampling (spec P12) after ``top_k`` / ``top_p`` filtering.
+            top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
+            seed: the sampling seed (the same seed gives the same tokens on every engine).
+            stop: stop strings: generation ends when the text contains one; the text stops before it.
+            ignore_eos: do not stop at the eos token.
+            stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
+
+        Raises:
+            Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
+                ``stream`` on a file without tokenizer, an empty stop string, prompt + ``max_new_tokens`` past
+                ``max_ctx``.
+        """
+        ids = self.prompt_ids(prompt)
+        check_sampling(temperature, top_k, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise Ds4cError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise Ds4cError(f"stop strings must be non-empty str, found {stops!r}")
+        if stops:
+            self._need_tokenizer("stop strings")
+        if stream:
+            self._need_tokenizer("streaming text (stream=True)")
+        if len(ids) + max_new_tokens > self.max_ctx:
+            raise Ds4cError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_ctx "
+                            f"{self.max_ctx}; open the Model with a larger max_ctx")
+        stop_ids = () if ignore_eos else (self.eos_id,)
+        ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                           top_p=top_p, stop_ids=stop_ids)
+        holder: dict[str, Any] = {}
+        if self.tokenizer is None:
+            res = ts.run()
+            return self._completion(None, res, res.stop_reason)
+        run = self._text_run(ts, stops, holder)
+        if stream:
+            return CompletionStream(run, holder)
+        for _ in run:
+            pass
+        return holder["completion"]
+
+    # ------------------------------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            thinking: bool | None = None, reasoning_effort: str | None = None) -> str:
+        """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by jinja2 in an
+        ``ImmutableSandboxedEnvironment`` with ``messages``, ``add_generation_prompt``, ``bos_token`` /
+        ``eos_token`` and, when given, ``thinking`` and ``reasoning_effort`` (templates without them ignore
+        them).
+
+        Raises:
+            Ds4cError: no tokenizer or no chat template; messages that are not a list of ``{"role": str,
+                "content": str}`` dicts; the template fails to render (its message, on one line).
+        """
+        tok = self._need_tokenizer("chat")
+        if tok.chat_template is None:
+            raise Ds4cError(f"{self.path}: the file has no tokenizer.chat_template; use generate() with a prompt")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise Ds4cError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                    not isinstance(m.get("content", ""), (str, type(None))):
+                raise Ds4cError(f"messages[{i}]: expected a dict with a str 'role' and a str 'content', found "
+                                f"{str(m)[:80]}")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg: str) -> None:
+            raise Ds4cError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        var: dict[str, Any] = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
+                               "bos_token": "" if tok.bos_id is None else tok.decode([tok.bos_id]),
+                               "eos_token": "" if tok.eos_id is None else tok.decode([tok.eos_id])}
+        if thinking is not None:
+            var["thinking"] = bool(thinking)
+        if reasoning_effort is not None:
+            var["reasoning_effort"] = str(reasoning_effort)
+        try:
+            return env.from_string(tok.chat_template).render(**var)
+        except Ds4cError:
+            raise
+        except Exception as e:  # jinja2.TemplateError (the sandbox's SecurityError included) or the template's own
+            raise Ds4cError(f"{self.path}: the chat template does not render ({type(e).__name__}: {e})") from None
+
+    def chat(self, messages: Sequence[dict[str, Any]], max_new_tokens: int = 256, thinking: bool | None = None,
+             reasoning_effort: str | None = None, **kw: Any) -> Completion | CompletionStream:
+        """Generate the assistant's reply to ``messages`` (:meth:`apply_chat_template` with the generation
+        prompt, then :meth:`generate` with ``kw``: temperature, top_k, top_p, seed, stop, ignore_eos, stream).
+        Generation stops at the eos token that ends the assistant's turn."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking,
+                                          reasoning_effort=reasoning_effort)
+        return self.generate(prompt, max_new_tokens=max_new_tokens, **kw)
+
+    def _completion(self, text: str | None, res: GenerationResult, reason: str, n_ids: int | None = None) -> Completion:
+        res.stop_reason = reason
+        if n_ids is not None:
+            res.tokens = res.tokens[:n_ids]
+        t = Timings(self.load_s, res.prefill_s, res.decode_s, res.prefill_tokens_per_s, res.decode_tokens_per_s)
+        return Completion(text, list(res.tokens), list(res.prompt), reason, t, res)
+
+    def _text_run(self, ts: TokenStream, stops: list[str], holder: dict[str, Any]) -> Iterator[str]:
+        """Text pieces of ``ts``'s tokens: complete UTF-8, never a piece that may begin a stop string; sets
+        ``holder["completion"]`` at the end (also when closed early)."""
+        assert self.tokenizer is not None
+        dec = self.tokenizer.stream()
+        acc, sent, n = "", 0, 0
+        try:
+            for t in ts:
+                n += 1
+                if ts.result is not None and ts.result.stop_reason == "eos":
+                    break  # the eos token ends the text; it is not part of it
+                acc += dec.push(t)
+                cut = _earliest(acc, stops, sent) if stops else None
+                if cut is not None:
+                    if cut > sent:
+                        yield acc[sent:cut]
+                    sent = cut
+                    holder["completion"] = self._completion(acc[:cut], ts.stop(), "stop", n)
+                    return
+                safe = len(acc) - (_held(acc, stops) if stops else 0)
+                if safe > sent:
+                    piece, sent = acc[sent:safe], safe
+                    yield piece
+            acc += dec.flush()
+            cut = _earliest(acc, stops, sent) if stops else None
+            reason = ts.result.stop_reason if ts.result is not None else "length"
+            if cut is not None:
+                acc, reason = acc[:cut], "stop"
+            if len(acc) > sent:
+                piece, sent = acc[sent:], len(acc)
+                yield piece
+            holder["completion"] = self._completion(acc, ts.result or ts.stop(), reason)
+        finally:
+            if "completion" not in holder:  # closed early by the consumer
+                holder["completion"] = self._completion(acc[:sent], ts.stop(), "stop", n)

@@ -1,0 +1,112 @@
+"""The one place that picks the engine that runs a model's steps.
+
+:func:`open_engine` returns a *stepper*: an object with ``reset()``, ``verify(tokens, pos)``,
+``decode(token, pos)`` and ``max_ctx`` that :func:`ds4c.generate.generate` drives. Engines:
+
+* ``reference``: the eager PyTorch reference (:class:`ds4c.reference.Reference`), on ``cpu`` or ``cuda``;
+* ``compiled``: the compiled step (:class:`ds4c.runtime.executor.CompiledStep`: kernels + CUDA graph replay),
+  on ``cuda`` only, its kernels compiled through the kernel cache or taken from an AOT ``artifact``;
+* ``auto``: ``compiled`` on ``cuda``, ``reference`` on ``cpu``.
+
+Both :class:`ds4c.api.Model` and ``ds4c generate`` open their engine here. Error messages name the choices
+by their command-line spelling (``--device cuda``, ``--engine compiled``, ``--artifact``), which map one to one
+onto this function's keyword arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ds4c.errors import Ds4cError
+from ds4c.gguf_file import ModelFile
+
+DEVICES = ("cpu", "cuda")
+ENGINES = ("auto", "reference", "compiled")
+#: Widths the compiled step serves when it compiles its own kernels (prefill runs verify steps of width 5).
+COMPILED_WIDTHS = (1, 2, 3, 4, 5)
+
+
+def resolve_engine(device: str, engine: str = "auto") -> str:
+    """The engine ``auto`` stands for on ``device`` (``compiled`` on cuda, ``reference`` on cpu); other names
+    are returned unchanged once checked.
+
+    Raises:
+        Ds4cError: an unknown device or engine, ``compiled`` on the cpu, ``cuda`` without a CUDA device.
+    """
+    if device not in DEVICES:
+        raise Ds4cError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    if engine not in ENGINES:
+        raise Ds4cError(f"unknown engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if engine == "compiled" and device != "cuda":
+        raise Ds4cError("--engine compiled runs on --device cuda only")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if engine == "auto":
+        return "compiled" if device == "cuda" else "reference"
+    return engine
+
+
+def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
+                max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None) -> Any:
+    """Open the stepper that runs ``mf`` on ``device``.
+
+    Args:
+        mf: the opened model file. With ``quant_emulation=False`` and the compiled engine, ``mf.config`` is
+            replaced by the config without emulation (the compiled step reads the config from the file object).
+        device: ``"cpu"`` or ``"cuda"``.
+        engine: ``"auto"``, ``"reference"`` or ``"compiled"`` (see the module docstring).
+        artifact: compiled engine only: a ``ds4c compile`` folder; its buckets (``manifest_buckets``) are
+            served, so nothing is compiled and the context is the artifact's ``max_ctx``.
+        max_ctx: positions the sequence state holds (the reference's ``max_ctx``; the compiled step's buckets
+            cover it). ``None``: the artifact's ``max_ctx`` with an artifact, else 4096, at most the model's
+            context length. With an artifact a larger value than the artifact's is an error.
+        quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (spec); off for comparing with ports.
+        threads: ``torch.set_num_threads`` for the CPU reference (process-wide); ``None`` leaves torch's setting.
+
+    Returns:
+        a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep`; its ``max_ctx``
+        is the context it serves.
+
+    Raises:
+        Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
+            the cpu, an artifact with the reference engine, ``threads`` < 1, ``max_ctx`` outside the model's
+            context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
+            does not serve this model: ``ArtifactError``).
+    """
+    name = resolve_engine(device, engine)
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise Ds4cError(f"threads must be an int >= 1, found {threads!r}")
+    limit = mf.config.max_position
+    if max_ctx is not None:
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= limit:
+            raise Ds4cError(f"max_ctx must be an int in 1..{limit} (the model's context length), found {max_ctx!r}")
+    if name == "compiled":
+        from ds4c.buckets import BucketSpec
+        from ds4c.runtime.executor import CompiledStep, device_arch
+
+        cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)
+        mf.config = cfg
+        if artifact is not None:
+            from ds4c.runtime.artifact import load_manifest, manifest_buckets
+
+            buckets = manifest_buckets(load_manifest(artifact))
+            if max_ctx is not None and max_ctx > buckets.max_ctx:
+                raise Ds4cError(f"max_ctx {max_ctx} exceeds the artifact's max_ctx {buckets.max_ctx} ({artifact}); "
+                                f"compile the artifact with a larger --max-ctx or ask for less")
+        else:
+            buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
+        return CompiledStep(mf, buckets, device_arch(), artifact=None if artifact is None else str(artifact))
+    if artifact is not None:
+        raise Ds4cError("--artifact is used only by the compiled engine (--device cuda, --engine auto|compiled)")
+    from ds4c.reference import Reference, ReferenceWeights
+
+    if threads is not None and device == "cpu":
+        torch.set_num_threads(threads)
+    weights = ReferenceWeights.load(mf, device)
+    if not quant_emulation:
+        weights.config = weights.config.replace(quant_emulation=False)
+    return Reference(weights, max_ctx=min(max_ctx or 4096, limit))
