@@ -200,6 +200,13 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               f"{DEFAULT_PROMPT!r} (or ids {DEFAULT_PROMPT_IDS} on a file without tokenizer).")
 @click.option("--prompt-file", default=None, metavar="FILE", help="Read the prompt text from this UTF-8 file.")
 @click.option("--prompt-ids", default=None, metavar="IDS", help="Comma-separated prompt token ids (prints ids).")
+@click.option("--chat", "chat", default=None, metavar="MESSAGE",
+              help="A user message, rendered with the file's tokenizer.chat_template (generation prompt added).")
+@click.option("--system", "system", default=None, metavar="TEXT", help="With --chat: a system message first.")
+@click.option("--think/--no-think", "think", default=None,
+              help="With --chat: the template's thinking switch (default: the template's own).")
+@click.option("--reasoning-effort", default=None, metavar="LEVEL",
+              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
@@ -218,6 +225,7 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
+                 chat: str | None, system: str | None, think: bool | None, reasoning_effort: str | None,
                  max_new_tokens: int, device: str, temperature: float, top_k: int, top_p: float, seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool, engine: str,
                  artifact: str | None, as_json: bool) -> None:
@@ -230,10 +238,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     from ds4c.gguf_file import open_model
     from ds4c.tokenizer import has_tokenizer
 
-    given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
-             if v is not None]
+    given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids),
+                            ("--chat", chat)) if v is not None]
     if len(given) > 1:
-        raise Ds4cError(f"give one of --prompt, --prompt-file, --prompt-ids; found {' and '.join(given)}")
+        raise Ds4cError(f"give one of --prompt, --prompt-file, --prompt-ids, --chat; found {' and '.join(given)}")
+    if chat is None and (system is not None or think is not None or reasoning_effort is not None):
+        raise Ds4cError("--system, --think/--no-think and --reasoning-effort go with --chat MESSAGE")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        ([{"role": "user", "content": chat}] if chat is not None else [])
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     if not math.isfinite(temperature):
         raise click.BadParameter(f"expected a finite number >= 0, found {temperature}", param_hint="--temperature")
@@ -250,6 +262,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
     limit = mf.config.max_position
+    if messages:  # the rendered template is known once the model's tokenizer is: bound the context generously
+        text = "".join(m["content"] for m in messages) + "x" * 1024
     if ids is None and text is None:
         if has_tokenizer(mf.metadata):
             text = DEFAULT_PROMPT
@@ -271,6 +285,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     model = Model(mf, device=device, artifact=artifact, max_ctx=None if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads)
     load_s = time.perf_counter() - t0
+    if messages:
+        text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
     ids = model.prompt_ids(prompt_arg)
     if len(ids) + max_new_tokens > limit:

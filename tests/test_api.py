@@ -471,3 +471,24 @@ def test_cli_bad_inputs(tmp_path, tiny_path):
     assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "a", "--max-new-tokens", "70000"),
                       "--max-new-tokens 70000", "context length 65536")
     assert not (tmp_path / "models").exists()  # an explicit file never creates the default model
+
+
+def test_cli_chat_renders_the_template(tmp_path, tiny_path, model):
+    """--chat/--system/--think/--reasoning-effort go through the file's chat template: the prompt ids are the
+    rendered conversation, and the reply equals Model.chat's."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want = model.chat(msgs, max_new_tokens=6, thinking=True, reasoning_effort="max")
+    r = run(tmp_path, "generate", tiny_path, "--chat", "Hi there", "--system", "Be brief.", "--think",
+            "--reasoning-effort", "max", "--max-new-tokens", "6", "--json")
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)
+    rendered = model.detokenize(rec["prompt"])
+    assert rendered == model.apply_chat_template(msgs, thinking=True, reasoning_effort="max")
+    assert "<｜User｜>Hi there" in rendered and "Be brief." in rendered and "Reasoning Effort: max" in rendered
+    assert rendered.endswith("<｜Assistant｜><think>")
+    assert rec["tokens"] == want.ids and rec["text"] == want.text
+    no_think = json.loads(run(tmp_path, "generate", tiny_path, "--chat", "Hi there", "--no-think",
+                              "--max-new-tokens", "1", "--json").stdout)
+    assert model.detokenize(no_think["prompt"]).endswith("<｜Assistant｜></think>")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--prompt", "x"), "give one of")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--system", "x"), "go with --chat")
