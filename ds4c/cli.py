@@ -262,9 +262,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
     limit = mf.config.max_position
-    if messages:  # the rendered template is known once the model's tokenizer is: bound the context generously
-        text = "".join(m["content"] for m in messages) + "x" * 1024
-    if ids is None and text is None:
+    if ids is None and text is None and not messages:
         if has_tokenizer(mf.metadata):
             text = DEFAULT_PROMPT
         else:
@@ -281,7 +279,11 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         if 1 + max_new_tokens > limit:
             raise Ds4cError(f"the prompt (at least 1 token) + --max-new-tokens {max_new_tokens} exceed the model's "
                             f"context length {limit}")
-        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)  # a token is >= 1 byte, + bos
+        # a token is >= 1 byte, + bos; a chat prompt is rendered once the model's tokenizer exists: allow the
+        # template 1 KiB around the messages (the rendered prompt is checked against max_ctx below)
+        n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
+            len(text.encode("utf-8"))
+        need = min(limit, n_bytes + 1 + max_new_tokens)
     model = Model(mf, device=device, artifact=artifact, max_ctx=None if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads)
     load_s = time.perf_counter() - t0

@@ -114,12 +114,11 @@ class ModelFile:
                                              vocab_size=None if emb is None else int(emb.shape.tolist()[-1]))
         except ConfigError as e:
             raise ModelFileError(str(e)) from None
-        self.legacy_names = [old for old, new in legacy_names(self.config).items()
-                             if old in self._tensors and new not in self._tensors]
+        aliases = legacy_names(self.config)
+        self.legacy_names = [old for old, new in aliases.items() if old in self._tensors and new not in self._tensors]
         """Tensors found under their ds4c 0.1 names (read under the converter's names, :data:`legacy_names`)."""
-        for old, new in legacy_names(self.config).items():
-            if old in self.legacy_names:
-                self._tensors[new] = self._tensors[old]
+        for old in self.legacy_names:
+            self._tensors[aliases[old]] = self._tensors[old]
         self.specs = {s.name: s for s in tensor_specs(self.config)}
         self._validate(size)
 

@@ -691,9 +691,9 @@ def _validate_launch(c: _Schema, ld: Any, w: str, bins: dict[str, Any]) -> None:
     for f in ("key", "entry", "kernel"):
         if ld[f] != rec[f]:
             c.fail(f"{w}.{f}", f"the binary's {f} {_short(rec[f], 30)}", ld[f])
-    if len(weight_formats(ld["args"], {})) != len(rec["weights"]):
-        c.fail(f"{w}.args", f"{len(rec['weights'])} weight arguments (as the binary records)",
-               len(weight_formats(ld["args"], {})))
+    n_weights = len(weight_formats(ld["args"], {}))
+    if n_weights != len(rec["weights"]):
+        c.fail(f"{w}.args", f"{len(rec['weights'])} weight arguments (as the binary records)", n_weights)
 
 
 def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
