@@ -147,6 +147,8 @@ class Model:
         engine: ``"auto"`` (compiled on cuda, reference on cpu), ``"reference"`` or ``"compiled"``.
         quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (off for comparing with ports).
         threads: torch CPU threads for the reference (``torch.set_num_threads``, process-wide).
+        dataflow: the reference's activation rounding, ``"bf16"`` (the spec) or ``"fp32"`` (as ports that keep
+            fp32 activations; see :class:`~ds4c.reference.Reference`).
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -160,7 +162,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
-                 quant_emulation: bool = True, threads: int | None = None):
+                 quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16"):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -179,7 +181,7 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
-                                   quant_emulation=quant_emulation, threads=threads)
+                                   quant_emulation=quant_emulation, threads=threads, dataflow=dataflow)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 

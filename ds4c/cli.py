@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from ds4c import __version__
+from ds4c.config import PRESETS
 from ds4c.errors import Ds4cError
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
@@ -76,12 +77,13 @@ def main() -> None:
 
 # ------------------------------------------------------------------------------------------------------
 @main.command("make-model")
-@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default="tiny",
+@click.option("--preset", "preset_name", type=click.Choice(list(PRESETS)), default="tiny",
               show_default=True, help="Model dimensions.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Random seed of the weights.")
-@click.option("--formats", type=click.Choice(["official", "bf16"]), default="official", show_default=True,
-              help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32.")
+@click.option("--formats", type=click.Choice(["official", "bf16", "f32"]), default="official", show_default=True,
+              help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
+                   "F32 (the same model, for exact comparisons with other engines, docs/interop.md).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
 def make_model_cmd(preset_name: str, seed: int, formats: str, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
@@ -109,14 +111,16 @@ def info_cmd(file: str | None, as_json: bool) -> None:
     """Print the config, the kind of every layer, and tensor counts and bytes per type."""
     from ds4c.gguf_file import open_model
 
-    mf = open_model(_model_path(file))
+    mf = open_model(_model_path(file), allow_mtp_only=True)
     cfg = mf.config
-    layers = [{"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
-               "router": "hash" if cfg.is_hash_layer(i) else "scored"} for i in range(cfg.n_layers)]
+    layers = [] if mf.mtp_only else [
+        {"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
+         "router": "hash" if cfg.is_hash_layer(i) else "scored"} for i in range(cfg.n_layers)]
     by_type = mf.weight_bytes_by_type()
+    mtp = _mtp_summary(mf)
     if as_json:
         click.echo(json.dumps({"file": str(mf.path), "file_type": mf.file_type, "tokenizer": _tokenizer_summary(mf),
-                               "extra_tensors": mf.extra_tensors,
+                               "mtp": mtp, "extra_tensors": mf.extra_tensors,
                                "legacy_names": mf.legacy_names, "config": cfg.model_dict(), "config_hash": cfg.hash(),
                                "layers": layers, "tensors": {k: {"count": n, "bytes": b}
                                                              for k, (n, b) in by_type.items()}}))
@@ -130,6 +134,12 @@ def info_cmd(file: str | None, as_json: bool) -> None:
                                 f"eos {tok['eos']}, {tok['n_special']} special, chat template "
                                 f"{'present' if tok['chat_template'] else 'absent'}" if tok else
                                 "none (ids only: --prompt-ids)"))
+    if mtp:
+        click.echo(("MTP-only file (convert --mtp; the speculative-decoding draft of a "
+                    f"{cfg.n_layers}-layer trunk, not a model): " if mtp["mtp_only"] else "MTP: ")
+                   + "; ".join(f"blk.{b['block']} nextn ({b['n_tensors']} tensors, {b['bytes']:,d} bytes, "
+                               f"ratio {b['compress_ratio']}): " + ", ".join(f"{k} {t}" for k, t in b["nextn"].items())
+                               for b in mtp["blocks"]))
     if mf.legacy_names:
         click.echo(f"layout: ds4c 0.1 names for {len(mf.legacy_names)} HC tensors (read as the converter names "
                    f"them; `ds4c make-model` writes the current layout)")
@@ -137,7 +147,7 @@ def info_cmd(file: str | None, as_json: bool) -> None:
     for k, v in cfg.model_dict().items():
         if k != "compress_ratios":
             click.echo(f"  {k:20s} {v}")
-    click.echo("layers:")
+    click.echo("layers:" if layers else "layers: none (MTP-only file)")
     for li in layers:
         click.echo(f"  {li['layer']:3d}  {li['kind'].upper():3s}  ratio {li['compress_ratio']:<4d} router {li['router']}")
     click.echo("tensors by type:")
@@ -147,6 +157,21 @@ def info_cmd(file: str | None, as_json: bool) -> None:
         total_n += n
         total_b += b
     click.echo(f"  {'total':6s} {total_n:6d} tensors  {total_b:>16,d} bytes  ({total_b / 2**30:8.3f} GiB)")
+
+
+def _mtp_summary(mf) -> dict | None:
+    """What ``ds4c info`` says of the file's MTP (nextn) blocks, or None when it has none."""
+    if not mf.nextn_blocks:
+        return None
+    blocks = []
+    for b in mf.nextn_blocks:
+        specs = [s for s in mf.mtp_specs.values() if s.layer == b]
+        nextn = {s.name.split(".nextn.", 1)[1].removesuffix(".weight"): mf.ggml_type(s.name).name
+                 for s in specs if ".nextn." in s.name}
+        blocks.append({"block": b, "n_tensors": len(specs), "bytes": sum(int(mf.raw(s.name).nbytes) for s in specs),
+                       "compress_ratio": (mf.config.compress_ratios[b] if b < len(mf.config.compress_ratios) else 0),
+                       "nextn": nextn})
+    return {"mtp_only": mf.mtp_only, "blocks": blocks}
 
 
 def _tokenizer_summary(mf) -> dict | None:
@@ -219,6 +244,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--threads", type=int, default=None, help="CPU threads of the reference (default: torch's).")
 @click.option("--no-quant-emulation", is_flag=True,
               help="Turn off activation FP8, KV FP8 and indexer FP4 emulation (for comparing with ports).")
+@click.option("--dataflow", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Reference engine: activations and KV rounded to bf16 between operations (the spec), or kept "
+                   "fp32 as llama.cpp does (token-exact comparisons, docs/interop.md).")
 @click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
               help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
 @click.option("--artifact", type=click.Path(file_okay=False), default=None,
@@ -227,8 +255,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
                  chat: str | None, system: str | None, think: bool | None, reasoning_effort: str | None,
                  max_new_tokens: int, device: str, temperature: float, top_k: int, top_p: float, seed: int,
-                 stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool, engine: str,
-                 artifact: str | None, as_json: bool) -> None:
+                 stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
+                 dataflow: str, engine: str, artifact: str | None, as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
     cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
     import time
@@ -258,7 +286,9 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     if any(not s for s in stops):
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
-    resolve_engine(device, engine)  # device / engine errors before a model is opened
+    if resolve_engine(device, engine) == "compiled" and dataflow != "bf16":  # errors before a model is opened
+        raise Ds4cError("--dataflow fp32 is the reference engine's only (the compiled step keeps the spec's bf16 "
+                        "activations): add --engine reference")
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
     limit = mf.config.max_position
@@ -285,7 +315,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
             len(text.encode("utf-8"))
         need = min(limit, n_bytes + 1 + max_new_tokens)
     model = Model(mf, device=device, artifact=artifact, max_ctx=None if artifact else need, engine=engine,
-                  quant_emulation=not no_quant_emulation, threads=threads)
+                  quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow)
     load_s = time.perf_counter() - t0
     if messages:
         text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
@@ -305,7 +335,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         res = c.result
         if as_json:
             rec = {"model": str(mf.path), "device": device, "engine": model.engine, "temperature": temperature,
-                   "top_k": top_k, "top_p": top_p, "seed": seed, "load_s": load_s, **res.as_dict(), "text": c.text}
+                   "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
+                   "dataflow": dataflow, "load_s": load_s, **res.as_dict(), "text": c.text}
             click.echo(json.dumps(rec))
             return
         click.echo(f"prompt: {ids}")
@@ -331,7 +362,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 # ------------------------------------------------------------------------------------------------------
 @main.command("inspect-ir")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
-@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default=None,
+@click.option("--preset", "preset_name", type=click.Choice(list(PRESETS)), default=None,
               help="Inspect a preset's step without a model file (weight bytes then assume official formats).")
 @click.option("--width", type=click.IntRange(1, 5), default=1, show_default=True, help="Step width q.")
 @click.option("--max-ctx", type=click.IntRange(min=1), default=4096, show_default=True)
@@ -418,7 +449,7 @@ def _parse_ints(text: str, hint: str) -> list[int]:
 
 @main.command("compile")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
-@click.option("--preset", "preset_name", type=click.Choice(["tiny", "flash-l4", "flash"]), default=None,
+@click.option("--preset", "preset_name", type=click.Choice(list(PRESETS)), default=None,
               help="Compile a preset's model without a model file.")
 @click.option("--arch", "archs", required=True, help="Comma-separated target archs, e.g. sm_90,gfx1151.")
 @click.option("--widths", default="1,2,3,4,5", show_default=True, help="Comma-separated verify widths (1..5).")

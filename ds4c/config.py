@@ -10,6 +10,8 @@ Presets:
   HCA scored, CSA scored.
 * ``tiny``: small widths for tests, 6 layers in the official pattern (2 SWA hash, CSA hash, HCA, CSA, HCA),
   HCA ratio 16 instead of 128 so flushes happen within a few dozen tokens.
+* ``tiny-128``: ``tiny`` with the official HCA ratio 128, ratios (0, 0, 4, 128, 4, 128): the compress ratios
+  llama.cpp's loader accepts, for running one file in both engines (docs/interop.md); 16 indexer heads.
 """
 
 from __future__ import annotations
@@ -219,11 +221,19 @@ def _tiny() -> Ds4Config:
     )
 
 
-PRESETS = {"flash": _flash, "flash-l4": _flash_l4, "tiny": _tiny}
+def _tiny_128() -> Ds4Config:
+    # llama.cpp's deepseek4 loader accepts compress ratios 0, 4 and 128 only: tiny widths, the official ratios.
+    # 16 indexer heads instead of 4: a block's indexer score is a sum of per-head ReLUs, exactly 0 for about one
+    # block in 2^heads; at the top-k boundary such ties are broken by index (the spec: lower first) and
+    # llama.cpp's top-k breaks them otherwise, so with 4 heads the engines pick different blocks now and then
+    return _tiny().replace(compress_ratios=(0, 0, 4, 128, 4, 128), index_n_heads=16, name="tiny-128")
+
+
+PRESETS = {"flash": _flash, "flash-l4": _flash_l4, "tiny": _tiny, "tiny-128": _tiny_128}
 
 
 def preset(name: str) -> Ds4Config:
-    """Return the named preset (``flash``, ``flash-l4``, ``tiny``).
+    """Return the named preset (``flash``, ``flash-l4``, ``tiny``, ``tiny-128``).
 
     Raises:
         ConfigError: for an unknown name, listing the known ones.

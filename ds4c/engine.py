@@ -50,7 +50,8 @@ def resolve_engine(device: str, engine: str = "auto") -> str:
 
 
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
-                max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None) -> Any:
+                max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
+                dataflow: str = "bf16") -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -65,6 +66,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             context length. With an artifact a larger value than the artifact's is an error.
         quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (spec); off for comparing with ports.
         threads: ``torch.set_num_threads`` for the CPU reference (process-wide); ``None`` leaves torch's setting.
+        dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
+            :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
 
     Returns:
         a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep`; its ``max_ctx``
@@ -72,7 +75,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
     Raises:
         Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
-            the cpu, an artifact with the reference engine, ``threads`` < 1, ``max_ctx`` outside the model's
+            the cpu, an artifact with the reference engine, ``dataflow="fp32"`` with the compiled engine or an
+            unknown dataflow, ``threads`` < 1, ``max_ctx`` outside the model's
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
             does not serve this model: ``ArtifactError``).
     """
@@ -84,6 +88,11 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
     if max_ctx is not None:
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= limit:
             raise Ds4cError(f"max_ctx must be an int in 1..{limit} (the model's context length), found {max_ctx!r}")
+    if dataflow not in ("bf16", "fp32"):
+        raise Ds4cError(f"dataflow must be 'bf16' or 'fp32', found {dataflow!r}")
+    if name == "compiled" and dataflow != "bf16":
+        raise Ds4cError("the fp32 dataflow is the reference's only (the compiled step keeps the spec's bf16 "
+                        "activations): use --engine reference")
     if name == "compiled":
         from ds4c.buckets import BucketSpec
         from ds4c.runtime.executor import CompiledStep, device_arch
@@ -106,7 +115,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
     if threads is not None and device == "cpu":
         torch.set_num_threads(threads)
-    weights = ReferenceWeights.load(mf, device)
+    weights = ReferenceWeights.load(mf, device, dataflow=dataflow)
     if not quant_emulation:
         weights.config = weights.config.replace(quant_emulation=False)
-    return Reference(weights, max_ctx=min(max_ctx or 4096, limit))
+    return Reference(weights, max_ctx=min(max_ctx or 4096, limit), dataflow=dataflow)

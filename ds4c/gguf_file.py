@@ -26,7 +26,8 @@ from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tempfiles import OwnedTemp, remove_stale
-from ds4c.tensors import ACCEPTED_TYPES, TensorSpec, legacy_names, tensor_specs
+from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
+                          tensor_specs)
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
@@ -80,14 +81,18 @@ class ModelFile:
         config: the :class:`Ds4Config` read from its metadata.
         metadata: every metadata key -> python value.
         specs: ``name -> TensorSpec`` of the tensors the model needs (extra tensors in the file are ignored).
+        nextn_blocks, mtp_specs, mtp_only: the MTP (nextn) blocks of a ``--mtp`` conversion, if any.
+
+    Args:
+        allow_mtp_only: open an MTP-only file (only ``ds4c info`` and the draft loader want that).
 
     Raises (from the constructor):
         ModelFileError: the file is missing, not GGUF, truncated, of another architecture, or a needed
             tensor is missing, mis-shaped or of a type its role does not allow. The message names the
-            tensor, what was expected and what was found.
+            tensor, what was expected and what was found. Also an MTP-only file unless ``allow_mtp_only``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], allow_mtp_only: bool = False):
         self.path = Path(path)
         if not self.path.exists():
             raise ModelFileError(f"{self.path}: no such model file")
@@ -109,27 +114,67 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: expected general.architecture = {ARCH!r}, found {arch!r}")
         self._tensors = {t.name: t for t in self._reader.tensors}
         emb = self._tensors.get("token_embd.weight")
+        meta, n_nextn = self._trunk_metadata()
         try:
-            self.config = from_gguf_metadata(self.metadata, source=str(self.path),
+            self.config = from_gguf_metadata(meta, source=str(self.path),
                                              vocab_size=None if emb is None else int(emb.shape.tolist()[-1]))
         except ConfigError as e:
             raise ModelFileError(str(e)) from None
-        aliases = legacy_names(self.config)
+        cfg = self.config
+        self.nextn_blocks = list(range(cfg.n_layers, cfg.n_layers + n_nextn))
+        """Block ids of the MTP (nextn) blocks the file holds (``[]`` for a file without them)."""
+        self.mtp_only = bool(self.nextn_blocks) and "blk.0.attn_norm.weight" not in self._tensors
+        """True for an MTP-only file (the converter's ``--mtp`` export): the nextn blocks and the shared
+        embedding/head, no trunk layers; it serves as the draft of the main model, never as a model."""
+        if self.mtp_only and not allow_mtp_only:
+            raise ModelFileError(
+                f"{self.path}: expected a DeepSeek-V4 model, found an MTP-only GGUF (llama.cpp's convert --mtp): "
+                f"it holds the nextn block{'s' if n_nextn > 1 else ''} "
+                f"{', '.join(f'blk.{b}' for b in self.nextn_blocks)} and the shared embedding and head but no "
+                f"trunk layers; open the main model file (this one is a speculative-decoding draft)")
+        aliases = legacy_names(cfg)
         self.legacy_names = [old for old, new in aliases.items() if old in self._tensors and new not in self._tensors]
         """Tensors found under their ds4c 0.1 names (read under the converter's names, :data:`legacy_names`)."""
         for old in self.legacy_names:
             self._tensors[aliases[old]] = self._tensors[old]
-        self.specs = {s.name: s for s in tensor_specs(self.config)}
-        self._validate(size)
+        trunk = root_tensor_specs(cfg) if self.mtp_only else tensor_specs(cfg)
+        self.specs = {s.name: s for s in trunk}
+        self.mtp_specs = {s.name: s for b in self.nextn_blocks
+                          for s in nextn_tensor_specs(cfg, b) + [o for o in nextn_tensor_specs(cfg, b, optional=True)
+                                                                 if o.name in self._tensors]}
+        """``name -> TensorSpec`` of the MTP blocks' tensors present in the file (read by speculative decoding;
+        validated like the trunk's)."""
+        self._validate(size, self.specs)
+        self._validate(size, self.mtp_specs)
+
+    def _trunk_metadata(self) -> tuple[dict[str, Any], int]:
+        """The metadata with ``block_count`` reduced to the trunk, and the number of MTP blocks.
+
+        A file of the converter's ``--mtp`` export counts its MTP block in ``block_count`` and says how many
+        with ``deepseek4.nextn_predict_layers``; like llama.cpp's loader, the blocks count only when the first
+        one's ``nextn.eh_proj`` is present.
+        """
+        key, n = f"{ARCH}.nextn_predict_layers", self.metadata.get(f"{ARCH}.nextn_predict_layers", 0)
+        blocks = self.metadata.get(f"{ARCH}.block_count")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n and (not isinstance(blocks, int) or n >= blocks)):
+            raise ModelFileError(f"{self.path}: expected {key} in 0..block_count-1, found {n!r} "
+                                 f"(block_count {blocks!r})")
+        if n == 0 or f"blk.{blocks - n}.nextn.eh_proj.weight" not in self._tensors:
+            return self.metadata, 0
+        return {**self.metadata, f"{ARCH}.block_count": blocks - n}, n
 
     # ----------------------------------------------------------------------------------------------
-    def _validate(self, file_size: int) -> None:
-        for name, spec in self.specs.items():
+    def _validate(self, file_size: int, specs: dict[str, TensorSpec]) -> None:
+        for name, spec in specs.items():
             t = self._tensors.get(name)
             if t is None:
+                nextn = sorted({n.split(".nextn.")[0] for n in self._tensors if ".nextn." in n})
+                hint = (f"; the file holds MTP tensors of {', '.join(nextn)}: an MTP file whose "
+                        f"{ARCH}.nextn_predict_layers ({self.metadata.get(f'{ARCH}.nextn_predict_layers')!r}) "
+                        f"does not count its nextn blocks?" if nextn and name not in self.mtp_specs else "")
                 raise ModelFileError(f"{self.path}: missing tensor {name!r} (expected shape {list(spec.shape)} "
                                      f"in torch order, role {spec.role}; names as llama.cpp's converter "
-                                     f"writes them)")
+                                     f"writes them{hint})")
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             if shape != spec.shape:
                 hint = ""
@@ -167,7 +212,7 @@ class ModelFile:
         I32 tensors come back as int64. Raises ModelFileError for an unknown name.
         """
         t = self._get(name)
-        spec = self.specs.get(name)
+        spec = self.specs.get(name) or self.mtp_specs.get(name)
         shape = spec.shape if spec else tuple(int(x) for x in reversed(t.shape.tolist()))
         if int(t.tensor_type) == int(GGMLType.I32):
             return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(shape)
@@ -176,7 +221,10 @@ class ModelFile:
     def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert ``e`` of the 3-d expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in]."""
         t = self._get(name)
-        shape = self.specs[name].shape
+        spec = self.specs.get(name) or self.mtp_specs.get(name)
+        if spec is None or len(spec.shape) != 3:
+            raise ModelFileError(f"{self.path}: {name!r} is not an expert tensor of this model")
+        shape = spec.shape
         if not 0 <= e < shape[0]:
             raise ModelFileError(f"{name}: expert index {e} out of range 0..{shape[0] - 1}")
         return dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), shape[1:], dtype=dtype)
@@ -192,9 +240,9 @@ class ModelFile:
 
     @property
     def extra_tensors(self) -> list[str]:
-        """Tensors of the file the model does not read (e.g. the converter's ``exp_probs_b_vl`` image-token
-        routing bias, MTP/nextn tensors of a ``--mtp`` conversion), in file order."""
-        used = set(self.specs) | set(self.legacy_names)
+        """Tensors of the file neither the model nor its MTP blocks read (e.g. the converter's
+        ``exp_probs_b_vl`` image-token routing bias), in file order."""
+        used = set(self.specs) | set(self.mtp_specs) | set(self.legacy_names)
         return [t.name for t in self._reader.tensors if t.name not in used]
 
     @property
@@ -219,9 +267,10 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
 
 
-def open_model(path: str | os.PathLike[str]) -> ModelFile:
-    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`)."""
-    return ModelFile(path)
+def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
+    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`); an MTP-only file (the converter's
+    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``."""
+    return ModelFile(path, allow_mtp_only=allow_mtp_only)
 
 
 # --------------------------------------------------------------------------------------------------

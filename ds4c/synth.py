@@ -118,8 +118,9 @@ def _matrix(rng: np.random.Generator, spec: TensorSpec, t: GGMLType, std: float)
         rows = min(_ROWS_PER_CHUNK, rows_total - r0)
         if spec.role in (ROLE_FP8, ROLE_FP4):
             yield _quant_rows(rng, spec.role, rows, k, std, t)
-        else:
-            yield _as_type(_normal_rows(rng, rows, k, std), t)
+        else:  # BF16 in the checkpoint: bf16 values, whatever type stores them
+            x = _normal_rows(rng, rows, k, std)
+            yield _as_type(torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).float().numpy(), t)
 
 
 def _small(cfg: Ds4Config, spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:

@@ -43,6 +43,10 @@ FORMATS: dict[str, dict[str, GGMLType]] = {
                  ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
     "bf16": {ROLE_FP8: GGMLType.BF16, ROLE_FP4: GGMLType.BF16, ROLE_BF16: GGMLType.BF16,
              ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+    # every float tensor F32: the same model with no rounding in any engine's weight products (llama.cpp
+    # quantizes activations to Q8_0 for Q8_0/MXFP4 weights and to bf16 for BF16 ones); for exact comparisons
+    "f32": {ROLE_FP8: GGMLType.F32, ROLE_FP4: GGMLType.F32, ROLE_BF16: GGMLType.F32,
+            ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
 }
 
 
@@ -126,6 +130,39 @@ def layer_tensor_specs(cfg: Ds4Config, layer: int) -> list[TensorSpec]:
     add("ffn_up_shexp.weight", (F, D), ROLE_FP8)
     add("ffn_down_shexp.weight", (D, F), ROLE_FP8)
     return out
+
+
+def nextn_tensor_specs(cfg: Ds4Config, block: int, optional: bool = False) -> list[TensorSpec]:
+    """The tensors of the MTP (nextn) block ``block`` (``blk.<block>.*``, ``block >= cfg.n_layers``) as
+    llama.cpp's converter writes them for a ``--mtp`` conversion: a whole transformer block (HC, attention,
+    MoE; compress ratio ``compress_ratios[block]`` when the array reaches that far, else 0) plus
+    ``nextn.eh_proj`` ``[D, 2D]`` (the official e_proj and h_proj concatenated along the input; Q8_0),
+    ``nextn.enorm``, ``nextn.hnorm`` and ``nextn.shared_head_norm`` (F32 gains, spec section 7).
+
+    Args:
+        optional: list instead the tensors llama.cpp's loader treats as optional (``nextn.embed_tokens`` and
+            ``nextn.shared_head_head`` ``[vocab, D]``; the converter writes neither, the block shares the
+            trunk's embedding and head).
+    """
+    D = cfg.hidden_size
+    p = f"blk.{block}.nextn."
+    if optional:
+        return [TensorSpec(p + "embed_tokens.weight", (cfg.vocab_size, D), ROLE_BF16, block),
+                TensorSpec(p + "shared_head_head.weight", (cfg.vocab_size, D), ROLE_BF16, block)]
+    ratio = cfg.compress_ratios[block] if block < len(cfg.compress_ratios) else 0
+    body = layer_tensor_specs(cfg.replace(compress_ratios=tuple(cfg.compress_ratios[:block]) + (ratio,)), block)
+    return body + [
+        TensorSpec(p + "eh_proj.weight", (D, 2 * D), ROLE_FP8, block),
+        TensorSpec(p + "enorm.weight", (D,), ROLE_NORM, block),
+        TensorSpec(p + "hnorm.weight", (D,), ROLE_NORM, block),
+        TensorSpec(p + "shared_head_norm.weight", (D,), ROLE_NORM, block),
+    ]
+
+
+def root_tensor_specs(cfg: Ds4Config) -> list[TensorSpec]:
+    """The tensors outside the blocks (embedding, output HC, norm and head): those an MTP-only file of the
+    converter's ``--mtp`` export shares with the trunk."""
+    return [s for s in tensor_specs(cfg) if s.layer < 0]
 
 
 def tensor_specs(cfg: Ds4Config) -> list[TensorSpec]:

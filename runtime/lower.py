@@ -446,6 +446,22 @@ FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "m
              "moe_experts": "experts"}
 
 
+EXPERT_FORMATS = (GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.BF16)
+
+
+def check_expert_formats(types: dict[str, GGMLType]) -> None:
+    """The experts kernels read routed and shared expert weights stored as MXFP4, Q8_0 or BF16.
+
+    Raises:
+        LoweringError: naming the first expert tensor stored otherwise (e.g. an ``--formats f32`` model).
+    """
+    for name, t in types.items():
+        if ("_exps." in name or "_shexp." in name) and t not in EXPERT_FORMATS:
+            raise LoweringError(f"the compiled step reads expert weights stored as MXFP4, Q8_0 or BF16; {name} is "
+                                f"{t.name} (an --formats f32 model runs on the reference only: make it with "
+                                f"--formats official or bf16 to compile it)")
+
+
 def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
                 weight_types: dict[str, GGMLType] | None = None) -> list[LoweredKernel]:
     """The launches of every plan kernel of ``g`` (after the default pipeline) for ``target``.
@@ -459,6 +475,7 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
     if "partition" not in g.meta.get("passes", ()):
         raise LoweringError("lower_graph needs a partitioned graph (run the default pipeline first)")
     types = weight_types or {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+    check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)
     out: list[LoweredKernel] = []
     seen: dict[str, int] = {}

@@ -89,7 +89,7 @@ def test_unknown_preset():
 
 
 def test_presets_are_fresh_equal_objects():
-    assert set(PRESETS) == {"flash", "flash-l4", "tiny"}
+    assert set(PRESETS) == {"flash", "flash-l4", "tiny", "tiny-128"}
     for name in PRESETS:
         assert preset(name) == preset(name)
         assert preset(name).hash() == preset(name).hash()

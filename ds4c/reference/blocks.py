@@ -52,7 +52,7 @@ def finish_compressed_row(cvec: torch.Tensor, norm: torch.Tensor, p: int, r: int
     """Post-processing of a flushed vector (spec 5.3): RMSNorm (bf16), RoPE at the block's first position
     ``p + 1 - r``; then Hadamard + FP4 fake-quant (indexer) or FP8 fake-quant of the first ``nope`` dims.
     Returns bf16 [d]."""
-    c = P.rms_norm(cvec.to(BF16), norm, eps)
+    c = P.rms_norm(cvec.to(P.act_dtype()), norm, eps)
     c = P.apply_rope(c.unsqueeze(0), torch.tensor([p + 1 - r], device=c.device), freqs)[0]
     if indexer:
         c = P.hadamard(c)
@@ -113,7 +113,7 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     h = P.clamped_swiglu(g, u, limit)
     if weight is not None:
         h = weight * h
-    return P.linear_q(h.to(BF16), w2, emulate)
+    return P.linear_q(h.to(P.act_dtype()), w2, emulate)
 
 
 def routed_sum(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,

@@ -498,6 +498,9 @@ class CompiledReference(Reference):
     def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, mode: str = "default",
                  dynamic: bool | None = None, backend: str = "inductor", span_bucket: int = 64,
                  options: dict | None = None, batch_rows: bool = True):
+        if weights.dataflow != "bf16":
+            raise StepError(f"the compiled reference runs the spec's bf16 dataflow; these weights were loaded for "
+                            f"{weights.dataflow!r} (use the eager Reference)")
         super().__init__(weights, max_ctx)
         if span_bucket < 1:
             raise StepError(f"span_bucket must be >= 1, found {span_bucket}")

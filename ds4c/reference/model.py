@@ -37,9 +37,30 @@ class Reference:
         ref.reset()                                # next sequence
 
     After a verify step, :meth:`rollback` keeps any prefix of its rows; the next step commits it.
+
+    Args:
+        weights: the loaded weights (their ``config.quant_emulation`` decides the FP8/FP4 emulation).
+        max_ctx: positions the sequence state holds.
+        dataflow: ``"bf16"``: activations and KV rounded to bf16 between operations as the official
+            checkpoint runs (the spec); ``"fp32"``: no rounding between operations, fp32 KV and the unrounded
+            ``wo_a`` (weights loaded with ``dataflow="fp32"``), the arithmetic of ports that keep fp32
+            activations (llama.cpp with an F32 KV cache), for token-exact comparisons with them
+            (docs/interop.md). ``None``: the weights' dataflow. Not a model property; the compiled step is
+            bf16 only.
+
+    Raises:
+        StepError: an unknown ``dataflow`` or one the weights were not loaded for, ``max_ctx`` outside
+            1..max_position.
     """
 
-    def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096):
+    def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, dataflow: str | None = None):
+        dataflow = weights.dataflow if dataflow is None else dataflow
+        if dataflow not in P.DATAFLOWS:
+            raise StepError(f"dataflow must be one of {sorted(P.DATAFLOWS)}, found {dataflow!r}")
+        if dataflow != weights.dataflow:
+            raise StepError(f"dataflow {dataflow!r} needs weights loaded with ReferenceWeights.load(..., "
+                            f"dataflow={dataflow!r}); these were loaded for {weights.dataflow!r}")
+        self.dataflow = dataflow
         self.w = weights
         self.cfg: Ds4Config = weights.config
         self.device = weights.embed.device
@@ -51,12 +72,14 @@ class Reference:
             True: P.rope_freqs(cfg.rope_dim, cfg.compress_rope_theta, True, cfg.rope_factor,
                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow).to(self.device),
         }
-        self.state = SequenceState.new(cfg, max_ctx, self.device)
+        with P.dataflow(self.dataflow):
+            self.state = SequenceState.new(cfg, max_ctx, self.device)
 
     # ---------------------------------------------------------------------------------------------- API
     def reset(self) -> None:
         """Start a new sequence: every state buffer back to its initial value, pos = 0."""
-        self.state = SequenceState.new(self.cfg, self.max_ctx, self.device)
+        with P.dataflow(self.dataflow):
+            self.state = SequenceState.new(self.cfg, self.max_ctx, self.device)
 
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One decode step (q = 1) for ``token`` at position ``pos``. Returns fp32 logits [1, vocab].
@@ -91,7 +114,7 @@ class Reference:
         bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
-        with torch.no_grad():
+        with torch.no_grad(), P.dataflow(self.dataflow):
             logits = self._step(toks, pos)
         if not bool(torch.isfinite(logits).all()):
             raise StepError(f"non-finite logits at positions {pos}..{pos + q - 1}: the weights or the config "
@@ -117,7 +140,7 @@ class Reference:
         st.begin_step(q)
         tok = torch.tensor(toks, dtype=torch.int64, device=self.device)
         pos = torch.arange(p0, p0 + q, dtype=torch.int64, device=self.device)
-        e = w.embed[tok]  # 5.1: bf16 [q, D]
+        e = w.embed[tok].to(P.act_dtype())  # 5.1: bf16 [q, D] (fp32 in the fp32 dataflow)
         x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
         for i, lw in enumerate(w.layers):
             x = self._layer(i, lw, x, tok, pos, p0)
@@ -160,7 +183,7 @@ class Reference:
             if emu:
                 qi = P.fp4_fake_quant(qi, 32)
             scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-            hw = (P.linear_bf16(a, lw.idx_proj).to(F32) * scale).to(BF16)
+            hw = (P.linear_bf16(a, lw.idx_proj).to(F32) * scale).to(P.act_dtype())
         comp_in = None
         if r:  # compressor projections of every row (5.3), fp32 from the bf16 normed input
             comp_in = (P.linear_f32(a, lw.compressor.wkv), P.linear_f32(a, lw.compressor.wgate))
@@ -222,5 +245,5 @@ class Reference:
             x = b[row:row + 1]
             acc = B.routed_sum(x, ids[row], wts[row], lambda e: self.w.experts.get(i, e), cfg.swiglu_limit, emu)
             acc += B.expert_ffn(x, lw.sh_w1, lw.sh_w3, lw.sh_w2, None, cfg.swiglu_limit, emu).to(F32)
-            outs.append(acc.to(BF16))
+            outs.append(acc.to(P.act_dtype()))
         return torch.cat(outs)

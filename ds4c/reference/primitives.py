@@ -9,7 +9,9 @@ q single-row calls (the verify == sequential-decode rule of section 6 holds bit 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,28 @@ from ds4c.quant import act_quant_dequant, fp4_fake_quant, fp8_fake_quant  # noqa
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+
+# The dtype activations are rounded to between operations: bf16 as the official checkpoint runs (the spec's
+# dataflow), or fp32 for token-exact comparisons with ports that keep fp32 activations (llama.cpp's CPU and
+# CUDA backends with an F32 KV cache). Set for the duration of a step by :func:`dataflow`.
+_ACT: list[torch.dtype] = [BF16]
+DATAFLOWS = {"bf16": BF16, "fp32": F32}
+
+
+def act_dtype() -> torch.dtype:
+    """The activation dtype of the running step (``torch.bfloat16`` unless inside ``dataflow("fp32")``)."""
+    return _ACT[-1]
+
+
+@contextlib.contextmanager
+def dataflow(name: str) -> Iterator[None]:
+    """Run the enclosed reference code with activations rounded to ``DATAFLOWS[name]`` (``"bf16"``, the
+    spec's dataflow, or ``"fp32"``: no rounding between operations). Nested uses restore the outer one."""
+    _ACT.append(DATAFLOWS[name])
+    try:
+        yield
+    finally:
+        _ACT.pop()
 
 
 def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -44,7 +68,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     ``w`` is given in fp32 holding bf16-exact values. Returns bf16 [..., N].
     """
-    return matmul_rows(x.to(F32), w).to(BF16)
+    return matmul_rows(x.to(F32), w).to(act_dtype())
 
 
 def linear_q(x: torch.Tensor, w: torch.Tensor, emulate: bool = True) -> torch.Tensor:
@@ -58,7 +82,7 @@ def linear_q(x: torch.Tensor, w: torch.Tensor, emulate: bool = True) -> torch.Te
         bf16 [..., N].
     """
     xa = act_quant_dequant(x, 128) if emulate else x.to(F32)
-    return matmul_rows(xa, w).to(BF16)
+    return matmul_rows(xa, w).to(act_dtype())
 
 
 # -------------------------------------------------------------------------------------------------- P1, P2
@@ -74,9 +98,9 @@ def head_rms(q: torch.Tensor, eps: float) -> torch.Tensor:
     """P2: unweighted per-head RMS over the whole head in bf16 arithmetic (square bf16, mean with fp32
     accumulation to bf16, + eps bf16, rsqrt bf16, multiply bf16). q: bf16 [..., H, hd] -> bf16."""
     sq = q.square()  # bf16
-    ms = sq.to(F32).mean(-1, keepdim=True).to(BF16)
-    r = torch.rsqrt((ms.to(F32) + eps).to(BF16).to(F32)).to(BF16)
-    return (q.to(F32) * r.to(F32)).to(BF16)
+    ms = sq.to(F32).mean(-1, keepdim=True).to(act_dtype())
+    r = torch.rsqrt((ms.to(F32) + eps).to(act_dtype()).to(F32)).to(act_dtype())
+    return (q.to(F32) * r.to(F32)).to(act_dtype())
 
 
 # -------------------------------------------------------------------------------------------------- P5
@@ -92,7 +116,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         a, b = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(x.shape) * (n ** -0.5)).to(BF16)
+    return (y.reshape(x.shape) * (n ** -0.5)).to(act_dtype())
 
 
 # -------------------------------------------------------------------------------------------------- P6, P7
@@ -235,10 +259,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new.unsqueeze(-1))
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + p.to(BF16).to(F32) @ k
+        acc = acc * alpha.unsqueeze(-1) + p.to(act_dtype()).to(F32) @ k
         m = m_new
     l = l + torch.exp(sink - m)
-    return (acc / l.unsqueeze(-1)).to(BF16)
+    return (acc / l.unsqueeze(-1)).to(act_dtype())
 
 
 # -------------------------------------------------------------------------------------------------- P10-P12
@@ -291,14 +315,14 @@ def index_scores(qi: torch.Tensor, keys: torch.Tensor, hw: torch.Tensor, valid: 
     """
     T = keys.shape[0]
     if T == 0:
-        return torch.zeros(0, dtype=BF16, device=keys.device)
+        return torch.zeros(0, dtype=act_dtype(), device=keys.device)
     pad = -T % INDEX_TILE
     kf = torch.cat((keys, keys.new_zeros(pad, keys.shape[1]))).to(F32) if pad else keys.to(F32)
     qf = qi.to(F32)
     dots = torch.cat([qf @ kf[t:t + INDEX_TILE].T for t in range(0, kf.shape[0], INDEX_TILE)], dim=1)
-    dots = dots[:, :T].to(BF16)
-    weighted = (torch.relu(dots).to(F32) * hw.to(F32).unsqueeze(-1)).to(BF16).to(F32)
+    dots = dots[:, :T].to(act_dtype())
+    weighted = (torch.relu(dots).to(F32) * hw.to(F32).unsqueeze(-1)).to(act_dtype()).to(F32)
     acc = weighted[0].clone()
     for h in range(1, weighted.shape[0]):
         acc = acc + weighted[h]
-    return acc.to(BF16).masked_fill(~valid, float("-inf"))
+    return acc.to(act_dtype()).masked_fill(~valid, float("-inf"))

@@ -20,6 +20,7 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.errors import StepError
+from ds4c.reference.primitives import act_dtype
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -79,16 +80,17 @@ class SequenceState:
         if not 1 <= max_ctx <= cfg.max_position:
             raise StepError(f"max_ctx must be in 1..{cfg.max_position}, found {max_ctx}")
         dev = torch.device(device)
+        act = act_dtype()  # KV ring and compressed KV hold activations (bf16 in the spec's dataflow)
         layers = []
         for i in range(cfg.n_layers):
             r = cfg.ratio(i)
-            ls = LayerState(ring=torch.zeros(cfg.window, cfg.head_dim, dtype=BF16, device=dev))
+            ls = LayerState(ring=torch.zeros(cfg.window, cfg.head_dim, dtype=act, device=dev))
             if r:
                 c = 2 if r == 4 else 1
-                ls.comp = torch.zeros(max(max_ctx // r, 1), cfg.head_dim, dtype=BF16, device=dev)
+                ls.comp = torch.zeros(max(max_ctx // r, 1), cfg.head_dim, dtype=act, device=dev)
                 ls.comp_state = CompressorState.empty(r, c * cfg.head_dim, dev)
             if r == 4:
-                ls.idx_keys = torch.zeros(max(max_ctx // 4, 1), cfg.index_head_dim, dtype=BF16, device=dev)
+                ls.idx_keys = torch.zeros(max(max_ctx // 4, 1), cfg.index_head_dim, dtype=act, device=dev)
                 ls.idx_state = CompressorState.empty(4, 2 * cfg.index_head_dim, dev)
             layers.append(ls)
         return cls(cfg, max_ctx, layers)

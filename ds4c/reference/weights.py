@@ -97,9 +97,13 @@ class ReferenceWeights:
     head: torch.Tensor  # fp32 [vocab, D]
     by_name: dict[str, torch.Tensor] = field(default_factory=dict)
     """Every loaded tensor by GGUF name (routed experts excluded: see ``experts``)."""
+    dataflow: str = "bf16"
+    """``"bf16"``: held as the official reference holds them; ``"fp32"``: ``wo_a`` not rounded to bf16 (the
+    weights of :class:`~ds4c.reference.Reference`'s fp32 dataflow)."""
 
     @classmethod
-    def load(cls, mf: ModelFile, device: str | torch.device = "cpu", cache_experts: int | None = None) -> "ReferenceWeights":
+    def load(cls, mf: ModelFile, device: str | torch.device = "cpu", cache_experts: int | None = None,
+             dataflow: str = "bf16") -> "ReferenceWeights":
         """Load from an opened model file.
 
         Args:
@@ -107,14 +111,18 @@ class ReferenceWeights:
             device: torch device for every tensor.
             cache_experts: routed experts kept dequantized; default: all of them when that is under 1 GiB
                 of fp32, else 64.
+            dataflow: ``"bf16"`` (the spec) or ``"fp32"``: ``wo_a`` kept as dequantized, not rounded to bf16,
+                as ports with an fp32 dataflow use it.
         """
+        if dataflow not in ("bf16", "fp32"):
+            raise ValueError(f"dataflow must be 'bf16' or 'fp32', found {dataflow!r}")
         cfg = mf.config
         dev = torch.device(device)
         by_name: dict[str, torch.Tensor] = {}
 
         def t(name: str, dtype: torch.dtype = F32) -> torch.Tensor:
             by_name[name] = mf.tensor(name, dtype).to(dev)
-            if name.endswith("attn_output_a.weight"):  # convert.py: wo_a dequantized once, rounded to bf16
+            if name.endswith("attn_output_a.weight") and dataflow == "bf16":  # convert.py: wo_a rounded to bf16
                 by_name[name] = by_name[name].to(BF16).to(F32)
             return by_name[name]
 
@@ -154,5 +162,5 @@ class ReferenceWeights:
             config=cfg, embed=t("token_embd.weight", BF16), layers=layers,
             experts=ExpertStore(mf, dev, cache_experts),
             hc_head=(t("output_hc_fn.weight"), t("output_hc_scale.weight"), t("output_hc_base.weight")),
-            out_norm=t("output_norm.weight"), head=t("output.weight"), by_name=by_name,
+            out_norm=t("output_norm.weight"), head=t("output.weight"), by_name=by_name, dataflow=dataflow,
         )
