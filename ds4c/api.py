@@ -143,7 +143,8 @@ class Model:
         device: ``"cpu"`` or ``"cuda"``.
         artifact: a ``ds4c compile`` folder whose kernels the compiled engine runs (nothing is compiled).
         max_ctx: positions a sequence may hold (prompt + new tokens); with an artifact at most its ``max_ctx``;
-            None: the artifact's, else 4096.
+            None: the artifact's, else 4096. The compiled engine compiles, loads and captures every graph up to
+            it here, before the first prompt (``stepper.prepare_stats`` has the costs).
         engine: ``"auto"`` (compiled on cuda, reference on cpu), ``"reference"`` or ``"compiled"``.
         quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (off for comparing with ports).
         threads: torch CPU threads for the reference (``torch.set_num_threads``, process-wide).

@@ -93,6 +93,16 @@ class BenchReport:
     cold_compile_s: float | None
     artifact_load_s: float | None
     rows: list[StepRow]
+    prepare: dict[str, Any] = field(default_factory=dict)
+    """The compiled step's start (``CompiledStep.prepare_all``): graphs, seconds per phase, weight GB/s, capture
+    ms per (width x context) graph, the GPU memory the graphs take."""
+    llama_bench: dict[str, Any] = field(default_factory=dict)
+    """With ``--llama-bench PATH``: llama.cpp's ``llama-bench`` on the same file and GPU, ``tg`` tokens/s per
+    context (``-p 0 -n 128 -d CTX -ngl 99``) or why it failed, and the command."""
+    e2e: list[dict[str, Any]] = field(default_factory=list)
+    """Per context, as a user runs it (weights resident, graphs ready): ``ttft_ms`` for a prompt of
+    ``prompt_tokens`` (prefill + first token), ``loop_tok_s`` of the generate loop over ``new_tokens`` (device
+    sampling, host-free) next to ``replay_tok_s`` (1000 / the q=1 graph replay ms)."""
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -276,7 +286,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
               contexts: tuple[int, ...] = (4096,), repeats: int = 50, ref_repeats: int = 5,
               compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
               artifact: str | None = None, arch: str | None = None, seed: int = 0, transformers: bool = True,
-              say: Callable[[str], None] = print) -> BenchReport:
+              llama_bench: str | None = None, say: Callable[[str], None] = print) -> BenchReport:
     """Benchmark one model (module docstring says what is measured).
 
     Args:
@@ -291,6 +301,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             folder with an empty kernel cache, and that time is the cold compile time).
         arch: the CUDA arch (default: the device's).
         transformers: time the transformers port when it is importable (False: reported as not asked for).
+        llama_bench: path of llama.cpp's ``llama-bench``: its token-generation rate at each context on the same
+            file, next to ours (:func:`llama_bench_tg`).
 
     Returns:
         BenchReport (times in ms; bytes; copy bandwidth in GB/s).
@@ -349,11 +361,14 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             artifact = str(tmp / "artifact")
         t0 = time.perf_counter()
         ex = CompiledStep(mf, buckets, arch, artifact=artifact)
-        for w in buckets.widths:
-            ex.prepare(w, buckets.contexts[0])
+        prep = ex.prepare_all(progress=False)
         torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
-        say(f"artifact loaded (weights + {len(buckets.widths)} graphs) in {load_s:.1f} s")
+        w = prep["weights"]
+        say(f"artifact loaded and every graph ready in {load_s:.1f} s: {prep['graphs']} graphs (build "
+            f"{prep['build_s']:.1f} s, load {prep['load_s']:.1f} s with weights {w['bytes'] / 1e9:.2f} GB at "
+            f"{w['gb_per_s']:.1f} GB/s, capture {prep['capture_s']:.1f} s); graphs take "
+            f"{prep['graph_bytes'] / 2**20:.0f} MiB")
         copy_gbps = copy_bandwidth_gbps(dev)
     capacity = ex.capacity if ex is not None else buckets.contexts[-1]
     n_routed_total = cfg.n_layers * MAX_WIDTH * cfg.n_active_experts
@@ -413,6 +428,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                     row.compile_ms = _reference_step_ms(compiled_ref, step_toks, pos, ref_repeats, compiled)
             rows.append(row)
             say(format_row(row))
+    llama = llama_bench_tg(llama_bench, mf.path, contexts, say) if llama_bench else {}
+    e2e = _end_to_end(ex, rows, toks_of, contexts, say, llama.get("tg_tok_s", {})) if ex is not None else []
     if not transformers:
         tf_line = "transformers port not run: not asked for (--no-transformers)"
     elif compiled:
@@ -422,7 +439,73 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     else:
         tf_line = "transformers port not run: needs a CUDA device"
     return BenchReport(cfg.name, str(mf.path), torch.cuda.get_device_name() if compiled else "cpu", copy_gbps,
-                       best_mode, modes_used, tf_line, cold_s, load_s, rows)
+                       best_mode, modes_used, tf_line, cold_s, load_s, rows, prep if ex is not None else {}, llama,
+                       e2e)
+
+
+def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...], say: Callable[[str], None] = print,
+                   n_gen: int = 128, reps: int = 3) -> dict[str, Any]:
+    """llama.cpp's decode rate on ``model``: ``llama-bench -m MODEL -p 0 -n N_GEN -d CTX -r REPS -ngl 99 -o json``
+    for every context (the ``tg`` test at that depth; llama.cpp's own timing, host work included).
+
+    Returns:
+        ``{"cmd": str, "tg_tok_s": {ctx: tokens/s}, "errors": {ctx: one line}}``; a failing run (llama.cpp
+        cannot load the file, no such binary) is recorded per context, never raised.
+    """
+    import json
+    import subprocess
+
+    out: dict[str, Any] = {"cmd": "", "tg_tok_s": {}, "errors": {}}
+    for c in contexts:
+        cmd = [str(exe), "-m", str(model), "-p", "0", "-n", str(n_gen), "-d", str(c), "-r", str(reps), "-ngl", "99",
+               "-o", "json"]
+        out["cmd"] = " ".join(cmd[:1] + ["-m", "MODEL"] + cmd[3:8] + ["CTX"] + cmd[9:])
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
+            recs = json.loads(r.stdout) if r.returncode == 0 else None
+            tg = [x for x in recs or [] if x.get("n_gen") == n_gen and x.get("n_depth") == c]
+            if not tg:
+                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                raise ValueError(f"no tg result (exit {r.returncode}): {last}")
+            out["tg_tok_s"][c] = float(tg[0]["avg_ts"])
+            say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s")
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            out["errors"][c] = f"{type(e).__name__}: {e}".splitlines()[0]
+            say(f"llama.cpp at depth {c}: {out['errors'][c]}")
+    return out
+
+
+def _end_to_end(ex: Any, rows: list[StepRow], toks_of: dict[int, list[int]], contexts: tuple[int, ...],
+                say: Callable[[str], None], llama_tg: dict[int, float] | None = None,
+                new_tokens: int = 128) -> list[dict[str, Any]]:
+    """Per context: the generate loop as a user runs it on the prepared compiled step (see BenchReport.e2e)."""
+    from ds4c.generate import generate
+
+    out = []
+    captures = ex.captures
+    for c in contexts:
+        n_new = min(new_tokens, ex.max_ctx - 1)
+        prompt = toks_of[c][: max(1, min(c, ex.max_ctx) - n_new)]
+        first = generate(ex, prompt, 1)
+        res = generate(ex, prompt, n_new)
+        q1 = next((r.ours_ms for r in rows if r.context == c and r.width == 1), None)
+        rec = {"context": c, "prompt_tokens": len(prompt), "new_tokens": n_new,
+               "ttft_ms": (first.prefill_s + first.decode_s) * 1e3,
+               "prefill_tok_s": first.prefill_tokens_per_s, "loop_tok_s": res.decode_tokens_per_s,
+               "replay_tok_s": None if q1 is None else 1e3 / q1,
+               "max_step_over_median": (max(res.step_s) / statistics.median(res.step_s)) if res.step_s else None}
+        rec["loop_over_replay"] = (rec["loop_tok_s"] / rec["replay_tok_s"]
+                                   if rec["loop_tok_s"] and rec["replay_tok_s"] else None)
+        rec["llama_tg_tok_s"] = (llama_tg or {}).get(c)
+        rec["loop_over_llama"] = (rec["loop_tok_s"] / rec["llama_tg_tok_s"]
+                                  if rec["loop_tok_s"] and rec["llama_tg_tok_s"] else None)
+        out.append(rec)
+        say(f"generate at {c}: prompt {len(prompt)} tokens, TTFT {rec['ttft_ms']:.0f} ms; decode loop "
+            f"{_f(rec['loop_tok_s'], '.1f')} tokens/s vs graph replay {_f(rec['replay_tok_s'], '.1f')} "
+            f"({_f(rec['loop_over_replay'], '.3f')}); slowest step {_f(rec['max_step_over_median'], '.2f')}x the median")
+    if ex.captures != captures:
+        say(f"warning: {ex.captures - captures} CUDA graphs captured during generation")
+    return out
 
 
 def _pick_compile_mode(ref: Reference, modes: tuple[str, ...], tokens: list[int], pos: int, repeats: int,
@@ -494,7 +577,26 @@ def format_report(rep: BenchReport) -> str:
                    f"{_f(r.ratio(r.compile_ms), '.1f'):>12s} {_f(r.ratio(r.transformers_ms), '.1f'):>11s} "
                    f"{_f(r.ratio(r.roofline_ms), '.2f'):>9s}")
     out.append(f"cold compile (artifact, this machine): {_f(rep.cold_compile_s, '.1f')} s; "
-               f"warm artifact load: {_f(rep.artifact_load_s, '.2f')} s")
+               f"warm artifact load (every graph ready): {_f(rep.artifact_load_s, '.2f')} s")
+    if rep.prepare:
+        p, w = rep.prepare, rep.prepare.get("weights", {})
+        caps = sorted(p.get("capture_ms", {}).values())
+        out.append(f"start: {p['graphs']} graphs, weights {w.get('bytes', 0) / 1e9:.2f} GB at "
+                   f"{w.get('gb_per_s', 0):.1f} GB/s, capture {p['capture_s']:.2f} s (per graph "
+                   f"{_f(caps[0] if caps else None, '.1f')}..{_f(caps[-1] if caps else None, '.1f')} ms), "
+                   f"graphs take {p['graph_bytes'] / 2**20:.0f} MiB")
+    if rep.e2e:
+        out.append(f"{'ctx':>6s} {'prompt':>7s} {'TTFT ms':>9s} {'prefill t/s':>11s} {'loop t/s':>9s} "
+                   f"{'replay t/s':>10s} {'loop/replay':>11s} {'max/median':>10s} {'llama tg':>9s} {'loop/llama':>10s}")
+        for e in rep.e2e:
+            out.append(f"{e['context']:6d} {e['prompt_tokens']:7d} {e['ttft_ms']:9.1f} "
+                       f"{_f(e['prefill_tok_s'], '.0f'):>11s} {_f(e['loop_tok_s'], '.1f'):>9s} "
+                       f"{_f(e['replay_tok_s'], '.1f'):>10s} {_f(e['loop_over_replay'], '.3f'):>11s} "
+                       f"{_f(e['max_step_over_median'], '.2f'):>10s} {_f(e.get('llama_tg_tok_s'), '.1f'):>9s} "
+                       f"{_f(e.get('loop_over_llama'), '.2f'):>10s}")
+    if rep.llama_bench:
+        out.append(f"llama.cpp: {rep.llama_bench['cmd']}")
+        out += [f"  llama.cpp at {c}: {msg}" for c, msg in rep.llama_bench.get("errors", {}).items()]
     notes = sorted({n for r in rep.rows for n in r.notes})
     out += [f"note: {n}" for n in notes]
     return "\n".join(out)

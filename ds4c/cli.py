@@ -174,6 +174,16 @@ def _mtp_summary(mf) -> dict | None:
     return {"mtp_only": mf.mtp_only, "blocks": blocks}
 
 
+def _echo_prepare(st: dict | None) -> None:
+    """The compiled engine's starting costs, once, on stderr (see CompiledStep.prepare_all)."""
+    if not st:
+        return
+    w = st.get("weights") or {}
+    click.echo(f"ready: {st['graphs']} graphs; build {st['build_s']:.1f} s, compile {st['compile_s']:.1f} s, load "
+               f"{st['load_s']:.1f} s (weights {w.get('bytes', 0) / 1e9:.2f} GB at {w.get('gb_per_s', 0):.1f} GB/s), "
+               f"capture {st['capture_s']:.1f} s; graphs take {st['graph_bytes'] / 2**20:.0f} MiB", err=True)
+
+
 def _tokenizer_summary(mf) -> dict | None:
     """What ``ds4c info`` says of the file's tokenizer, or None when it has none."""
     from ds4c.tokenizer import Tokenizer, has_tokenizer
@@ -233,6 +243,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--reasoning-effort", default=None, metavar="LEVEL",
               help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
+@click.option("--max-ctx", type=click.IntRange(min=1), default=None,
+              help="Positions the sequence may hold; on cuda every graph up to it is compiled and captured before "
+                   "the prompt runs (default: prompt + --max-new-tokens; with --artifact: the artifact's).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
               help="0 = greedy; else seeded sampling (spec P12).")
@@ -254,7 +267,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
                  chat: str | None, system: str | None, think: bool | None, reasoning_effort: str | None,
-                 max_new_tokens: int, device: str, temperature: float, top_k: int, top_p: float, seed: int,
+                 max_new_tokens: int, max_ctx: int | None, device: str, temperature: float, top_k: int, top_p: float,
+                 seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
                  dataflow: str, engine: str, artifact: str | None, as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
@@ -314,9 +328,17 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
             len(text.encode("utf-8"))
         need = min(limit, n_bytes + 1 + max_new_tokens)
-    model = Model(mf, device=device, artifact=artifact, max_ctx=None if artifact else need, engine=engine,
+    if max_ctx is not None:
+        if max_ctx > limit:
+            raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {limit}")
+        if ids is not None and max_ctx < need:
+            raise Ds4cError(f"--max-ctx {max_ctx} is below the {len(ids)} prompt ids + --max-new-tokens "
+                            f"{max_new_tokens} = {need} positions")
+        need = max_ctx
+    model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow)
     load_s = time.perf_counter() - t0
+    _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     if messages:
         text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
@@ -535,9 +557,12 @@ def _resources_of(rec: dict, entry: str) -> dict:
               help="Use this artifact (default: compile one here with a cold cache and time it).")
 @click.option("--transformers/--no-transformers", default=True, show_default=True,
               help="Time the transformers port when it is importable.")
+@click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
+              help="llama.cpp's llama-bench: its tg rate at each --ctx on the same file, next to ours.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
-              compile_modes: str, artifact: str | None, transformers: bool, json_out: str | None) -> None:
+              compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
+              json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
     from ds4c.bench import format_report, run_bench
@@ -550,9 +575,12 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise Ds4cError(f"--json {json_out}: the folder {parent} does not exist or is not writable")
     modes = () if compile_modes.strip() == "none" else tuple(m.strip() for m in compile_modes.split(","))
+    if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
+        raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
+                        f"(../shared/peers/build_llama.sh builds it), found no executable file")
     mf = open_model(_model_path(file))
     rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact, transformers=transformers,
-                    say=lambda m: click.echo(m, err=True))
+                    llama_bench=llama_bench, say=lambda m: click.echo(m, err=True))
     click.echo(format_report(rep))
     if json_out:
         tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")

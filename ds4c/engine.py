@@ -51,7 +51,7 @@ def resolve_engine(device: str, engine: str = "auto") -> str:
 
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
-                dataflow: str = "bf16") -> Any:
+                dataflow: str = "bf16", prepare: bool = True, progress: bool = True) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -66,6 +66,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             context length. With an artifact a larger value than the artifact's is an error.
         quant_emulation: activation FP8, KV FP8 and indexer FP4 emulation (spec); off for comparing with ports.
         threads: ``torch.set_num_threads`` for the CPU reference (process-wide); ``None`` leaves torch's setting.
+        prepare: compiled engine: make every (width, bucket) graph up to ``max_ctx`` ready before returning
+            (compiled, loaded, weights uploaded, captured: ``CompiledStep.prepare_all``; its timings are the
+            step's ``prepare_stats``), so nothing is compiled or captured once generation starts.
+        progress: print the compile line and progress bars of that preparation to stderr.
         dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
 
@@ -108,7 +112,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                                 f"compile the artifact with a larger --max-ctx or ask for less")
         else:
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
-        return CompiledStep(mf, buckets, device_arch(), artifact=None if artifact is None else str(artifact))
+        step = CompiledStep(mf, buckets, device_arch(), artifact=None if artifact is None else str(artifact))
+        if prepare:
+            step.prepare_stats = step.prepare_all(progress=progress)
+        return step
     if artifact is not None:
         raise Ds4cError("--artifact is used only by the compiled engine (--device cuda, --engine auto|compiled)")
     from ds4c.reference import Reference, ReferenceWeights

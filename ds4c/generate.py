@@ -2,8 +2,10 @@
 
 Spec ds4-flash.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
 (:class:`~ds4c.reference.Reference`, CPU or CUDA) or the compiled step
-(:class:`~ds4c.runtime.executor.CompiledStep`); logits are brought to the CPU and sampled there, so a seed gives
-the same tokens on every engine whose logits agree.
+(:class:`~ds4c.runtime.executor.CompiledStep`). The first token is sampled on the CPU from the prefill's logits;
+after it, a stepper with ``decode_tokens`` (the compiled step) samples on its device inside the replayed graphs
+(runtime/sampler.py: the same rule, equal in distribution, its own seeded noise), any other brings each step's
+logits to the CPU sampler. Greedy tokens are the same either way; seeded samples are reproducible per engine.
 
 Two forms: :func:`generate` runs to the end (an ``on_token`` callback sees each token as it is sampled and may
 stop the run); :func:`stream` returns a :class:`TokenStream`, an iterator of the new token ids whose
@@ -97,6 +99,12 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise StepError(f"top_p must be in (0, 1] (1 = off), found {top_p!r}")
 
 
+def check_seed(seed: Any) -> None:
+    """Raises StepError unless ``seed`` is an int in 0..2^63-1."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise StepError(f"seed must be an int in 0..2^63-1, found {seed!r}")
+
+
 class TokenStream:
     """Iterator over the new token ids of one generation (see :func:`stream`).
 
@@ -108,6 +116,7 @@ class TokenStream:
     def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
                  top_k: int, top_p: float, stop_ids: frozenset[int]):
         self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
+        check_seed(seed)
         self._temp, self._seed, self._width = temperature, seed, width
         self._top_k, self._top_p, self._stop_ids = top_k, top_p, stop_ids
         self._gen = self._run()
@@ -161,21 +170,34 @@ class TokenStream:
         tok = self._sample(logits[-1:].float().cpu())
         self._out.append(tok)
         self._decode_s += time.perf_counter() - t1
-        while True:
-            if tok in self._stop_ids:
-                self.result = self._finish("eos")
-            elif len(self._out) >= self._n:
-                self.result = self._finish("length")
-            yield tok
-            if self.result is not None:
-                return
-            ts = time.perf_counter()
-            logits = ref.decode(tok, len(prompt) + len(self._out) - 1).float().cpu()
-            tok = self._sample(logits)
-            self._out.append(tok)
-            dt = time.perf_counter() - ts
-            self._steps.append(dt)
-            self._decode_s += dt
+        # a stepper that samples on its device (the compiled step) decodes host-free; else logits come to
+        # the CPU sampler step by step
+        on_device = getattr(ref, "decode_tokens", None)
+        more = None
+        if on_device is not None and self._n > 1 and tok not in self._stop_ids:
+            more = on_device(tok, len(prompt), self._n - 1, self._temp, self._top_k, self._top_p, self._seed)
+        try:
+            while True:
+                if tok in self._stop_ids:
+                    self.result = self._finish("eos")
+                elif len(self._out) >= self._n:
+                    self.result = self._finish("length")
+                yield tok
+                if self.result is not None:
+                    return
+                ts = time.perf_counter()
+                if more is not None:
+                    tok = next(more)
+                else:
+                    logits = ref.decode(tok, len(prompt) + len(self._out) - 1).float().cpu()
+                    tok = self._sample(logits)
+                self._out.append(tok)
+                dt = time.perf_counter() - ts
+                self._steps.append(dt)
+                self._decode_s += dt
+        finally:
+            if more is not None:
+                more.close()
 
 
 def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,

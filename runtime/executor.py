@@ -11,8 +11,11 @@ file; nothing upstream imports it.
 
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ import torch
 from ds4c.buckets import BucketSpec
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
+from ds4c.quant import GGMLType
 from ds4c.ir import build_step
 from ds4c.ir.graph import Graph, Value
 from ds4c.ir.printer import value_names
@@ -114,6 +118,20 @@ class CompiledStep:
         self._host_done = [torch.cuda.Event() for _ in range(2)]
         self._host_turn = 0
         self._step_dev = torch.zeros(n_step, dtype=torch.int64, device=self.dev)
+        # every graph writes its logits rows into this one buffer; the other activations of all graphs share
+        # one arena (graphs never run concurrently), and all captures share one CUDA graph memory pool
+        self._logits = torch.zeros(maxq, self.cfg.vocab_size, dtype=torch.float32, device=self.dev)
+        self._arena: torch.Tensor | None = None
+        self._pool = torch.cuda.graph_pool_handle()
+        self._sampler = None
+        self._sampler_bodies: dict[str, Any] = {}
+        self._decode_graphs: dict[tuple[int, str], Any] = {}
+        self.captures = 0
+        self.binary_batches = 0
+        """Batches of binaries fetched from the kernel cache (each may compile)."""
+        """CUDA graphs captured so far (step and sampler graphs): a test's check that nothing is captured
+        after start."""
+        self.load_stats: dict[str, float] = {}
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
         self._undo: tuple | None = None
@@ -172,23 +190,76 @@ class CompiledStep:
     def _weight(self, name: str, form: str) -> torch.Tensor:
         key = (name, form)
         if key not in self._weights:
-            if form == "raw":
-                raw = np.ascontiguousarray(self.mf.raw(name))
-                t = torch.from_numpy(raw.view(np.uint8).copy())
-            elif form == "i64":
-                t = self.mf.tensor(name)
-            elif form == "bf16":
-                t = self.mf.tensor(name).to(torch.bfloat16)
-            else:
-                t = self.mf.tensor(name)
-            self._weights[key] = t.to(self.dev).contiguous()
+            self._weights[key] = self._convert(name, form).to(self.dev).contiguous()
         return self._weights[key]
+
+    def _convert(self, name: str, form: str) -> torch.Tensor:
+        """A weight in the form a kernel reads, on the host (``raw``: the stored bytes, no copy)."""
+        if form == "raw" or (form == "bf16" and self._types.get(name) == GGMLType.BF16):
+            raw = np.ascontiguousarray(self.mf.raw(name)).reshape(-1).view(np.uint8)
+            with warnings.catch_warnings():  # the memory map is read-only; the bytes are only read
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(raw)
+            return t if form == "raw" else t.view(torch.bfloat16).reshape(self.mf.specs[name].shape)
+        if form == "bf16":
+            return self.mf.tensor(name).to(torch.bfloat16)
+        return self.mf.tensor(name)  # f32, i64
+
+    def load_weights(self, forms: dict[str, str] | None = None, progress: bool = True,
+                     staging_bytes: int = 64 << 20) -> dict[str, float]:
+        """Upload the weights the lowered graphs read (default: those of every key :meth:`prepare_all` builds),
+        streaming the stored bytes from the memory map through two pinned staging buffers: the host copies
+        chunk i+1 into one while the device copies chunk i out of the other (a side stream, events between),
+        so page-cache reads and PCIe transfers overlap. Weights read in a converted form (fp32 norms and HC
+        parameters, bf16 of a non-BF16 tensor, int64 tid2eid) are converted on the host first.
+
+        Returns (and keeps as :attr:`load_stats`): ``bytes``, ``seconds``, ``gb_per_s`` of this call.
+        """
+        from tqdm import tqdm
+
+        if forms is None:
+            forms = {}
+            for w in self.buckets.widths:
+                for k in lower_graph(run_pipeline(build_step(self.cfg, w, self.capacity), "default",
+                                                  context=self.buckets.contexts[0]).graph,
+                                     self.cfg, self.target, self._types):
+                    for la in k.launches:
+                        for a in la.args:
+                            if a.kind == "weight":
+                                forms.setdefault(a.name, a.form or "f32")
+        todo = [(n, f) for n, f in forms.items() if (n, f) not in self._weights]
+        hosts = [(n, f, self._convert(n, f)) for n, f in todo]
+        total = sum(h.numel() * h.element_size() for _n, _f, h in hosts)
+        stage = [torch.empty(staging_bytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        free = [torch.cuda.Event() for _ in range(2)]
+        stream = torch.cuda.Stream(self.dev)
+        turn = 0
+        t0 = time.perf_counter()
+        with tqdm(total=total, unit="B", unit_scale=True, desc="weights", disable=not progress or total < (256 << 20),
+                  file=sys.stderr) as bar:
+            for name, form, h in hosts:
+                dst = torch.empty(h.shape, dtype=h.dtype, device=self.dev)
+                src, out = h.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+                for off in range(0, src.numel(), staging_bytes):
+                    n = min(staging_bytes, src.numel() - off)
+                    free[turn].synchronize()                 # the device is done with this buffer
+                    stage[turn][:n].copy_(src[off:off + n])  # page cache -> pinned (host)
+                    with torch.cuda.stream(stream):
+                        out[off:off + n].copy_(stage[turn][:n], non_blocking=True)  # pinned -> device
+                        free[turn].record(stream)
+                    turn ^= 1
+                    bar.update(n)
+                self._weights[(name, form)] = dst
+        stream.synchronize()
+        dt = time.perf_counter() - t0
+        self.load_stats = {"bytes": float(total), "seconds": dt, "gb_per_s": total / dt / 1e9 if dt > 0 else 0.0}
+        return self.load_stats
 
     # ------------------------------------------------------------------------------------------ graphs
     def prepare(self, width: int, context: int) -> _StepGraph:
         """The step graph of (``width``, ``context``): pipelined, lowered, its binaries loaded and its arguments
-        bound (once; later calls return it). A server calls it for every key it will serve before the first
-        request, so no request pays for loading.
+        bound (once; later calls return it). :meth:`prepare_all` does this for every key at once, before
+        the first step; this is the one-key form (tools, tests).
 
         Raises:
             StepError: the key is not among the compiled widths and context buckets.
@@ -198,40 +269,140 @@ class CompiledStep:
         sg = self._graphs.get(key)
         if sg is not None:
             return sg
+        g, kernels = self._build(width, context)
+        return self._bind(width, context, g, kernels, self._binaries([(key, kernels)], progress=False)[0])
+
+    def prepare_all(self, widths: tuple[int, ...] | None = None, max_ctx: int | None = None,
+                    progress: bool = True) -> dict[str, Any]:
+        """Make every (width, context bucket) graph up to ``max_ctx`` ready before the first step: build and
+        lower them, compile what the kernel cache lacks in parallel (one progress bar; nothing with an
+        artifact), load the binaries, upload the weights (:meth:`load_weights`), bind the arguments (one
+        activation arena for all graphs) and capture every CUDA graph (one memory pool), and per q=1 bucket
+        the decode loop's step + sampler graphs (greedy and sampling). The sequence state is reset afterwards. After this no step or
+        :meth:`decode_tokens` compiles, loads or captures anything.
+
+        Args:
+            widths: the widths to prepare (default: all the buckets'); max_ctx: prepare the buckets that
+                positions below it can use (default: all).
+            progress: print the compile line and progress bars to stderr.
+
+        Returns:
+            ``graphs`` (number), ``build_s``, ``compile_s``, ``load_s`` (binaries, weights, binding),
+            ``capture_s``, ``weights`` (:attr:`load_stats`), ``graph_bytes`` (GPU memory the graphs take:
+            arena, logits, constants and captures) and ``capture_ms`` per key.
+
+        Raises:
+            StepError, ArtifactError, CompileError: as :meth:`prepare`.
+        """
+        widths = tuple(widths or self.buckets.widths)
+        limit = min(max_ctx or self.buckets.max_ctx, self.buckets.max_ctx)
+        contexts = sorted({self.buckets.bucket(p, 1) for p in range(0, limit, 1)} if limit <= 4096 else
+                          [c for c in self.buckets.contexts if c <= self.buckets.bucket(limit - 1, 1)])
+        keys = [(w, c) for w in widths for c in contexts if (w, c) not in self._graphs]
+        mem0 = torch.cuda.memory_allocated(self.dev)
+        t0 = time.perf_counter()
+        built = {k: self._build(*k) for k in keys}
+        t1 = time.perf_counter()
+        bins = self._binaries([(k, kernels) for k, (_g, kernels) in built.items()], progress=progress)
+        t2 = time.perf_counter()
+        forms = {a.name: a.form or "f32" for _g, kernels in built.values() for k in kernels for la in k.launches
+                 for a in la.args if a.kind == "weight"}
+        self.load_weights(forms, progress=progress)
+        sizes = [self._layout(k[0], g, kernels)[1] for k, (g, kernels) in built.items()]
+        if sizes and (self._arena is None or self._arena.numel() < max(sizes)):
+            self._arena = torch.zeros(max(sizes), dtype=torch.uint8, device=self.dev)
+        mem_w = torch.cuda.memory_allocated(self.dev)
+        for (k, (g, kernels)), b in zip(built.items(), bins):
+            self._bind(k[0], k[1], g, kernels, b)
+        t3 = time.perf_counter()
+        for k in keys:
+            self._capture(self._graphs[k])
+        if 1 in widths:  # the decode loop's graphs: the q=1 step and the sampler in one graph, per bucket
+            for (w, c) in keys:
+                if w == 1:
+                    for mode in ("greedy", "sample"):
+                        self._decode_graph(c, mode)
+        self.reset()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        graph_bytes = torch.cuda.memory_allocated(self.dev) - mem_w + self._logits.numel() * 4
+        out = {"graphs": len(keys), "build_s": t1 - t0, "compile_s": t2 - t1, "load_s": t3 - t2,
+               "capture_s": t4 - t3, "weights": dict(self.load_stats), "graph_bytes": int(graph_bytes),
+               "weight_bytes": int(mem_w - mem0), "capture_ms": {f"{w}x{c}": ms for (w, c), ms in
+                                                                 self.capture_ms.items()}}
+        return out
+
+    def _build(self, width: int, context: int) -> tuple[Graph, list[LoweredKernel]]:
         if width not in self.buckets.widths or context not in self.buckets.contexts:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
         g = run_pipeline(build_step(self.cfg, width, self.capacity), "default", context=context).graph
-        kernels = lower_graph(g, self.cfg, self.target, self._types)
+        return g, lower_graph(g, self.cfg, self.target, self._types)
+
+    def _binaries(self, graphs: list[tuple[tuple[int, int], list[LoweredKernel]]],
+                  progress: bool) -> list[list[tuple[str, Any]]]:
+        """Per graph ``((width, context), kernels)``, per launch: ``(module key, loader)`` where the loader
+        returns the binary image; compiles the cache misses of all graphs in one parallel batch (artifact
+        mode: the artifact's files, nothing compiled)."""
         if self._manifest is not None:
             from ds4c.runtime.artifact import launch_binaries
 
-            paths = launch_binaries(self._manifest, self.artifact, self.target.arch, width, context, kernels,
-                                    self._types)
-            binary_of = {id(la): p for la, p in zip([la for k in kernels for la in k.launches], paths)}
-        else:
-            srcs = {la.kernel.digest(): la.kernel for k in kernels for la in k.launches}
-            compiled = dict(zip(srcs, self.cache.compile_many(list(srcs.values()), progress=False)))
+            out = []
+            for (w, c), kernels in graphs:
+                paths = launch_binaries(self._manifest, self.artifact, self.target.arch, w, c, kernels, self._types)
+                out.append([(str(p), p.read_bytes) for p in paths])
+            return out
+        self.binary_batches += 1
+        srcs = {la.kernel.digest(): la.kernel for _k, ks in graphs for k in ks for la in k.launches}
+        compiled = dict(zip(srcs, self.cache.compile_many(list(srcs.values()), progress=progress)))
+        return [[(compiled[la.kernel.digest()].key, compiled[la.kernel.digest()].binary)
+                 for k in ks for la in k.launches] for _k, ks in graphs]
+
+    def _layout(self, width: int, g: Graph, kernels: list[LoweredKernel]) -> tuple[dict[str, tuple[int, tuple, Any]], int]:
+        """The activation arena layout of one graph: ``name -> (byte offset, shape, dtype)`` and the bytes
+        it needs (256-byte aligned slots; state, constants and the logits live elsewhere)."""
+        names = value_names(g)
+        by_name = {names[v]: v for v in names}
+        consts = {names[op.outputs[0]] for op in g.ops if op.kind == "const"}
+        layout: dict[str, tuple[int, tuple, Any]] = {}
+        off = 0
+        for k in kernels:
+            for la in k.launches:
+                for a in la.args:
+                    if a.kind != "value" or a.name in self.state or a.name in consts or a.name == "logits" \
+                            or a.name in layout or a.name not in by_name:
+                        continue
+                    v = by_name[a.name]
+                    shape, dt = tuple(int(d) for d in v.type.shape), _DT[v.type.dtype]
+                    layout[a.name] = (off, shape, dt)
+                    n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+                    off += (n + 255) // 256 * 256
+        return layout, off
+
+    def _bind(self, width: int, context: int, g: Graph, kernels: list[LoweredKernel],
+              binaries: list[tuple[str, Any]]) -> _StepGraph:
         sg = _StepGraph(width, context, g, kernels)
         names = value_names(g)
         by_name = {names[v]: v for v in names}
         consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
-        for k in kernels:
-            for la in k.launches:
-                if self._manifest is not None:
-                    path = binary_of[id(la)]
-                    mkey = str(path)
-                else:
-                    e = compiled[la.kernel.digest()]
-                    mkey, path = e.key, None
-                mod = self._modules.get(mkey)
-                if mod is None:
-                    image = path.read_bytes() if path is not None else e.binary()
-                    mod = self._modules[mkey] = CudaModule(image)
-                fn = mod.function(la.kernel.entry, la.smem)
-                args = [self._resolve(a, sg, by_name, consts) for a in la.args]
-                sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))
-        self._graphs[key] = sg
+        layout, need = self._layout(width, g, kernels)
+        if self._arena is None or self._arena.numel() < need:
+            # a graph prepared on its own after the others: a larger arena for it and later ones (earlier
+            # graphs keep the buffer they were bound to)
+            self._arena = torch.zeros(max(need, 1), dtype=torch.uint8, device=self.dev)
+        for name, (off, shape, dt) in layout.items():
+            n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+            sg.values[name] = self._arena[off:off + n].view(dt).view(shape)
+        sg.values["logits"] = self._logits[:width]
+        pairs = [la for k in kernels for la in k.launches]
+        for la, (mkey, image) in zip(pairs, binaries):
+            mod = self._modules.get(mkey)
+            if mod is None:
+                mod = self._modules[mkey] = CudaModule(image())
+            fn = mod.function(la.kernel.entry, la.smem)
+            args = [self._resolve(a, sg, by_name, consts) for a in la.args]
+            sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))
+        self._graphs[(width, context)] = sg
         return sg
 
     def _resolve(self, a: Arg, sg: _StepGraph, by_name: dict[str, Value], consts: dict[str, torch.Tensor]) -> Any:
@@ -299,15 +470,8 @@ class CompiledStep:
         sg = self._begin(tokens, pos)
         if self.use_graphs:
             if sg.cuda_graph is None:
-                self._run(sg)  # warm-up outside the capture (module loads, attributes)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                sg.cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(sg.cuda_graph):
-                    self._run(sg)
-                torch.cuda.synchronize()
-                sg.capture_s = time.perf_counter() - t0
-                # capturing records the launches without running them: the warm-up run is this step's result
+                # first use without prepare_all: the warm-up run inside _capture is this step's result
+                self._capture(sg)
             else:
                 sg.cuda_graph.replay()
         else:
@@ -323,6 +487,119 @@ class CompiledStep:
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One decode step (q = 1). Returns fp32 logits [1, vocab]."""
         return self.step([token], pos)
+
+    def decode_tokens(self, token: int, pos: int, n: int, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int = 0, lag: int = 4) -> Iterator[int]:
+        """Decode ``n`` tokens after ``token`` (at ``pos``) with sampling on the device, host-free: each step
+        replays one captured graph: the (1, bucket) step, then the sampler
+        (:class:`~ds4c.runtime.sampler.DeviceSampler`: greedy, or temperature/top-k/top-p with seeded
+        counter-based noise) writing the sampled id into the next step's token slot and advancing the step
+        scalars on the device. The host only picks each step's
+        bucket graph (positions are known ahead) and reads the ids back asynchronously, ``lag`` steps behind,
+        so the graphs run back to back. Yields the ids in order; closing the generator (EOS, a stop string)
+        stops launching (the state then holds up to ``lag`` more positions than were consumed, and ``pos``
+        says how far it went).
+
+        Raises:
+            StepError: ``pos`` is not the sequence's next position, positions past ``max_ctx``, ``use_graphs``
+                off. Decode graphs :meth:`prepare_all` did not capture are captured before the first launch.
+        """
+        if not self.use_graphs:
+            raise StepError("decode_tokens needs use_graphs=True")
+        if pos != self.pos:
+            raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
+        if pos + n > self.buckets.max_ctx:
+            raise StepError(f"positions {pos}..{pos + n - 1} exceed max_ctx={self.buckets.max_ctx}")
+        if n <= 0:
+            return
+        lag = max(1, min(int(lag), 32))
+        mode = "greedy" if temperature == 0 else "sample"
+        sampler = self._device_sampler()
+        sampler.configure(temperature, top_k, top_p, seed)
+        ring = sampler.ring_size
+        host, done = self._ring_host
+        contexts = [self.buckets.bucket(pos + i, 1) for i in range(n)]
+        graphs = {c: self._decode_graph(c, mode) for c in sorted(set(contexts))}  # captured ahead by prepare_all
+        graphs = [graphs[c] for c in contexts]
+        self._upload([token], pos)
+        launched = consumed = 0
+        try:
+            while consumed < n:
+                while launched < n and launched - consumed < lag:
+                    graphs[launched].replay()
+                    slot = launched % ring
+                    host[slot:slot + 1].copy_(sampler.ring[slot:slot + 1], non_blocking=True)
+                    done[slot].record()
+                    launched += 1
+                slot = consumed % ring
+                done[slot].synchronize()
+                consumed += 1
+                yield int(host[slot])
+        finally:
+            self.pos = pos + launched
+
+    def _device_sampler(self):
+        from ds4c.runtime.sampler import DeviceSampler
+
+        if self._sampler is None:
+            self._sampler = DeviceSampler(self.cfg.vocab_size, self.dev, ring=64)
+            # where the ids come back: a pinned copy of the ring and one event per slot (allocated once:
+            # pinning memory costs milliseconds)
+            self._ring_host = (torch.zeros(64, dtype=torch.int64).pin_memory(),
+                               [torch.cuda.Event() for _ in range(64)])
+        return self._sampler
+
+    def _sampler_body(self, mode: str) -> Any:
+        """The sampler + advance operations of ``mode`` (``greedy`` or ``sample``) as a closure to capture: reads
+        logits row 0, writes the id to the ring and the next step's token slot, and moves the step scalars one
+        position on (``pos``, ``live_r`` = (pos + 1) // r, ``positions[0]``). Run once eagerly on first use
+        (allocator, kernels), its effects undone."""
+        body = self._sampler_bodies.get(mode)
+        if body is not None:
+            return body
+        sampler = self._device_sampler()
+        d, off = self._step_dev, self._off
+        head = torch.tensor([off["pos"]] + [off[f"live_r{r}"] for r in self._ratios] + [off["positions"]],
+                            dtype=torch.int64, device=self.dev)
+        add = torch.tensor([1] + [2] * len(self._ratios) + [1], dtype=torch.int64, device=self.dev)
+        div = torch.tensor([1] + list(self._ratios) + [1], dtype=torch.int64, device=self.dev)
+
+        def body() -> None:
+            tok = sampler.greedy(self._logits[0]) if mode == "greedy" else sampler.sample(self._logits[0])
+            # pos' = pos + 1, live_r = (pos' + 1) // r, positions[0] = pos': one vector op from the old pos
+            d.index_copy_(0, head, torch.div(d[off["pos"]] + add, div, rounding_mode="floor"))
+            d[off["tokens"]:off["tokens"] + 1].copy_(tok)
+
+        saved = (d.clone(), sampler.counter.clone(), sampler.ring.clone())
+        side = torch.cuda.Stream(self.dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        d.copy_(saved[0])
+        sampler.counter.copy_(saved[1])
+        sampler.ring.copy_(saved[2])
+        self._sampler_bodies[mode] = body
+        return body
+
+    def _decode_graph(self, context: int, mode: str) -> Any:
+        """One CUDA graph of a decode step in bucket ``context`` followed by the sampler of ``mode``
+        (:meth:`_sampler_body`): what :meth:`decode_tokens` replays once per token. Capturing records without
+        running, so it leaves the sequence as it was."""
+        g = self._decode_graphs.get((context, mode))
+        if g is not None:
+            return g
+        sg = self.prepare(1, context)
+        body = self._sampler_body(mode)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._run(sg)
+            body()
+        torch.cuda.synchronize()
+        self._decode_graphs[(context, mode)] = g
+        self.captures += 1
+        return g
 
     def time_launches(self, tokens: list[int], pos: int, repeats: int = 20) -> list[dict[str, Any]]:
         """Time every launch of the step at (``len(tokens)``, bucket of ``pos``) on its own with CUDA events
@@ -386,6 +663,20 @@ class CompiledStep:
     def capture_ms(self) -> dict[tuple[int, int], float]:
         """Milliseconds each captured (width, context) graph took to capture."""
         return {k: g.capture_s * 1e3 for k, g in self._graphs.items() if g.cuda_graph is not None}
+
+    def _capture(self, sg: _StepGraph) -> None:
+        """Run ``sg`` once eagerly (module loads, lazy attributes), then capture it as a CUDA graph in the
+        shared pool. The eager run writes the state: in :meth:`step` it is that step's result (its scalars
+        were uploaded); :meth:`prepare_all` resets the state afterwards."""
+        self._run(sg)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sg.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(sg.cuda_graph, pool=self._pool):
+            self._run(sg)
+        torch.cuda.synchronize()
+        sg.capture_s = time.perf_counter() - t0
+        self.captures += 1
 
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:

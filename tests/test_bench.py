@@ -96,3 +96,32 @@ def test_family_table_counts_a_kernel_of_several_launches_once():
     fam = family_table(prof, {"l0.moe_experts": 4_000_000, "linear": 2_000_000})
     assert fam["experts"] == {"launches": 2, "us": 40.0, "bytes": 4_000_000, "GBps": 100.0}
     assert fam["gemv"]["GBps"] == 100.0
+
+
+def test_llama_bench_tg_parses_and_records_failures(tmp_path):
+    """``--llama-bench``: llama-bench's JSON parsed per depth; a crash, bad output or a missing binary is a
+    one-line error per context, never an exception."""
+    from ds4c.bench import llama_bench_tg
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "d=$(echo \"$@\" | sed 's/.*-d \\([0-9]*\\).*/\\1/')\n"
+                    "[ \"$d\" = 999 ] && { echo boom >&2; exit 3; }\n"
+                    "echo '[{\"n_prompt\": 0, \"n_gen\": 128, \"n_depth\": '$d', \"avg_ts\": 478.6}]'\n")
+    fake.chmod(0o755)
+    out = llama_bench_tg(str(fake), "m.gguf", (4096, 999), say=lambda m: None)
+    assert out["tg_tok_s"] == {4096: 478.6}
+    assert set(out["errors"]) == {999} and "boom" in out["errors"][999] and "\n" not in out["errors"][999]
+    assert out["cmd"].endswith("-m MODEL -p 0 -n 128 -d CTX -r 3 -ngl 99 -o json")
+    missing = llama_bench_tg(str(tmp_path / "nope"), "m.gguf", (64,), say=lambda m: None)
+    assert missing["tg_tok_s"] == {} and "No such file" in missing["errors"][64]
+
+
+def test_bench_cli_refuses_a_missing_llama_bench(tmp_path, tiny_path):
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--llama-bench", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "--llama-bench" in r.output and "no executable file" in r.output
+    assert "Traceback" not in r.output

@@ -288,3 +288,13 @@ def test_artifact_with_the_reference_engine_is_an_error(home, tiny_path):
 def test_inspect_ir_bad_layers(home, tiny_path):
     assert_usage_error(run(home, "inspect-ir", tiny_path, "--layers", "a", "--after", "fuse_hc"), "--layers")
     assert_usage_error(run(home, "inspect-ir", tiny_path, "--layers", "99", "--after", "fuse_hc"), "--layers")
+
+
+def test_generate_max_ctx_bounds_and_errors(home, tiny_path):
+    r = run_json(home, "generate", tiny_path, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--max-ctx", "64",
+                 "--json")
+    assert len(r["tokens"]) == 4
+    r = run(home, "generate", tiny_path, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--max-ctx", "6")
+    assert r.exit_code != 0 and "--max-ctx 6 is below the 3 prompt ids + --max-new-tokens 4 = 7" in r.output
+    r = run(home, "generate", tiny_path, "--prompt-ids", "1,2,3", "--max-ctx", "70000")
+    assert r.exit_code != 0 and "exceeds the model's context length 65536" in r.output

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")]
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +31,15 @@ def setup(tiny_path, tmp_path_factory):
     return ex, ref
 
 
-def test_teacher_forced_steps_match_the_reference(setup, tokens):
+def teacher_forced_errors(ex, ref, tokens: list[int], widths: tuple[int, ...], end: int) -> torch.Tensor:
+    """Relative L2 error per logits row of the compiled step against the reference, each step started from the
+    reference's state (copied in), widths cycling through ``widths`` until position ``end``."""
     from ds4c.ir.interpreter import state_to_inputs
 
-    ex, ref = setup
     ref.reset()
     errs, p, k = [], 0, 0
-    while p < 60:
-        q = (5, 1, 3)[k % 3]
+    while p < end:
+        q = widths[k % len(widths)]
         k += 1
         for name, buf in state_to_inputs(ref.state).items():
             ex.state[name].copy_(buf)
@@ -46,7 +48,12 @@ def test_teacher_forced_steps_match_the_reference(setup, tokens):
         want = ref.verify(tokens[p:p + q], p).cpu()
         errs.append((got - want).norm(dim=-1) / want.norm(dim=-1))
         p += q
-    e = torch.cat(errs)
+    return torch.cat(errs)
+
+
+def test_teacher_forced_steps_match_the_reference(setup, tokens):
+    ex, ref = setup
+    e = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 60)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
 
 

@@ -633,3 +633,26 @@ def test_synthetic_weights_are_those_of_ds4c_0_1(tiny):
     new = _rng(0, "blk.2.hc_ffn_base.weight").standard_normal(4)
     assert np.array_equal(old, new)
     assert not np.array_equal(_rng(0, "blk.2.hc_ffn_fn.weight").standard_normal(4), old)
+
+
+def test_fast_array_parsing_equals_gguf_reader(tmp_path):
+    """_CheckedReader parses metadata arrays in one pass; every field equals what gguf's own reader builds
+    (types, data indices, parts, contents), for string, int and float arrays (gguf writes no empty ones)."""
+    from gguf import GGUFReader
+
+    from ds4c.gguf_file import _CheckedReader, _field_value
+
+    p = write_gguf(tmp_path / "arrays.gguf", [
+        ("general.architecture", ARCH, "str"), ("t.strs", ["a", "", "ĠthÃ©", "<｜end▁of▁sentence｜>"] * 50, "arr_str"),
+        ("t.i32", list(range(-5, 300)), "arr_i32"), ("t.u32", [0, 7, 2**32 - 1], "arr_u32"),
+        ("t.f32", [0.5, -1.25, 3e-8], "arr_f32"), ("t.scalar", 7, "u32"),
+        ("t.str", "hello", "str")], [("x", np.arange(8, dtype=np.float32), G.F32)])
+    fast, ref = _CheckedReader(p), GGUFReader(p)
+    assert list(fast.fields) == list(ref.fields)
+    for k, f in fast.fields.items():
+        g = ref.fields[k]
+        assert f.types == g.types and f.data == g.data and len(f.parts) == len(g.parts), k
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(f.parts, g.parts)), k
+        assert _field_value(f) == _field_value(g), k
+    assert _field_value(fast.fields["t.strs"])[2] == "ĠthÃ©"
+    assert np.array_equal(fast.tensors[0].data, np.arange(8, dtype=np.float32))

@@ -130,3 +130,13 @@ def test_info_lists_the_mtp_tensors(mtp_files):
     assert len(rec["layers"]) == TINY.n_layers
     r = CliRunner().invoke(main, ["generate", str(mtp_files["only"]), "--prompt-ids", "1,2", "--max-new-tokens", "1"])
     assert r.exit_code != 0 and "MTP-only" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_mtp_file_without_a_ratio_for_its_block_is_refused(tmp_path):
+    meta = [(k, list(v)[:TINY.n_layers] if k == "deepseek4.attention.compress_ratios" else v, kind)
+            for k, v, kind in _metadata(1)]
+    p = write_gguf(tmp_path / "short.gguf", meta,
+                   [_stored(s) for s in root_tensor_specs(TINY) + nextn_tensor_specs(TINY, TINY.n_layers)])
+    with pytest.raises(ModelFileError, match=r"compress_ratios to have an entry per block including the 1 MTP block "
+                                             r"\(7\), found 6"):
+        open_model(p, allow_mtp_only=True)

@@ -364,6 +364,7 @@ def test_residual_rms_stays_in_band_over_43_layers(tmp_path):
     assert torch.isfinite(logits).all() and 0.1 < logits.std() < 10
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (reference on cuda vs cpu)")
 @pytest.mark.parametrize("emulate", [False, True])
 def test_reference_on_cuda_matches_cpu_step_by_step(tiny_path, tokens, emulate):

@@ -1,0 +1,127 @@
+"""The generation loop on a CUDA GPU (issue: generation as users run it): every graph ready before the first
+token, nothing compiled, loaded or captured after, bucket crossings no slower than 2x a normal step, device
+sampling equal to the CPU sampler in distribution and reproducible, greedy tokens equal to host sampling.
+Skipped without a GPU; run on the H200 (docs/gpu-validation.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")]
+
+
+@pytest.fixture(scope="module")
+def ready(tiny_path, tmp_path_factory):
+    from ds4c.buckets import BucketSpec
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    mf = open_model(tiny_path)
+    buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
+    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path_factory.mktemp("kcache")))
+    stats = ex.prepare_all(progress=False)
+    return ex, stats
+
+
+class _HostSampled:
+    """The compiled step without ``decode_tokens``: generate() then samples each step on the CPU."""
+
+    def __init__(self, ex):
+        self.ex = ex
+
+    def __getattr__(self, name):
+        if name == "decode_tokens":
+            raise AttributeError(name)
+        return getattr(self.ex, name)
+
+
+def test_everything_is_ready_before_the_first_token(ready):
+    from ds4c.generate import generate
+
+    ex, stats = ready
+    assert stats["graphs"] == 5 * 3 and len(ex.capture_ms) == 15 and stats["graph_bytes"] > 0
+    assert sorted(ex._decode_graphs) == [(c, m) for c in (32, 64, 128) for m in ("greedy", "sample")]
+    assert stats["weights"]["bytes"] > 0 and stats["weights"]["gb_per_s"] > 0
+    before = (ex.captures, ex.binary_batches, len(ex._modules), len(ex._graphs), len(ex._weights))
+    # prompt 20 + 100 new: positions cross the 32 and 64 bucket boundaries
+    res = generate(ex, list(range(7, 27)), 100)
+    res2 = generate(ex, list(range(7, 27)), 100, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    assert len(res.tokens) == 100 and len(res2.tokens) == 100
+    after = (ex.captures, ex.binary_batches, len(ex._modules), len(ex._graphs), len(ex._weights))
+    assert after == before, (before, after)  # step and sampler graphs all captured by prepare_all
+    gen = generate(ex, list(range(7, 27)), 100)
+    assert (ex.captures, ex.binary_batches) == after[:2]
+    assert gen.step_s[0] < 2 * sorted(gen.step_s)[50] + 2e-4, gen.step_s[:3]  # the first decode step too
+    steps = sorted(gen.step_s)
+    median = steps[len(steps) // 2]
+    crossing = [gen.step_s[p - 20 - 1] for p in (32, 64)]  # the steps at positions 32 and 64
+    assert max(crossing) < 2 * median + 2e-4, (crossing, median)
+
+
+def test_device_greedy_equals_host_greedy(ready):
+    from ds4c.generate import generate
+
+    ex, _ = ready
+    dev = generate(ex, [5, 17, 301, 42, 7, 99], 60).tokens
+    host = generate(_HostSampled(ex), [5, 17, 301, 42, 7, 99], 60).tokens
+    assert dev == host
+
+
+def test_device_sampling_is_seeded_and_reproducible(ready):
+    from ds4c.generate import generate
+
+    ex, _ = ready
+    kw = dict(temperature=0.9, top_k=50, top_p=0.95)
+    a = generate(ex, [5, 17, 301], 40, seed=1, **kw).tokens
+    b = generate(ex, [5, 17, 301], 40, seed=1, **kw).tokens
+    c = generate(ex, [5, 17, 301], 40, seed=2, **kw).tokens
+    assert a == b and a != c
+
+
+def test_captured_sampler_draws_the_filtered_softmax():
+    """The sampler inside a CUDA graph, replayed: each replay a fresh draw (the device counter advances), the
+    counts fit the exact filtered softmax (chi-square, p = 1e-4)."""
+    from ds4c.generate import filter_logits
+    from ds4c.runtime.sampler import DeviceSampler
+    from test_sampler import CHI2_1E4, LOGITS, _chi2
+
+    t, k, p, n = 0.8, 6, 0.9, 4000
+    want = torch.softmax(filter_logits(LOGITS[None], t, k, p)[0] / t, dim=0).double()
+    logits = LOGITS.cuda()
+    ds = DeviceSampler(len(LOGITS), "cuda", ring=n)
+    ds.configure(t, k, p, seed=5)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ds.sample(logits)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ds.sample(logits)
+    ds.configure(t, k, p, seed=5)
+    for _ in range(n):
+        g.replay()
+    torch.cuda.synchronize()
+    assert int(ds.counter) == n
+    counts = torch.bincount(ds.ring.cpu(), minlength=len(LOGITS)).double()
+    assert counts[want == 0].sum() == 0
+    stat, df = _chi2(counts, want, n)
+    assert stat < CHI2_1E4[df], (counts.tolist(), (want * n).tolist())
+
+
+def test_shared_arena_steps_match_the_reference(ready, tiny_path):
+    """After prepare_all every graph shares one activation arena: teacher-forced steps of mixed widths across
+    all three buckets still match the reference."""
+    from ds4c.gguf_file import open_model
+    from ds4c.reference import Reference, ReferenceWeights
+    from test_compiled_step import teacher_forced_errors
+
+    ex, _ = ready
+    ref = Reference(ReferenceWeights.load(open_model(tiny_path), "cuda"), max_ctx=128)
+    toks = torch.randint(0, 512, (110,), generator=torch.Generator().manual_seed(7)).tolist()
+    e = teacher_forced_errors(ex, ref, toks, (5, 1, 3, 2), 100)
+    assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
+    ex.reset()
