@@ -127,10 +127,10 @@ class CompiledStep:
         self._sampler_bodies: dict[str, Any] = {}
         self._decode_graphs: dict[tuple[int, str], Any] = {}
         self.captures = 0
+        """CUDA graphs captured so far (step and decode graphs): a test's check that nothing is captured
+        after start."""
         self.binary_batches = 0
         """Batches of binaries fetched from the kernel cache (each may compile)."""
-        """CUDA graphs captured so far (step and sampler graphs): a test's check that nothing is captured
-        after start."""
         self.load_stats: dict[str, float] = {}
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
@@ -278,8 +278,8 @@ class CompiledStep:
         lower them, compile what the kernel cache lacks in parallel (one progress bar; nothing with an
         artifact), load the binaries, upload the weights (:meth:`load_weights`), bind the arguments (one
         activation arena for all graphs) and capture every CUDA graph (one memory pool), and per q=1 bucket
-        the decode loop's step + sampler graphs (greedy and sampling). The sequence state is reset afterwards. After this no step or
-        :meth:`decode_tokens` compiles, loads or captures anything.
+        the decode loop's step + sampler graphs (greedy and sampling). The sequence state is reset
+        afterwards. After this no step or :meth:`decode_tokens` compiles, loads or captures anything.
 
         Args:
             widths: the widths to prepare (default: all the buckets'); max_ctx: prepare the buckets that
