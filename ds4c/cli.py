@@ -57,6 +57,11 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a malformed option or argument: one line too, pointing at --help
+            sub = e.ctx.command_path if e.ctx is not None else "ds4c"
+            msg = " ".join(e.format_message().split())
+            click.echo(f"ds4c: error: {msg} (see {sub} --help)", err=True)
+            sys.exit(2)
         except Ds4cError as e:  # one line, whatever a file or manifest put into the message
             click.echo("ds4c: error: " + " ".join(str(e).split("\n")).replace("\r", " "), err=True)
             sys.exit(2)

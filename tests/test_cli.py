@@ -50,9 +50,11 @@ def assert_error_line(r: Result, *parts: str) -> str:
 
 
 def assert_usage_error(r: Result, *parts: str) -> None:
+    """A malformed option: one ``ds4c: error:`` line naming it and pointing at the command's --help."""
     assert r.exit_code == 2, (r.exit_code, r.output)
     assert r.stdout == ""
-    assert "Usage: " in r.stderr and "Error: " in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ds4c: error: ") and "--help)" in lines[0], r.stderr
     assert "Traceback" not in r.output
     for p in parts:
         assert p in r.stderr, r.stderr
