@@ -41,9 +41,10 @@ def resolve_engine(device: str, engine: str = "auto") -> str:
     if engine not in ENGINES:
         raise Ds4cError(f"unknown engine {engine!r}: expected one of {', '.join(ENGINES)}")
     if engine == "compiled" and device != "cuda":
-        raise Ds4cError("--engine compiled runs on --device cuda only")
+        raise Ds4cError(f"the compiled engine (--engine compiled) runs on device 'cuda' only, found device {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise Ds4cError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        raise Ds4cError("device 'cuda' (--device cuda): no CUDA device is available (torch.cuda.is_available() is "
+                        "False)")
     if engine == "auto":
         return "compiled" if device == "cuda" else "reference"
     return engine

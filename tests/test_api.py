@@ -344,7 +344,7 @@ def test_engine_choice(tiny_path):
     mf = open_model(tiny_path)
     with pytest.raises(Ds4cError) as e:
         open_engine(mf, "cpu", "compiled")
-    one_line(e, "--engine compiled runs on --device cuda only")
+    one_line(e, "compiled engine", "runs on device 'cuda' only, found device 'cpu'")
     with pytest.raises(Ds4cError) as e:
         open_engine(mf, "cpu", artifact="/does/not/exist")
     one_line(e, "--artifact is used only by the compiled engine")
@@ -363,7 +363,7 @@ def test_engine_choice(tiny_path):
     if not torch.cuda.is_available():
         with pytest.raises(Ds4cError) as e:
             Model(tiny_path, device="cuda")
-        one_line(e, "--device cuda", "no CUDA device")
+        one_line(e, "device 'cuda'", "no CUDA device")
     n = torch.get_num_threads()
     try:
         ref = open_engine(mf, "cpu", threads=2, max_ctx=32, quant_emulation=False)
