@@ -231,7 +231,7 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
     dec = f"{tps:.2f} tokens/s" if tps is not None else "n/a (fewer than 2 new tokens)"
     pre = f"prefill {ptps:.1f} tokens/s; " if ptps is not None else ""
     return (f"load {load_s:.2f} s, prefill {n_prompt} tokens in {res.prefill_s:.3f} s, decode {dec} "
-            f"({pre}{len(res.tokens)} new tokens, stop: {res.stop_reason})")
+            f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
 @main.command("generate")
