@@ -270,7 +270,8 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
-                 ignore_eos: bool = False, stream: bool = False) -> Completion | CompletionStream:
+                 ignore_eos: bool = False, stream: bool = False, draft: str | Any | None = None,
+                 spec_width: int = 5) -> Completion | CompletionStream:
         """Generate after ``prompt`` (text or token ids) on a fresh sequence.
 
         Args:
@@ -278,10 +279,14 @@ class Model:
             max_new_tokens: at most this many new tokens (prompt + new tokens <= ``max_ctx``).
             temperature: 0 = greedy; else seeded sampling (spec P12) after ``top_k`` / ``top_p`` filtering.
             top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
-            seed: the sampling seed (the same seed gives the same tokens on every engine).
+            seed: the sampling seed (reproducible on each engine; the compiled step samples on the GPU with its
+                own noise, equal in distribution to the CPU's).
             stop: stop strings: generation ends when the text contains one; the text stops before it.
             ignore_eos: do not stop at the eos token.
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
+            draft: speculative decoding with this drafter (``"oracle:ALPHA"`` or a
+                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance.
+            spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts).
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
@@ -303,8 +308,12 @@ class Model:
             raise Ds4cError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_ctx "
                             f"{self.max_ctx}; open the Model with a larger max_ctx")
         stop_ids = () if ignore_eos else (self.eos_id,)
+        if isinstance(draft, str):
+            from ds4c.speculative import make_drafter
+
+            draft = make_drafter(draft, self.config.vocab_size, seed)
         ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                           top_p=top_p, stop_ids=stop_ids)
+                           top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width)
         holder: dict[str, Any] = {}
         if self.tokenizer is None:
             res = ts.run()

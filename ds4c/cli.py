@@ -269,13 +269,19 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
 @click.option("--artifact", type=click.Path(file_okay=False), default=None,
               help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
+@click.option("--draft", default=None, metavar="DRAFTER",
+              help="Speculative decoding: oracle:ALPHA drafts the target's own greedy continuation with each "
+                   "token wrong with probability 1-ALPHA (a benchmark of the loop).")
+@click.option("--spec-width", type=int, default=5, show_default=True,
+              help="With --draft: verify rows per step (the last token and up to 4 drafts).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
                  chat: str | None, system: str | None, think: bool | None, reasoning_effort: str | None,
                  max_new_tokens: int, max_ctx: int | None, device: str, temperature: float, top_k: int, top_p: float,
                  seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
-                 dataflow: str, engine: str, artifact: str | None, as_json: bool) -> None:
+                 dataflow: str, engine: str, artifact: str | None, draft: str | None, spec_width: int,
+                 as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
     cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
     import time
@@ -333,6 +339,13 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
             len(text.encode("utf-8"))
         need = min(limit, n_bytes + 1 + max_new_tokens)
+    drafter = None
+    if draft is not None:  # checked before the (possibly long) engine start
+        from ds4c.speculative import make_drafter
+
+        drafter = make_drafter(draft, mf.config.vocab_size, seed)
+        if not 1 <= spec_width <= 5:
+            raise Ds4cError(f"--spec-width must be in 1..5 (verify rows per step), found {spec_width}")
     if max_ctx is not None:
         if max_ctx > limit:
             raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {limit}")
@@ -355,7 +368,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the artifact's "
                         f"max_ctx {model.max_ctx}")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              stop=list(stops) or None, ignore_eos=ignore_eos)
+              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width)
     text_mode = prompt_ids is None and model.tokenizer is not None
     if as_json or not text_mode:
         c = model.generate(ids, **kw)

@@ -44,6 +44,9 @@ class GenerationResult:
     decode_s: float
     step_s: list[float] = field(default_factory=list)
     stop_reason: str = "length"
+    speculative: dict | None = None
+    """With a drafter: :class:`ds4c.speculative.SpecStats` as a dict (steps, tokens per step, acceptance by
+    draft depth, widths)."""
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -61,7 +64,8 @@ class GenerationResult:
         return {"prompt": self.prompt, "tokens": self.tokens, "stop_reason": self.stop_reason,
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-                "step_ms": [round(s * 1e3, 3) for s in self.step_s]}
+                "step_ms": [round(s * 1e3, 3) for s in self.step_s],
+                **({"speculative": self.speculative} if self.speculative is not None else {})}
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -114,11 +118,16 @@ class TokenStream:
     """
 
     def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
-                 top_k: int, top_p: float, stop_ids: frozenset[int]):
+                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int = MAX_WIDTH):
         self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
         check_seed(seed)
         self._temp, self._seed, self._width = temperature, seed, width
         self._top_k, self._top_p, self._stop_ids = top_k, top_p, stop_ids
+        self._draft, self._spec_width = draft, spec_width
+        self._spec = None
+        self._out: list[int] = []
+        self._steps: list[float] = []
+        self._prefill_s = self._decode_s = 0.0
         self._gen = self._run()
         self.result: GenerationResult | None = None
 
@@ -149,14 +158,14 @@ class TokenStream:
         return int(sample(logits, self._temp, self._rng)[0])
 
     def _finish(self, reason: str) -> GenerationResult:
-        return GenerationResult(self._prompt, self._out, self._prefill_s, self._decode_s, self._steps, reason)
+        return GenerationResult(self._prompt, self._out, self._prefill_s, self._decode_s, self._steps, reason,
+                                None if self._spec is None else self._spec.as_dict())
 
     def _run(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
         self._rng = torch.Generator().manual_seed(self._seed)
-        self._out: list[int] = []
-        self._steps: list[float] = []
-        self._prefill_s = self._decode_s = 0.0
+        if self._draft is not None:  # e.g. the oracle's autoregressive pass, before this request's prefill
+            self._draft.prepare(ref, prompt, self._n)
         ref.reset()
         t0 = time.perf_counter()
         logits = None
@@ -174,7 +183,13 @@ class TokenStream:
         # the CPU sampler step by step
         on_device = getattr(ref, "decode_tokens", None)
         more = None
-        if on_device is not None and self._n > 1 and tok not in self._stop_ids:
+        if self._draft is not None and self._n > 1 and tok not in self._stop_ids:
+            from ds4c.speculative import SpecStats, speculative_tokens
+
+            self._spec = SpecStats(self._draft.name, self._spec_width)
+            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._spec_width, self._temp,
+                                      self._top_k, self._top_p, self._rng, self._spec, self._sample)
+        elif on_device is not None and self._n > 1 and tok not in self._stop_ids:
             more = on_device(tok, len(prompt), self._n - 1, self._temp, self._top_k, self._top_p, self._seed)
         try:
             while True:
@@ -202,7 +217,7 @@ class TokenStream:
 
 def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
            width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-           stop_ids: Collection[int] = ()) -> TokenStream:
+           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int = MAX_WIDTH) -> TokenStream:
     """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled).
 
     The arguments are checked here, before any step runs. Raises as :func:`generate`."""
@@ -213,13 +228,17 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
         raise StepError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
     if len(prompt) + max_new_tokens > ref.max_ctx:
         raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={ref.max_ctx}")
+    if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH:
+        raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step), "
+                        f"found {spec_width!r}")
     return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
-                       frozenset(int(t) for t in stop_ids))
+                       frozenset(int(t) for t in stop_ids), draft, spec_width)
 
 
 def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-             stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None) -> GenerationResult:
+             stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None, draft: Any = None,
+             spec_width: int = MAX_WIDTH) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
 
     ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
@@ -233,11 +252,16 @@ def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempe
     ``"eos"``), when ``on_token(token)`` returns a true value (``"stop"``), or after ``max_new_tokens``
     (``"length"``). Without ``stop_ids`` (the default) it always runs ``max_new_tokens``.
 
+    Speculative decoding: with a ``draft`` (:func:`ds4c.speculative.make_drafter`) each step after the first
+    token verifies up to ``spec_width`` rows (the last token and ``spec_width - 1`` drafts) and keeps what the
+    target accepts (:mod:`ds4c.speculative`: exact for greedy and for sampling); ``result.speculative`` reports
+    the steps and acceptance.
+
     Raises:
         StepError: empty prompt, a bad temperature / top_k / top_p, negative ``max_new_tokens``, or prompt + new
             tokens past ``ref.max_ctx``; what the stepper raises (token ids outside the vocabulary).
     """
-    ts = stream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p, stop_ids)
+    ts = stream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p, stop_ids, draft, spec_width)
     for tok in ts:
         if on_token is not None and on_token(tok):
             if ts.result is None:

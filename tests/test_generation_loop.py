@@ -125,3 +125,29 @@ def test_shared_arena_steps_match_the_reference(ready, tiny_path):
     e = teacher_forced_errors(ex, ref, toks, (5, 1, 3, 2), 100)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
     ex.reset()
+
+
+def test_speculative_greedy_on_the_compiled_step(ready):
+    """Speculative decoding on the compiled step (verify steps of 3 rows, rollback): its greedy output follows
+    the compiled step's own autoregressive output; where they part, the target's top two logits there are a
+    near-tie (its verify rows and its decode steps round differently, within the kernels' tolerance)."""
+    from ds4c.generate import generate
+    from ds4c.speculative import OracleDrafter
+
+    ex, _ = ready
+    prompt = [5, 17, 301, 42, 7, 99]
+    ar = generate(_HostSampled(ex), prompt, 80).tokens
+    spec = generate(ex, prompt, 80, draft=OracleDrafter(0.8, 512, continuation=ar), spec_width=3)
+    assert spec.speculative["steps"] < 79 and len(spec.tokens) == 80
+    first = next((i for i, (a, b) in enumerate(zip(ar, spec.tokens)) if a != b), None)
+    if first is not None:  # the margin where they part, from the AR side's logits
+        ex.reset()
+        logits = None
+        for p in range(0, len(prompt), 5):
+            logits = ex.step(prompt[p:p + 5], p)[-1]
+        seq = prompt + ar
+        for p in range(len(prompt), len(prompt) + first):
+            logits = ex.step([seq[p]], p)[0]
+        top = torch.topk(logits.float().cpu(), 2).values
+        assert float(top[0] - top[1]) < 1e-2 * float(top[0].abs()) + 1e-3, (first, top)
+    assert first is None or first >= 10, first

@@ -1,0 +1,210 @@
+"""Speculative decoding on any stepper (issue: speculative decoding; spec ds4-flash.md section 6 for the verify
+step and its rollback).
+
+Each step drafts ``k <= width - 1`` tokens, runs the last accepted token and the drafts as one verify step of
+``k + 1`` rows, keeps the longest prefix the target agrees with plus one token of the target's own, and rolls
+the rest of the step back (``stepper.rollback``). Works on the reference and on the compiled step; the
+acceptance runs on the CPU from the verify step's logits.
+
+Acceptance (:func:`accept`):
+
+* greedy: draft ``i`` is kept while it equals the argmax of row ``i``; the first disagreeing row's argmax (or,
+  when every draft was kept, the last row's) is appended. On the reference, whose verify rows equal sequential
+  decodes bit for bit, the output equals greedy autoregressive decoding token for token.
+* sampling (temperature > 0, with top-k / top-p): the standard exact rule (Leviathan et al., Chen et al.):
+  keep draft ``d`` with probability ``min(1, p(d) / q(d))`` where ``p`` is the target's filtered distribution
+  of that row and ``q`` the drafter's; on a rejection draw from the residual ``max(0, p - q)`` normalised, and
+  stop; after all drafts draw the bonus token from the last row. The output is distributed exactly as
+  autoregressive sampling (tests/test_speculative.py checks it). A drafter without probabilities is
+  deterministic: ``q`` is one-hot on its draft.
+
+Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
+autoregressive pass before the request, with each draft token replaced by a wrong one with probability
+``1 - ALPHA`` (seeded): a benchmark of the loop at a chosen acceptance rate, since synthetic weights make any
+trained-style drafter's acceptance near zero. The DSpark and MTP drafters are the rest of the issue.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ds4c.errors import StepError
+
+
+class Drafter(Protocol):
+    """What the loop needs of a drafter."""
+
+    name: str
+
+    def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
+        """Called once per request, before the target's prefill (it may use the stepper, then must leave it
+        to be reset)."""
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """``k`` draft tokens continuing ``context`` (prompt + tokens so far), and their distributions
+        ``q`` (fp32 ``[k, V]``) or None for a deterministic drafter."""
+
+
+class OracleDrafter:
+    """Drafts the target's greedy continuation of the prompt, each token kept with probability ``alpha`` and
+    otherwise replaced by another id (uniform over the rest of the vocabulary), from ``random.Random(seed)``.
+
+    With greedy decoding the target follows that continuation, so ``alpha`` is the per-token acceptance; with
+    sampling the output leaves it after the first sampled difference and the drafts are then mostly rejected.
+    """
+
+    def __init__(self, alpha: float, vocab_size: int, seed: int = 0, continuation: list[int] | None = None):
+        if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
+            raise StepError(f"oracle drafter: ALPHA must be a number in [0, 1], found {alpha!r}")
+        self.alpha, self.vocab_size, self.seed = float(alpha), int(vocab_size), int(seed)
+        self.name = f"oracle:{self.alpha:g}"
+        self._given = None if continuation is None else [int(t) for t in continuation]
+        self._continuation: list[int] = []
+        self._prompt_len = 0
+        self._rng = random.Random(seed)
+
+    def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
+        """The target's greedy continuation of ``prompt`` (an autoregressive pass on ``stepper``), unless the
+        drafter was made with a ``continuation`` (for benchmarks that already ran it)."""
+        from ds4c.generate import generate
+
+        if self._given is not None:
+            self._continuation = self._given
+        else:
+            self._continuation = generate(stepper, prompt, max_new_tokens).tokens if max_new_tokens else []
+        self._prompt_len = len(prompt)
+        self._rng = random.Random(self.seed)
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
+        at = len(context) - self._prompt_len
+        out = []
+        for i in range(k):
+            j = at + i
+            t = self._continuation[j] if j < len(self._continuation) else 0
+            if self._rng.random() >= self.alpha:
+                t = (t + 1 + self._rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            out.append(t)
+        return out, None
+
+
+def make_drafter(spec: str, vocab_size: int, seed: int = 0) -> OracleDrafter:
+    """The drafter a ``--draft`` value names: ``oracle:ALPHA``.
+
+    Raises:
+        StepError: an unknown drafter or a bad ALPHA (one line, naming what was expected).
+    """
+    kind, _, arg = str(spec).partition(":")
+    if kind == "oracle":
+        try:
+            alpha = float(arg)
+        except ValueError:
+            raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {arg!r}") from None
+        return OracleDrafter(alpha, vocab_size, seed)
+    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA (the DSpark and MTP drafters are not "
+                    f"available yet)")
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
+    (index 0 = the first draft of a step; a draft counts as accepted when it and every draft before it in its
+    step were), ``widths`` (verify rows per step, counted; 1 = a plain decode), tokens produced."""
+
+    drafter: str
+    width: int
+    steps: int = 0
+    tokens: int = 0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    widths: dict[int, int] = field(default_factory=dict)
+
+    def record(self, k: int, n_accepted: int) -> None:
+        self.steps += 1
+        self.tokens += n_accepted + 1
+        self.widths[k + 1] = self.widths.get(k + 1, 0) + 1
+        while len(self.drafted) < k:
+            self.drafted.append(0)
+            self.accepted.append(0)
+        for i in range(k):
+            self.drafted[i] += 1
+            self.accepted[i] += int(i < n_accepted)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
+                "tokens_per_step": self.tokens / self.steps if self.steps else None,
+                "acceptance_by_depth": [a / d if d else None for a, d in zip(self.accepted, self.drafted)],
+                "widths": {str(w): n for w, n in sorted(self.widths.items())}}
+
+
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temperature: float, top_k: int = 0,
+           top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+    """The tokens one verify step adds: the accepted prefix of ``drafts`` then one token of the target's.
+
+    Args:
+        logits: fp32 ``[k + 1, V]`` (CPU): row ``i`` is the target's next-token logits after draft ``i - 1``
+            (row 0 after the step's first row, the last accepted token).
+        drafts: the ``k`` draft ids; q: the drafter's distributions ``[k, V]`` or None (one-hot on the drafts).
+        temperature, top_k, top_p: the request's sampling (greedy when ``temperature == 0``).
+        generator: CPU generator for the accept/reject draws and the residual / bonus samples.
+    Returns:
+        1..k+1 token ids.
+    """
+    from ds4c.generate import filter_logits
+
+    k = len(drafts)
+    if temperature == 0:
+        out = []
+        for i, d in enumerate(drafts):
+            y = int(torch.argmax(logits[i]))
+            if y != d:
+                return out + [y]
+            out.append(d)
+        return out + [int(torch.argmax(logits[k]))]
+    p = torch.softmax(filter_logits(logits.float(), temperature, top_k, top_p) / temperature, dim=-1)
+    out = []
+    for i, d in enumerate(drafts):
+        qi = q[i].float() if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).float()
+        ratio = float(p[i, d]) / max(float(qi[d]), 1e-30)
+        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+            out.append(d)
+            continue
+        resid = torch.clamp(p[i] - qi, min=0)
+        if float(resid.sum()) <= 0:
+            resid = p[i]
+        return out + [int(torch.multinomial(resid / resid.sum(), 1, generator=generator))]
+    return out + [int(torch.multinomial(p[k], 1, generator=generator))]
+
+
+def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first: int, n: int, width: int,
+                       temperature: float, top_k: int, top_p: float, generator: torch.Generator,
+                       stats: SpecStats, sample_one: Any) -> Iterator[int]:
+    """The ``n`` tokens after ``first`` (sampled from the prefill, at position ``len(prompt)``), produced by
+    verify steps of up to ``width`` rows. ``sample_one(logits [1, V]) -> id`` samples a plain decode step (used
+    when no draft fits). Yields ids in order; closing the generator stops it (the state then holds the last
+    step's accepted rows)."""
+    out = [int(first)]
+    pos = len(prompt)
+    produced = 0
+    while produced < n:
+        k = min(width - 1, n - produced - 1)
+        if k <= 0:
+            tok = sample_one(stepper.decode(out[-1], pos).float().cpu())
+            stats.record(0, 0)
+            pos += 1
+            new = [tok]
+        else:
+            drafts, q = drafter.propose(prompt + out, k)
+            logits = stepper.verify([out[-1]] + list(drafts), pos).float().cpu()
+            new = accept(logits, list(drafts), q, temperature, top_k, top_p, generator)
+            stepper.rollback(len(new))  # keep the step's first row and the accepted drafts
+            stats.record(k, len(new) - 1)
+            pos += len(new)
+        for t in new:
+            out.append(t)
+            produced += 1
+            yield t
