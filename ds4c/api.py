@@ -168,7 +168,7 @@ class Model:
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
-        self.engine = resolve_engine(device, engine)
+        self.engine = resolve_engine(device, engine, dataflow)
         self.device = device
         if isinstance(path, ModelFile):
             mf = path

@@ -455,11 +455,10 @@ def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...]
     import json
     import subprocess
 
-    out: dict[str, Any] = {"cmd": "", "tg_tok_s": {}, "errors": {}}
+    args = ["-p", "0", "-n", str(n_gen), "-d", "CTX", "-r", str(reps), "-ngl", "99", "-o", "json"]
+    out: dict[str, Any] = {"cmd": " ".join([str(exe), "-m", "MODEL"] + args), "tg_tok_s": {}, "errors": {}}
     for c in contexts:
-        cmd = [str(exe), "-m", str(model), "-p", "0", "-n", str(n_gen), "-d", str(c), "-r", str(reps), "-ngl", "99",
-               "-o", "json"]
-        out["cmd"] = " ".join(cmd[:1] + ["-m", "MODEL"] + cmd[3:8] + ["CTX"] + cmd[9:])
+        cmd = [str(exe), "-m", str(model)] + [str(c) if a == "CTX" else a for a in args]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
             recs = json.loads(r.stdout) if r.returncode == 0 else None
@@ -486,12 +485,12 @@ def _end_to_end(ex: Any, rows: list[StepRow], toks_of: dict[int, list[int]], con
     for c in contexts:
         n_new = min(new_tokens, ex.max_ctx - 1)
         prompt = toks_of[c][: max(1, min(c, ex.max_ctx) - n_new)]
-        first = generate(ex, prompt, 1)
         res = generate(ex, prompt, n_new)
         q1 = next((r.ours_ms for r in rows if r.context == c and r.width == 1), None)
-        rec = {"context": c, "prompt_tokens": len(prompt), "new_tokens": n_new,
-               "ttft_ms": (first.prefill_s + first.decode_s) * 1e3,
-               "prefill_tok_s": first.prefill_tokens_per_s, "loop_tok_s": res.decode_tokens_per_s,
+        # the first token: the prefill, then its sampling (decode_s less the decode steps)
+        ttft_s = res.prefill_s + res.decode_s - sum(res.step_s)
+        rec = {"context": c, "prompt_tokens": len(prompt), "new_tokens": n_new, "ttft_ms": ttft_s * 1e3,
+               "prefill_tok_s": res.prefill_tokens_per_s, "loop_tok_s": res.decode_tokens_per_s,
                "replay_tok_s": None if q1 is None else 1e3 / q1,
                "max_step_over_median": (max(res.step_s) / statistics.median(res.step_s)) if res.step_s else None}
         rec["loop_over_replay"] = (rec["loop_tok_s"] / rec["replay_tok_s"]

@@ -311,9 +311,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     if any(not s for s in stops):
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
-    if resolve_engine(device, engine) == "compiled" and dataflow != "bf16":  # errors before a model is opened
-        raise Ds4cError("--dataflow fp32 is the reference engine's only (the compiled step keeps the spec's bf16 "
-                        "activations): add --engine reference")
+    resolve_engine(device, engine, dataflow)  # device / engine / dataflow errors before a model is opened
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
     limit = mf.config.max_position

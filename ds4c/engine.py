@@ -29,12 +29,13 @@ ENGINES = ("auto", "reference", "compiled")
 COMPILED_WIDTHS = (1, 2, 3, 4, 5)
 
 
-def resolve_engine(device: str, engine: str = "auto") -> str:
+def resolve_engine(device: str, engine: str = "auto", dataflow: str = "bf16") -> str:
     """The engine ``auto`` stands for on ``device`` (``compiled`` on cuda, ``reference`` on cpu); other names
     are returned unchanged once checked.
 
     Raises:
-        Ds4cError: an unknown device or engine, ``compiled`` on the cpu, ``cuda`` without a CUDA device.
+        Ds4cError: an unknown device, engine or dataflow, ``compiled`` on the cpu, ``cuda`` without a CUDA
+            device, the fp32 dataflow with the compiled engine.
     """
     if device not in DEVICES:
         raise Ds4cError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
@@ -45,9 +46,13 @@ def resolve_engine(device: str, engine: str = "auto") -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise Ds4cError("device 'cuda' (--device cuda): no CUDA device is available (torch.cuda.is_available() is "
                         "False)")
-    if engine == "auto":
-        return "compiled" if device == "cuda" else "reference"
-    return engine
+    if dataflow not in ("bf16", "fp32"):
+        raise Ds4cError(f"dataflow must be 'bf16' or 'fp32', found {dataflow!r}")
+    name = ("compiled" if device == "cuda" else "reference") if engine == "auto" else engine
+    if name == "compiled" and dataflow != "bf16":
+        raise Ds4cError("the fp32 dataflow (--dataflow fp32) is the reference engine's only (the compiled step "
+                        "keeps the spec's bf16 activations): use the reference engine (--engine reference)")
+    return name
 
 
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
@@ -85,7 +90,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
             does not serve this model: ``ArtifactError``).
     """
-    name = resolve_engine(device, engine)
+    name = resolve_engine(device, engine, dataflow)
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise Ds4cError(f"threads must be an int >= 1, found {threads!r}")
@@ -93,11 +98,6 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
     if max_ctx is not None:
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= limit:
             raise Ds4cError(f"max_ctx must be an int in 1..{limit} (the model's context length), found {max_ctx!r}")
-    if dataflow not in ("bf16", "fp32"):
-        raise Ds4cError(f"dataflow must be 'bf16' or 'fp32', found {dataflow!r}")
-    if name == "compiled" and dataflow != "bf16":
-        raise Ds4cError("the fp32 dataflow is the reference's only (the compiled step keeps the spec's bf16 "
-                        "activations): use --engine reference")
     if name == "compiled":
         from ds4c.buckets import BucketSpec
         from ds4c.runtime.executor import CompiledStep, device_arch
@@ -115,7 +115,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
         step = CompiledStep(mf, buckets, device_arch(), artifact=None if artifact is None else str(artifact))
         if prepare:
-            step.prepare_stats = step.prepare_all(progress=progress)
+            step.prepare_all(progress=progress)
         return step
     if artifact is not None:
         raise Ds4cError("--artifact is used only by the compiled engine (--device cuda, --engine auto|compiled)")

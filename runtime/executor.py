@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.quant import GGMLType
 from ds4c.ir import build_step
-from ds4c.ir.graph import Graph, Value
+from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.runtime.cache import KernelCache
@@ -132,6 +132,8 @@ class CompiledStep:
         self.binary_batches = 0
         """Batches of binaries fetched from the kernel cache (each may compile)."""
         self.load_stats: dict[str, float] = {}
+        self.prepare_stats: dict[str, Any] = {}
+        """What the last :meth:`prepare_all` returned (empty before one)."""
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
         self._undo: tuple | None = None
@@ -205,10 +207,10 @@ class CompiledStep:
             return self.mf.tensor(name).to(torch.bfloat16)
         return self.mf.tensor(name)  # f32, i64
 
-    def load_weights(self, forms: dict[str, str] | None = None, progress: bool = True,
+    def load_weights(self, forms: dict[str, str], progress: bool = True,
                      staging_bytes: int = 64 << 20) -> dict[str, float]:
-        """Upload the weights the lowered graphs read (default: those of every key :meth:`prepare_all` builds),
-        streaming the stored bytes from the memory map through two pinned staging buffers: the host copies
+        """Upload the weights ``forms`` names (GGUF name -> the form kernels read it in, from the lowered
+        graphs' arguments: :meth:`prepare_all`), streaming the stored bytes from the memory map through two pinned staging buffers: the host copies
         chunk i+1 into one while the device copies chunk i out of the other (a side stream, events between),
         so page-cache reads and PCIe transfers overlap. Weights read in a converted form (fp32 norms and HC
         parameters, bf16 of a non-BF16 tensor, int64 tid2eid) are converted on the host first.
@@ -217,16 +219,6 @@ class CompiledStep:
         """
         from tqdm import tqdm
 
-        if forms is None:
-            forms = {}
-            for w in self.buckets.widths:
-                for k in lower_graph(run_pipeline(build_step(self.cfg, w, self.capacity), "default",
-                                                  context=self.buckets.contexts[0]).graph,
-                                     self.cfg, self.target, self._types):
-                    for la in k.launches:
-                        for a in la.args:
-                            if a.kind == "weight":
-                                forms.setdefault(a.name, a.form or "f32")
         todo = [(n, f) for n, f in forms.items() if (n, f) not in self._weights]
         hosts = [(n, f, self._convert(n, f)) for n, f in todo]
         total = sum(h.numel() * h.element_size() for _n, _f, h in hosts)
@@ -289,15 +281,15 @@ class CompiledStep:
         Returns:
             ``graphs`` (number), ``build_s``, ``compile_s``, ``load_s`` (binaries, weights, binding),
             ``capture_s``, ``weights`` (:attr:`load_stats`), ``graph_bytes`` (GPU memory the graphs take:
-            arena, logits, constants and captures) and ``capture_ms`` per key.
+            arena, logits, constants and captures) and ``capture_ms`` per key; kept as :attr:`prepare_stats`.
 
         Raises:
             StepError, ArtifactError, CompileError: as :meth:`prepare`.
         """
         widths = tuple(widths or self.buckets.widths)
         limit = min(max_ctx or self.buckets.max_ctx, self.buckets.max_ctx)
-        contexts = sorted({self.buckets.bucket(p, 1) for p in range(0, limit, 1)} if limit <= 4096 else
-                          [c for c in self.buckets.contexts if c <= self.buckets.bucket(limit - 1, 1)])
+        last = self.buckets.bucket(limit - 1, 1)  # buckets are contiguous: every one up to the last position's
+        contexts = [c for c in self.buckets.contexts if c <= last]
         keys = [(w, c) for w in widths for c in contexts if (w, c) not in self._graphs]
         mem0 = torch.cuda.memory_allocated(self.dev)
         t0 = time.perf_counter()
@@ -308,12 +300,13 @@ class CompiledStep:
         forms = {a.name: a.form or "f32" for _g, kernels in built.values() for k in kernels for la in k.launches
                  for a in la.args if a.kind == "weight"}
         self.load_weights(forms, progress=progress)
-        sizes = [self._layout(k[0], g, kernels)[1] for k, (g, kernels) in built.items()]
-        if sizes and (self._arena is None or self._arena.numel() < max(sizes)):
-            self._arena = torch.zeros(max(sizes), dtype=torch.uint8, device=self.dev)
+        layouts = [self._layout(g, kernels) for g, kernels in built.values()]
+        need = max((n for _l, n in layouts), default=0)
+        if need and (self._arena is None or self._arena.numel() < need):
+            self._arena = torch.zeros(need, dtype=torch.uint8, device=self.dev)
         mem_w = torch.cuda.memory_allocated(self.dev)
-        for (k, (g, kernels)), b in zip(built.items(), bins):
-            self._bind(k[0], k[1], g, kernels, b)
+        for (k, (g, kernels)), b, lay in zip(built.items(), bins, layouts):
+            self._bind(k[0], k[1], g, kernels, b, lay)
         t3 = time.perf_counter()
         for k in keys:
             self._capture(self._graphs[k])
@@ -330,6 +323,7 @@ class CompiledStep:
                "capture_s": t4 - t3, "weights": dict(self.load_stats), "graph_bytes": int(graph_bytes),
                "weight_bytes": int(mem_w - mem0), "capture_ms": {f"{w}x{c}": ms for (w, c), ms in
                                                                  self.capture_ms.items()}}
+        self.prepare_stats = out
         return out
 
     def _build(self, width: int, context: int) -> tuple[Graph, list[LoweredKernel]]:
@@ -358,9 +352,9 @@ class CompiledStep:
         return [[(compiled[la.kernel.digest()].key, compiled[la.kernel.digest()].binary)
                  for k in ks for la in k.launches] for _k, ks in graphs]
 
-    def _layout(self, width: int, g: Graph, kernels: list[LoweredKernel]) -> tuple[dict[str, tuple[int, tuple, Any]], int]:
-        """The activation arena layout of one graph: ``name -> (byte offset, shape, dtype)`` and the bytes
-        it needs (256-byte aligned slots; state, constants and the logits live elsewhere)."""
+    def _layout(self, g: Graph, kernels: list[LoweredKernel]) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
+        """The activation arena layout of one graph: ``name -> (byte offset, bytes, shape, dtype)`` and the
+        bytes it needs (256-byte aligned slots; state, constants and the logits live elsewhere)."""
         names = value_names(g)
         by_name = {names[v]: v for v in names}
         consts = {names[op.outputs[0]] for op in g.ops if op.kind == "const"}
@@ -374,24 +368,22 @@ class CompiledStep:
                         continue
                     v = by_name[a.name]
                     shape, dt = tuple(int(d) for d in v.type.shape), _DT[v.type.dtype]
-                    layout[a.name] = (off, shape, dt)
                     n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+                    layout[a.name] = (off, n, shape, dt)
                     off += (n + 255) // 256 * 256
         return layout, off
 
     def _bind(self, width: int, context: int, g: Graph, kernels: list[LoweredKernel],
-              binaries: list[tuple[str, Any]]) -> _StepGraph:
+              binaries: list[tuple[str, Any]], layout: tuple[dict, int] | None = None) -> _StepGraph:
         sg = _StepGraph(width, context, g, kernels)
         names = value_names(g)
-        by_name = {names[v]: v for v in names}
         consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
-        layout, need = self._layout(width, g, kernels)
+        slots, need = layout or self._layout(g, kernels)
         if self._arena is None or self._arena.numel() < need:
             # a graph prepared on its own after the others: a larger arena for it and later ones (earlier
             # graphs keep the buffer they were bound to)
             self._arena = torch.zeros(max(need, 1), dtype=torch.uint8, device=self.dev)
-        for name, (off, shape, dt) in layout.items():
-            n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+        for name, (off, n, shape, dt) in slots.items():
             sg.values[name] = self._arena[off:off + n].view(dt).view(shape)
         sg.values["logits"] = self._logits[:width]
         pairs = [la for k in kernels for la in k.launches]
@@ -400,12 +392,12 @@ class CompiledStep:
             if mod is None:
                 mod = self._modules[mkey] = CudaModule(image())
             fn = mod.function(la.kernel.entry, la.smem)
-            args = [self._resolve(a, sg, by_name, consts) for a in la.args]
+            args = [self._resolve(a, sg, consts) for a in la.args]
             sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))
         self._graphs[(width, context)] = sg
         return sg
 
-    def _resolve(self, a: Arg, sg: _StepGraph, by_name: dict[str, Value], consts: dict[str, torch.Tensor]) -> Any:
+    def _resolve(self, a: Arg, sg: _StepGraph, consts: dict[str, torch.Tensor]) -> Any:
         if a.kind == "weight":
             return self._weight(a.name, a.form or "f32")
         if a.kind == "int":
@@ -418,7 +410,8 @@ class CompiledStep:
             if t is None or t.numel() < a.nbytes:
                 t = self._workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=self.dev)
             return t
-        # a graph value: a state buffer, a constant, or an activation of this graph
+        # a graph value: a state buffer, a constant, or an activation of this graph (an arena slot or the
+        # logits buffer, bound by _bind before any argument is resolved)
         if a.name in self.state:
             return self.state[a.name]
         if a.name in consts:
@@ -426,12 +419,7 @@ class CompiledStep:
             if t is None:
                 t = sg.values[a.name] = consts[a.name].to(self.dev).contiguous()
             return t
-        t = sg.values.get(a.name)
-        if t is None:
-            v = by_name[a.name]
-            t = sg.values[a.name] = torch.full(tuple(int(d) for d in v.type.shape), 0, dtype=_DT[v.type.dtype],
-                                               device=self.dev)
-        return t
+        return sg.values[a.name]
 
     # ------------------------------------------------------------------------------------------ steps
     def _begin(self, tokens: list[int], pos: int) -> _StepGraph:
@@ -654,8 +642,9 @@ class CompiledStep:
         return ts[len(ts) // 2]
 
     def values(self, width: int, context: int) -> dict[str, torch.Tensor]:
-        """The device tensors of the (``width``, ``context``) graph by IR value name (activations as the last
-        run of that graph left them, e.g. ``l3.route.ids``); empty when the graph was never prepared."""
+        """The device tensors of the (``width``, ``context``) graph by IR value name, e.g. ``l3.route.ids``;
+        empty when the graph was never prepared. Activations live in the arena all graphs share: they hold what
+        the last step of any graph left there, so read them right after a step of this graph."""
         sg = self._graphs.get((width, context))
         return {} if sg is None else sg.values
 

@@ -67,8 +67,8 @@ class DeviceSampler:
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
         self.ring = torch.zeros(self.ring_size, dtype=torch.int64, device=dev)
-        self._ids = torch.arange(self.vocab, dtype=torch.int64, device=dev)
-        self._ranks = torch.arange(self.vocab, dtype=torch.int64, device=dev)
+        self._first = torch.zeros(self.vocab, dtype=torch.bool, device=dev)  # the most probable token: kept
+        self._first[0] = True
 
     def configure(self, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """Set a request's parameters and restart the draw counter (host-to-device copies; call between
@@ -96,7 +96,7 @@ class DeviceSampler:
         sx = sx.masked_fill(~keep_sorted, float("-inf"))
         p = torch.softmax(sx, dim=0)
         before = torch.cumsum(p, dim=0) - p                       # mass of the more probable tokens
-        keep_sorted = keep_sorted & ((before < self.top_p) | (self._ranks == 0))
+        keep_sorted = keep_sorted & ((before < self.top_p) | self._first)
         p = torch.softmax(sx.masked_fill(~keep_sorted, float("-inf")), dim=0)
         noise = exp_noise(self.seed, self.counter, order)         # noise per token id, wherever it sorts
         tok = torch.gather(order, 0, torch.argmax(p / noise).reshape(1))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,7 +105,6 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/ds4c-interop")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    import os
     if not (os.path.isfile(a.ds4run) and os.access(a.ds4run, os.X_OK)):
         sys.exit(f"interop: --ds4run {a.ds4run}: expected llama.cpp's ds4run executable "
                  f"(../shared/peers/build_llama.sh builds it), found {'a directory' if os.path.isdir(a.ds4run) else 'no executable file'}")
