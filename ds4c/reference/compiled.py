@@ -490,7 +490,8 @@ class CompiledReference(Reference):
             bit for bit under ``backend="eager"`` except the attention's chunk combination (for tests).
 
     Raises:
-        StepError: bad ``max_ctx`` (as Reference), unknown mode or backend, ``span_bucket`` < 1. Compile
+        StepError: bad ``max_ctx`` (as Reference), unknown mode or backend, ``span_bucket`` < 1, the weights of
+            a shard (a layer range, not the whole model). Compile
             errors of torch (dynamo ``Unsupported``, ``BackendCompilerFailed``, ...) surface on the first step
             of a width (:func:`try_modes` catches and reports them).
     """
@@ -501,6 +502,10 @@ class CompiledReference(Reference):
         if weights.dataflow != "bf16":
             raise StepError(f"the compiled reference runs the spec's bf16 dataflow; these weights were loaded for "
                             f"{weights.dataflow!r} (use the eager Reference)")
+        if not weights.is_whole:
+            raise StepError(f"the compiled reference runs the whole model; these weights hold layers "
+                            f"[{weights.layer_range[0]},{weights.layer_range[1]}) (use the eager Reference.run or "
+                            f"ShardedReference)")
         super().__init__(weights, max_ctx)
         if span_bucket < 1:
             raise StepError(f"span_bucket must be >= 1, found {span_bucket}")

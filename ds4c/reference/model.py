@@ -25,7 +25,6 @@ from ds4c.reference.weights import Compressor, LayerWeights, ReferenceWeights
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-
 class Reference:
     """Reference decode/verify for one sequence at a time.
 
@@ -38,8 +37,14 @@ class Reference:
 
     After a verify step, :meth:`rollback` keeps any prefix of its rows; the next step commits it.
 
+    Shard mode: with the weights of a layer range (``ReferenceWeights.load(..., layers=(start, stop))``) the
+    reference holds the state of those layers only and runs them with :meth:`run` (the incoming HC state in,
+    the outgoing HC state or the logits out); :meth:`verify` / :meth:`decode` need the whole model
+    (:class:`~ds4c.reference.sharded.ShardedReference` runs the shards of a split).
+
     Args:
-        weights: the loaded weights (their ``config.quant_emulation`` decides the FP8/FP4 emulation).
+        weights: the loaded weights (their ``config.quant_emulation`` decides the FP8/FP4 emulation; their
+            ``layer_range`` the layers this reference runs).
         max_ctx: positions the sequence state holds.
         dataflow: ``"bf16"``: activations and KV rounded to bf16 between operations as the official
             checkpoint runs (the spec); ``"fp32"``: no rounding between operations, fp32 KV and the unrounded
@@ -63,8 +68,9 @@ class Reference:
         self.dataflow = dataflow
         self.w = weights
         self.cfg: Ds4Config = weights.config
-        self.device = weights.embed.device
+        self.device = weights.device
         self.max_ctx = max_ctx
+        self.layer_range: tuple[int, int] = tuple(weights.layer_range)  # type: ignore[assignment]
         cfg = self.cfg
         self._freqs = {
             False: P.rope_freqs(cfg.rope_dim, cfg.rope_theta, False, cfg.rope_factor, cfg.original_seq_len,
@@ -72,21 +78,38 @@ class Reference:
             True: P.rope_freqs(cfg.rope_dim, cfg.compress_rope_theta, True, cfg.rope_factor,
                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow).to(self.device),
         }
-        with P.dataflow(self.dataflow):
-            self.state = SequenceState.new(cfg, max_ctx, self.device)
+        self.state = self._new_state()
+
+    @property
+    def is_whole(self) -> bool:
+        """True when this reference runs every layer (not one shard of a layer split)."""
+        return self.layer_range == (0, self.cfg.n_layers)
+
+    @property
+    def is_first(self) -> bool:
+        """True when the layer range starts at layer 0 (the shard embeds the tokens)."""
+        return self.layer_range[0] == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True when the layer range ends at the last layer (the shard returns logits)."""
+        return self.layer_range[1] == self.cfg.n_layers
 
     # ---------------------------------------------------------------------------------------------- API
     def reset(self) -> None:
         """Start a new sequence: every state buffer back to its initial value, pos = 0."""
+        self.state = self._new_state()
+
+    def _new_state(self) -> SequenceState:
         with P.dataflow(self.dataflow):
-            self.state = SequenceState.new(self.cfg, self.max_ctx, self.device)
+            return SequenceState.new(self.cfg, self.max_ctx, self.device, layers=self.layer_range)
 
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One decode step (q = 1) for ``token`` at position ``pos``. Returns fp32 logits [1, vocab].
 
         Raises:
             StepError: ``pos`` is not the next position of the sequence, is past ``max_ctx``, or the token
-                id is outside the vocabulary.
+                id is outside the vocabulary; this reference is one shard of a layer split.
         """
         return self.verify([token], pos)
 
@@ -97,8 +120,77 @@ class Reference:
 
         Raises:
             StepError: q outside 1..5, ``pos`` not the sequence's next position, positions past
-                ``max_ctx``, or a token id outside 0..vocab-1.
+                ``max_ctx``, a token id outside 0..vocab-1; this reference is one shard of a layer split
+                (run the shards with :class:`~ds4c.reference.sharded.ShardedReference`).
         """
+        if not self.is_whole:
+            a, b = self.layer_range
+            raise StepError(f"verify/decode on a shard of layers [{a},{b}) of {self.cfg.n_layers}: expected the "
+                            f"whole model; run a layer split with ds4c.reference.sharded.ShardedReference "
+                            f"(or Reference.run per shard)")
+        toks = self._check_step(tokens, pos)
+        with torch.no_grad(), P.dataflow(self.dataflow):
+            logits = self._step(toks, pos)
+        self._check_finite(logits, pos, len(toks))
+        return logits
+
+    def run(self, tokens: list[int] | torch.Tensor, pos: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """This shard's part of a verify step of ``q = len(tokens)`` rows at positions ``pos .. pos+q-1``.
+
+        Args:
+            tokens: the step's token ids (every shard needs them: hash-routed layers route by token id).
+            pos: the position of the first row (the shard's state must be at it).
+            x: None when the layer range starts at layer 0 (the tokens are embedded); else the incoming HC
+                state of the previous shard, act dtype (bf16; fp32 in the fp32 dataflow) ``[q, hc_mult,
+                hidden]`` on this reference's device. Not modified.
+
+        Returns:
+            the outgoing HC state, act dtype ``[q, hc_mult, hidden]``, when the range ends before the last
+            layer; else fp32 logits ``[q, vocab]`` (as :meth:`verify`). On the whole model equal to
+            :meth:`verify` bit for bit.
+
+        Raises:
+            StepError: as :meth:`verify` (width, position, max_ctx, token ids); ``x`` given to the first shard
+                or missing for another; ``x`` of the wrong dtype, shape or device.
+        """
+        toks = self._check_step(tokens, pos)
+        q = len(toks)
+        if self.is_first:
+            if x is not None:
+                raise StepError(f"run: the shard of layers [0,{self.layer_range[1]}) embeds the tokens: expected "
+                                f"x=None, found a tensor of shape {list(x.shape)}")
+        else:
+            want_dtype = P.DATAFLOWS[self.dataflow]  # the act dtype of this dataflow
+            want = [q, self.cfg.hc_mult, self.cfg.hidden_size]
+            if not isinstance(x, torch.Tensor):
+                raise StepError(f"run: layers [{self.layer_range[0]},{self.layer_range[1]}) need the incoming HC "
+                                f"state: expected a {want_dtype} tensor {want}, found {type(x).__name__}")
+            if x.dtype != want_dtype or list(x.shape) != want:
+                raise StepError(f"run: incoming HC state: expected {want_dtype} {want}, found {x.dtype} "
+                                f"{list(x.shape)}")
+            if x.device != self.device:
+                raise StepError(f"run: incoming HC state: expected a tensor on {self.device}, found {x.device}")
+        with torch.no_grad(), P.dataflow(self.dataflow):
+            out = self._step(toks, pos, x)
+        if self.is_last:
+            self._check_finite(out, pos, q)
+        return out
+
+    def rollback(self, accepted: int) -> None:
+        """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
+        self.state.rollback(accepted)
+
+    def snapshot(self) -> SequenceState:
+        """A full copy of the sequence state."""
+        return self.state.snapshot()
+
+    def restore(self, snap: SequenceState) -> None:
+        """Restore a :meth:`snapshot`."""
+        self.state.restore(snap)
+
+    # ---------------------------------------------------------------------------------------------- checks
+    def _check_step(self, tokens: list[int] | torch.Tensor, pos: int) -> list[int]:
+        """The step's token ids as ints, after the width, position, max_ctx and vocabulary checks."""
         raw = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
             raise StepError(f"token ids must be integers, found {raw}")
@@ -114,36 +206,32 @@ class Reference:
         bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
-        with torch.no_grad(), P.dataflow(self.dataflow):
-            logits = self._step(toks, pos)
+        return toks
+
+    @staticmethod
+    def _check_finite(logits: torch.Tensor, pos: int, q: int) -> None:
         if not bool(torch.isfinite(logits).all()):
             raise StepError(f"non-finite logits at positions {pos}..{pos + q - 1}: the weights or the config "
                             f"hold NaN/inf values")
-        return logits
-
-    def rollback(self, accepted: int) -> None:
-        """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
-        self.state.rollback(accepted)
-
-    def snapshot(self) -> SequenceState:
-        """A full copy of the sequence state."""
-        return self.state.snapshot()
-
-    def restore(self, snap: SequenceState) -> None:
-        """Restore a :meth:`snapshot`."""
-        self.state.restore(snap)
 
     # ---------------------------------------------------------------------------------------------- step
-    def _step(self, toks: list[int], p0: int) -> torch.Tensor:
+    def _step(self, toks: list[int], p0: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers of ``layer_range`` for the step's rows: from the embedded tokens (``x`` None) or the
+        incoming HC state ``x``; returns the outgoing HC state, or the logits when the range ends at the
+        last layer."""
         cfg, w, st = self.cfg, self.w, self.state
         q = len(toks)
         st.begin_step(q)
         tok = torch.tensor(toks, dtype=torch.int64, device=self.device)
         pos = torch.arange(p0, p0 + q, dtype=torch.int64, device=self.device)
-        e = w.embed[tok].to(P.act_dtype())  # 5.1: bf16 [q, D] (fp32 in the fp32 dataflow)
-        x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
-        for i, lw in enumerate(w.layers):
+        if x is None:
+            e = w.embed[tok].to(P.act_dtype())  # 5.1: bf16 [q, D] (fp32 in the fp32 dataflow)
+            x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
+        for i, lw in zip(range(*self.layer_range), w.layers):
             x = self._layer(i, lw, x, tok, pos, p0)
+        if not self.is_last:  # the boundary of a layer split: the HC state of the step's rows
+            st.pos = p0 + q
+            return x
         y = P.hc_head(x, *w.hc_head, cfg.hc_eps, cfg.norm_eps)  # 5.4
         y = P.rms_norm(y, w.out_norm, cfg.norm_eps)
         logits = P.linear_f32(y, w.head)
@@ -164,7 +252,7 @@ class Reference:
     # ---------------------------------------------------------------------------------------------- attention
     def _attention(self, i: int, lw: LayerWeights, a: torch.Tensor, pos: torch.Tensor, p0: int) -> torch.Tensor:
         cfg, st = self.cfg, self.state
-        ls = st.layers[i]
+        ls = st.layer(i)
         emu = cfg.quant_emulation
         r = cfg.ratio(i)
         freqs = self._freqs[cfg.uses_yarn(i)]

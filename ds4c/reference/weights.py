@@ -4,6 +4,9 @@ FP8/FP4-role projections are dequantized to fp32 (exact for Q8_0/MXFP4/BF16 stor
 to bf16 after dequantization, as ``convert.py`` does; norm gains, compressor projections, router and head
 are fp32 holding bf16-exact values; the embedding stays bf16. Routed experts stay in the memory-mapped
 file and are dequantized one expert at a time when routed, with a small LRU cache.
+
+A shard of a layer split (:mod:`ds4c.reference.sharded`) loads a contiguous range of blocks only: the token
+embedding with the first layer, the HC head, output norm and LM head with the last.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.gguf_file import ModelFile
+from ds4c.reference.state import check_layer_range
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -86,24 +90,44 @@ class ExpertStore:
 
 @dataclass
 class ReferenceWeights:
-    """All weights the reference needs, on one device."""
+    """All weights the reference needs (or a shard's part of them: see ``layer_range``), on one device.
+
+    ``embed`` is None unless the range starts at layer 0; ``hc_head``, ``out_norm`` and ``head`` are None
+    unless it ends at the last layer."""
 
     config: Ds4Config
-    embed: torch.Tensor  # bf16 [vocab, D]
+    embed: torch.Tensor | None  # bf16 [vocab, D]
     layers: list[LayerWeights]
     experts: ExpertStore
-    hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn [hc, hc*D], scale [1], base [hc]
-    out_norm: torch.Tensor
-    head: torch.Tensor  # fp32 [vocab, D]
+    hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # fn [hc, hc*D], scale [1], base [hc]
+    out_norm: torch.Tensor | None
+    head: torch.Tensor | None  # fp32 [vocab, D]
     by_name: dict[str, torch.Tensor] = field(default_factory=dict)
     """Every loaded tensor by GGUF name (routed experts excluded: see ``experts``)."""
     dataflow: str = "bf16"
     """``"bf16"``: held as the official reference holds them; ``"fp32"``: ``wo_a`` not rounded to bf16 (the
     weights of :class:`~ds4c.reference.Reference`'s fp32 dataflow)."""
+    layer_range: tuple[int, int] | None = None
+    """``(start, stop)``: ``layers[j]`` is the model's block ``start + j``; None given: every layer,
+    ``(0, n_layers)``."""
+
+    def __post_init__(self) -> None:
+        if self.layer_range is None:
+            self.layer_range = (0, self.config.n_layers)
+
+    @property
+    def device(self) -> torch.device:
+        """The device every tensor is on (with its index: ``cuda:0``, not ``cuda``)."""
+        return self.embed.device if self.embed is not None else self.layers[0].attn_norm.device
+
+    @property
+    def is_whole(self) -> bool:
+        """True when these are the weights of every layer (not a shard's)."""
+        return self.layer_range == (0, self.config.n_layers)
 
     @classmethod
     def load(cls, mf: ModelFile, device: str | torch.device = "cpu", cache_experts: int | None = None,
-             dataflow: str = "bf16") -> "ReferenceWeights":
+             dataflow: str = "bf16", layers: tuple[int, int] | None = None) -> "ReferenceWeights":
         """Load from an opened model file.
 
         Args:
@@ -113,10 +137,20 @@ class ReferenceWeights:
                 of fp32, else 64.
             dataflow: ``"bf16"`` (the spec) or ``"fp32"``: ``wo_a`` kept as dequantized, not rounded to bf16,
                 as ports with an fp32 dataflow use it.
+            layers: ``(start, stop)``: blocks ``start .. stop - 1`` only (a shard of a layer split; the
+                default cache then covers that range's experts), the token embedding only when ``start == 0``,
+                the HC head, output norm and LM head only when ``stop == n_layers`` (the others None). None:
+                every layer.
+
+        Raises:
+            ValueError: an unknown ``dataflow``.
+            ShardPlanError: ``layers`` not ints with ``0 <= start < stop <= n_layers``.
+            ModelFileError: a tensor missing from the file.
         """
         if dataflow not in ("bf16", "fp32"):
             raise ValueError(f"dataflow must be 'bf16' or 'fp32', found {dataflow!r}")
         cfg = mf.config
+        start, stop = check_layer_range(layers, cfg.n_layers)
         dev = torch.device(device)
         by_name: dict[str, torch.Tensor] = {}
 
@@ -127,7 +161,7 @@ class ReferenceWeights:
             return by_name[name]
 
         layers = []
-        for i in range(cfg.n_layers):
+        for i in range(start, stop):
             p = f"blk.{i}."
 
             def comp(prefix: str) -> Compressor:
@@ -156,11 +190,14 @@ class ReferenceWeights:
             ))
         if cache_experts is None:
             per_expert = 3 * cfg.moe_inter * cfg.hidden_size * 4
-            total = cfg.n_layers * cfg.n_experts
+            total = (stop - start) * cfg.n_experts
             cache_experts = total if total * per_expert <= (1 << 30) else 64
+        last = stop == cfg.n_layers
         return cls(
-            config=cfg, embed=t("token_embd.weight", BF16), layers=layers,
+            config=cfg, embed=t("token_embd.weight", BF16) if start == 0 else None, layers=layers,
             experts=ExpertStore(mf, dev, cache_experts),
-            hc_head=(t("output_hc_fn.weight"), t("output_hc_scale.weight"), t("output_hc_base.weight")),
-            out_norm=t("output_norm.weight"), head=t("output.weight"), by_name=by_name, dataflow=dataflow,
+            hc_head=(t("output_hc_fn.weight"), t("output_hc_scale.weight"), t("output_hc_base.weight"))
+            if last else None,
+            out_norm=t("output_norm.weight") if last else None, head=t("output.weight") if last else None,
+            by_name=by_name, dataflow=dataflow, layer_range=(start, stop),
         )
