@@ -7,6 +7,15 @@ pre-mix) and the RMSNorm after it become one ``fused`` op:
 * ``hc_post_pre``: HC post of a sub-block + HC pre of the next + its RMSNorm;
 * ``hc_post_head``: the last HC post + the HC head (sigmoid gate, pre-mix) + the final RMSNorm.
 
+At the boundaries of a layer-split shard (``build_step(..., layers=...)``), where the HC state crosses
+devices, the boundary is cut in two:
+
+* ``hc_pre``: HC pre + RMSNorm of the shard's first layer on the incoming HC state (graph input ``hc_in``);
+* ``hc_post_out``: the shard's last HC post alone, its new streams being the graph output ``hc_out``.
+
+``hc_post_out`` then ``hc_pre`` compute exactly what one ``hc_post_pre`` computes (the same bf16 streams,
+the same mixing sums from them), so a split graph gives the unsplit graph's results bit for bit.
+
 Preserves: the interpreter's outputs bit for bit (ops are grouped, not changed). Afterwards no HC op
 (``hc_expand``, ``hc_mix``, ``sinkhorn``, ``hc_head_gate``, ``hc_premix``, ``hc_post``) is left outside a
 fused op.
@@ -50,9 +59,14 @@ def fuse_hc(g: Graph, ctx: Any = None) -> Graph:
             emb = prod.get(src.inputs[0])
             members[:0] = ([emb] if emb is not None and emb.kind == "embed" else []) + [src]
             pattern = "hc_embed_pre"
+        elif src is None and x is g.inputs.get("hc_in"):
+            pattern = "hc_pre"
         else:
             continue
         groups.append((members, pattern, mix.layer))
+    out = g.outputs.get("hc_out")
+    if out is not None and prod.get(out) is not None and prod[out].kind == "hc_post":
+        groups.append(([prod[out]], "hc_post_out", prod[out].layer))
     for members, pattern, layer in groups:
         fuse(g, members, pattern, layer=layer)  # the layer whose HC pre it computes (-1: the head)
     left = [op for op in g.ops if op.kind in HC_KINDS]

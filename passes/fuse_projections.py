@@ -30,7 +30,7 @@ def fuse_projections(g: Graph, ctx: Any = None) -> Graph:
     # router with the FFN norm
     for op in [o for o in g.ops if o.kind == "linear" and _weight_name(o, prod).endswith("ffn_gate_inp.weight")]:
         src = prod.get(op.inputs[0])
-        if src is not None and src.kind == "fused" and src.attrs["pattern"] in ("hc_post_pre", "hc_embed_pre"):
+        if src is not None and src.kind == "fused" and src.attrs["pattern"] in ("hc_post_pre", "hc_embed_pre", "hc_pre"):
             fuse(g, [src, op], src.attrs["pattern"], layer=src.layer, router=True)
             prod = producers(g)
     # all experts of a layer: routed + shared (gate/up GEMVs, SwiGLU, down GEMV) + combine

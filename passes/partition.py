@@ -24,7 +24,7 @@ from ds4c.passes.rewrite import fuse, is_leaf_constant, producers, users
 FREE_KINDS = frozenset({"param", "const", "row_positions", "reshape", "live_rows", "bucket_rows"})
 
 FAMILIES = {
-    "hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc",
+    "hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc",
     "multi_gemv": "gemv", "linear": "gemv",
     "compressor": "compressor", "compress": "compressor",
     "indexer_topk": "indexer", "sparse_attention": "attention", "grouped_linear": "wo_a",

@@ -282,10 +282,20 @@ def _lower_gemv_group(c: _Ctx, op: Op) -> list[Launch]:
 def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     body = op.body or []
     pattern = op.attrs["pattern"]
-    variant = {"hc_embed_pre": "embed_pre", "hc_post_pre": "post_pre", "hc_post_head": "post_head"}[pattern]
+    variant = {"hc_embed_pre": "embed_pre", "hc_post_pre": "post_pre", "hc_post_head": "post_head",
+               "hc_pre": "pre", "hc_post_out": "post_out"}[pattern]
+    cfg = c.cfg
+    if variant == "post_out":  # a layer-split shard's last HC post: its streams are the shard's output
+        post = next(x for x in body if x.kind == "hc_post")
+        spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult,
+                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps)
+        (src,) = _hc.render_hc(spec, c.target, c.name(op, variant))
+        (la,) = _hc.launch_shapes(spec)
+        args = {"out": c.arg(post.inputs[0]), "x": c.arg(post.inputs[1]), "post": c.arg(post.inputs[2]),
+                "comb": c.arg(post.inputs[3]), "x_new": Arg("value", c.names[post.outputs[0]])}
+        return [_launch(src, la.grid, la.block, la.smem, [args[n] for n in _hc.arg_names(spec)["mix"]])]
     mix = next(b for b in body if b.kind == "hc_mix")
     norm = next(b for b in body if b.kind == "rms_norm")
-    cfg = c.cfg
     spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
                       cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps)
     srcs = _hc.render_hc(spec, c.target, c.name(op, variant))
@@ -297,6 +307,8 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
         emb = next(x for x in body if x.kind == "embed")
         b.update(tokens=Arg("step", "tokens"), table=c.arg(emb.inputs[1]), n_vocab=Arg("int", "n_vocab", value=cfg.vocab_size),
                  x=Arg("value", c.names[next(x for x in body if x.kind == "hc_expand").outputs[0]]))
+    elif variant == "pre":
+        b.update(x=c.arg(mix.inputs[0]))
     else:
         post = next(x for x in body if x.kind == "hc_post")
         b.update(out=c.arg(post.inputs[0]), x=c.arg(post.inputs[1]), post=c.arg(post.inputs[2]),
@@ -434,13 +446,14 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
 
 
 _PATTERNS = {
-    "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc,
+    "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
+    "hc_post_out": _lower_hc,
     "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
 }
 
-FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "multi_gemv": "gemv",
+FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
              "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
              "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
              "moe_experts": "experts"}

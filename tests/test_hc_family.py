@@ -41,7 +41,8 @@ def test_render_and_compile(variant: str, width: str, q: int, arch: str, tmp_pat
     spec = spec_of(variant, width, q)
     t = target(arch)
     kernels = H.render_hc(spec, t, f"hc_{variant}_{width}_q{q}")
-    assert [k.entry for k in kernels] == [f"hc_{variant}_{width}_q{q}_mix", f"hc_{variant}_{width}_q{q}_norm"]
+    stages = ("mix",) if variant == "post_out" else ("mix", "norm")
+    assert [k.entry for k in kernels] == [f"hc_{variant}_{width}_q{q}_{st}" for st in stages]
     for ks in kernels:
         assert not re.search(r"^\s*#\s*include", ks.source, re.M)
         assert set(ks.templates) == {H.TEMPLATE, f"prelude/{t.vendor}.h.j2", "prelude/common.h.j2"}
@@ -69,7 +70,8 @@ def test_signature_matches_arg_names(variant: str) -> None:
     for arch in ("sm_90", "gfx942"):
         kernels = H.render_hc(spec, target(arch), "k")
         names = H.arg_names(spec)
-        assert [_signature(k) for k in kernels] == [names["mix"], names["norm"]]
+        assert [_signature(k) for k in kernels] == [names[st] for st in ("mix", "norm") if st in names]
+        assert [la.kernel for la in H.launch_shapes(spec)] == list(names)
     shapes = H.arg_shapes(spec, n_vocab=512)
     assert all(n in shapes or n == "n_vocab" for ns in names.values() for n in ns)
 
@@ -112,14 +114,18 @@ def _model_functions(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, 
     if spec.variant == "embed_pre":
         e = inp["table"][inp["tokens"]]
         x = torch.stack([e] * spec.hc, dim=1)
+    elif spec.variant == "pre":
+        x = inp["x"]
     else:
         x = P.hc_post(inp["out"], inp["x"], inp["post"], inp["comb"])
+    if spec.variant == "post_out":
+        return {"x_new": x}
     if spec.variant == "post_head":
         y = P.hc_head(x, inp["fn"], inp["scale"], inp["base"], spec.hc_eps, spec.norm_eps)
         return {"y": P.rms_norm(y, inp["norm_w"], eps)}
     y, post, comb = P.hc_pre(x, inp["fn"], inp["scale"], inp["base"], spec.iters, spec.hc_eps, spec.norm_eps)
-    return {"x" if spec.variant == "embed_pre" else "x_new": x, "y": P.rms_norm(y, inp["norm_w"], eps),
-            "post_new": post, "comb_new": comb}
+    out = {} if spec.variant == "pre" else {"x" if spec.variant == "embed_pre" else "x_new": x}
+    return {**out, "y": P.rms_norm(y, inp["norm_w"], eps), "post_new": post, "comb_new": comb}
 
 
 def _ir_ops(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,8 +138,12 @@ def _ir_ops(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     if spec.variant == "embed_pre":
         (e,) = run("embed", [inp["tokens"], inp["table"]])
         (x,) = run("hc_expand", [e], hc=spec.hc)
+    elif spec.variant == "pre":
+        x = inp["x"]
     else:
         (x,) = run("hc_post", [inp["out"], inp["x"], inp["post"], inp["comb"]])
+    if spec.variant == "post_out":
+        return {"x_new": x}
     (m,) = run("hc_mix", [x, inp["fn"]], eps=spec.norm_eps)
     if spec.variant == "post_head":
         (pre,) = run("hc_head_gate", [m, inp["scale"], inp["base"]], eps=spec.hc_eps)
@@ -144,7 +154,8 @@ def _ir_ops(spec: H.HcSpec, inp: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     (y,) = run("rms_norm", [y, inp["norm_w"]], eps=spec.eps)
     if spec.variant == "post_head":
         return {"y": y}
-    return {"x" if spec.variant == "embed_pre" else "x_new": x, "y": y, "post_new": post, "comb_new": comb}
+    out = {} if spec.variant == "pre" else {"x" if spec.variant == "embed_pre" else "x_new": x}
+    return {**out, "y": y, "post_new": post, "comb_new": comb}
 
 
 @pytest.mark.parametrize("q", (1, 5))

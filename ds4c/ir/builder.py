@@ -28,10 +28,12 @@ def span_sym(ratio: int) -> str:
     return f"n_r{ratio}"
 
 
-def state_inputs(cfg: Ds4Config, max_ctx: int) -> dict[str, TensorType]:
-    """The state buffers of the step (spec section 4), name -> type."""
+def state_inputs(cfg: Ds4Config, max_ctx: int, layers: tuple[int, int] | None = None) -> dict[str, TensorType]:
+    """The state buffers of the step (spec section 4), name -> type; of layers ``[start, stop)`` only when
+    ``layers`` is given (a shard of a layer split)."""
     out: dict[str, TensorType] = {}
-    for i in range(cfg.n_layers):
+    start, stop = layers or (0, cfg.n_layers)
+    for i in range(start, stop):
         r = cfg.ratio(i)
         out[f"l{i}.ring"] = TensorType((cfg.window, cfg.head_dim), "bf16")
         if r:
@@ -70,21 +72,42 @@ class GraphBuilder:
         return self.op("param", name=name, weight=name, shape=tuple(shape), dtype=dtype)
 
 
-def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
+def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, int]:
+    """``layers`` as ``(start, stop)`` (the whole model when None).
+
+    Raises:
+        StepError: not a non-empty range inside ``0..n_layers``.
+    """
+    if layers is None:
+        return 0, cfg.n_layers
+    start, stop = (int(v) for v in layers)
+    if not 0 <= start < stop <= cfg.n_layers:
+        raise StepError(f"layer range [{start},{stop}): expected 0 <= start < stop <= {cfg.n_layers}")
+    return start, stop
+
+
+def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None) -> Graph:
     """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify) for ``cfg``.
 
     Args:
         cfg: the model config (``quant_emulation`` decides the fake-quant attributes).
         width: q, recorded in ``meta["width"]`` (shapes carry the symbol ``q`` until ``fix_verify_width``).
         max_ctx: positions the state buffers hold (compressed-row capacities are ``max_ctx // ratio``).
+        layers: ``(start, stop)``: the graph of one shard of a layer split (``ds4c.shard_plan``): layers
+            ``start..stop-1`` only. A shard that does not start at layer 0 reads the incoming HC state from the
+            input ``hc_in`` (bf16 ``[q, hc_mult, hidden]``) instead of embedding the tokens; one that does not
+            end at the last layer writes its outgoing HC state to the output ``hc_out`` (same type) instead of
+            the head's ``logits``. ``tokens`` and ``pos`` are inputs of every shard (hash routing reads the
+            token ids). Recorded in ``meta["layers"]``.
 
     Raises:
-        StepError: width outside 1..5 or max_ctx < 1.
+        StepError: width outside 1..5, max_ctx < 1, or a layer range outside the model.
     """
     if not 1 <= width <= MAX_WIDTH:
         raise StepError(f"step width must be in 1..{MAX_WIDTH}, found {width}")
     if max_ctx < 1:
         raise StepError(f"max_ctx must be >= 1, found {max_ctx}")
+    start, stop = check_layers(cfg, layers)
     b = GraphBuilder()
     shapes = {s.name: s.shape for s in tensor_specs(cfg)}
 
@@ -93,7 +116,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
 
     inputs: dict[str, Value] = {"tokens": Value(TensorType((Q,), "i64"), "tokens"),
                                 "pos": Value(TensorType((), "i64"), "pos")}
-    for k, t in state_inputs(cfg, max_ctx).items():
+    for k, t in state_inputs(cfg, max_ctx, (start, stop)).items():
         inputs[k] = Value(t, k)
     outputs: dict[str, Value] = {}
     tok, pos = inputs["tokens"], inputs["pos"]
@@ -102,8 +125,11 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
     freq_attrs = dict(rope_dim=cfg.rope_dim, factor=cfg.rope_factor, orig_len=cfg.original_seq_len,
                       beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow)
 
-    e = b.op("embed", tok, W("token_embd.weight", "bf16"), name="embed")
-    x = b.op("hc_expand", e, hc=hc, name="x0")
+    if start == 0:
+        e = b.op("embed", tok, W("token_embd.weight", "bf16"), name="embed")
+        x = b.op("hc_expand", e, hc=hc, name="x0")
+    else:
+        x = inputs["hc_in"] = Value(TensorType((Q, hc, cfg.hidden_size), "bf16"), "hc_in")
 
     def hc_pre(x: Value, sub: str, norm: str, tag: str) -> tuple[Value, Value, Value]:
         p = f"blk.{b.layer}."
@@ -113,7 +139,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
         y = b.op("hc_premix", x, pre, name=f"{tag}.y")
         return b.op("rms_norm", y, W(p + norm), eps=eps, name=f"{tag}.normed"), post, comb
 
-    for i in range(cfg.n_layers):
+    for i in range(start, stop):
         b.layer = i
         p, L = f"blk.{i}.", f"l{i}"
         r = cfg.ratio(i)
@@ -194,7 +220,13 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
         sh = b.op("cast", sh, dtype="bf16", name=f"{L}.sh_hb")
         ys = b.op("linear", sh, W(p + "ffn_down_shexp.weight"), mode="fp8act", act_quant=emu, name=f"{L}.shared")
         ffn = b.op("moe_sum", routed, ys, name=f"{L}.ffn_out")
-        x = b.op("hc_post", ffn, x, post, comb, name=f"{L}.x")
+        x = b.op("hc_post", ffn, x, post, comb, name="hc_out" if i == stop - 1 < cfg.n_layers - 1 else f"{L}.x")
+    meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
+    if (start, stop) != (0, cfg.n_layers):
+        meta["layers"] = [start, stop]
+    if stop < cfg.n_layers:  # a shard before the last: its output is the HC state
+        outputs["hc_out"] = x
+        return Graph(inputs, b.ops, outputs, meta)
     # ---- head (spec 5.4)
     b.layer = -1
     m = b.op("hc_mix", x, W("output_hc_fn.weight"), eps=eps, name="head.mix")
@@ -202,5 +234,4 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096) -> Graph:
     y = b.op("hc_premix", x, pre, name="head.y")
     y = b.op("rms_norm", y, W("output_norm.weight"), eps=eps, name="head.normed")
     outputs["logits"] = b.op("linear", y, W("output.weight"), mode="f32", name="logits")
-    meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
     return Graph(inputs, b.ops, outputs, meta)

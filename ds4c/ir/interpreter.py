@@ -93,7 +93,7 @@ class Interpreter:
 def state_to_inputs(state: SequenceState) -> dict[str, torch.Tensor]:
     """The state buffers of a reference sequence state under the graph input names ``l{i}.*``."""
     out: dict[str, torch.Tensor] = {}
-    for i, ls in enumerate(state.layers):
+    for i, ls in enumerate(state.layers, start=state.first):  # a shard's state starts at its first layer
         out[f"l{i}.ring"] = ls.ring
         if ls.comp is not None:
             out[f"l{i}.comp"] = ls.comp
@@ -135,9 +135,33 @@ def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: 
     bad = [t for t in tokens if not 0 <= int(t) < vocab]
     if bad:
         raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
-    out = interp.run(step_inputs(interp.graph, state, tokens, pos))
-    new = state_to_inputs(state)
-    for name, buf in new.items():
-        buf.copy_(out[name])
+    return run_split_step([interp], state, tokens, pos)
+
+
+def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: list[int], pos: int) -> torch.Tensor:
+    """One step through the graphs of a layer split's shards (``build_step(..., layers=...)``, in layer
+    order) on a whole-model reference state: shard k's ``hc_out`` is shard k+1's ``hc_in``, each shard's
+    updated state buffers are written back. With one unsplit graph this is :func:`run_step` (which checks
+    the arguments). Returns the last shard's fp32 logits [q, vocab].
+
+    Raises:
+        InterpreterError: a shard graph whose inputs the previous shard does not provide.
+    """
+    ins = step_inputs(interps[0].graph, state, tokens, pos)
+    buffers = state_to_inputs(state)
+    out: dict[str, torch.Tensor] = {}
+    for ip in interps:
+        if "hc_in" in ip.graph.inputs:
+            if "hc_out" not in out:
+                raise InterpreterError("a shard graph reads hc_in, but no earlier shard wrote hc_out")
+            ins["hc_in"] = out["hc_out"]
+        for name in ip.graph.inputs:
+            if name.startswith("live_r") and name not in ins:
+                ins[name] = torch.tensor((pos + len(tokens)) // int(name[len("live_r"):]), dtype=torch.int64,
+                                         device=ins["pos"].device)
+        out = ip.run(ins)
+        for name, t in out.items():
+            if name in buffers:
+                buffers[name].copy_(t)
     state.pos = pos + len(tokens)
     return out["logits"]

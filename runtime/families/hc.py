@@ -11,6 +11,11 @@ Variants (spec ds4-flash.md 5.1, 5.2(a),(b),(l),(m),(n),(p), 5.4.1, P1, P8):
   Outputs ``x``, ``y``, ``post_new``, ``comb_new``.
 * ``post_head``: the last HC post, the HC head (sigmoid gate over hc logits, no Sinkhorn) and the final
   RMSNorm. Output ``y`` only.
+* ``pre`` (a layer-split shard's first boundary): HC pre + RMSNorm on the incoming HC state ``x``. Outputs
+  ``y``, ``post_new``, ``comb_new``.
+* ``post_out`` (a shard's last boundary): the HC post alone, one launch (stage mix without mixing sums).
+  Output ``x_new``, the HC state handed to the next shard. ``post_out`` then ``pre`` give ``post_pre``'s
+  results bit for bit (the same bf16 streams, the same sums over them in the same order).
 
 Why two launches: the mixing GEMV reads ``fn`` [n_mix, hc*D] fp32 (1.5 MB at D = 4096, the whole boundary's
 DRAM traffic), so it must run on many blocks; the Sinkhorn split needs its complete sums. Stage ``mix`` (grid
@@ -31,6 +36,8 @@ aligned; ``n_vocab`` is a 32-bit int:
 * mix, ``embed_pre``: ``tokens`` int64 [q], ``table`` bf16 [n_vocab, D], ``n_vocab``, ``fn``, ``x`` bf16
   [q, hc, D] (output), ``ws``.
 * mix, ``post_head``: ``out``, ``x``, ``post``, ``comb``, ``fn`` f32 [hc, hc*D], ``ws``.
+* mix, ``pre``: ``x`` bf16 [q, hc, D] (input), ``fn``, ``ws``; norm: as ``embed_pre``.
+* mix, ``post_out``: ``out``, ``x``, ``post``, ``comb``, ``x_new`` (no norm stage).
 * norm, ``post_pre``: ``x_new``, ``ws``, ``scale`` f32 [3], ``base`` f32 [n_mix], ``norm_w`` f32 [D], ``y`` bf16
   [q, D], ``post_new`` f32 [q, hc], ``comb_new`` f32 [q, hc, hc].
 * norm, ``embed_pre``: as ``post_pre`` with ``x`` in place of ``x_new``.
@@ -60,7 +67,7 @@ from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
-VARIANTS = ("post_pre", "embed_pre", "post_head")
+VARIANTS = ("post_pre", "embed_pre", "post_head", "pre", "post_out")
 TEMPLATE = "hc/hc_fused.cu.j2"
 FAMILY = "hc"
 STAGES = ("mix", "norm")
@@ -177,7 +184,8 @@ def render_hc(spec: HcSpec, target: Target, name: str) -> list[KernelSource]:
                               f"{target.wave}")
     if spec.npad > target.wave:
         raise RenderError(f"hc {name}: {spec.n_mix + 1} sums per row exceed one wave of {target.wave}")
-    return [render(TEMPLATE, f"{name}_{stage}", FAMILY, target, spec.params(stage)) for stage in STAGES]
+    stages = ("mix",) if spec.variant == "post_out" else STAGES
+    return [render(TEMPLATE, f"{name}_{stage}", FAMILY, target, spec.params(stage)) for stage in stages]
 
 
 
@@ -188,8 +196,10 @@ def launch_shapes(spec: HcSpec) -> list[Launch]:
     wrote."""
     nt, _ = spec.norm_geometry()
     ny = 1 if spec.variant == "post_head" else 2
-    return [Launch((spec.n_blocks, 1, 1), (MIX_THREADS, 1, 1), kernel="mix"),
-            Launch((spec.q, ny, 1), (nt, 1, 1), kernel="norm")]
+    mix = Launch((spec.n_blocks, 1, 1), (MIX_THREADS, 1, 1), kernel="mix")
+    if spec.variant == "post_out":
+        return [mix]
+    return [mix, Launch((spec.q, ny, 1), (nt, 1, 1), kernel="norm")]
 
 
 def arg_names(spec: HcSpec) -> dict[str, list[str]]:
@@ -201,6 +211,10 @@ def arg_names(spec: HcSpec) -> dict[str, list[str]]:
     if v == "post_pre":
         return {"mix": ["out", "x", "post", "comb", "fn", "x_new", "ws"],
                 "norm": ["x_new", "ws", "scale", "base", "norm_w", "y", "post_new", "comb_new"]}
+    if v == "pre":
+        return {"mix": ["x", "fn", "ws"], "norm": ["x", "ws", "scale", "base", "norm_w", "y", "post_new", "comb_new"]}
+    if v == "post_out":
+        return {"mix": ["out", "x", "post", "comb", "x_new"]}
     return {"mix": ["out", "x", "post", "comb", "fn", "ws"],
             "norm": ["out", "x", "post", "comb", "ws", "scale", "base", "norm_w", "y"]}
 
@@ -208,7 +222,7 @@ def arg_names(spec: HcSpec) -> dict[str, list[str]]:
 def output_names(spec: HcSpec) -> list[str]:
     """Names of the outputs, as :func:`reference` returns them."""
     return {"embed_pre": ["x", "y", "post_new", "comb_new"], "post_pre": ["x_new", "y", "post_new", "comb_new"],
-            "post_head": ["y"]}[spec.variant]
+            "post_head": ["y"], "pre": ["y", "post_new", "comb_new"], "post_out": ["x_new"]}[spec.variant]
 
 
 def workspace_floats(spec: HcSpec) -> int:
@@ -235,6 +249,10 @@ def bytes_read(spec: HcSpec) -> int:
     b = n * hc * D * 4 + n * 4 + 3 * 4 + D * 4
     if spec.variant == "embed_pre":
         return b + q * 8 + q * D * 2
+    if spec.variant == "pre":
+        return b + q * hc * D * 2
+    if spec.variant == "post_out":
+        return q * hc * D * 2 + q * D * 2 + q * hc * 4 + q * hc * hc * 4
     return b + q * hc * D * 2 + q * D * 2 + q * hc * 4 + q * hc * hc * 4
 
 
@@ -256,18 +274,22 @@ def reference(spec: HcSpec, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     """
     from ds4c.reference import primitives as P
 
+    if spec.variant == "post_out":
+        return {"x_new": P.hc_post(inputs["out"], inputs["x"], inputs["post"], inputs["comb"])}
     fn, scale, base, norm_w = inputs["fn"], inputs["scale"], inputs["base"], inputs["norm_w"]
     if spec.variant == "embed_pre":
         e = inputs["table"][inputs["tokens"]]
         x = e.unsqueeze(1).expand(e.shape[0], spec.hc, e.shape[1]).contiguous()
+    elif spec.variant == "pre":
+        x = inputs["x"]
     else:
         x = P.hc_post(inputs["out"], inputs["x"], inputs["post"], inputs["comb"])
     if spec.variant == "post_head":
         y = P.hc_head(x, fn, scale, base, spec.hc_eps, spec.norm_eps)
         return {"y": P.rms_norm(y, norm_w, spec.eps)}
     y, post, comb = P.hc_pre(x, fn, scale, base, spec.iters, spec.hc_eps, spec.norm_eps)
-    return {"x" if spec.variant == "embed_pre" else "x_new": x, "y": P.rms_norm(y, norm_w, spec.eps),
-            "post_new": post, "comb_new": comb}
+    out = {} if spec.variant == "pre" else {"x" if spec.variant == "embed_pre" else "x_new": x}
+    return {**out, "y": P.rms_norm(y, norm_w, spec.eps), "post_new": post, "comb_new": comb}
 
 
 def random_inputs(spec: HcSpec, generator: torch.Generator | None = None, n_vocab: int = 512,
@@ -313,10 +335,14 @@ def kernel_model(spec: HcSpec, **inputs: torch.Tensor) -> dict[str, torch.Tensor
     from ds4c.reference import primitives as P
 
     ref = reference(spec, **inputs)
+    if spec.variant == "post_out":
+        return ref
     if spec.variant == "embed_pre":
         x = ref["x"]
     elif spec.variant == "post_pre":
         x = ref["x_new"]
+    elif spec.variant == "pre":
+        x = inputs["x"]
     else:
         x = P.hc_post(inputs["out"], inputs["x"], inputs["post"], inputs["comb"])
     fn, scale, base, norm_w = inputs["fn"], inputs["scale"], inputs["base"], inputs["norm_w"]
