@@ -150,6 +150,10 @@ class Model:
         threads: torch CPU threads for the reference (``torch.set_num_threads``, process-wide).
         dataflow: the reference's activation rounding, ``"bf16"`` (the spec) or ``"fp32"`` (as ports that keep
             fp32 activations; see :class:`~ds4c.reference.Reference`).
+        devices, layer_split: a layer split over devices (``["cuda:0", "cuda:1"]`` / ``"cuda:0,cuda:1"`` and
+            layers per shard such as ``[22, 21]``; :func:`ds4c.engine.shard_plan`): either engine runs shard by
+            shard, the HC state handed between them. A device may repeat (a virtual split); ``layer_split``
+            alone splits on ``device``; ``devices`` alone places layers from the memory plan.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -163,7 +167,8 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
-                 quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16"):
+                 quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
+                 devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -182,7 +187,11 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
-                                   quant_emulation=quant_emulation, threads=threads, dataflow=dataflow)
+                                   quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
+                                   devices=None if devices is None else (devices if isinstance(devices, str)
+                                                                         else list(devices)),
+                                   layer_split=None if layer_split is None else (
+                                       layer_split if isinstance(layer_split, str) else list(layer_split)))
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 

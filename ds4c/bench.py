@@ -8,6 +8,9 @@ inside the bucket ``c``), then the same step (same tokens, same state) is timed 
 * compiled: the (q, c) CUDA graph replayed back to back; per-replay CUDA-event times, median.
 * eager / torch.compile: the reference from the compiled step's state (copied), one step, synchronised,
   rolled back by its undo journal; median of ``ref_repeats``.
+* split (with ``--devices`` / ``--layer-split``): the same step through the layer split
+  (:class:`~ds4c.runtime.sharded.ShardedStep`, its state copied from the unsplit step's), every shard's
+  graph and the boundary copies replayed back to back; ``split - ours`` is the cost of the boundaries.
 * roofline: the bytes the step must read over the measured device-to-device copy bandwidth. Bytes = every
   weight the step's kernels read in stored form (routed experts: only the distinct experts the step's rows
   were routed to, read back from the compiled step) + the state it reads (window ring, compressor state,
@@ -69,6 +72,8 @@ class StepRow:
     launches: int = 0
     families: dict[str, dict[str, float]] = field(default_factory=dict)
     projected_flash_ms: float | None = None
+    split_ms: float | None = None
+    """The same step through the layer split (``--devices`` / ``--layer-split``), graph replays back to back."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -103,6 +108,8 @@ class BenchReport:
     """Per context, as a user runs it (weights resident, graphs ready): ``ttft_ms`` for a prompt of
     ``prompt_tokens`` (prefill + first token), ``loop_tok_s`` of the generate loop over ``new_tokens`` (device
     sampling, host-free) next to ``replay_tok_s`` (1000 / the q=1 graph replay ms)."""
+    split: str | None = None
+    """The layer split timed in ``StepRow.split_ms`` (``ShardPlan.describe``), None when none was asked."""
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -286,7 +293,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
               contexts: tuple[int, ...] = (4096,), repeats: int = 50, ref_repeats: int = 5,
               compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
               artifact: str | None = None, arch: str | None = None, seed: int = 0, transformers: bool = True,
-              llama_bench: str | None = None, say: Callable[[str], None] = print) -> BenchReport:
+              llama_bench: str | None = None, devices: str | None = None, layer_split: str | None = None,
+              say: Callable[[str], None] = print) -> BenchReport:
     """Benchmark one model (module docstring says what is measured).
 
     Args:
@@ -303,6 +311,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         transformers: time the transformers port when it is importable (False: reported as not asked for).
         llama_bench: path of llama.cpp's ``llama-bench``: its token-generation rate at each context on the same
             file, next to ours (:func:`llama_bench_tg`).
+        devices, layer_split: also time every step through this layer split (``ds4c.engine.shard_plan``; cuda
+            only): the split column and the boundary cost.
 
     Returns:
         BenchReport (times in ms; bytes; copy bandwidth in GB/s).
@@ -370,6 +380,20 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             f"{w['gb_per_s']:.1f} GB/s, capture {prep['capture_s']:.1f} s); graphs take "
             f"{prep['graph_bytes'] / 2**20:.0f} MiB")
         copy_gbps = copy_bandwidth_gbps(dev)
+    split, plan = None, None
+    if devices is not None or layer_split is not None:
+        if not compiled:
+            raise BenchError("--devices / --layer-split time the compiled step's split: use --device cuda")
+        from ds4c.engine import shard_plan
+        from ds4c.runtime.sharded import ShardedStep
+
+        plan = shard_plan(mf, "cuda", devices, layer_split, buckets)
+        if plan is None or not plan.is_split:
+            raise BenchError(f"--devices / --layer-split: expected a split of at least two shards, found "
+                             f"{plan.describe() if plan else 'none'}")
+        say(f"preparing the layer split {plan.describe()} (kernels through the kernel cache) ...")
+        split = ShardedStep(mf, buckets, plan, arch)
+        split.prepare_all(progress=False)
     capacity = ex.capacity if ex is not None else buckets.contexts[-1]
     n_routed_total = cfg.n_layers * MAX_WIDTH * cfg.n_active_experts
     ref = Reference(ReferenceWeights.load(mf, dev, cache_experts=n_routed_total + 8), max_ctx=capacity)
@@ -409,6 +433,12 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                 layer_ms = max(row.ours_ms - head_us / 1e3, 0.0) / cfg.n_layers
                 row.projected_flash_ms = layer_ms * FLASH_LAYERS + head_us / 1e3
                 _copy_state_into_reference(ex, ref, pos)
+                if split is not None:
+                    for sh in split.shards:  # the same sequence state, by buffer name
+                        for name, buf in sh.state.items():
+                            buf.copy_(ex.state[name])
+                        sh.pos = ex.pos
+                    row.split_ms = split.time_replays(step_toks, pos, repeats)
             else:
                 ref.restore(ref_snap)
                 row.notes.append("compiled step not run: needs a CUDA device")
@@ -429,6 +459,9 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             rows.append(row)
             say(format_row(row))
     llama = llama_bench_tg(llama_bench, mf.path, contexts, say) if llama_bench else {}
+    if split is not None:
+        del split
+        torch.cuda.empty_cache()
     e2e = _end_to_end(ex, rows, toks_of, contexts, say, llama.get("tg_tok_s", {})) if ex is not None else []
     if not transformers:
         tf_line = "transformers port not run: not asked for (--no-transformers)"
@@ -440,7 +473,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         tf_line = "transformers port not run: needs a CUDA device"
     return BenchReport(cfg.name, str(mf.path), torch.cuda.get_device_name() if compiled else "cpu", copy_gbps,
                        best_mode, modes_used, tf_line, cold_s, load_s, rows, prep if ex is not None else {}, llama,
-                       e2e)
+                       e2e, None if plan is None else plan.describe())
 
 
 def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...], say: Callable[[str], None] = print,
@@ -584,6 +617,13 @@ def format_report(rep: BenchReport) -> str:
                    f"{w.get('gb_per_s', 0):.1f} GB/s, capture {p['capture_s']:.2f} s (per graph "
                    f"{_f(caps[0] if caps else None, '.1f')}..{_f(caps[-1] if caps else None, '.1f')} ms), "
                    f"graphs take {p['graph_bytes'] / 2**20:.0f} MiB")
+    if rep.split is not None:
+        out.append(f"layer split {rep.split}: the same step through the shards (graph replays and boundary copies)")
+        out.append(f"{'q':>2s} {'ctx':>6s} {'unsplit ms':>10s} {'split ms':>9s} {'boundary ms':>11s} {'split/unsplit':>13s}")
+        for r in rep.rows:
+            d = None if r.split_ms is None or r.ours_ms is None else r.split_ms - r.ours_ms
+            out.append(f"{r.width:2d} {r.context:6d} {_f(r.ours_ms):>10s} {_f(r.split_ms):>9s} {_f(d):>11s} "
+                       f"{_f(r.ratio(r.split_ms), '.3f'):>13s}")
     if rep.e2e:
         out.append(f"{'ctx':>6s} {'prompt':>7s} {'TTFT ms':>9s} {'prefill t/s':>11s} {'loop t/s':>9s} "
                    f"{'replay t/s':>10s} {'loop/replay':>11s} {'max/median':>10s} {'llama tg':>9s} {'loop/llama':>10s}")

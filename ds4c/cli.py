@@ -179,6 +179,28 @@ def _mtp_summary(mf) -> dict | None:
     return {"mtp_only": mf.mtp_only, "blocks": blocks}
 
 
+def _split_options(fn):
+    """``--devices`` / ``--layer-split`` (a layer split, ``ds4c.shard_plan``) on a command."""
+    fn = click.option("--layer-split", "layer_split", default=None, metavar="N,N,...",
+                      help="Layers per shard, e.g. 22,21 (with --devices: one count per device; alone: every shard "
+                           "on --device, a virtual split). Default with --devices: placed from the memory plan.")(fn)
+    fn = click.option("--devices", "devices", default=None, metavar="DEV,DEV,...",
+                      help="Run a layer split: one shard per device, e.g. cuda:0,cuda:1 (a device may repeat).")(fn)
+    return fn
+
+
+def _device_of(device: str, devices: str | None) -> str:
+    """The device kind of a ``--devices`` list (all cpu or all cuda), else ``--device``; one-line errors."""
+    if devices is None:
+        return device
+    from ds4c.shard_plan import normalize_device
+
+    kinds = {"cpu" if normalize_device(d) == "cpu" else "cuda" for d in devices.split(",") if d.strip()}
+    if len(kinds) == 1:
+        return kinds.pop()
+    return device  # empty or mixed: parse_plan names the problem
+
+
 def _echo_prepare(st: dict | None) -> None:
     """The compiled engine's starting costs, once, on stderr (see CompiledStep.prepare_all)."""
     if not st:
@@ -187,6 +209,10 @@ def _echo_prepare(st: dict | None) -> None:
     click.echo(f"ready: {st['graphs']} graphs; build {st['build_s']:.1f} s, compile {st['compile_s']:.1f} s, load "
                f"{st['load_s']:.1f} s (weights {w.get('bytes', 0) / 1e9:.2f} GB at {w.get('gb_per_s', 0):.1f} GB/s), "
                f"capture {st['capture_s']:.1f} s; graphs take {st['graph_bytes'] / 2**20:.0f} MiB", err=True)
+    for k, sh in enumerate(st.get("shards") or ()):  # a layer split: where each shard went, what it holds
+        a, b = sh["layers"]
+        click.echo(f"shard {k}: layers [{a},{b}) on {sh['device']}: weights {sh['weight_bytes'] / 2**30:.2f} GiB, "
+                   f"graphs {sh['graph_bytes'] / 2**20:.0f} MiB", err=True)
 
 
 def _tokenizer_summary(mf) -> dict | None:
@@ -274,6 +300,7 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
                    "token wrong with probability 1-ALPHA (a benchmark of the loop).")
 @click.option("--spec-width", type=int, default=5, show_default=True,
               help="With --draft: verify rows per step (the last token and up to 4 drafts).")
+@_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
                  chat: str | None, system: str | None, think: bool | None, reasoning_effort: str | None,
@@ -281,7 +308,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                  seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
                  dataflow: str, engine: str, artifact: str | None, draft: str | None, spec_width: int,
-                 as_json: bool) -> None:
+                 devices: str | None, layer_split: str | None, as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
     cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
     import time
@@ -311,6 +338,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     if any(not s for s in stops):
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
+    device = _device_of(device, devices)
     resolve_engine(device, engine, dataflow)  # device / engine / dataflow errors before a model is opened
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
@@ -352,7 +380,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                             f"{max_new_tokens} = {need} positions")
         need = max_ctx
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
-                  quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow)
+                  quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
+                  layer_split=layer_split)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     if messages:
@@ -372,7 +401,9 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         c = model.generate(ids, **kw)
         res = c.result
         if as_json:
-            rec = {"model": str(mf.path), "device": device, "engine": model.engine, "temperature": temperature,
+            plan = getattr(model.stepper, "plan", None)
+            rec = {"model": str(mf.path), "device": device, "engine": model.engine,
+                   "shards": None if plan is None else plan.as_dict(), "temperature": temperature,
                    "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
                    "dataflow": dataflow, "load_s": load_s, **res.as_dict(), "text": c.text}
             click.echo(json.dumps(rec))
@@ -495,9 +526,12 @@ def _parse_ints(text: str, hint: str) -> list[int]:
               help="Largest context (tokens) the artifact serves.")
 @click.option("--contexts", default=None, help="Comma-separated context buckets (default: powers of two).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel compiles (default: CPU count).")
+@click.option("--layer-split", "layer_split", default=None, metavar="N,N,...",
+              help="Compile the graphs of this layer split (layers per shard, e.g. 22,21) instead of the unsplit "
+                   "step: the artifact then serves generate/bench with the same --layer-split.")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
-                contexts: str | None, jobs: int | None, output: str) -> None:
+                contexts: str | None, jobs: int | None, layer_split: str | None, output: str) -> None:
     """Compile every (width, context) step graph for the given archs into an artifact folder (no GPU needed).
 
     The config comes from FILE, or --preset, or the built-in default model. Kernels come from (and go to) the
@@ -521,8 +555,14 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
         mf = open_model(_model_path(file))
         cfg, types = mf.config, {name: mf.ggml_type(name) for name in mf.specs}
     buckets = BucketSpec.build(cfg, ws, max_ctx, cs)
+    split = None
+    if layer_split is not None:
+        from ds4c.shard_plan import parse_plan
+
+        n = len(layer_split.split(","))
+        split = parse_plan(["cuda"] * n, layer_split, cfg.n_layers).layers
     cache = KernelCache()
-    out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types)
+    out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types, layer_split=split)
     man = load_manifest(out, verify=False)
     b = man["build"]
     tinfo = man["targets"]
@@ -530,7 +570,8 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     click.echo("targets:   " + ", ".join(f"{s} ({t['toolchain']['name']} {t['toolchain']['version'].split(' (')[0]})"
                                          for s, t in tinfo.items()))
     click.echo(f"graphs:    {len(man['graphs'])} per target (widths {','.join(map(str, buckets.widths))} x contexts "
-               f"{','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx})")
+               f"{','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx}"
+               + (f"; layer split {','.join(map(str, split))}: one graph per shard" if split else "") + ")")
     click.echo(f"kernels:   {b['plan_kernels']} plan kernels, {b['launches']} launches")
     click.echo(f"binaries:  {b['unique_binaries']} unique: compiled {b['compiled']}, cached {b['cached']}")
     click.echo(f"seconds:   {b['seconds']:.1f}")
@@ -575,10 +616,11 @@ def _resources_of(rec: dict, entry: str) -> dict:
               help="Time the transformers port when it is importable.")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp's llama-bench: its tg rate at each --ctx on the same file, next to ours.")
+@_split_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
               compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
-              json_out: str | None) -> None:
+              devices: str | None, layer_split: str | None, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
     from ds4c.bench import format_report, run_bench
@@ -595,8 +637,9 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
                         f"(../shared/peers/build_llama.sh builds it), found no executable file")
     mf = open_model(_model_path(file))
-    rep = run_bench(mf, device, ws, cs, repeats, ref_repeats, modes, artifact, transformers=transformers,
-                    llama_bench=llama_bench, say=lambda m: click.echo(m, err=True))
+    rep = run_bench(mf, _device_of(device, devices), ws, cs, repeats, ref_repeats, modes, artifact,
+                    transformers=transformers, llama_bench=llama_bench, devices=devices, layer_split=layer_split,
+                    say=lambda m: click.echo(m, err=True))
     click.echo(format_report(rep))
     if json_out:
         tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
@@ -695,6 +738,13 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
                f"hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}")
     click.echo(f"buckets:  widths {bk['widths']}, contexts {bk['contexts']}, max_ctx {bk['max_ctx']} "
                f"(hash {man['buckets_hash'][:12]})")
+    split = man.get("layer_split")
+    if split:
+        ranges, a = [], 0
+        for k, n in enumerate(split):
+            ranges.append(f"s{k} [{a},{a + n})")
+            a += n
+        click.echo(f"split:    layer split {','.join(map(str, split))}: {', '.join(ranges)} (graphs s<k>_q<w>_c<ctx>)")
     b = man.get("build", {})
     if b:
         click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "

@@ -8,6 +8,9 @@
   on ``cuda`` only, its kernels compiled through the kernel cache or taken from an AOT ``artifact``;
 * ``auto``: ``compiled`` on ``cuda``, ``reference`` on ``cpu``.
 
+A layer split (``devices`` / ``layer_split``, :func:`shard_plan`; ``ds4c.shard_plan``) runs either engine shard
+by shard: :class:`ds4c.runtime.sharded.ShardedStep` or :class:`ds4c.reference.sharded.ShardedReference`.
+
 Both :class:`ds4c.api.Model` and ``ds4c generate`` open their engine here. Error messages name the choices
 by their command-line spelling (``--device cuda``, ``--engine compiled``, ``--artifact``), which map one to one
 onto this function's keyword arguments.
@@ -22,6 +25,7 @@ import torch
 
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
+from ds4c.shard_plan import ShardPlan
 
 DEVICES = ("cpu", "cuda")
 ENGINES = ("auto", "reference", "compiled")
@@ -55,9 +59,45 @@ def resolve_engine(device: str, engine: str = "auto", dataflow: str = "bf16") ->
     return name
 
 
+def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = None,
+               layer_split: str | list[int] | None = None, buckets: Any = None) -> ShardPlan | None:
+    """The layer split ``devices`` / ``layer_split`` (``--devices`` / ``--layer-split``) describe, or None when
+    neither is given (the unsplit step on ``device``).
+
+    ``layer_split`` without ``devices`` splits on ``device`` alone (a virtual split: every shard on the same
+    device). ``devices`` without ``layer_split`` places layers automatically: on CUDA from the memory plan
+    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``) against each device's free memory, on the CPU
+    evenly.
+
+    Raises:
+        ShardPlanError: a malformed or invalid plan, a plan whose devices are not of ``device``'s kind, or an
+            automatic placement that does not fit (naming the shard, its device and the shortfall).
+    """
+    from ds4c.shard_plan import ShardPlanError, parse_plan
+
+    if devices is None and layer_split is None:
+        return None
+    n = mf.config.n_layers
+    if devices is None:
+        counts = layer_split.split(",") if isinstance(layer_split, str) else list(layer_split)
+        devices = [device] * len(counts)
+    devs = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
+    memory = free = None
+    if layer_split is None and len(devs) > 1 and all(d.startswith("cuda") for d in devs):
+        from ds4c.runtime.sharded import free_memory, memory_model
+
+        if buckets is not None:
+            memory, free = memory_model(mf, buckets), free_memory(devs)
+    plan = parse_plan(devs, layer_split, n, default_device=device, memory=memory, free_bytes=free)
+    if plan.kind != device:
+        raise ShardPlanError(f"--devices {','.join(plan.devices)}: expected {device} devices (--device {device})")
+    return plan
+
+
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
-                dataflow: str = "bf16", prepare: bool = True, progress: bool = True) -> Any:
+                dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
+                devices: str | list[str] | None = None, layer_split: str | list[int] | None = None) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -78,10 +118,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         progress: print the compile line and progress bars of that preparation to stderr.
         dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
+        devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
+            the HC state handed from shard to shard.
 
     Returns:
-        a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep`; its ``max_ctx``
-        is the context it serves.
+        a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep` (split:
+        :class:`~ds4c.reference.sharded.ShardedReference`, :class:`~ds4c.runtime.sharded.ShardedStep`); its
+        ``max_ctx`` is the context it serves (a split one's ``plan`` is its :class:`~ds4c.shard_plan.ShardPlan`).
 
     Raises:
         Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
@@ -113,7 +156,14 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                                 f"compile the artifact with a larger --max-ctx or ask for less")
         else:
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
-        step = CompiledStep(mf, buckets, device_arch(), artifact=None if artifact is None else str(artifact))
+        plan = shard_plan(mf, device, devices, layer_split, buckets)
+        art = None if artifact is None else str(artifact)
+        if plan is not None and plan.is_split:
+            from ds4c.runtime.sharded import ShardedStep
+
+            step = ShardedStep(mf, buckets, plan, device_arch(), artifact=art)
+        else:
+            step = CompiledStep(mf, buckets, device_arch(), artifact=art, plan=plan)
         if prepare:
             step.prepare_all(progress=progress)
         return step
@@ -123,7 +173,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
     if threads is not None and device == "cpu":
         torch.set_num_threads(threads)
-    weights = ReferenceWeights.load(mf, device, dataflow=dataflow)
+    plan = shard_plan(mf, device, devices, layer_split)
+    ctx = min(max_ctx or 4096, limit)
+    if plan is not None and plan.is_split:
+        from ds4c.reference.sharded import ShardedReference
+
+        return ShardedReference.load(mf, plan, max_ctx=ctx, dataflow=dataflow, quant_emulation=quant_emulation)
+    weights = ReferenceWeights.load(mf, plan.devices[0] if plan is not None else device, dataflow=dataflow)
     if not quant_emulation:
         weights.config = weights.config.replace(quant_emulation=False)
-    return Reference(weights, max_ctx=min(max_ctx or 4096, limit), dataflow=dataflow)
+    return Reference(weights, max_ctx=ctx, dataflow=dataflow)

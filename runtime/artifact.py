@@ -86,9 +86,31 @@ class ArtifactError(Ds4cError):
     where asked; or a graph, target or kernel asked of it does not exist."""
 
 
-def graph_key(width: int, context: int) -> str:
-    """The manifest key of the step graph of verify width ``width`` and context bucket ``context``."""
-    return f"q{width}_c{context}"
+def graph_key(width: int, context: int, shard: int | None = None) -> str:
+    """The manifest key of the step graph of verify width ``width`` and context bucket ``context``
+    (``q5_c4096``); of shard ``shard`` of a layer split: ``s1_q5_c4096``."""
+    return f"q{width}_c{context}" if shard is None else f"s{shard}_q{width}_c{context}"
+
+
+def split_ranges(cfg: Ds4Config, layer_split: Iterable[int] | None) -> list[tuple[int | None, tuple[int, int] | None]]:
+    """``[(shard index, layer range)]`` of an artifact's layer split (``[(None, None)]`` unsplit: one split of one
+    shard is the unsplit step)."""
+    counts = list(layer_split or ())
+    if len(counts) <= 1:
+        return [(None, None)]
+    out, a = [], 0
+    for k, n in enumerate(counts):
+        out.append((k, (a, a + n)))
+        a += n
+    return out
+
+
+def manifest_keys(man: dict[str, Any]) -> list[str]:
+    """Every graph key an artifact must have: per shard of its layer split (if any), per (width, context)."""
+    b = man["buckets"]
+    split = man.get("layer_split")
+    shards = [None] if not split or len(split) <= 1 else list(range(len(split)))
+    return [graph_key(w, x, k) for k in shards for w in b["widths"] for x in b["contexts"]]
 
 
 def _lower_graph(g: Any, cfg: Ds4Config, target: Target, weight_types: dict | None) -> list:
@@ -155,7 +177,7 @@ def _say(progress: bool, msg: str) -> None:
 
 def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, out_dir: str | os.PathLike,
                    cache: KernelCache, jobs: int | None = None, progress: bool = True,
-                   weight_types: dict | None = None) -> Path:
+                   weight_types: dict | None = None, layer_split: Iterable[int] | None = None) -> Path:
     """Compile every step graph of ``buckets`` for every target in ``targets`` and publish the artifact at
     ``out_dir`` (layout and manifest: module docstring). Returns ``out_dir`` as an absolute path.
 
@@ -164,7 +186,9 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     (``ds4c.runtime.lower.lower_graph``); all rendered kernels are compiled by ``cache.compile_many`` with
     ``jobs`` threads (cache hits compile nothing; ``progress`` prints what is compiled and a progress bar to
     stderr). ``weight_types`` (``{tensor name: GGMLType}``, e.g. of a GGUF file; default: the official
-    formats) picks the weight formats the kernels read; the manifest records them. Never queries a device.
+    formats) picks the weight formats the kernels read; the manifest records them. ``layer_split`` (layers
+    per shard, ``ds4c.shard_plan``) compiles every shard's graphs instead (keys ``s{k}_q{w}_c{c}``; the
+    manifest's ``layer_split``), so the artifact serves that split only. Never queries a device.
 
     Raises:
         ConfigError: ``buckets`` does not fit ``cfg``.
@@ -193,17 +217,26 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     _clean_leftovers(out)
 
     # ---- pipeline + lowering
-    keys = buckets.keys()
+    split = None
+    if layer_split is not None and len(list(layer_split)) > 1:
+        from ds4c.shard_plan import ShardPlan, validate
+
+        counts = tuple(layer_split)
+        split = list(validate(ShardPlan(("cuda",) * len(counts), counts), cfg.n_layers).layers)
+    shards = split_ranges(cfg, split)
+    keys = [(k, r, w, x) for k, r in shards for w, x in buckets.keys()]
     _say(progress, f"lowering {len(keys)} graph{'s' * (len(keys) != 1)} for "
                    f"{', '.join(t.slug for t in targets)}")
     graphs: dict[str, dict[str, Any]] = {}
     lowered: dict[tuple[str, str], list] = {}  # (slug, graph key) -> [LoweredKernel]
-    for width, context in keys:
-        gk = graph_key(width, context)
-        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1]), "default", context=context).graph
+    for shard, layers, width, context in keys:
+        gk = graph_key(width, context, shard)
+        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1], layers), "default", context=context).graph
         mem = dict(g.meta.get("memory", {}))
         graphs[gk] = {"width": width, "context": context, "graph_hash": graph_hash(g),
                       "arena_bytes": int(mem.get("arena_bytes", 0)), "memory": mem}
+        if shard is not None:
+            graphs[gk]["shard"], graphs[gk]["layers"] = shard, list(layers)
         for t in targets:
             lowered[(t.slug, gk)] = _lower_graph(g, cfg, t, weight_types)
 
@@ -261,6 +294,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             tinfo[slug]["graphs"][gk] = {"width": g["width"], "context": g["context"],
                                         "graph_hash": g["graph_hash"], "arena_bytes": g["arena_bytes"],
                                         "kernels": kernels}
+            if "shard" in g:
+                tinfo[slug]["graphs"][gk].update(shard=g["shard"], layers=g["layers"])
         compiled = sum(seen_keys.values())
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -268,6 +303,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             "config": cfg.model_dict(), "config_hash": cfg.hash(),
             "buckets": buckets.as_dict(), "buckets_hash": buckets.hash(),
             "weight_types": wtypes, "weight_types_hash": weight_types_hash(wtypes),
+            **({"layer_split": split} if split is not None else {}),
             "graphs": graphs,
             "targets": tinfo,
             "build": {"seconds": round(time.perf_counter() - t0, 3), "plan_kernels": n_plan, "launches": n_launch,
@@ -579,14 +615,27 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
     c.string(man["weight_types_hash"], "weight_types_hash", _HEX64)
     if man["weight_types_hash"] != weight_types_hash(wt):
         c.fail("weight_types_hash", "the sha256 of weight_types", man["weight_types_hash"])
-    keys = [graph_key(w, x) for w in widths for x in contexts]
+    split = man.get("layer_split")
+    ranges: dict[int, list[int]] = {}
+    if split is not None:
+        counts = c.integers(split, "layer_split", lo=1)
+        if len(counts) < 2 or sum(counts) != man["config"]["n_layers"]:
+            c.fail("layer_split", f"at least 2 layer counts summing to n_layers = {man['config']['n_layers']}", split)
+        a = 0
+        for k, n in enumerate(counts):
+            ranges[k] = [a, a + n]
+            a += n
+    keys = manifest_keys(man)
     graphs = c.obj(man["graphs"], "graphs")
     if list(graphs) != keys:
         c.fail("graphs", f"the graphs of the buckets {keys}", list(graphs))
     for gk, g in graphs.items():
         c.obj(g, f"graphs.{gk}", ("width", "context", "graph_hash", "arena_bytes"))
-        if graph_key(g["width"], g["context"]) != gk:
-            c.fail(f"graphs.{gk}", f"width and context of {gk}", (g["width"], g["context"]))
+        if graph_key(g["width"], g["context"], g.get("shard")) != gk:
+            c.fail(f"graphs.{gk}", f"width, context and shard of {gk}", (g["width"], g["context"], g.get("shard")))
+        if "shard" in g and g.get("layers") != ranges.get(g["shard"]):
+            c.fail(f"graphs.{gk}.layers", f"the layer range of shard {g['shard']} {ranges.get(g['shard'])}",
+                   g.get("layers"))
         c.string(g["graph_hash"], f"graphs.{gk}.graph_hash", _HEX64)
         c.integer(g["arena_bytes"], f"graphs.{gk}.arena_bytes")
     build = c.obj(man["build"], "build", ("seconds", "plan_kernels", "launches", "unique_binaries", "compiled",
@@ -643,8 +692,8 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
         for gk, g in tg.items():
             wg = f"{w}.graphs.{gk}"
             c.obj(g, wg, ("width", "context", "graph_hash", "arena_bytes", "kernels"))
-            for f in ("width", "context", "graph_hash", "arena_bytes"):
-                if g[f] != graphs[gk][f]:
+            for f in ("width", "context", "graph_hash", "arena_bytes", "shard", "layers"):
+                if g.get(f) != graphs[gk].get(f):
                     c.fail(f"{wg}.{f}", f"graphs.{gk}.{f} = {_short(graphs[gk][f], 20)}", g[f])
             if not isinstance(g["kernels"], list) or not g["kernels"]:
                 c.fail(f"{wg}.kernels", "a list of plan kernels", g["kernels"])
@@ -703,11 +752,12 @@ def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
 
 
 def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict,
-                 buckets: BucketSpec | None = None) -> None:
+                 buckets: BucketSpec | None = None, layer_split: Iterable[int] | None = None) -> None:
     """Check that the artifact ``man`` (:func:`load_manifest` of ``artifact``) serves a model: its config hash,
     its bucket spec (when ``buckets`` is given) and its weight-format table all equal the model's, and every
     binary was rendered for the formats its launches read in this model. ``weight_types`` is the model's
-    ``{tensor name: GGMLType}`` (e.g. ``{n: mf.ggml_type(n) for n in mf.specs}``). Needs no GPU.
+    ``{tensor name: GGMLType}`` (e.g. ``{n: mf.ggml_type(n) for n in mf.specs}``). ``layer_split``: the layers
+    per shard the caller runs (None or one count: unsplit) must be the artifact's. Needs no GPU.
 
     Raises:
         ArtifactError: the first mismatch, in one line: another config (both hashes), another bucket spec
@@ -721,6 +771,15 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
                             f"with `ds4c compile` for this model")
     if buckets is not None and man["buckets_hash"] != buckets.hash():
         raise ArtifactError(f"{where}: it was built for buckets {man['buckets']}, asked for {buckets.as_dict()}")
+    want = list(layer_split or ())
+    want = want if len(want) > 1 else None
+    have = man.get("layer_split")
+    if want != have:
+        def split_name(x: list | None) -> str:
+            return "the unsplit step" if x is None else f"layer split {','.join(map(str, x))}"
+
+        raise ArtifactError(f"artifact {artifact} was compiled for {split_name(have)}, asked to serve "
+                            f"{split_name(want)}; compile it with `ds4c compile --layer-split` for this split")
     types = effective_weight_types(cfg, weight_types)
     diff = first_format_difference(man["weight_types"], types)
     if diff is not None:
@@ -749,12 +808,13 @@ def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Con
 
     b = manifest_buckets(man)
     n = 0
-    for width, context in b.keys():
-        g = run_pipeline(build_step(cfg, width, b.contexts[-1]), "default", context=context).graph
-        for slug, t in man["targets"].items():
-            tgt = Target(t["vendor"], t["arch"], t["wave"])
-            n += len(launch_binaries(man, artifact, slug, width, context, _lower_graph(g, cfg, tgt, weight_types),
-                                     weight_types))
+    for shard, layers in split_ranges(cfg, man.get("layer_split")):
+        for width, context in b.keys():
+            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers), "default", context=context).graph
+            for slug, t in man["targets"].items():
+                tgt = Target(t["vendor"], t["arch"], t["wave"])
+                n += len(launch_binaries(man, artifact, slug, width, context,
+                                         _lower_graph(g, cfg, tgt, weight_types), weight_types, shard))
     return n
 
 
@@ -890,9 +950,10 @@ def disassemble(artifact: str | os.PathLike, rel: str, record: dict[str, Any], a
 
 
 def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str, width: int, context: int,
-                    kernels: list, weight_types: dict) -> list[Path]:
+                    kernels: list, weight_types: dict, shard: int | None = None) -> list[Path]:
     """The binary of every launch of ``kernels`` (``lower_graph`` of the (width, context) graph for ``arch``),
-    in launch order, from an artifact: the runtime's path that needs no compiler.
+    in launch order, from an artifact: the runtime's path that needs no compiler. ``shard``: the graph of that
+    shard of the artifact's layer split.
 
     The lowering is deterministic, so the manifest lists the same plan kernels and launches in the same order;
     each pairing is checked by plan-kernel name and entry point, and by the weight formats each launch reads in
@@ -905,11 +966,11 @@ def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str,
     """
     types = {k: getattr(v, "name", str(v)) for k, v in weight_types.items()}
     slug = find_target(man, arch)
-    key = graph_key(width, context)
+    key = graph_key(width, context, shard)
     graphs = man["targets"][slug]["graphs"]
     if key not in graphs:
-        raise ArtifactError(f"the artifact has no step graph {key} (width {width}, context {context}) for {slug}: "
-                            f"it has {', '.join(graphs)}")
+        raise ArtifactError(f"the artifact has no step graph {key} (width {width}, context {context}"
+                            f"{'' if shard is None else f', shard {shard}'}) for {slug}: it has {', '.join(graphs)}")
     listed = graphs[key]["kernels"]
     if [k["name"] for k in listed] != [k.name for k in kernels]:
         raise ArtifactError(f"artifact graph {key} for {slug} lists other plan kernels than this model's lowering; "

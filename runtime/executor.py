@@ -26,6 +26,7 @@ from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.quant import GGMLType
 from ds4c.ir import build_step
+from ds4c.ir.builder import check_layers
 from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
@@ -33,6 +34,20 @@ from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.launch import CudaKernel, CudaModule
 from ds4c.runtime.lower import Arg, LoweredKernel, lower_graph
 from ds4c.runtime.targets import Target, target
+from ds4c.shard_plan import ShardPlan, validate
+
+def _on_device(fn: Any) -> Any:
+    """Run a :class:`CompiledStep` method with the step's device current (its launches, allocations, events
+    and graph captures belong to that device)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(self: "CompiledStep", *args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.device(self.dev):
+            return fn(self, *args, **kwargs)
+
+    return wrapped
+
 
 def device_arch() -> str:
     """The CUDA arch name of the current device (runtime only; AOT never calls this)."""
@@ -76,6 +91,13 @@ class CompiledStep:
         artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled.
             It must serve this model (``ds4c.runtime.artifact.check_serves``: config, ``buckets`` and weight
             formats equal); a missing arch or (width, bucket) graph raises ArtifactError.
+        plan, shard: shard ``shard`` of the layer split ``plan`` (``ds4c.shard_plan.ShardPlan``;
+            ``ds4c.runtime.sharded.ShardedStep`` chains the shards): only the layers ``plan.ranges[shard]`` --
+            their weights, state and kernels -- on the device ``plan.devices[shard]``. A shard after the first
+            reads the incoming HC state from :attr:`hc_in` (bf16 ``[max width, hc, hidden]``, rows ``[:q]`` per
+            step); one before the last writes its outgoing HC state to :attr:`hc_out` and has no logits and no
+            sampler. None: the whole model on the current CUDA device. Every entry point selects the step's
+            device, so shards on several GPUs each run on their own.
 
     Raises:
         StepError: no CUDA device.
@@ -84,10 +106,31 @@ class CompiledStep:
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
-                 use_graphs: bool = True, artifact: str | None = None):
+                 use_graphs: bool = True, artifact: str | None = None, plan: ShardPlan | None = None,
+                 shard: int = 0):
         if not torch.cuda.is_available():
             raise StepError("the compiled step needs a CUDA device (torch.cuda.is_available() is False)")
         self.mf, self.cfg, self.buckets = mf, mf.config, buckets
+        self.plan = None if plan is None else validate(plan, mf.config.n_layers)
+        self.shard = int(shard)
+        if self.plan is not None and not 0 <= self.shard < self.plan.n_shards:
+            raise StepError(f"shard {shard}: the plan {self.plan.describe()} has shards 0..{self.plan.n_shards - 1}")
+        device = "cuda" if self.plan is None else self.plan.devices[self.shard]
+        self.layers = check_layers(mf.config, None if self.plan is None else self.plan.ranges[self.shard])
+        self.is_first, self.is_last = self.layers[0] == 0, self.layers[1] == mf.config.n_layers
+        self._split = not (self.is_first and self.is_last)
+        self.dev = torch.device(device)
+        if self.dev.type != "cuda":
+            raise StepError(f"the compiled step runs on a CUDA device, found device {device!r}")
+        if self.dev.index is None:
+            self.dev = torch.device("cuda", torch.cuda.current_device())
+        if self.dev.index >= torch.cuda.device_count():
+            raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        with torch.cuda.device(self.dev):
+            self._init(arch, cache, use_graphs, artifact)
+
+    def _init(self, arch: str, cache: KernelCache | None, use_graphs: bool, artifact: str | None) -> None:
+        mf, buckets = self.mf, self.buckets
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
         self.use_graphs = use_graphs
@@ -98,8 +141,8 @@ class CompiledStep:
             from ds4c.runtime.artifact import check_serves, load_manifest
 
             self._manifest = load_manifest(artifact)
-            check_serves(self._manifest, artifact, self.cfg, self._types, buckets)
-        self.dev = torch.device("cuda")
+            check_serves(self._manifest, artifact, self.cfg, self._types, buckets,
+                         None if self.plan is None else self.plan.layers)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
@@ -120,7 +163,20 @@ class CompiledStep:
         self._step_dev = torch.zeros(n_step, dtype=torch.int64, device=self.dev)
         # every graph writes its logits rows into this one buffer; the other activations of all graphs share
         # one arena (graphs never run concurrently), and all captures share one CUDA graph memory pool
-        self._logits = torch.zeros(maxq, self.cfg.vocab_size, dtype=torch.float32, device=self.dev)
+        # (the last shard only) and a shard's incoming / outgoing HC state rows have one buffer each
+        hc_shape = (maxq, self.cfg.hc_mult, self.cfg.hidden_size)
+        self._logits = torch.zeros(maxq, self.cfg.vocab_size, dtype=torch.float32, device=self.dev) \
+            if self.is_last else None
+        self.hc_in = None if self.is_first else torch.zeros(hc_shape, dtype=torch.bfloat16, device=self.dev)
+        """A shard's incoming HC state (bf16 [max width, hc, hidden]; rows [:q] of a step are read)."""
+        self.hc_out = None if self.is_last else torch.zeros(hc_shape, dtype=torch.bfloat16, device=self.dev)
+        """A shard's outgoing HC state (rows [:q] written by each step)."""
+        self._handoff: torch.Tensor | None = None
+        self.token_sinks: list[torch.Tensor] = []
+        """Where the device sampler also writes each sampled id (the token slots of the other shards of a split
+        on this device: :meth:`token_slot`); set before :meth:`prepare_all`."""
+        self.decode_modes = ("greedy", "sample") if self.is_last else ("advance",)
+        """The decode-loop graphs :meth:`prepare_all` captures per q=1 bucket."""
         self._arena: torch.Tensor | None = None
         self._pool = torch.cuda.graph_pool_handle()
         self._sampler = None
@@ -140,33 +196,38 @@ class CompiledStep:
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
+    @_on_device
     def reset(self) -> None:
         """A new sequence: every state buffer back to its initial value (KV 0, compressor scores -inf)."""
         from ds4c.ir.builder import state_inputs
 
-        for name, t in state_inputs(self.cfg, self.capacity).items():
+        for name, t in state_inputs(self.cfg, self.capacity, self.layers).items():
             buf = self.state.get(name)
             if buf is None:
                 buf = self.state[name] = torch.empty(tuple(t.shape), dtype=_DT[t.dtype], device=self.dev)
             buf.fill_(float("-inf") if name.endswith("_score") else 0)
         self.pos = 0
 
+    @_on_device
     def snapshot(self) -> dict[str, Any]:
         """A device copy of the sequence state (all buffers) and the position."""
         return {"pos": self.pos, "state": {k: v.clone() for k, v in self.state.items()}}
 
+    @_on_device
     def restore(self, snap: dict[str, Any]) -> None:
         """Copy a :meth:`snapshot` back (in place: captured graphs keep pointing at the same buffers)."""
         for k, v in snap["state"].items():
             self.state[k].copy_(v)
         self.pos = snap["pos"]
 
+    @_on_device
     def verify(self, tokens: list[int], pos: int) -> torch.Tensor:
         """A verify step that can be rolled back: snapshots the state, runs the step, remembers the tokens.
         Returns fp32 logits [q, vocab]."""
         self._undo = (self.snapshot(), list(tokens), pos)
         return self.step(tokens, pos)
 
+    @_on_device
     def rollback(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the last :meth:`verify`: restore the state from before it and
         replay the accepted rows as one step of width ``accepted`` (exactly the state sequential decoding of
@@ -207,6 +268,7 @@ class CompiledStep:
             return self.mf.tensor(name).to(torch.bfloat16)
         return self.mf.tensor(name)  # f32, i64
 
+    @_on_device
     def load_weights(self, forms: dict[str, str], progress: bool = True,
                      staging_bytes: int = 64 << 20) -> dict[str, float]:
         """Upload the weights ``forms`` names (GGUF name -> the form kernels read it in, from the lowered
@@ -248,6 +310,7 @@ class CompiledStep:
         return self.load_stats
 
     # ------------------------------------------------------------------------------------------ graphs
+    @_on_device
     def prepare(self, width: int, context: int) -> _StepGraph:
         """The step graph of (``width``, ``context``): pipelined, lowered, its binaries loaded and its arguments
         bound (once; later calls return it). :meth:`prepare_all` does this for every key at once, before
@@ -264,6 +327,7 @@ class CompiledStep:
         g, kernels = self._build(width, context)
         return self._bind(width, context, g, kernels, self._binaries([(key, kernels)], progress=False)[0])
 
+    @_on_device
     def prepare_all(self, widths: tuple[int, ...] | None = None, max_ctx: int | None = None,
                     progress: bool = True) -> dict[str, Any]:
         """Make every (width, context bucket) graph up to ``max_ctx`` ready before the first step: build and
@@ -310,15 +374,16 @@ class CompiledStep:
         t3 = time.perf_counter()
         for k in keys:
             self._capture(self._graphs[k])
-        if 1 in widths:  # the decode loop's graphs: the q=1 step and the sampler in one graph, per bucket
-            for (w, c) in keys:
+        if 1 in widths:  # the decode loop's graphs: the q=1 step + the sampler, per bucket (a shard before
+            for (w, c) in keys:  # the last of a split: the step + advancing its scalars)
                 if w == 1:
-                    for mode in ("greedy", "sample"):
+                    for mode in self.decode_modes:
                         self._decode_graph(c, mode)
         self.reset()
         torch.cuda.synchronize()
         t4 = time.perf_counter()
-        graph_bytes = torch.cuda.memory_allocated(self.dev) - mem_w + self._logits.numel() * 4
+        graph_bytes = torch.cuda.memory_allocated(self.dev) - mem_w + sum(
+            t.numel() * t.element_size() for t in (self._logits, self.hc_in, self.hc_out) if t is not None)
         out = {"graphs": len(keys), "build_s": t1 - t0, "compile_s": t2 - t1, "load_s": t3 - t2,
                "capture_s": t4 - t3, "weights": dict(self.load_stats), "graph_bytes": int(graph_bytes),
                "weight_bytes": int(mem_w - mem0), "capture_ms": {f"{w}x{c}": ms for (w, c), ms in
@@ -330,7 +395,8 @@ class CompiledStep:
         if width not in self.buckets.widths or context not in self.buckets.contexts:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
-        g = run_pipeline(build_step(self.cfg, width, self.capacity), "default", context=context).graph
+        g = run_pipeline(build_step(self.cfg, width, self.capacity, self.layers if self._split else None), "default",
+                         context=context).graph
         return g, lower_graph(g, self.cfg, self.target, self._types)
 
     def _binaries(self, graphs: list[tuple[tuple[int, int], list[LoweredKernel]]],
@@ -343,7 +409,8 @@ class CompiledStep:
 
             out = []
             for (w, c), kernels in graphs:
-                paths = launch_binaries(self._manifest, self.artifact, self.target.arch, w, c, kernels, self._types)
+                paths = launch_binaries(self._manifest, self.artifact, self.target.arch, w, c, kernels, self._types,
+                                        self.shard if self._split else None)
                 out.append([(str(p), p.read_bytes) for p in paths])
             return out
         self.binary_batches += 1
@@ -363,7 +430,8 @@ class CompiledStep:
         for k in kernels:
             for la in k.launches:
                 for a in la.args:
-                    if a.kind != "value" or a.name in self.state or a.name in consts or a.name == "logits" \
+                    if a.kind != "value" or a.name in self.state or a.name in consts \
+                            or a.name in ("logits", "hc_in", "hc_out") \
                             or a.name in layout or a.name not in by_name:
                         continue
                     v = by_name[a.name]
@@ -385,7 +453,11 @@ class CompiledStep:
             self._arena = torch.zeros(max(need, 1), dtype=torch.uint8, device=self.dev)
         for name, (off, n, shape, dt) in slots.items():
             sg.values[name] = self._arena[off:off + n].view(dt).view(shape)
-        sg.values["logits"] = self._logits[:width]
+        if self._logits is not None:
+            sg.values["logits"] = self._logits[:width]
+        for name, buf in (("hc_in", self.hc_in), ("hc_out", self.hc_out)):
+            if buf is not None:
+                sg.values[name] = buf[:width]
         pairs = [la for k in kernels for la in k.launches]
         for la, (mkey, image) in zip(pairs, binaries):
             mod = self._modules.get(mkey)
@@ -447,9 +519,11 @@ class CompiledStep:
         self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
         done.record()
 
+    @_on_device
     def step(self, tokens: list[int], pos: int) -> torch.Tensor:
         """Run ``len(tokens)`` rows at ``pos..``; returns fp32 logits [q, vocab] (a device tensor, valid until
-        the next step of the same width and bucket).
+        the next step of the same width and bucket); a shard before the last of a split returns its outgoing HC
+        state rows (:attr:`hc_out` ``[:q]``).
 
         Raises:
             StepError: ``pos`` is not the sequence's next position, positions past max_ctx, or no compiled
@@ -465,7 +539,7 @@ class CompiledStep:
         else:
             self._run(sg)
         self.pos = pos + len(tokens)
-        return sg.values["logits"]
+        return sg.values["logits"] if self.is_last else sg.values["hc_out"]
 
     # the stepper interface of ds4c.generate.generate
     @property
@@ -494,6 +568,8 @@ class CompiledStep:
         """
         if not self.use_graphs:
             raise StepError("decode_tokens needs use_graphs=True")
+        if self._split:
+            raise StepError("decode_tokens runs an unsplit step; a layer split's shards are driven by ShardedStep")
         if pos != self.pos:
             raise StepError(f"step at position {pos}, but the sequence's next position is {self.pos}")
         if pos + n > self.buckets.max_ctx:
@@ -502,25 +578,27 @@ class CompiledStep:
             return
         lag = max(1, min(int(lag), 32))
         mode = "greedy" if temperature == 0 else "sample"
-        sampler = self._device_sampler()
-        sampler.configure(temperature, top_k, top_p, seed)
-        ring = sampler.ring_size
-        host, done = self._ring_host
-        contexts = [self.buckets.bucket(pos + i, 1) for i in range(n)]
-        graphs = {c: self._decode_graph(c, mode) for c in sorted(set(contexts))}  # captured ahead by prepare_all
-        graphs = [graphs[c] for c in contexts]
-        self._upload([token], pos)
+        with torch.cuda.device(self.dev):
+            sampler = self._device_sampler()
+            sampler.configure(temperature, top_k, top_p, seed)
+            ring = sampler.ring_size
+            host, done = self._ring_host
+            contexts = [self.buckets.bucket(pos + i, 1) for i in range(n)]
+            graphs = {c: self._decode_graph(c, mode) for c in sorted(set(contexts))}  # captured by prepare_all
+            graphs = [graphs[c] for c in contexts]
+            self._upload([token], pos)
         launched = consumed = 0
         try:
             while consumed < n:
-                while launched < n and launched - consumed < lag:
-                    graphs[launched].replay()
-                    slot = launched % ring
-                    host[slot:slot + 1].copy_(sampler.ring[slot:slot + 1], non_blocking=True)
-                    done[slot].record()
-                    launched += 1
-                slot = consumed % ring
-                done[slot].synchronize()
+                with torch.cuda.device(self.dev):  # not held across the yield: the caller's device is its own
+                    while launched < n and launched - consumed < lag:
+                        graphs[launched].replay()
+                        slot = launched % ring
+                        host[slot:slot + 1].copy_(sampler.ring[slot:slot + 1], non_blocking=True)
+                        done[slot].record()
+                        launched += 1
+                    slot = consumed % ring
+                    done[slot].synchronize()
                 consumed += 1
                 yield int(host[slot])
         finally:
@@ -539,35 +617,43 @@ class CompiledStep:
 
     def _sampler_body(self, mode: str) -> Any:
         """The sampler + advance operations of ``mode`` (``greedy`` or ``sample``) as a closure to capture: reads
-        logits row 0, writes the id to the ring and the next step's token slot, and moves the step scalars one
-        position on (``pos``, ``live_r`` = (pos + 1) // r, ``positions[0]``). Run once eagerly on first use
+        logits row 0, writes the id to the ring and the next step's token slot (and to every tensor of
+        :attr:`token_sinks`: the token slots of the other shards of a split on this device), and moves the step
+        scalars one position on (``pos``, ``live_r`` = (pos + 1) // r, ``positions[0]``). Mode ``advance`` (a
+        shard before the last of a split) only moves the scalars on. Run once eagerly on first use
         (allocator, kernels), its effects undone."""
         body = self._sampler_bodies.get(mode)
         if body is not None:
             return body
-        sampler = self._device_sampler()
+        sampler = self._device_sampler() if mode != "advance" else None
         d, off = self._step_dev, self._off
+        sinks = list(self.token_sinks)
         head = torch.tensor([off["pos"]] + [off[f"live_r{r}"] for r in self._ratios] + [off["positions"]],
                             dtype=torch.int64, device=self.dev)
         add = torch.tensor([1] + [2] * len(self._ratios) + [1], dtype=torch.int64, device=self.dev)
         div = torch.tensor([1] + list(self._ratios) + [1], dtype=torch.int64, device=self.dev)
 
         def body() -> None:
-            tok = sampler.greedy(self._logits[0]) if mode == "greedy" else sampler.sample(self._logits[0])
             # pos' = pos + 1, live_r = (pos' + 1) // r, positions[0] = pos': one vector op from the old pos
+            if mode == "advance":
+                d.index_copy_(0, head, torch.div(d[off["pos"]] + add, div, rounding_mode="floor"))
+                return
+            tok = sampler.greedy(self._logits[0]) if mode == "greedy" else sampler.sample(self._logits[0])
             d.index_copy_(0, head, torch.div(d[off["pos"]] + add, div, rounding_mode="floor"))
             d[off["tokens"]:off["tokens"] + 1].copy_(tok)
+            for t in sinks:
+                t.copy_(tok)
 
-        saved = (d.clone(), sampler.counter.clone(), sampler.ring.clone())
+        keep = [d] + sinks + ([] if sampler is None else [sampler.counter, sampler.ring])
+        saved = [t.clone() for t in keep]
         side = torch.cuda.Stream(self.dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             body()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        d.copy_(saved[0])
-        sampler.counter.copy_(saved[1])
-        sampler.ring.copy_(saved[2])
+        for t, v in zip(keep, saved):
+            t.copy_(v)
         self._sampler_bodies[mode] = body
         return body
 
@@ -589,6 +675,7 @@ class CompiledStep:
         self.captures += 1
         return g
 
+    @_on_device
     def time_launches(self, tokens: list[int], pos: int, repeats: int = 20) -> list[dict[str, Any]]:
         """Time every launch of the step at (``len(tokens)``, bucket of ``pos``) on its own with CUDA events
         (median of ``repeats`` eager runs of the whole launch list; the state is snapshotted and restored, so
@@ -617,6 +704,7 @@ class CompiledStep:
                         "us": ts[len(ts) // 2]})
         return out
 
+    @_on_device
     def time_replays(self, tokens: list[int], pos: int, repeats: int = 50) -> float:
         """Median milliseconds of the step's CUDA graph replayed ``repeats`` times back to back (CUDA events
         between replays, no host work in between); the graph is captured first if needed. The state is
@@ -670,3 +758,25 @@ class CompiledStep:
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:
             b.kernel(b.grid, b.block, b.args, smem=b.smem)
+        if self._handoff is not None:  # the next shard is on this device: its hc_in, copied inside the graph
+            self._handoff[:sg.width].copy_(self.hc_out[:sg.width])
+
+    def token_slot(self) -> torch.Tensor:
+        """The device view of the next step's first token id (int64 [1]) in this step's scalar buffer: where
+        a split's last shard writes the sampled id."""
+        return self._step_dev[self._off["tokens"]:self._off["tokens"] + 1]
+
+    def hand_off_to(self, dst: torch.Tensor) -> None:
+        """Make every step of this shard end by copying its outgoing HC state rows into ``dst`` (the next
+        shard's :attr:`hc_in`, on this same device), inside the captured graphs. Call before :meth:`prepare_all`
+        (graphs captured earlier do not copy).
+
+        Raises:
+            StepError: this shard is the last one, or ``dst`` is on another device or of another shape.
+        """
+        if self.hc_out is None:
+            raise StepError("hand_off_to: the last shard has no outgoing HC state")
+        if dst.device != self.dev or dst.shape != self.hc_out.shape or dst.dtype != self.hc_out.dtype:
+            raise StepError(f"hand_off_to: expected a {self.hc_out.dtype} {list(self.hc_out.shape)} tensor on "
+                            f"{self.dev}, found {dst.dtype} {list(dst.shape)} on {dst.device}")
+        self._handoff = dst

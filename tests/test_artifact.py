@@ -515,3 +515,76 @@ def test_an_artifact_under_a_file_is_an_error_before_any_work(tmp_path):
     with pytest.raises(ArtifactError, match="is a file, not a directory"):
         build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), f / "sub", KernelCache(tmp_path / "c"),
                        progress=False)
+
+
+# ------------------------------------------------------------------------------------------- layer split
+@needs_compilers
+def test_split_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
+    """``layer_split`` compiles one graph per shard and key (``s{k}_q{w}_c{c}``), records the split, and the
+    artifact serves that split only (checked before any GPU work)."""
+    from ds4c.runtime.artifact import check_serves
+
+    out = build_artifact(TINY, parse_targets("sm_90"), tiny_buckets((1, 2)), tmp_path / "art", KernelCache(cache_dir),
+                         progress=False, layer_split=(2, 4))
+    man = load_manifest(out)
+    assert man["layer_split"] == [2, 4]
+    assert list(man["graphs"]) == ["s0_q1_c64", "s0_q2_c64", "s1_q1_c64", "s1_q2_c64"]
+    assert man["graphs"]["s1_q2_c64"]["layers"] == [2, 6] and man["graphs"]["s0_q1_c64"]["shard"] == 0
+    check_serves(man, out, TINY, {}, tiny_buckets((1, 2)), (2, 4))
+    for asked, says in (((3, 3), "asked to serve layer split 3,3"), (None, "asked to serve the unsplit step"),
+                        ((6,), "asked to serve the unsplit step")):
+        with pytest.raises(ArtifactError, match=f"compiled for layer split 2,4, {says}"):
+            check_serves(man, out, TINY, {}, tiny_buckets((1, 2)), asked)
+    unsplit = build_artifact(TINY, parse_targets("sm_90"), tiny_buckets((1, 2)), tmp_path / "u",
+                             KernelCache(cache_dir), progress=False, layer_split=(6,))
+    man_u = load_manifest(unsplit)
+    assert "layer_split" not in man_u and list(man_u["graphs"]) == ["q1_c64", "q2_c64"]
+    with pytest.raises(ArtifactError, match="compiled for the unsplit step, asked to serve layer split 2,4"):
+        check_serves(man_u, unsplit, TINY, {}, tiny_buckets((1, 2)), (2, 4))
+    with pytest.raises(Exception, match="expected counts summing to the model's 6 layers"):
+        build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), tmp_path / "bad", KernelCache(cache_dir),
+                       progress=False, layer_split=(2, 2))
+
+
+@needs_compilers
+def test_edited_split_is_refused(tmp_path, cache_dir, fake_lower):
+    """A manifest whose layer_split or a graph's layer range was edited fails closed."""
+    import json as _json
+
+    out = build_artifact(TINY, parse_targets("sm_90"), tiny_buckets(), tmp_path / "art", KernelCache(cache_dir),
+                         progress=False, layer_split=(3, 3))
+    mpath = out / "manifest.json"
+    man = _json.loads(mpath.read_text())
+    man["graphs"]["s1_q1_c64"]["layers"] = [2, 6]
+    mpath.write_text(_json.dumps(man, separators=(",", ":")) + "\n")
+    with pytest.raises(ArtifactError):
+        load_manifest(out)
+
+
+@needs_lower
+@needs_compilers
+def test_real_compile_of_a_split(tmp_path, cache_dir):
+    """``ds4c compile --layer-split``: the shards' kernels are the unsplit step's plus the boundary's
+    hc_post_out / hc_pre; check_lowering pairs every shard graph with this model's lowering."""
+    from ds4c.runtime.artifact import check_lowering
+
+    out = tmp_path / "split"
+    env = {"DS4C_CACHE": str(cache_dir)}
+    r = run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "1", "--max-ctx", "64",
+            "--layer-split", "2,4", "-o", out, env=env)
+    assert r.exit_code == 0, r.output
+    assert "layer split 2,4: one graph per shard" in r.stdout
+    man = load_manifest(out)
+    names0 = [k["name"] for k in man["targets"]["cuda-sm_90"]["graphs"]["s0_q1_c64"]["kernels"]]
+    names1 = [k["name"] for k in man["targets"]["cuda-sm_90"]["graphs"]["s1_q1_c64"]["kernels"]]
+    assert names0[0] == "l0.hc_embed_pre" and names0[-1] == "l1.hc_post_out"
+    assert names1[0] == "l2.hc_pre" and names1[-1] == "linear"
+    from ds4c.tensors import FORMATS, tensor_specs
+
+    official = {t.name: FORMATS["official"][t.role] for t in tensor_specs(TINY)}
+    assert check_lowering(man, out, TINY, official) > 0
+    r = run("inspect", out)
+    assert r.exit_code == 0 and "layer split 2,4: s0 [0,2), s1 [2,6)" in r.stdout and "s1_q1_c64" in r.stdout
+    bad = run("compile", "--preset", "tiny", "--arch", "sm_90", "--layer-split", "2,x", "-o", tmp_path / "b",
+              env=env)
+    assert_error_line(bad, "--layer-split '2,x'")
