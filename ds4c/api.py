@@ -188,10 +188,7 @@ class Model:
             if has_tokenizer(mf.metadata) else None
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
-                                   devices=None if devices is None else (devices if isinstance(devices, str)
-                                                                         else list(devices)),
-                                   layer_split=None if layer_split is None else (
-                                       layer_split if isinstance(layer_split, str) else list(layer_split)))
+                                   devices=devices, layer_split=layer_split)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 

@@ -383,7 +383,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     split, plan = None, None
     if devices is not None or layer_split is not None:
         if not compiled:
-            raise BenchError("--devices / --layer-split time the compiled step's split: use --device cuda")
+            raise BenchError("--devices / --layer-split: bench times the compiled step's split only (--device cuda "
+                             "with cuda devices); the reference's split is checked by generate --devices cpu,cpu")
         from ds4c.engine import shard_plan
         from ds4c.runtime.sharded import ShardedStep
 

@@ -190,15 +190,23 @@ def _split_options(fn):
 
 
 def _device_of(device: str, devices: str | None) -> str:
-    """The device kind of a ``--devices`` list (all cpu or all cuda), else ``--device``; one-line errors."""
+    """The device kind of a ``--devices`` list (all cpu or all cuda) when ``--device`` was not given, else
+    ``--device``, which must then agree with the list (one-line errors; an empty or mixed list is named by
+    the shard plan)."""
     if devices is None:
         return device
-    from ds4c.shard_plan import normalize_device
+    from ds4c.shard_plan import ShardPlanError, normalize_device
 
     kinds = {"cpu" if normalize_device(d) == "cpu" else "cuda" for d in devices.split(",") if d.strip()}
-    if len(kinds) == 1:
-        return kinds.pop()
-    return device  # empty or mixed: parse_plan names the problem
+    if len(kinds) != 1:
+        return device
+    kind = kinds.pop()
+    ctx = click.get_current_context(silent=True)
+    given = ctx is not None and ctx.get_parameter_source("device") == click.core.ParameterSource.COMMANDLINE
+    if given and kind != device:
+        raise ShardPlanError(f"--devices {devices}: expected {device} devices (--device {device}), found {kind} "
+                             f"devices")
+    return kind
 
 
 def _echo_prepare(st: dict | None) -> None:
@@ -384,6 +392,9 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                   layer_split=layer_split)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
+    plan = getattr(model.stepper, "plan", None)
+    if plan is not None and not as_json:
+        click.echo(f"layer split: {plan.describe()}", err=True)
     if messages:
         text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
@@ -401,7 +412,6 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         c = model.generate(ids, **kw)
         res = c.result
         if as_json:
-            plan = getattr(model.stepper, "plan", None)
             rec = {"model": str(mf.path), "device": device, "engine": model.engine,
                    "shards": None if plan is None else plan.as_dict(), "temperature": temperature,
                    "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
@@ -681,7 +691,7 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}
-        check_serves(man, artifact, mf.config, types)
+        check_serves(man, artifact, mf.config, types, layer_split=man.get("layer_split"))
         n_launch = check_lowering(man, artifact, mf.config, types)
         n_bin = sum(len(t["binaries"]) for t in man["targets"].values())
         click.echo(f"artifact {Path(artifact).absolute()} serves {mf.path}: config {man['config_hash'][:12]}, "
@@ -692,6 +702,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
     t = man["targets"][slug]
     if kernel is not None:
         gk = find_graph(man, slug, graph)
+        if graph is None and man.get("layer_split"):  # a split artifact: the first graph of the kernel's shard
+            gk = next((k for k, g in t["graphs"].items() if any(x["name"] == kernel for x in g["kernels"])), gk)
         found = find_binaries(man, slug, gk, kernel)
         for i, (rel, rec) in enumerate(found):
             if len(found) > 1 or not (show_source or show_sass):
@@ -714,6 +726,9 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         return
     if list_kernels:
         gk = find_graph(man, slug, graph)
+        if graph is None and man.get("layer_split"):
+            click.echo(f"// layer split {','.join(map(str, man['layer_split']))}: shard graphs "
+                       f"{', '.join(k for k in t['graphs'] if k.endswith(gk.split('_', 1)[1]))} (--graph picks one)")
         g = t["graphs"][gk]
         click.echo(f"// {slug}, graph {gk} (width {g['width']}, context {g['context']}), arena "
                    f"{g['arena_bytes']:,d} bytes")

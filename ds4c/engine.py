@@ -73,22 +73,21 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
         ShardPlanError: a malformed or invalid plan, a plan whose devices are not of ``device``'s kind, or an
             automatic placement that does not fit (naming the shard, its device and the shortfall).
     """
-    from ds4c.shard_plan import ShardPlanError, parse_plan
+    from ds4c.shard_plan import ShardPlanError, parse_counts, parse_plan
 
     if devices is None and layer_split is None:
         return None
     n = mf.config.n_layers
     if devices is None:
-        counts = layer_split.split(",") if isinstance(layer_split, str) else list(layer_split)
-        devices = [device] * len(counts)
-    devs = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
+        devices = [device] * len(parse_counts(layer_split))
     memory = free = None
-    if layer_split is None and len(devs) > 1 and all(d.startswith("cuda") for d in devs):
-        from ds4c.runtime.sharded import free_memory, memory_model
+    if layer_split is None and buckets is not None:
+        probe = parse_plan(devices, None, n, default_device=device)  # validates the list (even split)
+        if probe.kind == "cuda" and probe.is_split:
+            from ds4c.runtime.sharded import free_memory, memory_model
 
-        if buckets is not None:
-            memory, free = memory_model(mf, buckets), free_memory(devs)
-    plan = parse_plan(devs, layer_split, n, default_device=device, memory=memory, free_bytes=free)
+            memory, free = memory_model(mf, buckets), free_memory(list(probe.devices))
+    plan = parse_plan(devices, layer_split, n, default_device=device, memory=memory, free_bytes=free)
     if plan.kind != device:
         raise ShardPlanError(f"--devices {','.join(plan.devices)}: expected {device} devices (--device {device})")
     return plan

@@ -140,31 +140,55 @@ def parse_plan(devices: str | Sequence[str] | None, layer_split: str | Sequence[
         ShardPlanError: a malformed list (one line, naming the option), or an invalid plan (:func:`validate`),
             or an automatic placement that does not fit (:func:`auto_split`).
     """
-    if devices is None or (isinstance(devices, str) and not devices.strip()):
+    if devices is None:
         devs = [default_device]
     elif isinstance(devices, str):
         devs = [d.strip() for d in devices.split(",")]
+    elif isinstance(devices, (list, tuple)) and all(isinstance(d, str) for d in devices):
+        devs = [d.strip() for d in devices]
     else:
-        devs = [str(d) for d in devices]
-    if any(not d for d in devs):
+        raise ShardPlanError(f"devices {devices!r}: expected a comma-separated string or a list of device strings "
+                             f"such as ['cuda:0', 'cuda:1']")
+    if not devs or any(not d for d in devs):
         raise ShardPlanError(f"--devices {devices!r}: expected a comma-separated list such as cuda:0,cuda:1")
     devs = [normalize_device(d) for d in devs]
-    if layer_split is None or (isinstance(layer_split, str) and not layer_split.strip()):
+    if layer_split is None:
         if len(devs) == 1:
             counts = [n_layers]
         elif memory is not None and free_bytes is not None:
             counts = auto_split(memory, list(free_bytes), devs)
         else:
             counts = even_split(n_layers, len(devs))
-    elif isinstance(layer_split, str):
-        try:
-            counts = [int(s) for s in layer_split.split(",")]
-        except ValueError:
-            raise ShardPlanError(f"--layer-split {layer_split!r}: expected comma-separated layer counts such as "
-                                 f"22,21") from None
     else:
-        counts = list(layer_split)
+        counts = parse_counts(layer_split)
     return validate(ShardPlan(tuple(devs), tuple(counts)), n_layers)
+
+
+_COUNT = re.compile(r"^[0-9]+$")
+
+
+def parse_counts(layer_split: str | Sequence[int]) -> list[int]:
+    """Layer counts from ``"22,21"`` or ``[22, 21]`` (ints; ASCII digits only in a string).
+
+    Raises:
+        ShardPlanError: an empty value, a count that is not a non-negative integer, or an unordered or
+            non-sequence value (a set, a number).
+    """
+    if isinstance(layer_split, str):
+        parts = [t.strip() for t in layer_split.split(",")]
+        if not layer_split.strip() or any(not _COUNT.match(t) for t in parts):
+            raise ShardPlanError(f"--layer-split {layer_split!r}: expected comma-separated layer counts such as "
+                                 f"22,21")
+        return [int(t) for t in parts]
+    if not isinstance(layer_split, (list, tuple)):
+        raise ShardPlanError(f"layer_split {layer_split!r}: expected a comma-separated string or a list of layer "
+                             f"counts such as [22, 21]")
+    if not layer_split:
+        raise ShardPlanError("layer_split []: expected at least one layer count")
+    bad = [n for n in layer_split if type(n) is not int]
+    if bad:
+        raise ShardPlanError(f"layer split {list(layer_split)}: expected integer layer counts, found {bad[0]!r}")
+    return list(layer_split)
 
 
 def even_split(n_layers: int, n_shards: int) -> list[int]:

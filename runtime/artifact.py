@@ -771,6 +771,8 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
                             f"with `ds4c compile` for this model")
     if buckets is not None and man["buckets_hash"] != buckets.hash():
         raise ArtifactError(f"{where}: it was built for buckets {man['buckets']}, asked for {buckets.as_dict()}")
+    if isinstance(layer_split, str) or not all(type(n) is int for n in (layer_split or ())):
+        raise ArtifactError(f"check_serves: layer_split must be layer counts (ints) or None, found {layer_split!r}")
     want = list(layer_split or ())
     want = want if len(want) > 1 else None
     have = man.get("layer_split")
@@ -778,8 +780,9 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
         def split_name(x: list | None) -> str:
             return "the unsplit step" if x is None else f"layer split {','.join(map(str, x))}"
 
+        how = "without --layer-split" if want is None else f"with --layer-split {','.join(map(str, want))}"
         raise ArtifactError(f"artifact {artifact} was compiled for {split_name(have)}, asked to serve "
-                            f"{split_name(want)}; compile it with `ds4c compile --layer-split` for this split")
+                            f"{split_name(want)}; compile one {how} (`ds4c compile`)")
     types = effective_weight_types(cfg, weight_types)
     diff = first_format_difference(man["weight_types"], types)
     if diff is not None:

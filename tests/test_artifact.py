@@ -531,10 +531,13 @@ def test_split_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
     assert list(man["graphs"]) == ["s0_q1_c64", "s0_q2_c64", "s1_q1_c64", "s1_q2_c64"]
     assert man["graphs"]["s1_q2_c64"]["layers"] == [2, 6] and man["graphs"]["s0_q1_c64"]["shard"] == 0
     check_serves(man, out, TINY, {}, tiny_buckets((1, 2)), (2, 4))
-    for asked, says in (((3, 3), "asked to serve layer split 3,3"), (None, "asked to serve the unsplit step"),
+    for asked, says in (((3, 3), "asked to serve layer split 3,3; compile one with --layer-split 3,3"),
+                        (None, "asked to serve the unsplit step; compile one without --layer-split"),
                         ((6,), "asked to serve the unsplit step")):
         with pytest.raises(ArtifactError, match=f"compiled for layer split 2,4, {says}"):
             check_serves(man, out, TINY, {}, tiny_buckets((1, 2)), asked)
+    with pytest.raises(ArtifactError, match="layer_split must be layer counts"):
+        check_serves(man, out, TINY, {}, tiny_buckets((1, 2)), "2,4")
     unsplit = build_artifact(TINY, parse_targets("sm_90"), tiny_buckets((1, 2)), tmp_path / "u",
                              KernelCache(cache_dir), progress=False, layer_split=(6,))
     man_u = load_manifest(unsplit)
@@ -585,6 +588,12 @@ def test_real_compile_of_a_split(tmp_path, cache_dir):
     assert check_lowering(man, out, TINY, official) > 0
     r = run("inspect", out)
     assert r.exit_code == 0 and "layer split 2,4: s0 [0,2), s1 [2,6)" in r.stdout and "s1_q1_c64" in r.stdout
+    r = run("inspect", out, "--kernel", "l3.hc_post_pre", "--source")  # found in shard 1's graph
+    assert r.exit_code == 0 and "extern" in r.stdout, r.output
+    mpath = tmp_path / "t.gguf"
+    assert run("make-model", "--preset", "tiny", "-o", mpath).exit_code == 0
+    r = run("inspect", out, "--model", mpath)  # the artifact's own split is what it serves
+    assert r.exit_code == 0 and "serves" in r.stdout, r.output
     bad = run("compile", "--preset", "tiny", "--arch", "sm_90", "--layer-split", "2,x", "-o", tmp_path / "b",
               env=env)
     assert_error_line(bad, "--layer-split '2,x'")

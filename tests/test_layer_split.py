@@ -184,6 +184,11 @@ def test_generate_through_a_split_gives_the_unsplit_tokens(tiny_path):
     (["--layer-split", "x"], "--layer-split 'x': expected comma-separated layer counts"),
     (["--devices", "tpu:0"], "device 'tpu:0': expected cpu, cuda or cuda:N"),
     (["--devices", "cpu,cpu", "--layer-split", "6"], "expected 2 layer counts"),
+    (["--layer-split", ""], "--layer-split '': expected comma-separated layer counts"),
+    (["--layer-split", "2_0,4"], "--layer-split '2_0,4': expected comma-separated layer counts"),
+    (["--devices", "cpu,,cpu"], "--devices 'cpu,,cpu': expected a comma-separated list"),
+    (["--device", "cuda", "--devices", "cpu,cpu"], "--devices cpu,cpu: expected cuda devices (--device cuda), found "
+                                                   "cpu devices"),
 ])
 def test_generate_split_errors_are_one_line(tiny_path, extra, msg):
     r = _cli("generate", tiny_path, "--prompt-ids", "1,2", "--max-new-tokens", "2", *extra)
@@ -206,3 +211,22 @@ def test_model_api_takes_a_split(tiny_path):
     assert a == b
     c = split.generate([3, 1, 4, 1, 5], max_new_tokens=10, draft=OracleDrafter(0.7, 512, seed=1), spec_width=4)
     assert c.result.tokens == a and c.result.speculative["steps"] < 10
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(devices=5), "devices 5: expected a comma-separated string or a list of device strings"),
+    (dict(devices=[]), "expected a comma-separated list"),
+    (dict(devices=[None, None]), "expected a comma-separated string or a list of device strings"),
+    (dict(layer_split=5), "layer_split 5: expected a comma-separated string or a list of layer counts"),
+    (dict(layer_split=[]), "layer_split []: expected at least one layer count"),
+    (dict(layer_split=[2.5, 3.5]), "expected integer layer counts, found 2.5"),
+    (dict(layer_split=[True, 5]), "expected integer layer counts, found True"),
+    (dict(layer_split={4, 2}), "expected a comma-separated string or a list of layer counts"),
+    (dict(devices="cuda:0,cuda:0"), "expected cpu devices (--device cpu)"),
+])
+def test_model_api_rejects_bad_split_arguments_in_one_line(tiny_path, kw, msg):
+    from ds4c.api import Model
+
+    with pytest.raises(ShardPlanError) as e:
+        Model(tiny_path, max_ctx=64, **kw)
+    assert msg in str(e.value) and "\n" not in str(e.value)
