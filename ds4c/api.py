@@ -277,7 +277,7 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
                  ignore_eos: bool = False, stream: bool = False, draft: str | Any | None = None,
-                 spec_width: int = 5) -> Completion | CompletionStream:
+                 spec_width: int | str = 5) -> Completion | CompletionStream:
         """Generate after ``prompt`` (text or token ids) on a fresh sequence.
 
         Args:
@@ -292,7 +292,8 @@ class Model:
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
             draft: speculative decoding with this drafter (``"oracle:ALPHA"`` or a
                 :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance.
-            spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts).
+            spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
+                ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or

@@ -189,6 +189,16 @@ def _split_options(fn):
     return fn
 
 
+def _spec_width(text: str) -> int | str:
+    """``--spec-width``: ``auto`` or an int 1..5 (one-line error otherwise)."""
+    t = str(text).strip()
+    if t == "auto":
+        return t
+    if not re.fullmatch(r"[1-5]", t):
+        raise Ds4cError(f"--spec-width: expected 1..5 (verify rows per step) or auto, found {text!r}")
+    return int(t)
+
+
 def _device_of(device: str, devices: str | None) -> str:
     """The device kind of a ``--devices`` list (all cpu or all cuda) when ``--device`` was not given, else
     ``--device``, which must then agree with the list (one-line errors; an empty or mixed list is named by
@@ -306,8 +316,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--draft", default=None, metavar="DRAFTER",
               help="Speculative decoding: oracle:ALPHA drafts the target's own greedy continuation with each "
                    "token wrong with probability 1-ALPHA (a benchmark of the loop).")
-@click.option("--spec-width", type=int, default=5, show_default=True,
-              help="With --draft: verify rows per step (the last token and up to 4 drafts).")
+@click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto",
+              help="With --draft: verify rows per step (the last token and up to 4 drafts), or auto: per step from "
+                   "the acceptance so far and each width's measured step cost.")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
@@ -315,7 +326,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                  max_new_tokens: int, max_ctx: int | None, device: str, temperature: float, top_k: int, top_p: float,
                  seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
-                 dataflow: str, engine: str, artifact: str | None, draft: str | None, spec_width: int,
+                 dataflow: str, engine: str, artifact: str | None, draft: str | None, spec_width: str,
                  devices: str | None, layer_split: str | None, as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
     cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
@@ -378,8 +389,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         from ds4c.speculative import make_drafter
 
         drafter = make_drafter(draft, mf.config.vocab_size, seed)
-        if not 1 <= spec_width <= 5:
-            raise Ds4cError(f"--spec-width must be in 1..5 (verify rows per step), found {spec_width}")
+    spec_width = _spec_width(spec_width)
     if max_ctx is not None:
         if max_ctx > limit:
             raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {limit}")

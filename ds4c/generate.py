@@ -118,7 +118,7 @@ class TokenStream:
     """
 
     def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
-                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int = MAX_WIDTH):
+                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int | str = MAX_WIDTH):
         self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
         check_seed(seed)
         self._temp, self._seed, self._width = temperature, seed, width
@@ -136,6 +136,9 @@ class TokenStream:
 
     def __next__(self) -> int:
         if self.result is not None:
+            # close the run now: its device loop (decode_tokens) records how far it went on closing, which
+            # must not wait for garbage collection (it would move a later request's position)
+            self._gen.close()
             raise StopIteration
         return next(self._gen)
 
@@ -164,8 +167,15 @@ class TokenStream:
     def _run(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
         self._rng = torch.Generator().manual_seed(self._seed)
+        self._policy = None
         if self._draft is not None:  # e.g. the oracle's autoregressive pass, before this request's prefill
             self._draft.prepare(ref, prompt, self._n)
+            from ds4c.speculative import WidthPolicy, measure_width_costs
+
+            if self._spec_width == "auto":  # the adaptive width: each verify width's cost on this stepper
+                self._policy = WidthPolicy(costs=measure_width_costs(ref))
+            elif isinstance(self._spec_width, WidthPolicy):  # a caller's policy (e.g. its own cost table)
+                self._policy = self._spec_width
         ref.reset()
         t0 = time.perf_counter()
         logits = None
@@ -186,9 +196,12 @@ class TokenStream:
         if self._draft is not None and self._n > 1 and tok not in self._stop_ids:
             from ds4c.speculative import SpecStats, speculative_tokens
 
-            self._spec = SpecStats(self._draft.name, self._spec_width)
-            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._spec_width, self._temp,
-                                      self._top_k, self._top_p, self._rng, self._spec, self._sample)
+            self._spec = SpecStats(self._draft.name, "auto" if self._policy is not None and self._policy.adaptive
+                                   else getattr(self._policy, "width", self._spec_width),
+                                   costs_ms=None if self._policy is None or not self._policy.adaptive else {
+                                       w: t * 1e3 for w, t in self._policy.costs.items()})
+            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._policy or self._spec_width,
+                                      self._temp, self._top_k, self._top_p, self._rng, self._spec, self._sample)
         elif on_device is not None and self._n > 1 and tok not in self._stop_ids:
             more = on_device(tok, len(prompt), self._n - 1, self._temp, self._top_k, self._top_p, self._seed)
         try:
@@ -217,7 +230,7 @@ class TokenStream:
 
 def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
            width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int = MAX_WIDTH) -> TokenStream:
+           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int | str = MAX_WIDTH) -> TokenStream:
     """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled).
 
     The arguments are checked here, before any step runs. Raises as :func:`generate`."""
@@ -228,8 +241,11 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
         raise StepError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
     if len(prompt) + max_new_tokens > ref.max_ctx:
         raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={ref.max_ctx}")
-    if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH:
-        raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step), "
+    from ds4c.speculative import WidthPolicy
+
+    if spec_width != "auto" and not isinstance(spec_width, WidthPolicy) and (
+            isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH):
+        raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step) or 'auto', "
                         f"found {spec_width!r}")
     return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
                        frozenset(int(t) for t in stop_ids), draft, spec_width)
@@ -238,7 +254,7 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
 def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
              stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None, draft: Any = None,
-             spec_width: int = MAX_WIDTH) -> GenerationResult:
+             spec_width: int | str = MAX_WIDTH) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
 
     ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
@@ -253,9 +269,11 @@ def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempe
     (``"length"``). Without ``stop_ids`` (the default) it always runs ``max_new_tokens``.
 
     Speculative decoding: with a ``draft`` (:func:`ds4c.speculative.make_drafter`) each step after the first
-    token verifies up to ``spec_width`` rows (the last token and ``spec_width - 1`` drafts) and keeps what the
-    target accepts (:mod:`ds4c.speculative`: exact for greedy and for sampling); ``result.speculative`` reports
-    the steps and acceptance.
+    token verifies up to ``spec_width`` rows (the last token and ``spec_width - 1`` drafts; ``"auto"``: a width
+    per step from the observed acceptance and each width's measured cost, :class:`ds4c.speculative.WidthPolicy`;
+    or a ``WidthPolicy`` of the caller's)
+    and keeps what the target accepts (:mod:`ds4c.speculative`: exact for greedy and for sampling);
+    ``result.speculative`` reports the steps, acceptance and widths.
 
     Raises:
         StepError: empty prompt, a bad temperature / top_k / top_p, negative ``max_new_tokens``, or prompt + new

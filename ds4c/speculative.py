@@ -18,6 +18,16 @@ Acceptance (:func:`accept`):
   autoregressive sampling (tests/test_speculative.py checks it). A drafter without probabilities is
   deterministic: ``q`` is one-hot on its draft.
 
+Width (:class:`WidthPolicy`): fixed (2..5 rows per verify step), or ``"auto"``: per step the number of drafts
+``k`` that maximises the expected tokens per second, ``E(k) / cost(k + 1)`` with ``E(k) = 1 + sum_{i<=k}
+prod_{j<=i} a_j`` from the acceptance per draft depth ``a_j`` observed so far in the request (a Beta(1, 1)
+prior: 1/2 before any evidence) and ``cost(w)`` the stepper's verify-step time at width ``w``, measured once
+before the request (:func:`measure_width_costs`). This is the acceptance-and-cost policy for drafters without a
+confidence head (the oracle's); the widths chosen are counted in the stats.
+
+Greedy acceptance compares draft ids with the argmax of each verify row, taken on the verify step's device
+(only ``q`` ids cross to the host); sampling brings the rows' logits to the CPU for the exact rule.
+
 Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
 autoregressive pass before the request, with each draft token replaced by a wrong one with probability
 ``1 - ALPHA`` (seeded): a benchmark of the loop at a chosen acceptance rate, since synthetic weights make any
@@ -109,6 +119,86 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0) -> OracleDrafter:
                     f"available yet)")
 
 
+class WidthPolicy:
+    """How many drafts each verify step carries (module docstring: fixed or ``auto``).
+
+    Args:
+        width: verify rows per step (1..5) when fixed; ignored when ``costs`` is given.
+        costs: ``{width: seconds}`` of one verify step per width (1..5, from :func:`measure_width_costs`):
+            the adaptive policy.
+    """
+
+    EXPLORE_STEPS = 4
+    """Adaptive: the first steps draft as many as allowed, to measure the acceptance."""
+    PROBE_EVERY = 32
+    """Adaptive: when the policy has settled on plain decode steps, every this many steps one draft is still
+    tried, so a drafter that improves later in the request is noticed."""
+
+    def __init__(self, width: int = 5, costs: dict[int, float] | None = None):
+        self.costs = dict(costs) if costs else None
+        self.width = max(self.costs) if self.costs else int(width)
+        self.reached = [0] * self.width  # steps in which draft depth i was judged (all before it accepted)
+        self.ok = [0] * self.width  # ... and accepted
+        self._since_draft = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.costs is not None
+
+    def acceptance(self, i: int) -> float:
+        """Posterior mean of the acceptance of draft depth ``i`` given the ones before it (Beta(1, 1) prior)."""
+        return (self.ok[i] + 1) / (self.reached[i] + 2)
+
+    def choose(self, limit: int) -> int:
+        """Drafts for the next step, at most ``limit`` and ``width - 1``."""
+        top = max(0, min(self.width - 1, limit))
+        if not self.adaptive or top == 0:
+            return top
+        if self.reached[0] < self.EXPLORE_STEPS:
+            return top
+        best, best_rate, e, run = 0, 1.0 / self.costs[1], 1.0, 1.0
+        for k in range(1, top + 1):
+            run *= self.acceptance(k - 1)
+            e += run
+            rate = e / self.costs[k + 1]
+            if rate > best_rate:
+                best, best_rate = k, rate
+        self._since_draft = 0 if best else self._since_draft + 1
+        if not best and self._since_draft >= self.PROBE_EVERY:
+            self._since_draft = 0
+            return 1
+        return best
+
+    def update(self, k: int, n_accepted: int) -> None:
+        """Record a step of ``k`` drafts of which the first ``n_accepted`` were accepted."""
+        for i in range(min(k, n_accepted + 1)):
+            self.reached[i] += 1
+            self.ok[i] += int(i < n_accepted)
+
+
+def measure_width_costs(stepper: Any, widths: tuple[int, ...] = (1, 2, 3, 4, 5), repeats: int = 3) -> dict[int, float]:
+    """Seconds of one verify step (and its rollback) per width on ``stepper``, median of ``repeats``, from a
+    reset sequence (left reset). On a CUDA stepper each is synchronised; graphs are warm after one run."""
+    import time
+
+    stepper.reset()
+    out: dict[int, float] = {}
+    toks = [1, 2, 3, 4, 5]
+    for w in widths:
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            logits = stepper.verify(toks[:w], 0)
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            ts.append(time.perf_counter() - t0)
+            stepper.rollback(0)
+        ts = sorted(ts[1:])
+        out[w] = ts[len(ts) // 2]
+    stepper.reset()
+    return out
+
+
 @dataclass
 class SpecStats:
     """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
@@ -116,7 +206,7 @@ class SpecStats:
     step were), ``widths`` (verify rows per step, counted; 1 = a plain decode), tokens produced."""
 
     drafter: str
-    width: int
+    width: int | str
     steps: int = 0
     tokens: int = 0
     drafted: list[int] = field(default_factory=list)
@@ -134,8 +224,13 @@ class SpecStats:
             self.drafted[i] += 1
             self.accepted[i] += int(i < n_accepted)
 
+    costs_ms: dict[int, float] | None = None
+    """With ``width="auto"``: the measured verify-step time per width the policy used."""
+
     def as_dict(self) -> dict[str, Any]:
         return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
+                **({"verify_ms_by_width": {str(w): round(t, 4) for w, t in self.costs_ms.items()}}
+                   if self.costs_ms else {}),
                 "tokens_per_step": self.tokens / self.steps if self.steps else None,
                 "acceptance_by_depth": [a / d if d else None for a, d in zip(self.accepted, self.drafted)],
                 "widths": {str(w): n for w, n in sorted(self.widths.items())}}
@@ -180,18 +275,30 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temp
     return out + [int(torch.multinomial(p[k], 1, generator=generator))]
 
 
-def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first: int, n: int, width: int,
-                       temperature: float, top_k: int, top_p: float, generator: torch.Generator,
-                       stats: SpecStats, sample_one: Any) -> Iterator[int]:
+def accept_greedy(top: list[int], drafts: list[int]) -> list[int]:
+    """Greedy acceptance from each verify row's argmax ``top`` (``k + 1`` ids): the drafts up to the first that
+    differs from its row's argmax, then that row's argmax (or, all kept, the last row's)."""
+    out = []
+    for i, d in enumerate(drafts):
+        if top[i] != d:
+            return out + [top[i]]
+        out.append(d)
+    return out + [top[len(drafts)]]
+
+
+def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first: int, n: int,
+                       width: int | WidthPolicy, temperature: float, top_k: int, top_p: float,
+                       generator: torch.Generator, stats: SpecStats, sample_one: Any) -> Iterator[int]:
     """The ``n`` tokens after ``first`` (sampled from the prefill, at position ``len(prompt)``), produced by
-    verify steps of up to ``width`` rows. ``sample_one(logits [1, V]) -> id`` samples a plain decode step (used
-    when no draft fits). Yields ids in order; closing the generator stops it (the state then holds the last
-    step's accepted rows)."""
+    verify steps of up to ``width`` rows (or as a :class:`WidthPolicy` chooses). ``sample_one(logits [1, V]) ->
+    id`` samples a plain decode step (used when no draft fits or the policy drafts none). Yields ids in order;
+    closing the generator stops it (the state then holds the last step's accepted rows)."""
+    policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
     out = [int(first)]
     pos = len(prompt)
     produced = 0
     while produced < n:
-        k = min(width - 1, n - produced - 1)
+        k = policy.choose(n - produced - 1)
         if k <= 0:
             tok = sample_one(stepper.decode(out[-1], pos).float().cpu())
             stats.record(0, 0)
@@ -199,10 +306,14 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             new = [tok]
         else:
             drafts, q = drafter.propose(prompt + out, k)
-            logits = stepper.verify([out[-1]] + list(drafts), pos).float().cpu()
-            new = accept(logits, list(drafts), q, temperature, top_k, top_p, generator)
+            logits = stepper.verify([out[-1]] + list(drafts), pos)
+            if temperature == 0:  # argmax on the step's device: k + 1 ids to the host
+                new = accept_greedy(logits.argmax(dim=-1).tolist(), list(drafts))
+            else:
+                new = accept(logits.float().cpu(), list(drafts), q, temperature, top_k, top_p, generator)
             stepper.rollback(len(new))  # keep the step's first row and the accepted drafts
             stats.record(k, len(new) - 1)
+            policy.update(k, len(new) - 1)
             pos += len(new)
         for t in new:
             out.append(t)

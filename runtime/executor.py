@@ -32,7 +32,7 @@ from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.launch import CudaKernel, CudaModule
-from ds4c.runtime.lower import Arg, LoweredKernel, lower_graph
+from ds4c.runtime.lower import ROLLBACK_KERNEL, Arg, LoweredKernel, lower_graph
 from ds4c.runtime.targets import Target, target
 from ds4c.shard_plan import ShardPlan, validate
 
@@ -74,6 +74,8 @@ class _StepGraph:
     graph: Graph
     kernels: list[LoweredKernel]
     launches: list[_Bound] = field(default_factory=list)
+    rollback: _Bound | None = None
+    """A verify graph's rollback kernel (runtime/families/undo.py), bound but not part of the step."""
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     cuda_graph: Any = None
     capture_s: float = 0.0
@@ -156,7 +158,8 @@ class CompiledStep:
             self._off[f"live_r{r}"] = 1 + k
         self._off["positions"] = 1 + len(self._ratios)
         self._off["tokens"] = self._off["positions"] + maxq
-        n_step = self._off["tokens"] + maxq
+        self._off["accepted"] = self._off["tokens"] + maxq  # a rollback's accepted rows (undo family)
+        n_step = self._off["accepted"] + 1
         self._step_hosts = [torch.zeros(n_step, dtype=torch.int64).pin_memory() for _ in range(2)]
         self._host_done = [torch.cuda.Event() for _ in range(2)]
         self._host_turn = 0
@@ -222,16 +225,33 @@ class CompiledStep:
 
     @_on_device
     def verify(self, tokens: list[int], pos: int) -> torch.Tensor:
-        """A verify step that can be rolled back: snapshots the state, runs the step, remembers the tokens.
-        Returns fp32 logits [q, vocab]."""
-        self._undo = (self.snapshot(), list(tokens), pos)
+        """A verify step that can be rolled back (:meth:`rollback`). Returns fp32 logits [q, vocab] (a shard
+        before the last: its outgoing HC state rows)."""
+        self.arm_undo(tokens, pos)
         return self.step(tokens, pos)
+
+    def arm_undo(self, tokens: list[int], pos: int) -> None:
+        """Make the next step (``tokens`` at ``pos``) one :meth:`rollback` can undo. A verify graph (q >= 2)
+        saves what it overwrites itself and is undone by its rollback kernel; a q = 1 step is undone from a
+        snapshot of the state taken here.
+
+        Raises:
+            StepError: as :meth:`step` (no graph for the key).
+        """
+        sg = self.prepare(len(tokens), self.buckets.bucket(pos, len(tokens))) if pos == self.pos else None
+        if sg is not None and sg.rollback is not None:
+            self._undo = ("kernel", sg, list(tokens), pos)
+        else:
+            self._undo = ("snapshot", self.snapshot(), list(tokens), pos)
 
     @_on_device
     def rollback(self, accepted: int) -> None:
-        """Keep the first ``accepted`` rows of the last :meth:`verify`: restore the state from before it and
-        replay the accepted rows as one step of width ``accepted`` (exactly the state sequential decoding of
-        that prefix leaves, up to the kernels' own rounding).
+        """Keep the first ``accepted`` rows of the last :meth:`verify` and undo the rest.
+
+        A verify of q >= 2 rows: one launch of its rollback kernel (runtime/families/undo.py): the ring rows
+        of the rejected rows and the ratio-4 compressor states are put back from what the step saved, so every
+        value a later step reads is what sequential decoding of the accepted prefix leaves (the accepted rows'
+        values are the verify's own); nothing is replayed. A q = 1 verify: its snapshot is restored.
 
         Raises:
             StepError: no verify to roll back, or ``accepted`` outside 0..q.
@@ -239,15 +259,32 @@ class CompiledStep:
         undo = getattr(self, "_undo", None)
         if undo is None:
             raise StepError("rollback: no verify step to roll back")
-        snap, tokens, pos = undo
+        kind, held, tokens, pos = undo
         if not 0 <= accepted <= len(tokens):
             raise StepError(f"rollback: accepted must be in 0..{len(tokens)}, found {accepted}")
         self._undo = None
         if accepted == len(tokens):
             return
-        self.restore(snap)
+        if kind == "kernel":
+            self._launch_rollback(held, accepted)
+            self.pos = pos + accepted
+            return
+        self.restore(held)
         if accepted:
             self.step(tokens[:accepted], pos)
+
+    def _launch_rollback(self, sg: _StepGraph, accepted: int) -> None:
+        """The rollback kernel of ``sg`` for ``accepted`` rows: the count uploaded into the step buffer's
+        ``accepted`` slot (the verify's ``pos`` is still there), then one launch on the current stream."""
+        self._host_turn ^= 1
+        h, done = self._step_hosts[self._host_turn], self._host_done[self._host_turn]
+        done.synchronize()
+        off = self._off["accepted"]
+        h[off] = int(accepted)
+        self._step_dev[off:off + 1].copy_(h[off:off + 1], non_blocking=True)
+        done.record()
+        b = sg.rollback
+        b.kernel(b.grid, b.block, b.args, smem=b.smem)
 
     # ------------------------------------------------------------------------------------------ weights
     def _weight(self, name: str, form: str) -> torch.Tensor:
@@ -458,14 +495,18 @@ class CompiledStep:
         for name, buf in (("hc_in", self.hc_in), ("hc_out", self.hc_out)):
             if buf is not None:
                 sg.values[name] = buf[:width]
-        pairs = [la for k in kernels for la in k.launches]
-        for la, (mkey, image) in zip(pairs, binaries):
+        pairs = [(k.name, la) for k in kernels for la in k.launches]
+        for (kname, la), (mkey, image) in zip(pairs, binaries):
             mod = self._modules.get(mkey)
             if mod is None:
                 mod = self._modules[mkey] = CudaModule(image())
             fn = mod.function(la.kernel.entry, la.smem)
             args = [self._resolve(a, sg, consts) for a in la.args]
-            sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, args))
+            bound = _Bound(fn, la.grid, la.block, la.smem, args)
+            if kname == ROLLBACK_KERNEL:
+                sg.rollback = bound
+            else:
+                sg.launches.append(bound)
         self._graphs[(width, context)] = sg
         return sg
 

@@ -94,6 +94,7 @@ from ds4c.runtime.families import hc as _hc  # noqa: E402
 from ds4c.runtime.families import indexer as _idx  # noqa: E402
 from ds4c.runtime.families import router as _rt  # noqa: E402
 from ds4c.runtime.families import rowchain as _rc  # noqa: E402
+from ds4c.runtime.families import undo as _undo  # noqa: E402
 from ds4c.runtime.render import RenderError  # noqa: E402
 from ds4c.runtime.targets import Target  # noqa: E402
 from ds4c.tensors import FORMATS, tensor_specs  # noqa: E402
@@ -330,9 +331,14 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     specs, binding = [], [Arg("step", "pos")]
     for b in comps:
         a = b.attrs
+        undo = c.q > 1  # a verify step saves what its rollback needs
         specs.append(_cmp.CompressorSpec(a["ratio"], a["d"], a["indexer"], a["emulate"], a["nope"], c.cfg.rope_dim,
-                                         c.q, a["eps"]))
+                                         c.q, a["eps"], undo=undo))
         binding += [c.arg(b.inputs[i]) for i in (0, 1, 2, 3, 4, 5, 6, 8)]
+        if undo:
+            w = specs[-1].state_width
+            binding.append(Arg("workspace", _undo.workspace_name(op.layer, "idx" if a["indexer"] else "comp"),
+                               nbytes=4 * _undo.compressor_undo_floats(a["ratio"], w)))
     src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
     la = _cmp.launch_shape(specs)
     return [_launch(src, la.grid, la.block, la.smem, binding)]
@@ -388,7 +394,8 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
     spec = _rc.GroupedSpec(c.q, cfg.n_heads, cfg.head_dim, gl.attrs["groups"], cfg.o_lora_rank,
                            rope_dim=cfg.rope_dim if rope is not None else 0,
                            ring_window=cfg.window if ring is not None else 0,
-                           kv_width=cfg.head_dim if ring is not None else 0, pos_dtype="i64")
+                           kv_width=cfg.head_dim if ring is not None else 0, pos_dtype="i64",
+                           ring_undo=ring is not None and c.q > 1)
     src = _rc.render_grouped(spec, c.target, c.name(op, "wo_a"))
     la = _rc.grouped_launch(spec, c.target)
     b = {"o": c.arg(o), "w": Arg("weight", c.weight_name(gl.inputs[1]) or "", form="bf16"),
@@ -397,6 +404,8 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
         b["freqs"] = c.arg(rope.inputs[2])
     if ring is not None:
         b["kv"], b["ring"] = c.arg(ring.inputs[1]), c.arg(ring.inputs[0])
+        if spec.ring_undo:
+            b["ring_undo"] = Arg("workspace", _undo.workspace_name(op.layer, "ring"), nbytes=_undo.ring_undo_bytes(cfg))
     return [_launch(src, la.grid, la.block, la.smem, [b[a.name] for a in _rc.grouped_args(spec)])]
 
 
@@ -503,4 +512,36 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}.{seen[base]}"
         out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
+    if c.q > 1:
+        out.append(_lower_rollback(c))
     return out
+
+
+ROLLBACK_KERNEL = "rollback"
+"""The last plan kernel of every verify graph (q >= 2): its rollback (``runtime/families/undo.py``). The
+executor binds it apart and launches it only on a rollback; it is not part of the step."""
+
+
+def _lower_rollback(c: _Ctx) -> LoweredKernel:
+    """The rollback kernel of a verify graph: every layer's ring (graph inputs ``l{i}.ring``) and every ratio-4
+    compressor's state, with the undo workspaces the step's kernels fill."""
+    cfg = c.cfg
+    layers = sorted({int(k[1:].split(".")[0]) for k in c.g.inputs if k.endswith(".ring")})
+    comps, args = [], [Arg("step", "pos"), Arg("step", "accepted")]
+    for i in layers:
+        args += [Arg("value", f"l{i}.ring"), Arg("workspace", _undo.workspace_name(i, "ring"),
+                                                 nbytes=_undo.ring_undo_bytes(cfg))]
+    tail = []
+    for i in layers:
+        r = cfg.ratio(i)
+        if not r:
+            continue
+        for what, d in (("comp", cfg.head_dim), ("idx", cfg.index_head_dim))[:2 if r == 4 else 1]:
+            w = 2 * d if r == 4 else d
+            comps.append((r, w))
+            tail += [Arg("value", f"l{i}.{what}_kv"), Arg("value", f"l{i}.{what}_score"),
+                     Arg("workspace", _undo.workspace_name(i, what), nbytes=4 * _undo.compressor_undo_floats(r, w))]
+    spec = _undo.RollbackSpec(c.q, cfg.window, cfg.head_dim, len(layers), tuple(comps))
+    src = _undo.render_rollback(spec, c.target, f"rollback_q{c.q}")
+    la = _undo.launch_shape(spec)
+    return LoweredKernel(ROLLBACK_KERNEL, "undo", -1, [_launch(src, la.grid, la.block, la.smem, args + tail)])

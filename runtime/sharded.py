@@ -165,13 +165,15 @@ class ShardedStep:
     def verify(self, tokens: list[int], pos: int) -> torch.Tensor:
         """A verify step that can be rolled back on every shard. Returns fp32 logits [q, vocab]."""
         for s in self.shards:
-            s._undo = (s.snapshot(), list(tokens), pos)
+            with torch.cuda.device(s.dev):
+                s.arm_undo(tokens, pos)
         self._undo = (list(tokens), pos)
         return self.step(tokens, pos)
 
     def rollback(self, accepted: int) -> None:
-        """Keep the first ``accepted`` rows of the last :meth:`verify` on every shard: restore each shard's
-        state and replay the accepted rows through the chain.
+        """Keep the first ``accepted`` rows of the last :meth:`verify` on every shard. A verify of q >= 2 rows:
+        each shard's own rollback kernel (nothing crosses a boundary: every shard saved what it overwrote). A
+        q = 1 verify: every shard's snapshot restored, then the accepted row replayed through the chain.
 
         Raises:
             StepError: no verify to roll back, or ``accepted`` outside 0..q.
@@ -182,12 +184,12 @@ class ShardedStep:
         if not 0 <= accepted <= len(tokens):
             raise StepError(f"rollback: accepted must be in 0..{len(tokens)}, found {accepted}")
         self._undo = None
-        if accepted == len(tokens):
+        if accepted == len(tokens) or all(s._undo[0] == "kernel" for s in self.shards):
             for s in self.shards:
-                s._undo = None
+                s.rollback(accepted)
             return
         for s in self.shards:
-            s.restore(s._undo[0])
+            s.restore(s._undo[1])
             s._undo = None
         if accepted:
             self.step(tokens[:accepted], pos)

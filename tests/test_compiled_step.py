@@ -75,31 +75,98 @@ def test_two_requests_give_identical_output_and_a_missing_key_is_named(setup):
     ex.reset()
 
 
-def test_rollback_matches_the_reference_rollback(setup, tokens):
-    """From the same state, verify 5 rows and keep 2 in both the compiled step and the reference (whose
-    rollback is an exact undo journal): the states agree within bf16 tolerance (same -inf slots), and the
-    next decode's logits too."""
+def _readable(cfg, name: str, t: torch.Tensor, pos: int) -> torch.Tensor:
+    """The part of state buffer ``name`` that a step at ``pos`` or later can read before writing it: the ring and
+    every ratio-4 compressor state whole; of a ratio > 4 compressor state the slots of the current block written
+    so far (every other slot is written again before its flush); compressed rows and indexer keys of the
+    blocks flushed before ``pos``."""
+    layer, what = int(name.split(".")[0][1:]), name.split(".")[1]
+    r = cfg.ratio(layer)
+    if what in ("comp_kv", "comp_score") and r != 4:
+        return t[:pos % r]
+    if what == "comp":
+        return t[:pos // r]
+    if what == "idx_keys":
+        return t[:pos // 4]
+    return t
+
+
+@pytest.mark.parametrize("start,q,keep", [(10, 5, 2), (15, 5, 1), (15, 5, 4), (13, 5, 0), (29, 4, 2), (30, 3, 3),
+                                          (46, 2, 1)])
+def test_rollback_matches_the_reference_rollback(setup, tokens, start, q, keep):
+    """From the same state, verify q rows and keep ``keep`` in both the compiled step (its rollback kernel: the
+    ring rows and ratio-4 states the verify saved) and the reference (an exact undo journal): everything a later
+    step can read agrees within bf16 tolerance (same -inf slots), and the next decodes' logits too. Cases
+    cover a rejection across two ratio-4 flushes (15, q=5: flushes at rows 0 and 4), a rejection of every row,
+    and a ratio-16 flush in the rejected rows (29..32)."""
     from ds4c.ir.interpreter import state_to_inputs
 
     ex, ref = setup
     ref.reset()
-    for s in range(0, 10, 5):
-        ref.verify(tokens[s:s + 5], s)
+    for s in range(0, start, 5):
+        ref.verify(tokens[s:min(s + 5, start)], s)
     for name, buf in state_to_inputs(ref.state).items():
         ex.state[name].copy_(buf)
-    ex.pos = 10
-    ex.verify(tokens[10:15], 10)
-    ex.rollback(2)
-    ref.verify(tokens[10:15], 10)
-    ref.rollback(2)
-    assert ex.pos == ref.state.pos == 12
+    ex.pos = start
+    ex.verify(tokens[start:start + q], start)
+    ex.rollback(keep)
+    ref.verify(tokens[start:start + q], start)
+    ref.rollback(keep)
+    end = start + keep
+    assert ex.pos == ref.state.pos == end
     for name, want in state_to_inputs(ref.state).items():
-        got = ex.state[name].float().cpu()
-        want = want.float().cpu()
+        got = _readable(ex.cfg, name, ex.state[name].float().cpu(), end)
+        want = _readable(ex.cfg, name, want.float().cpu(), end)
         fin = torch.isfinite(want)
         assert torch.equal(fin, torch.isfinite(got)), name
         den = want[fin].norm()
         assert den == 0 or (got[fin] - want[fin]).norm() / den < 3e-2, name
-    a = ex.step([tokens[12]], 12).float().cpu()
-    b = ref.decode(tokens[12], 12).cpu()
-    assert ((a - b).norm() / b.norm()) < 3e-2
+    for p in range(end, end + 3):
+        a = ex.step([tokens[p]], p).float().cpu()
+        b = ref.decode(tokens[p], p).cpu()
+        assert ((a - b).norm() / b.norm()) < 3e-2, p
+
+
+def test_rollback_kernel_restores_exactly_what_the_verify_saved(setup, tokens):
+    """Kernel level, bit for bit: after verify(5) + rollback(a) the ring slots of rejected rows hold their
+    values from before the verify and those of accepted rows the verify's; each compressor state equals the undo
+    family's torch model from what the step saved (runtime/families/undo.py): ratio 4 rebuilt from the saved
+    state (the state before the verify) and rows, ratio 16 with the rejected slots back to their old values.
+    Every accepted count at a position with two ratio-4 flushes and a ratio-16 flush in the step."""
+    from ds4c.runtime.families import undo as U
+
+    ex, _ = setup
+    start = 15  # rows at 15..19: flushes after rows 0 and 4
+    for keep in range(0, 5):
+        ex.reset()
+        for s in range(0, start, 5):
+            ex.step(tokens[s:s + 5], s)
+        before = {k: v.clone() for k, v in ex.state.items()}
+        ex.verify(tokens[start:start + 5], start)
+        after = {k: v.clone() for k, v in ex.state.items()}
+        ex.rollback(keep)
+        cfg = ex.cfg
+        for i in range(cfg.n_layers):
+            ring = ex.state[f"l{i}.ring"]
+            for row in range(5):
+                slot = (start + row) % cfg.window
+                want = before if row >= keep else after
+                assert torch.equal(ring[slot], want[f"l{i}.ring"][slot]), (i, row, keep)
+            r = cfg.ratio(i)
+            if not r:
+                continue
+            for what, d in (("comp", cfg.head_dim), ("idx", cfg.index_head_dim))[:2 if r == 4 else 1]:
+                w = 2 * d if r == 4 else d
+                n = U.compressor_undo_floats(r, w)
+                undo = ex._workspaces[U.workspace_name(i, what)].view(torch.float32)[:n].cpu()
+                if r == 4:
+                    assert torch.equal(undo[:8 * w].view(8, w), before[f"l{i}.{what}_kv"].cpu())
+                spec = U.RollbackSpec(5, cfg.window, cfg.head_dim, 1, ((r, w),))
+                post = (after[f"l{i}.{what}_kv"].cpu(), after[f"l{i}.{what}_score"].cpu(), undo)
+                _, ((k, sc),) = U.reference(spec, start, keep, [], [post])
+                if r != 4:  # the slots of the rejected rows are back to their values before the verify
+                    rej = [(start + j) % r for j in range(keep, 5)]
+                    assert torch.equal(k[rej], before[f"l{i}.{what}_kv"].cpu()[rej])
+                assert torch.equal(ex.state[f"l{i}.{what}_kv"].cpu(), k), (i, what, keep)
+                assert torch.equal(ex.state[f"l{i}.{what}_score"].cpu(), sc), (i, what, keep)
+    ex.reset()

@@ -230,7 +230,8 @@ DS4C_DEVICE float ds4c_atomic_add(float* p, float v) { return std::atomic_ref<fl
 """
 _COMMON_MARK = "// ---- ds4c common device helpers"
 _CAST = {"pos": "const i64*", "v": "const float*", "g": "const float*", "ape": "const float*",
-         "norm": "const float*", "kv": "float*", "score": "float*", "rows": "u16*", "freqs": "const float*"}
+         "norm": "const float*", "kv": "float*", "score": "float*", "rows": "u16*", "freqs": "const float*",
+         "undo": "float*"}
 
 
 def _emulated(specs: list[C.CompressorSpec], name: str, workdir: Path, arch: str = "sm_90"):

@@ -151,3 +151,4 @@ def test_speculative_greedy_on_the_compiled_step(ready):
         top = torch.topk(logits.float().cpu(), 2).values
         assert float(top[0] - top[1]) < 1e-2 * float(top[0].abs()) + 1e-3, (first, top)
     assert first is None or first >= 10, first
+

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from ds4c.errors import StepError
 from ds4c.generate import filter_logits, generate
 from ds4c.reference import Reference
-from ds4c.speculative import OracleDrafter, SpecStats, accept, make_drafter
+from ds4c.speculative import OracleDrafter, SpecStats, WidthPolicy, accept, accept_greedy, make_drafter
 from test_sampler import CHI2_1E4, _chi2
 
 V = 9
@@ -60,6 +60,35 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix():
     assert accept(logits, [3, 2, 7], None, 0.0) == [3, 5]              # the target's token replaces draft 1
     assert accept(logits, [0, 5, 7], None, 0.0) == [3]
     assert accept(logits[:1], [], None, 0.0) == [3]
+    top = logits.argmax(-1).tolist()  # the device path: the rows' argmax only
+    for drafts in ([3, 5, 7], [3, 2, 7], [0, 5, 7], [3, 5], []):
+        assert accept_greedy(top[:len(drafts) + 1], drafts) == accept(logits[:len(drafts) + 1], drafts, None, 0.0)
+
+
+def test_width_policy_maximises_expected_tokens_per_second():
+    costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
+    pol = WidthPolicy(costs=costs)
+    assert pol.adaptive and pol.acceptance(0) == 0.5
+    for _ in range(50):  # every draft accepted: the widest step pays
+        pol.update(4, 4)
+    assert pol.choose(10) == 4 and pol.choose(2) == 2 and pol.choose(0) == 0
+    bad = WidthPolicy(costs=costs)
+    for _ in range(50):  # nothing accepted: a verify row costs more than it brings, so plain decode steps
+        bad.update(4, 0)
+    assert bad.acceptance(0) < 0.05 and bad.reached[1] == 0 and bad.choose(10) == 0
+    mid = WidthPolicy(costs={1: 1.0, 2: 1.9, 3: 2.8, 4: 3.7, 5: 4.6})  # cost linear in rows: no width pays at 0.5
+    assert mid.choose(10) == 4  # no evidence yet: explore with every draft allowed
+    mid.reached, mid.ok = [10] * 4, [4] * 4  # (4 + 1) / (10 + 2) = 0.42
+    assert mid.choose(10) == 0
+    probes = [mid.choose(10) for _ in range(2 * WidthPolicy.PROBE_EVERY)]
+    assert probes.count(1) == 2 and set(probes) == {0, 1}  # one draft now and then, to notice a change
+    # by hand: a = 0.9 at every depth, costs above: E(k) / cost(k + 1) is largest at k = 4
+    nine = WidthPolicy(costs=costs)
+    nine.reached, nine.ok = [98] * 4, [88] * 4  # (88 + 1) / (98 + 2) = 0.89
+    rates = [(1 + sum(0.89 ** i for i in range(1, k + 1))) / costs[k + 1] for k in range(5)]
+    assert nine.choose(10) == max(range(5), key=lambda k: rates[k])
+    fixed = WidthPolicy(3)
+    assert not fixed.adaptive and fixed.choose(10) == 2 and fixed.choose(1) == 1
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +157,29 @@ def test_stats_and_errors():
 
 
 def test_bad_width_is_one_line(ref):
-    for w in (0, 6, True):
-        with pytest.raises(StepError, match="speculative width must be an int in 1..5"):
+    for w in (0, 6, True, "wide"):
+        with pytest.raises(StepError, match="speculative width must be an int in 1..5 .* or 'auto'"):
             generate(ref, [1, 2], 4, draft=make_drafter("oracle:0.5", 512), spec_width=w)
+
+
+def test_adaptive_width_on_the_reference(ref, ar):
+    """``spec_width="auto"``: the output is still the autoregressive one; the widths follow the acceptance (a
+    perfect drafter keeps wide steps, a useless one falls back to plain decode steps) and the measured costs
+    are reported."""
+    auto = generate(ref, PROMPTS[0], 40, draft=OracleDrafter(0.8, 512, continuation=ar[0]), spec_width="auto")
+    assert auto.tokens == ar[0][:40]
+    sp = auto.speculative
+    assert sp["width"] == "auto" and set(sp["verify_ms_by_width"]) == {"1", "2", "3", "4", "5"}
+    # a GPU-like cost table (a verify row costs far less than a step): the policy's choices follow acceptance
+    costs = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}
+    good = generate(ref, PROMPTS[0], 80, draft=OracleDrafter(1.0, 512, continuation=ar[0]),
+                    spec_width=WidthPolicy(costs=costs))
+    assert good.tokens == ar[0][:80] and good.speculative["tokens_per_step"] > 4.0
+    bad = generate(ref, PROMPTS[0], 120, draft=OracleDrafter(0.0, 512, continuation=ar[0]),
+                   spec_width=WidthPolicy(costs=costs))
+    assert bad.tokens == ar[0][:120]
+    w = bad.speculative["widths"]
+    assert w.get("1", 0) > 3 * sum(n for k, n in w.items() if k != "1"), w  # a few steps to learn, then decode
 
 
 def test_cli_draft(tmp_path, tiny_path):
@@ -148,3 +197,42 @@ def test_cli_draft(tmp_path, tiny_path):
     assert spec["tokens"] == plain["tokens"] and spec["speculative"]["width"] == 3
     bad = run(*base, "--draft", "oracle:2")
     assert bad.exit_code == 2 and "ALPHA must be a number in [0, 1]" in bad.output
+    r = run(*base, "--draft", "oracle:0.8", "--spec-width", "auto")
+    assert r.exit_code == 0, r.output
+    spec = json.loads(r.output.strip().splitlines()[-1])
+    assert spec["tokens"] == plain["tokens"] and spec["speculative"]["width"] == "auto"
+    for w in ("6", "two", ""):
+        bad = run(*base, "--draft", "oracle:0.8", "--spec-width", w)
+        assert bad.exit_code == 2 and "--spec-width: expected 1..5 (verify rows per step) or auto" in bad.output
+
+
+def test_the_device_loop_is_closed_when_generation_ends(tiny_weights):
+    """A stepper's ``decode_tokens`` generator is closed as soon as generate / a stream has produced its tokens
+    (its ``finally`` records how far the device went), not at garbage collection, where it would move the
+    position of whatever request runs then. CPU: a reference stepper with a host ``decode_tokens``."""
+    import gc
+
+    from ds4c.generate import generate, stream
+    from ds4c.reference import Reference
+
+    class Stepper(Reference):
+        closed = 0
+
+        def decode_tokens(self, token, pos, n, temperature=0.0, top_k=0, top_p=1.0, seed=0, lag=4):
+            try:
+                for i in range(n):
+                    token = int(self.decode(token, pos + i).argmax())
+                    yield token
+            finally:
+                Stepper.closed += 1
+
+    st = Stepper(tiny_weights, max_ctx=128)
+    gc.disable()
+    try:
+        res = generate(st, [5, 17, 301], 12)
+        assert Stepper.closed == 1 and len(res.tokens) == 12
+        s = stream(st, [5, 17, 301], 6)
+        assert len(list(s)) == 6 and Stepper.closed == 2
+        assert generate(Reference(tiny_weights, max_ctx=128), [5, 17, 301], 12).tokens == res.tokens
+    finally:
+        gc.enable()

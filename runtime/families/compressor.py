@@ -64,6 +64,9 @@ class CompressorSpec:
         eps: RMSNorm epsilon (1e-6).
         slots: state rows; 0 = automatic (8 for ratio 4, else ratio). Given, it must equal that.
         width: state row width c*d; 0 = automatic (2d for ratio 4, else d). Given, it must equal that.
+        undo: also save what a verify step's rollback needs into ``undo{k}`` (``runtime/families/undo.py``):
+            ratio 4: the state before row 0 and each row's slot values (the state after any prefix is rebuilt
+            from them); ratio > 4: the old values of each overwritten slot.
     """
 
     ratio: int
@@ -76,6 +79,7 @@ class CompressorSpec:
     eps: float = 1e-6
     slots: int = 0
     width: int = 0
+    undo: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -195,7 +199,8 @@ def params(specs: Sequence[CompressorSpec], threads: int = 0) -> dict[str, Any]:
         sp = split_of(s, nt)
         comps.append({"ratio": s.ratio, "d": s.d, "indexer": s.indexer, "emulate": s.emulate,
                       "nope": s.nope if (s.emulate and not s.indexer) else 0, "rope_dim": s.rope_dim,
-                      "eps_lit": _float_literal(s.eps), "hscale_lit": _float_literal(_hscale(s.d)), "split": sp})
+                      "eps_lit": _float_literal(s.eps), "hscale_lit": _float_literal(_hscale(s.d)), "split": sp,
+                      "undo": s.undo})
     splits = [c["d"] * c["split"] for c in comps if c["split"] > 1]
     return {"threads": nt, "q": q, "comps": comps, "dmax": max(s.d for s in specs),
             "ropemax": max(s.rope_dim for s in specs), "partmax": max(splits or [0])}
@@ -238,9 +243,10 @@ def launch_shape(specs: Sequence[CompressorSpec] | CompressorSpec, threads: int 
 
 def arg_names(specs: Sequence[CompressorSpec] | CompressorSpec) -> list[str]:
     """Kernel argument names in order: ``pos``, then ``v{k}, g{k}, ape{k}, norm{k}, kv{k}, score{k}, rows{k},
-    freqs{k}`` per compressor."""
-    n = 1 if isinstance(specs, CompressorSpec) else len(specs)
-    return ["pos"] + [f"{a}{k}" for k in range(n) for a in ARGS_PER_COMPRESSOR]
+    freqs{k}`` (and ``undo{k}`` for a compressor with ``undo``) per compressor."""
+    specs = [specs] if isinstance(specs, CompressorSpec) else list(specs)
+    return ["pos"] + [f"{a}{k}" for k, s in enumerate(specs)
+                      for a in ARGS_PER_COMPRESSOR + (("undo",) if s.undo else ())]
 
 
 # ------------------------------------------------------------------------------------------------ reference

@@ -429,6 +429,8 @@ class GroupedSpec:
         rope_dim: > 0: fused RoPE prologue on the last rope_dim dims of each head; 0: none.
         rope_inverse: the prologue rotates by -theta (5.2(j)); default True.
         ring_window / kv_width: > 0: fused ring write of kv bf16 [q, kv_width] into ring [ring_window, kv_width].
+        ring_undo: with the ring write: save each overwritten ring row into ``ring_undo`` bf16 [q, kv_width]
+            first (a verify step's undo; ``runtime/families/undo.py`` restores rejected rows from it).
         pos_mode / pos_dtype: positions (module docstring).
         threads, rows_per_warp, unroll: block size, output rows per warp, 16-byte vectors in flight per row
             and lane.
@@ -443,6 +445,7 @@ class GroupedSpec:
     rope_inverse: bool = True
     ring_window: int = 0
     kv_width: int = 0
+    ring_undo: bool = False
     pos_mode: str = "base"
     pos_dtype: str = "i32"
     threads: int = 256
@@ -463,6 +466,8 @@ class GroupedSpec:
             bad.append(f"rope_dim {self.rope_dim} (expected even, <= head_dim)")
         if self.ring_window < 0 or (self.ring_window and (self.kv_width < 8 or self.kv_width % 8)):
             bad.append(f"ring_window {self.ring_window} / kv_width {self.kv_width} (kv_width a multiple of 8)")
+        if self.ring_undo and not self.ring_window:
+            bad.append("ring_undo without a ring write (ring_window 0)")
         if self.pos_mode not in POS_MODES:
             bad.append(f"pos_mode {self.pos_mode!r} (expected one of {POS_MODES})")
         if self.pos_dtype not in POS_DTYPES:
@@ -515,6 +520,9 @@ class GroupedSpec:
             out.append(Arg("kv", "const u16* DS4C_RESTRICT kv", f"bf16 [q={self.q}, {self.kv_width}] this step's KV rows"))
             out.append(Arg("ring", "u16* DS4C_RESTRICT ring",
                            f"bf16 [{self.ring_window}, {self.kv_width}] window ring (updated in place)"))
+        if self.ring_undo:
+            out.append(Arg("ring_undo", "u16* DS4C_RESTRICT ring_undo",
+                           f"bf16 [>= q={self.q}, {self.kv_width}] the ring rows this step overwrites, saved"))
         return out
 
     def params(self) -> dict[str, Any]:
@@ -522,6 +530,7 @@ class GroupedSpec:
                 "head_dim": self.head_dim, "rank": self.rank, "rope_dim": self.rope_dim,
                 "rope_inverse": self.rope_inverse, "threads": self.threads, "rows_per_warp": self.rows_per_warp,
                 "unroll": self.unroll, "ring_window": self.ring_window, "kv_width": self.kv_width,
+                "ring_undo": self.ring_undo,
                 "pos_mode": self.pos_mode, "args": [a.__dict__ for a in self.args()]}
 
 
@@ -569,9 +578,14 @@ def grouped_reference(spec: GroupedSpec, inputs: dict[str, torch.Tensor]) -> dic
     out = {"z": torch.stack([P.linear_bf16(og[:, g], wg[g]) for g in range(G)], dim=1)}
     if spec.ring_window:
         ring = inputs["ring"].clone()
+        undo = inputs["ring_undo"].clone() if spec.ring_undo else None
         for i, p in enumerate(pos.tolist()):
+            if undo is not None:
+                undo[i] = ring[p % spec.ring_window]
             ring[p % spec.ring_window] = inputs["kv"][i]
         out["ring"] = ring
+        if undo is not None:
+            out["ring_undo"] = undo
     return out
 
 
@@ -598,6 +612,8 @@ def make_grouped_inputs(spec: GroupedSpec, *, pos: int = 1000, freqs: torch.Tens
     if spec.ring_window:
         res["kv"] = torch.randn(q, spec.kv_width, generator=gen).to(BF16)
         res["ring"] = torch.randn(spec.ring_window, spec.kv_width, generator=gen).to(BF16)
+        if spec.ring_undo:
+            res["ring_undo"] = torch.full((q, spec.kv_width), float("nan"), dtype=BF16)
     return {k: v.to(device) for k, v in res.items()}
 
 

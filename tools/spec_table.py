@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Speculative decoding on the compiled step, end to end (issue: speculative decoding, part 6): tokens/s of
+``generate`` with the oracle drafter at several ALPHA for fixed verify widths 2..5 and the adaptive width,
+beside autoregressive decoding (the host-free device-sampling loop), from one run on one GPU; and the cost of
+rolling a rejected verify back (the undo family's kernel) against the verify step itself.
+
+    python tools/spec_table.py MODEL.gguf [--prompt 512] [--new 256] [--alphas 0.5,0.7,0.8,0.9] [--json out.json]
+
+Each speculative run drafts the target's own greedy continuation (the AR run's tokens), each draft token
+replaced by a wrong one with probability 1 - ALPHA; greedy acceptance, so its tokens must equal the AR run's
+(the first divergence, if any, is reported: the compiled verify rows and decode steps round differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def rollback_costs(step, prompt: list[int], repeats: int = 30) -> dict[int, dict[str, float]]:
+    """Per verify width: the verify graph's replay time and the rollback's time (CUDA events around
+    ``rollback(0)`` alone: the upload of the accepted count and the kernel; every row rejected, the most it
+    restores), medians in ms, at the position after ``prompt``."""
+    import torch
+
+    out = {}
+    pos = len(prompt)
+    for w in (2, 3, 4, 5):
+        toks = [1 + i for i in range(w)]
+        step.reset()
+        for s in range(0, pos, 5):
+            step.step(prompt[s:s + 5], s)
+        verify_ms = step.time_replays(toks, pos, repeats)
+        rb = []
+        for _ in range(repeats):
+            step.verify(toks, pos)
+            assert step._undo[0] == "kernel", step._undo[0]
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step.rollback(0)  # back at pos: the next repeat verifies the same rows
+            b.record()
+            torch.cuda.synchronize()
+            rb.append(a.elapsed_time(b))
+        step.reset()
+        out[w] = {"verify_ms": verify_ms, "rollback_ms": statistics.median(rb),
+                  "ratio": statistics.median(rb) / verify_ms}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--alphas", default="0.5,0.7,0.8,0.9")
+    ap.add_argument("--widths", default="2,3,4,5,auto")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from ds4c.engine import open_engine
+    from ds4c.generate import generate
+    from ds4c.gguf_file import open_model
+    from ds4c.speculative import OracleDrafter
+
+    mf = open_model(a.model)
+    V = mf.config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(V) for _ in range(a.prompt)]
+    step = open_engine(mf, device="cuda", max_ctx=a.prompt + a.new + 8, progress=False)
+    generate(step, prompt[:8], 8)  # warm
+    ar = generate(step, prompt, a.new)
+    rows = [{"mode": "AR", "alpha": None, "width": 1, "tok_s": ar.decode_tokens_per_s, "tokens_per_step": 1.0,
+             "same_as_ar": True, "first_diff": None}]
+    print(f"AR: {ar.decode_tokens_per_s:.1f} tokens/s ({a.new} new tokens after a {a.prompt}-token prompt)",
+          flush=True)
+    widths = [w if w == "auto" else int(w) for w in a.widths.split(",")]
+    for alpha in [float(x) for x in a.alphas.split(",")]:
+        for w in widths:
+            d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens)
+            res = generate(step, prompt, a.new, draft=d, spec_width=w)
+            diff = next((i for i, (x, y) in enumerate(zip(res.tokens, ar.tokens)) if x != y), None)
+            sp = res.speculative
+            row = {"mode": "spec", "alpha": alpha, "width": w, "tok_s": res.decode_tokens_per_s,
+                   "tokens_per_step": sp["tokens_per_step"], "acceptance": sp["acceptance_by_depth"],
+                   "widths": sp["widths"], "same_as_ar": diff is None, "first_diff": diff,
+                   "speedup": res.decode_tokens_per_s / ar.decode_tokens_per_s}
+            rows.append(row)
+            print(f"alpha {alpha:.1f} width {w!s:>4s}: {row['tok_s']:7.1f} tokens/s ({row['speedup']:.2f}x AR), "
+                  f"{row['tokens_per_step']:.2f} tokens/step, widths {sp['widths']}, same as AR: {diff is None}"
+                  f"{'' if diff is None else f' (first difference at {diff})'}", flush=True)
+    costs = rollback_costs(step, prompt)
+    for w, c in costs.items():
+        print(f"rollback q={w}: verify {c['verify_ms']:.3f} ms, rollback {c['rollback_ms'] * 1e3:.1f} us "
+              f"({100 * c['ratio']:.1f}% of the verify)", flush=True)
+    # the table
+    print("\n| ALPHA | " + " | ".join(f"q={w}" if w != "auto" else "auto" for w in widths) + " |")
+    print("|---|" + "---|" * len(widths))
+    for alpha in [float(x) for x in a.alphas.split(",")]:
+        cells = []
+        for w in widths:
+            r = next(r for r in rows if r["alpha"] == alpha and r["width"] == w)
+            cells.append(f"{r['tok_s']:.0f} ({r['speedup']:.2f}x)")
+        print(f"| {alpha:.1f} | " + " | ".join(cells) + " |")
+    print(f"AR (host-free device sampling): {ar.decode_tokens_per_s:.0f} tokens/s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "rollback": costs, "prompt": a.prompt, "new": a.new}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
