@@ -37,6 +37,7 @@ trained-style drafter's acceptance near zero. The DSpark and MTP drafters are th
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -145,9 +146,15 @@ class WidthPolicy:
     def adaptive(self) -> bool:
         return self.costs is not None
 
+    POOL = 8.0
+    """Pseudo-counts by which a depth's acceptance is shrunk toward the acceptance pooled over all depths:
+    depths the policy rarely drafts to (it learns only from what it drafts) borrow the others' evidence."""
+
     def acceptance(self, i: int) -> float:
-        """Posterior mean of the acceptance of draft depth ``i`` given the ones before it (Beta(1, 1) prior)."""
-        return (self.ok[i] + 1) / (self.reached[i] + 2)
+        """Acceptance of draft depth ``i`` given the ones before it: its own counts, shrunk toward the pooled
+        rate over all depths (Beta(1, 1) prior on that)."""
+        pooled = (sum(self.ok) + 1) / (sum(self.reached) + 2)
+        return (self.ok[i] + self.POOL * pooled) / (self.reached[i] + self.POOL)
 
     def choose(self, limit: int) -> int:
         """Drafts for the next step, at most ``limit`` and ``width - 1``."""
@@ -226,6 +233,9 @@ class SpecStats:
 
     costs_ms: dict[int, float] | None = None
     """With ``width="auto"``: the measured verify-step time per width the policy used."""
+    host_s: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify+accept": 0.0, "rollback": 0.0})
+    """Wall seconds per phase of the verify steps: drafting, the verify (submit, wait for its rows' argmax or
+    logits, accept) and the rollback call."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
@@ -233,6 +243,7 @@ class SpecStats:
                    if self.costs_ms else {}),
                 "tokens_per_step": self.tokens / self.steps if self.steps else None,
                 "acceptance_by_depth": [a / d if d else None for a, d in zip(self.accepted, self.drafted)],
+                "ms_per_verify_step": {k: round(v * 1e3 / max(1, self.steps), 4) for k, v in self.host_s.items()},
                 "widths": {str(w): n for w, n in sorted(self.widths.items())}}
 
 
@@ -305,15 +316,22 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             pos += 1
             new = [tok]
         else:
+            t0 = time.perf_counter()
             drafts, q = drafter.propose(prompt + out, k)
+            t1 = time.perf_counter()
             logits = stepper.verify([out[-1]] + list(drafts), pos)
             if temperature == 0:  # argmax on the step's device: k + 1 ids to the host
                 new = accept_greedy(logits.argmax(dim=-1).tolist(), list(drafts))
             else:
                 new = accept(logits.float().cpu(), list(drafts), q, temperature, top_k, top_p, generator)
+            t2 = time.perf_counter()
             stepper.rollback(len(new))  # keep the step's first row and the accepted drafts
+            t3 = time.perf_counter()
             stats.record(k, len(new) - 1)
             policy.update(k, len(new) - 1)
+            stats.host_s["draft"] += t1 - t0
+            stats.host_s["verify+accept"] += t2 - t1
+            stats.host_s["rollback"] += t3 - t2
             pos += len(new)
         for t in new:
             out.append(t)

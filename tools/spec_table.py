@@ -91,9 +91,13 @@ def main() -> int:
                    "widths": sp["widths"], "same_as_ar": diff is None, "first_diff": diff,
                    "speedup": res.decode_tokens_per_s / ar.decode_tokens_per_s}
             rows.append(row)
+            row["host_ms_per_step"] = sp["ms_per_verify_step"]
+            row["verify_ms_by_width"] = sp.get("verify_ms_by_width")
+            host = ", ".join(f"{k} {v:.3f}" for k, v in sp["ms_per_verify_step"].items())
             print(f"alpha {alpha:.1f} width {w!s:>4s}: {row['tok_s']:7.1f} tokens/s ({row['speedup']:.2f}x AR), "
                   f"{row['tokens_per_step']:.2f} tokens/step, widths {sp['widths']}, same as AR: {diff is None}"
-                  f"{'' if diff is None else f' (first difference at {diff})'}", flush=True)
+                  f"{'' if diff is None else f' (first difference at {diff})'}; ms per step: {host}"
+                  + (f"; measured verify ms {sp['verify_ms_by_width']}" if w == "auto" else ""), flush=True)
     costs = rollback_costs(step, prompt)
     for w, c in costs.items():
         print(f"rollback q={w}: verify {c['verify_ms']:.3f} ms, rollback {c['rollback_ms'] * 1e3:.1f} us "
