@@ -390,6 +390,12 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 
         drafter = make_drafter(draft, mf.config.vocab_size, seed)
     spec_width = _spec_width(spec_width)
+    if drafter is not None:
+        from ds4c.speculative import no_speculation
+
+        why = no_speculation(spec_width)
+        if why:
+            click.echo(f"ds4c: note: {why}", err=True)
     if max_ctx is not None:
         if max_ctx > limit:
             raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {limit}")

@@ -206,6 +206,16 @@ def measure_width_costs(stepper: Any, widths: tuple[int, ...] = (1, 2, 3, 4, 5),
     return out
 
 
+def no_speculation(width: Any) -> str | None:
+    """Why a request with a drafter will not speculate, in one line, or None: said once to the user (the seed's
+    trap: a setting that silently turned speculation off). Sampling settings never do: every temperature /
+    top-k / top-p speculates with the exact rule."""
+    if width == 1:
+        return ("--spec-width 1 (spec_width=1): one verify row per step leaves no room for a draft; every step is a "
+                "plain decode (use 2..5 or auto)")
+    return None
+
+
 @dataclass
 class SpecStats:
     """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
@@ -238,7 +248,9 @@ class SpecStats:
     logits, accept) and the rollback call."""
 
     def as_dict(self) -> dict[str, Any]:
+        note = no_speculation(self.width)
         return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
+                **({"note": note} if note else {}),
                 **({"verify_ms_by_width": {str(w): round(t, 4) for w, t in self.costs_ms.items()}}
                    if self.costs_ms else {}),
                 "tokens_per_step": self.tokens / self.steps if self.steps else None,

@@ -201,6 +201,9 @@ def test_cli_draft(tmp_path, tiny_path):
     assert r.exit_code == 0, r.output
     spec = json.loads(r.output.strip().splitlines()[-1])
     assert spec["tokens"] == plain["tokens"] and spec["speculative"]["width"] == "auto"
+    r = run(*base, "--draft", "oracle:0.8", "--spec-width", "1")
+    assert r.exit_code == 0 and "note: --spec-width 1" in r.output and "plain decode" in r.output
+    assert json.loads(r.output.strip().splitlines()[-1])["speculative"]["note"].startswith("--spec-width 1")
     for w in ("6", "two", ""):
         bad = run(*base, "--draft", "oracle:0.8", "--spec-width", w)
         assert bad.exit_code == 2 and "--spec-width: expected 1..5 (verify rows per step) or auto" in bad.output
