@@ -76,6 +76,8 @@ class _StepGraph:
     launches: list[_Bound] = field(default_factory=list)
     rollback: _Bound | None = None
     """A verify graph's rollback kernel (runtime/families/undo.py), bound but not part of the step."""
+    rollback_args: Any = None
+    """Its driver argument array, packed once (the bound tensors never change)."""
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     cuda_graph: Any = None
     capture_s: float = 0.0
@@ -284,7 +286,9 @@ class CompiledStep:
         self._step_dev[off:off + 1].copy_(h[off:off + 1], non_blocking=True)
         done.record()
         b = sg.rollback
-        b.kernel(b.grid, b.block, b.args, smem=b.smem)
+        if sg.rollback_args is None:
+            sg.rollback_args = b.kernel.pack(b.args)
+        b.kernel.launch_packed(b.grid, b.block, sg.rollback_args, smem=b.smem)
 
     # ------------------------------------------------------------------------------------------ weights
     def _weight(self, name: str, form: str) -> torch.Tensor:
