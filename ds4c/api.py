@@ -318,7 +318,7 @@ class Model:
         if isinstance(draft, str):
             from ds4c.speculative import make_drafter
 
-            draft = make_drafter(draft, self.config.vocab_size, seed)
+            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config)
         ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                            top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width)
         holder: dict[str, Any] = {}

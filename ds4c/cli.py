@@ -89,8 +89,11 @@ def main() -> None:
 @click.option("--formats", type=click.Choice(["official", "bf16", "f32"]), default="official", show_default=True,
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
                    "F32 (the same model, for exact comparisons with other engines, docs/interop.md).")
+@click.option("--drafter", type=click.Choice(["dspark"]), default=None,
+              help="Write instead the synthetic DSpark drafter (spec section 7, llama.cpp's dflash layout) of the model "
+                   "this preset and seed make: give it to generate --draft FILE.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
-def make_model_cmd(preset_name: str, seed: int, formats: str, output: str) -> None:
+def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | None, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
     from tqdm import tqdm
 
@@ -100,6 +103,13 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, output: str) -> No
     from ds4c.tensors import FORMATS, tensor_specs
 
     cfg = preset(preset_name)
+    if drafter == "dspark":
+        from ds4c.drafters.dspark_synth import make_dspark
+
+        path = make_dspark(cfg, output, seed=seed, formats=formats)
+        click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, DSpark drafter of preset {preset_name} seed "
+                   f"{seed}, formats {formats})")
+        return
     total = sum(nbytes(FORMATS[formats][s.role], s.shape) for s in tensor_specs(cfg))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
               disable=total < (64 << 20)) as bar:
@@ -113,10 +123,16 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, output: str) -> No
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record.")
 def info_cmd(file: str | None, as_json: bool) -> None:
-    """Print the config, the kind of every layer, and tensor counts and bytes per type."""
-    from ds4c.gguf_file import open_model
+    """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
+    its stages, taps, block size and heads)."""
+    from ds4c.gguf_file import ArchitectureError, open_model
 
-    mf = open_model(_model_path(file), allow_mtp_only=True)
+    try:
+        mf = open_model(_model_path(file), allow_mtp_only=True)
+    except ArchitectureError as e:
+        if e.arch != "dflash":
+            raise
+        return _info_dspark(_model_path(file), as_json)
     cfg = mf.config
     layers = [] if mf.mtp_only else [
         {"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
@@ -162,6 +178,25 @@ def info_cmd(file: str | None, as_json: bool) -> None:
         total_n += n
         total_b += b
     click.echo(f"  {'total':6s} {total_n:6d} tensors  {total_b:>16,d} bytes  ({total_b / 2**30:8.3f} GiB)")
+
+
+def _info_dspark(path: Path, as_json: bool) -> None:
+    """``ds4c info`` of a DSpark drafter file (spec section 7)."""
+    from ds4c.drafters.dspark_file import open_dspark
+
+    f = open_dspark(path)
+    cfg = f.config
+    rec = {"file": str(path), "kind": "dspark drafter", "stages": cfg.n_layers, "taps": list(f.taps),
+           "block_size": f.block_size, "noise_id": f.noise_id, "markov_rank": f.markov_rank,
+           "config": cfg.model_dict()}
+    if as_json:
+        click.echo(json.dumps(rec))
+        return
+    click.echo(f"file: {path}")
+    click.echo(f"DSpark drafter (arch dflash, spec section 7): {cfg.n_layers} stages (hidden {cfg.hidden_size}, "
+               f"{cfg.n_experts} experts, window {cfg.window}); taps of target layers {list(f.taps)}; block size "
+               f"{f.block_size}; noise token {f.noise_id}; Markov head rank {f.markov_rank}; vocabulary "
+               f"{cfg.vocab_size}")
 
 
 def _mtp_summary(mf) -> dict | None:
@@ -388,7 +423,12 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     if draft is not None:  # checked before the (possibly long) engine start
         from ds4c.speculative import make_drafter
 
-        drafter = make_drafter(draft, mf.config.vocab_size, seed)
+        drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config)
+        if not hasattr(drafter, "alpha") and (resolve_engine(device, engine, dataflow) != "reference"
+                                              or devices is not None or layer_split is not None):
+            raise Ds4cError(f"--draft {draft}: the DSpark drafter reads the target's taps, which the unsplit "
+                            f"reference engine records (--engine reference, no --devices / --layer-split); the "
+                            f"compiled drafter is not written yet")
     spec_width = _spec_width(spec_width)
     if drafter is not None:
         from ds4c.speculative import no_speculation

@@ -85,6 +85,15 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
+def check_tensor_extent(path: Path, name: str, t: Any, file_size: int) -> None:
+    """Raise ModelFileError (one line) when the bytes of GGUF tensor ``t`` (a reader tensor) run past the end of
+    the file of ``file_size`` bytes (a truncated file)."""
+    end = t.data_offset + t.n_bytes
+    if end > file_size or t.data.size * t.data.itemsize != t.n_bytes:
+        raise ModelFileError(f"{path}: tensor {name!r} ends at byte {end} but the file has {file_size} bytes "
+                             f"(truncated file)")
+
+
 def _type_name(t: int) -> str:
     return _TYPE_NAMES.get(int(t), f"type-{int(t)}")
 
@@ -104,6 +113,14 @@ def _scalar(part: np.ndarray, vt: Any) -> Any:
         return bool(part[0])
     v = part[0]
     return float(v) if np.issubdtype(part.dtype, np.floating) else int(v)
+
+
+class ArchitectureError(ModelFileError):
+    """A readable GGUF file of another architecture (``arch``: its ``general.architecture``)."""
+
+    def __init__(self, message: str, arch: Any):
+        super().__init__(message)
+        self.arch = arch
 
 
 class ModelFile:
@@ -144,7 +161,9 @@ class ModelFile:
                          if not name.startswith("GGUF.")}
         arch = self.metadata.get("general.architecture")
         if arch != ARCH:
-            raise ModelFileError(f"{self.path}: expected general.architecture = {ARCH!r}, found {arch!r}")
+            hint = " (a DSpark drafter: give it to --draft; `ds4c info` describes it)" if arch == "dflash" else ""
+            raise ArchitectureError(f"{self.path}: expected general.architecture = {ARCH!r}, found {arch!r}{hint}",
+                                    arch)
         self._tensors = {t.name: t for t in self._reader.tensors}
         emb = self._tensors.get("token_embd.weight")
         meta, n_nextn = self._trunk_metadata()
@@ -229,10 +248,7 @@ class ModelFile:
                 if lo < 0 or hi >= self.config.n_experts:
                     raise ModelFileError(f"{self.path}: tensor {name!r} holds expert ids {lo}..{hi}, expected "
                                          f"0..{self.config.n_experts - 1}")
-            end = t.data_offset + t.n_bytes
-            if end > file_size or t.data.size * t.data.itemsize != t.n_bytes:
-                raise ModelFileError(f"{self.path}: tensor {name!r} ends at byte {end} but the file has "
-                                     f"{file_size} bytes (truncated file)")
+            check_tensor_extent(self.path, name, t, file_size)
 
     # ----------------------------------------------------------------------------------------------
     def ggml_type(self, name: str) -> GGMLType:
@@ -321,7 +337,9 @@ Producer = Callable[[TensorSpec, GGMLType], Iterable[np.ndarray]]
 def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, GGMLType], produce: Producer,
                 extra_metadata: dict[str, Any] | None = None,
                 progress: Callable[[TensorSpec, int], None] | None = None,
-                tokenizer: dict[str, Any] | None = None) -> Path:
+                tokenizer: dict[str, Any] | None = None, *, arch: str = ARCH,
+                specs: Iterable[TensorSpec] | None = None,
+                metadata: Iterable[tuple[str, Any, str]] | None = None) -> Path:
     """Write a complete model file for ``cfg``, streaming.
 
     Args:
@@ -336,6 +354,9 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.tokenizer.synthetic_vocab`), written with the
             GGUF types llama.cpp's converter uses (string arrays, INT32 token types, UINT32 ids, BOOL flags);
             its bos/eos ids must equal ``cfg``'s.
+        arch, specs, metadata: for files of another layout (the DSpark drafter, :mod:`ds4c.drafters.dspark_file`):
+            ``general.architecture``, the tensors in file order (default :func:`~ds4c.tensors.tensor_specs` of
+            ``cfg``) and the ``(key, value, kind)`` entries written instead of ``cfg``'s ``deepseek4.*`` keys.
 
     Returns:
         the final path. Raises ModelFileError when a producer yields the wrong number of bytes (the
@@ -351,15 +372,15 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
     except OSError as e:
         raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
     tmp = owned.path
-    specs = tensor_specs(cfg)
+    specs = tensor_specs(cfg) if specs is None else list(specs)
     w = None
     try:
         with _signals_raise():
             umask = os.umask(0o022)
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
-            w = GGUFWriter(tmp, ARCH)
-            _add_metadata(w, cfg, extra_metadata or {}, types)
+            w = GGUFWriter(tmp, arch)
+            _add_metadata(w, cfg, extra_metadata or {}, types, metadata)
             add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))
             for s in specs:
                 t = types[s.role]
@@ -485,8 +506,9 @@ def file_type(types: dict[str, GGMLType]) -> int:
         t, LlamaFileType.ALL_F32))
 
 
-def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any], types: dict[str, GGMLType]) -> None:
-    add_metadata_entries(w, to_gguf_metadata(cfg))
+def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any], types: dict[str, GGMLType],
+                  metadata: Iterable[tuple[str, Any, str]] | None = None) -> None:
+    add_metadata_entries(w, to_gguf_metadata(cfg) if metadata is None else metadata)
     w.add_file_type(file_type(types))
     for key, val in extra.items():
         if isinstance(val, bool):

@@ -31,7 +31,11 @@ Greedy acceptance compares draft ids with the argmax of each verify row, taken o
 Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
 autoregressive pass before the request, with each draft token replaced by a wrong one with probability
 ``1 - ALPHA`` (seeded): a benchmark of the loop at a chosen acceptance rate, since synthetic weights make any
-trained-style drafter's acceptance near zero. The DSpark and MTP drafters are the rest of the issue.
+trained-style drafter's acceptance near zero. ``dspark:PATH`` (or a ``PATH.gguf``) is the DeepSeek-V4-Flash-0731
+DSpark drafter of that file on the reference engine (:class:`ds4c.drafters.dspark.DSparkDrafter`; spec section 7).
+A drafter with a ``configure_sampling(temperature, top_k, top_p, generator)`` method is told the request's sampling
+before its first proposal (the DSpark drafter then samples its drafts from the ``q`` it returns, as the exact rule
+needs).
 """
 
 from __future__ import annotations
@@ -58,7 +62,10 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """``k`` draft tokens continuing ``context`` (prompt + tokens so far), and their distributions
-        ``q`` (fp32 ``[k, V]``) or None for a deterministic drafter."""
+        ``q`` (fp32 ``[k, V]``, the drafts drawn from them) or None for a deterministic drafter.
+
+        Optional: ``configure_sampling(temperature, top_k, top_p, generator)``, called by the loop once per request
+        before the first proposal."""
 
 
 class OracleDrafter:
@@ -103,21 +110,36 @@ class OracleDrafter:
         return out, None
 
 
-def make_drafter(spec: str, vocab_size: int, seed: int = 0) -> OracleDrafter:
-    """The drafter a ``--draft`` value names: ``oracle:ALPHA``.
+def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None) -> Drafter:
+    """The drafter a ``--draft`` value names: ``oracle:ALPHA``, or ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
+    file, :class:`ds4c.drafters.dspark.DSparkDrafter`, checked against ``config``, the target's
+    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``).
 
     Raises:
         StepError: an unknown drafter or a bad ALPHA (one line, naming what was expected).
+        ModelFileError: a DSpark file that is missing, invalid, or does not fit the target (its vocabulary not
+            ``vocab_size``).
     """
-    kind, _, arg = str(spec).partition(":")
+    text = str(spec)
+    kind, _, arg = text.partition(":")
     if kind == "oracle":
         try:
             alpha = float(arg)
         except ValueError:
             raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {arg!r}") from None
         return OracleDrafter(alpha, vocab_size, seed)
-    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA (the DSpark and MTP drafters are not "
-                    f"available yet)")
+    path = arg if kind == "dspark" and arg else text if text.endswith(".gguf") else None
+    if path is not None:
+        from ds4c.drafters.dspark import DSparkDrafter
+        from ds4c.errors import ModelFileError
+
+        d = DSparkDrafter(path, seed=seed, target=config)
+        if d.file.config.vocab_size != vocab_size:
+            raise ModelFileError(f"{path}: the drafter's vocabulary has {d.file.config.vocab_size} tokens, the "
+                                 f"target's {vocab_size}")
+        return d
+    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA, dspark:PATH or PATH.gguf (a DSpark drafter "
+                    f"file; the MTP drafter is not available yet)")
 
 
 class WidthPolicy:
@@ -317,6 +339,9 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     id`` samples a plain decode step (used when no draft fits or the policy drafts none). Yields ids in order;
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
+    configure = getattr(drafter, "configure_sampling", None)
+    if callable(configure):  # e.g. the DSpark drafter: sample the drafts from the q it returns
+        configure(temperature, top_k, top_p, generator)
     out = [int(first)]
     pos = len(prompt)
     produced = 0

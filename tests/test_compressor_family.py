@@ -234,17 +234,17 @@ _CAST = {"pos": "const i64*", "v": "const float*", "g": "const float*", "ape": "
          "undo": "float*"}
 
 
-def _emulated(specs: list[C.CompressorSpec], name: str, workdir: Path, arch: str = "sm_90"):
-    """Build the kernel of ``specs`` rendered for ``arch`` (its wave size: 32 or 64) for the CPU emulation;
-    returns launch(args: list of CPU tensors)."""
+def emulate_kernel(src, arg_names: list[str], casts: dict[str, str], grid: int, block: int, workdir: Path):
+    """Build a rendered kernel (``src``, a KernelSource of a CUDA target) for the CPU emulation: its body after
+    the vendor prelude, compiled with g++ against :data:`EMU_PRELUDE`; the entry's arguments cast by name
+    (``casts[name without digits]``). Returns launch(args: list of CPU tensors), running ``grid`` blocks of
+    ``block`` threads one block after another."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (the CPU emulation of the kernel needs g++ >= 12 for <barrier>)")
-    t = target(arch)
-    src = C.render_compressor(specs, t, name)
     if _COMMON_MARK not in src.source:
         pytest.skip("the rendered source has no common-helpers marker to cut the vendor prelude at")
     body = _COMMON_MARK + src.source.split(_COMMON_MARK, 1)[1]
-    casts = ", ".join(f"({_CAST[n.rstrip('0123456789')]})a[{i}]" for i, n in enumerate(C.arg_names(specs)))
+    cast = ", ".join(f"({casts[n.rstrip('0123456789')]})a[{i}]" for i, n in enumerate(arg_names))
     launcher = f"""
 extern "C" void emu_launch(int nblk, int nthr, void** a) {{
   emu_nblk = nblk;
@@ -254,14 +254,14 @@ extern "C" void emu_launch(int nblk, int nthr, void** a) {{
     emu_wbar.clear();
     for (int w = 0; w < nthr / DS4C_WAVE; ++w) emu_wbar.emplace_back(new std::barrier<>(DS4C_WAVE));
     std::vector<std::thread> ts;
-    for (int t = 0; t < nthr; ++t) ts.emplace_back([=] {{ emu_tid = t; emu_bid = b; {src.entry}({casts}); }});
+    for (int t = 0; t < nthr; ++t) ts.emplace_back([=] {{ emu_tid = t; emu_bid = b; {src.entry}({cast}); }});
     for (auto& t : ts) t.join();
   }}
 }}
 """
-    text = EMU_PRELUDE.replace("@WAVE@", str(t.wave)) + body + launcher
-    cpp = workdir / f"{name}.cpp"
-    so = workdir / f"{name}_{hashlib.sha1(text.encode()).hexdigest()[:10]}.so"
+    text = EMU_PRELUDE.replace("@WAVE@", str(src.target.wave)) + body + launcher
+    cpp = workdir / f"{src.name}.cpp"
+    so = workdir / f"{src.name}_{hashlib.sha1(text.encode()).hexdigest()[:10]}.so"
     cpp.write_text(text)
     proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-pthread", "-w",
                            "-o", str(so), str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -272,13 +272,20 @@ extern "C" void emu_launch(int nblk, int nthr, void** a) {{
             pytest.skip(f"CPU emulation prelude lacks {missing or '<barrier>'} (vendor prelude grew?)")
         raise AssertionError(proc.stdout[-4000:])
     lib = ctypes.CDLL(str(so))
-    shape = C.launch_shape(specs)
 
     def launch(args: list[torch.Tensor]) -> None:
         arr = (ctypes.c_void_p * len(args))(*[t.data_ptr() for t in args])
-        lib.emu_launch(shape.grid[0], shape.block[0], arr)
+        lib.emu_launch(grid, block, arr)
 
     return launch
+
+
+def _emulated(specs: list[C.CompressorSpec], name: str, workdir: Path, arch: str = "sm_90"):
+    """The compressor kernel of ``specs`` rendered for ``arch`` (its wave size: 32 or 64), built for the CPU
+    emulation (:func:`emulate_kernel`); returns launch(args: list of CPU tensors)."""
+    src = C.render_compressor(specs, target(arch), name)
+    shape = C.launch_shape(specs)
+    return emulate_kernel(src, C.arg_names(specs), _CAST, shape.grid[0], shape.block[0], workdir)
 
 
 @pytest.mark.slow

@@ -5,11 +5,7 @@ for every accepted count, bit for bit against the compressor reference run on th
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +18,7 @@ from ds4c.runtime.families import undo as U
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel, toolchain_or_skip
-from test_compressor_family import _COMMON_MARK, EMU_PRELUDE, _emulated
+from test_compressor_family import _emulated, emulate_kernel
 from tools.gpu_checks import compressor as G
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -96,43 +92,11 @@ def test_grouped_reference_saves_the_overwritten_rows():
 
 # ------------------------------------------------------------------------------------ CPU kernel emulation
 def _emulate_rollback(spec: U.RollbackSpec, workdir: Path):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found (the CPU emulation of the kernel needs g++ >= 12 for <barrier>)")
-    t = target("sm_90")
-    src = U.render_rollback(spec, t, "emu_rollback")
-    body = _COMMON_MARK + src.source.split(_COMMON_MARK, 1)[1]
+    src = U.render_rollback(spec, target("sm_90"), "emu_rollback")
     cast = {"pos": "const i64*", "accepted": "const i64*", "ring": "u16*", "ring_undo": "const u16*",
             "kv": "float*", "score": "float*", "undo": "const float*"}
-    casts = ", ".join(f"({cast[n.rstrip('0123456789')]})a[{i}]" for i, n in enumerate(U.arg_names(spec)))
-    launcher = f"""
-extern "C" void emu_launch(int nblk, int nthr, void** a) {{
-  emu_nblk = nblk;
-  for (int b = 0; b < nblk; ++b) {{
-    std::barrier<> bar(nthr);
-    emu_bar = &bar;
-    emu_wbar.clear();
-    for (int w = 0; w < nthr / DS4C_WAVE; ++w) emu_wbar.emplace_back(new std::barrier<>(DS4C_WAVE));
-    std::vector<std::thread> ts;
-    for (int t = 0; t < nthr; ++t) ts.emplace_back([=] {{ emu_tid = t; emu_bid = b; {src.entry}({casts}); }});
-    for (auto& t : ts) t.join();
-  }}
-}}
-"""
-    text = EMU_PRELUDE.replace("@WAVE@", str(t.wave)) + body + launcher
-    cpp = workdir / "emu_rollback.cpp"
-    so = workdir / f"emu_rollback_{hashlib.sha1(text.encode()).hexdigest()[:10]}.so"
-    cpp.write_text(text)
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-pthread", "-w",
-                           "-o", str(so), str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    lib = ctypes.CDLL(str(so))
     shape = U.launch_shape(spec)
-
-    def launch(args: list[torch.Tensor]) -> None:
-        arr = (ctypes.c_void_p * len(args))(*[x.data_ptr() for x in args])
-        lib.emu_launch(shape.grid[0], shape.block[0], arr)
-
-    return launch
+    return emulate_kernel(src, U.arg_names(spec), cast, shape.grid[0], shape.block[0], workdir)
 
 
 @pytest.mark.slow

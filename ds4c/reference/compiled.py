@@ -496,6 +496,9 @@ class CompiledReference(Reference):
             of a width (:func:`try_modes` catches and reports them).
     """
 
+    records_taps = False
+    """Its compiled step records no DSpark taps (the drafter refuses it)."""
+
     def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, mode: str = "default",
                  dynamic: bool | None = None, backend: str = "inductor", span_bucket: int = 64,
                  options: dict | None = None, batch_rows: bool = True):

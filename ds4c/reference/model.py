@@ -46,6 +46,8 @@ class Reference:
         weights: the loaded weights (their ``config.quant_emulation`` decides the FP8/FP4 emulation; their
             ``layer_range`` the layers this reference runs).
         max_ctx: positions the sequence state holds.
+        taps: layers after which the DSpark taps are recorded (spec 5.2(q); official ``(40, 41, 42)``), see
+            :meth:`set_taps`; empty: none.
         dataflow: ``"bf16"``: activations and KV rounded to bf16 between operations as the official
             checkpoint runs (the spec); ``"fp32"``: no rounding between operations, fp32 KV and the unrounded
             ``wo_a`` (weights loaded with ``dataflow="fp32"``), the arithmetic of ports that keep fp32
@@ -55,10 +57,14 @@ class Reference:
 
     Raises:
         StepError: an unknown ``dataflow`` or one the weights were not loaded for, ``max_ctx`` outside
-            1..max_position.
+            1..max_position, ``taps`` as :meth:`set_taps` raises.
     """
 
-    def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, dataflow: str | None = None):
+    records_taps = True
+    """:meth:`set_taps` makes its steps record the target taps a DSpark drafter reads (spec 5.2(q))."""
+
+    def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, dataflow: str | None = None,
+                 taps: tuple[int, ...] = ()):
         dataflow = weights.dataflow if dataflow is None else dataflow
         if dataflow not in P.DATAFLOWS:
             raise StepError(f"dataflow must be one of {sorted(P.DATAFLOWS)}, found {dataflow!r}")
@@ -79,6 +85,7 @@ class Reference:
                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow).to(self.device),
         }
         self.state = self._new_state()
+        self.set_taps(taps)
 
     @property
     def is_whole(self) -> bool:
@@ -176,6 +183,40 @@ class Reference:
             self._check_finite(out, pos, q)
         return out
 
+    def set_taps(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Record the DSpark taps from now on (spec 5.2(q)): after each layer ``l`` of ``layers`` the bf16 mean over
+        the HC streams of every step row goes to ``tap_rows[pos, j]`` (``j`` = the index of ``l`` in ``layers``),
+        act dtype ``[max_ctx, len(layers), hidden]``; a row of a rolled-back position is overwritten when the
+        position is computed again, so rows below ``state.pos`` are those of the committed tokens
+        (:meth:`main_hidden`). An empty ``layers`` records nothing (``tap_rows`` None).
+
+        Raises:
+            StepError: a layer that is not an int of this reference's layer range, or a repeated one.
+        """
+        layers = tuple(layers)
+        a, b = self.layer_range
+        if any(isinstance(l, bool) or not isinstance(l, (int, np.integer)) or not a <= l < b for l in layers) \
+                or len(set(layers)) != len(layers):
+            raise StepError(f"taps: expected distinct layer ids in {a}..{b - 1}, found {list(layers)}")
+        self.taps = tuple(int(l) for l in layers)
+        self._tap_of = {l: j for j, l in enumerate(self.taps)}
+        self.tap_rows = None if not layers else torch.zeros(
+            self.max_ctx, len(layers), self.cfg.hidden_size, dtype=P.DATAFLOWS[self.dataflow], device=self.device)
+
+    def main_hidden(self, start: int, stop: int) -> torch.Tensor:
+        """``main_hidden`` of the committed positions ``start .. stop - 1`` (spec 5.2(q)): the taps concatenated in
+        ``taps`` order, act dtype ``[stop - start, len(taps) * hidden]`` (a view of ``tap_rows``, not a copy).
+
+        Raises:
+            StepError: no taps are recorded, or the range is not inside ``0 .. state.pos``.
+        """
+        if self.tap_rows is None:
+            raise StepError("main_hidden: this reference records no taps (Reference(..., taps=...) or set_taps)")
+        if not 0 <= start <= stop <= self.state.pos:
+            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
+                            f"position {self.state.pos})")
+        return self.tap_rows[start:stop].flatten(1)
+
     def rollback(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
         self.state.rollback(accepted)
@@ -229,6 +270,8 @@ class Reference:
             x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
         for i, lw in zip(range(*self.layer_range), w.layers):
             x = self._layer(i, lw, x, tok, pos, p0)
+            if i in self._tap_of:  # 5.2(q): the bf16 mean over the HC streams, per row
+                self.tap_rows[p0:p0 + q, self._tap_of[i]] = x.mean(dim=-2)
         if not self.is_last:  # the boundary of a layer split: the HC state of the step's rows
             st.pos = p0 + q
             return x

@@ -1,0 +1,8 @@
+"""Speculative-decoding drafters beyond the loop's oracle (issue: speculative decoding).
+
+* :mod:`ds4c.drafters.dspark_file`: the GGUF layout of a DeepSeek-V4-Flash-0731 DSpark drafter as llama.cpp's
+  converter writes it (arch ``dflash``): tensor inventory, reader/validator, writer.
+* :mod:`ds4c.drafters.dspark_synth`: deterministic synthetic drafter files.
+* :mod:`ds4c.drafters.dspark_model`: the PyTorch reference of the drafter (spec ds4-flash.md section 7).
+* :mod:`ds4c.drafters.dspark`: :class:`~ds4c.drafters.dspark.DSparkDrafter`, the drafter on the reference engine.
+"""
