@@ -159,5 +159,8 @@ def test_speculative_decoding_through_the_split_equals_unsplit(env):
     cont = generate(whole, prompt, 60).tokens
     a = generate(whole, prompt, 60, draft=OracleDrafter(0.6, 512, seed=4, continuation=cont), spec_width=4)
     b = generate(s, prompt, 60, draft=OracleDrafter(0.6, 512, seed=4, continuation=cont), spec_width=4)
-    assert a.tokens == b.tokens and a.speculative == b.speculative
+    timing = "ms_per_verify_step"  # host wall times: the only part that may differ
+    assert a.tokens == b.tokens
+    assert {k: v for k, v in a.speculative.items() if k != timing} == \
+        {k: v for k, v in b.speculative.items() if k != timing}
     assert a.speculative["steps"] < 59 and min(a.speculative["acceptance_by_depth"]) < 1.0  # rollbacks happened
