@@ -117,6 +117,30 @@ class CompletionStream:
         return self._holder["completion"]
 
 
+def _check_reasoning_effort(template: str, value: Any) -> str:
+    """``value`` when the chat template can use it: the template must read ``reasoning_effort`` and, when it
+    compares it with a list or literals (``reasoning_effort in ['high', 'max']``), ``value`` must be one of them
+    (else the template would silently ignore it).
+
+    Raises:
+        Ds4cError: a template without the variable, or a value it does not know (one line, the known values).
+    """
+    import re
+
+    v = str(value)
+    if "reasoning_effort" not in template:
+        raise Ds4cError(f"reasoning_effort {v!r}: the file's chat template has no reasoning_effort variable (it would "
+                        f"be ignored)")
+    known: list[str] = []
+    for m in re.finditer(r"reasoning_effort\s+in\s+[\[(]([^\])]*)[\])]", template):
+        known += re.findall(r"['\"]([^'\"]+)['\"]", m.group(1))
+    known += re.findall(r"reasoning_effort\s*==\s*['\"]([^'\"]+)['\"]", template)
+    if known and v not in known:
+        raise Ds4cError(f"reasoning_effort: expected one of the values the chat template knows "
+                        f"({', '.join(dict.fromkeys(known))}), found {v!r}")
+    return v
+
+
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
@@ -367,7 +391,7 @@ class Model:
         if thinking is not None:
             var["thinking"] = bool(thinking)
         if reasoning_effort is not None:
-            var["reasoning_effort"] = str(reasoning_effort)
+            var["reasoning_effort"] = _check_reasoning_effort(tok.chat_template, reasoning_effort)
         try:
             return env.from_string(tok.chat_template).render(**var)
         except Ds4cError:

@@ -38,7 +38,14 @@ def default_model_path() -> Path:
     home = Path(os.environ.get("DS4C_HOME") or Path.home() / ".cache" / "ds4c")
     path = home / "models" / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v{__version__}.gguf"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            where = "$DS4C_HOME" if os.environ.get("DS4C_HOME") else "the default cache folder (~/.cache/ds4c)"
+            raise Ds4cError(f"cannot write the built-in default model under {where} = {home}: "
+                            f"{e.strerror or e}; set DS4C_HOME to a writable folder") from None
         with FileLock(str(path) + ".lock"):
             if not path.exists():
                 click.echo(f"creating the built-in default model ({DEFAULT_PRESET}, seed {DEFAULT_SEED}) at {path}",

@@ -85,6 +85,16 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
+def check_magic(path: Path, size: int) -> None:
+    """Raise ModelFileError (one line) when ``path`` does not start with the GGUF magic: another kind of file,
+    whatever its size (a truncated GGUF file still starts with it)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (it starts with {head!r}, a GGUF file with b'GGUF'; "
+                             f"{size} bytes)")
+
+
 def check_tensor_extent(path: Path, name: str, t: Any, file_size: int) -> None:
     """Raise ModelFileError (one line) when the bytes of GGUF tensor ``t`` (a reader tensor) run past the end of
     the file of ``file_size`` bytes (a truncated file)."""
@@ -149,6 +159,7 @@ class ModelFile:
         if not self.path.is_file():
             raise ModelFileError(f"{self.path}: expected a GGUF model file, found a directory or special file")
         size = self.path.stat().st_size
+        check_magic(self.path, size)
         try:
             self._reader = _CheckedReader(self.path)
         except ModelFileError as e:

@@ -492,3 +492,18 @@ def test_cli_chat_renders_the_template(tmp_path, tiny_path, model):
     assert model.detokenize(no_think["prompt"]).endswith("<｜Assistant｜></think>")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--prompt", "x"), "give one of")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--system", "x"), "go with --chat")
+
+
+def test_reasoning_effort_is_checked_against_the_template(tiny_path):
+    """A reasoning effort the chat template does not know (it compares with 'high' / 'max') is a one-line error
+    naming the known values, not silently ignored."""
+    from ds4c.api import Model
+    from ds4c.errors import Ds4cError
+
+    model = Model(tiny_path, max_ctx=64)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "Reasoning Effort: max." in model.apply_chat_template(msgs, thinking=True, reasoning_effort="max")
+    with pytest.raises(Ds4cError, match=r"expected one of the values the chat template knows \(high, max\), "
+                                        r"found 'hihg'") as e:
+        model.apply_chat_template(msgs, thinking=True, reasoning_effort="hihg")
+    assert "\n" not in str(e.value)

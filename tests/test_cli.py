@@ -236,8 +236,9 @@ def test_missing_file(home, tmp_path):
 def test_not_a_gguf_file(home, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a gguf file\n" * 10)
-    assert_error_line(run(home, "generate", bad, "--max-new-tokens", "1"), str(bad), "not a readable GGUF")
-    assert_error_line(run(home, "info", bad), "not a readable GGUF")
+    assert_error_line(run(home, "generate", bad, "--max-new-tokens", "1"), str(bad), "not a GGUF file")
+    line = assert_error_line(run(home, "info", bad), "not a GGUF file (it starts with b'this'")
+    assert "truncated" not in line  # a whole file of another kind is not a truncated GGUF
 
 
 def test_truncated_file(home, tmp_path, tiny_path):
@@ -300,3 +301,13 @@ def test_generate_max_ctx_bounds_and_errors(home, tiny_path):
     assert r.exit_code != 0 and "--max-ctx 6 is below the 3 prompt ids + --max-new-tokens 4 = 7" in r.output
     r = run(home, "generate", tiny_path, "--prompt-ids", "1,2,3", "--max-ctx", "70000")
     assert r.exit_code != 0 and "exceeds the model's context length 65536" in r.output
+
+
+def test_unwritable_home_names_the_variable(tmp_path):
+    """$DS4C_HOME where no folder can be made (under a regular file: fails for root too) is one line naming the
+    variable and its value."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    home = blocker / "home"
+    r = run(home, "generate", "--max-new-tokens", "1")
+    assert_error_line(r, "$DS4C_HOME", str(home), "set DS4C_HOME to a writable folder")

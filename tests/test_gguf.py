@@ -541,13 +541,14 @@ def test_truncated_inside_header(tmp_path, tiny_path):
     _open_fails(p, "not a readable GGUF")
 
 
-@pytest.mark.parametrize("content", [b"", b"hello world\n", b"GGUF", "random"])
-def test_not_a_gguf(tmp_path, content):
+@pytest.mark.parametrize("content,what", [(b"", "not a GGUF file"), (b"hello world\n", "not a GGUF file"),
+                                          (b"GGUF", "not a readable GGUF"), ("random", "not a GGUF file")])
+def test_not_a_gguf(tmp_path, content, what):
     p = tmp_path / "garbage.gguf"
     if content == "random":
         content = np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes()
     p.write_bytes(content)
-    _open_fails(p, "not a readable GGUF")
+    _open_fails(p, what)
 
 
 def test_nonexistent_path_and_directory(tmp_path):

@@ -34,7 +34,8 @@ import torch
 from ds4c.config import ARCH as TARGET_ARCH
 from ds4c.config import Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, ModelFileError
-from ds4c.gguf_file import Producer, _CheckedReader, _field_value, _type_name, check_tensor_extent, write_model
+from ds4c.gguf_file import (Producer, _CheckedReader, _field_value, _type_name, check_magic, check_tensor_extent,
+                            write_model)
 from ds4c.quant import GGMLType, dequantize
 from ds4c.tensors import (ACCEPTED_TYPES, ROLE_BF16, ROLE_F32, ROLE_FP8, ROLE_NORM, TensorSpec,
                           layer_tensor_specs)
@@ -173,6 +174,7 @@ class DSparkFile:
         if not p.is_file():
             raise ModelFileError(f"{p}: expected a DSpark drafter GGUF file, found a directory or special file")
         size = p.stat().st_size
+        check_magic(p, size)
         try:
             reader = _CheckedReader(p)
         except ModelFileError as e:
