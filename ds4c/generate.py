@@ -172,10 +172,9 @@ class TokenStream:
             self._draft.prepare(ref, prompt, self._n)
             from ds4c.speculative import WidthPolicy, measure_width_costs
 
-            if self._spec_width == "auto":  # the adaptive width: each verify width's cost on this stepper
-                self._policy = WidthPolicy(costs=measure_width_costs(ref))
-            elif isinstance(self._spec_width, WidthPolicy):  # a caller's policy (e.g. its own cost table)
-                self._policy = self._spec_width
+            sw = self._spec_width  # auto: each verify width's cost on this stepper; or a caller's own policy
+            self._policy = WidthPolicy(costs=measure_width_costs(ref)) if sw == "auto" else \
+                sw if isinstance(sw, WidthPolicy) else WidthPolicy(sw)
         ref.reset()
         t0 = time.perf_counter()
         logits = None
@@ -196,12 +195,11 @@ class TokenStream:
         if self._draft is not None and self._n > 1 and tok not in self._stop_ids:
             from ds4c.speculative import SpecStats, speculative_tokens
 
-            self._spec = SpecStats(self._draft.name, "auto" if self._policy is not None and self._policy.adaptive
-                                   else getattr(self._policy, "width", self._spec_width),
-                                   costs_ms=None if self._policy is None or not self._policy.adaptive else {
-                                       w: t * 1e3 for w, t in self._policy.costs.items()})
-            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._policy or self._spec_width,
-                                      self._temp, self._top_k, self._top_p, self._rng, self._spec, self._sample)
+            pol = self._policy
+            self._spec = SpecStats(self._draft.name, "auto" if pol.adaptive else pol.width,
+                                   costs_ms={w: t * 1e3 for w, t in pol.costs.items()} if pol.adaptive else None)
+            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, pol, self._temp, self._top_k,
+                                      self._top_p, self._rng, self._spec, self._sample)
         elif on_device is not None and self._n > 1 and tok not in self._stop_ids:
             more = on_device(tok, len(prompt), self._n - 1, self._temp, self._top_k, self._top_p, self._seed)
         try:

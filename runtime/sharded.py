@@ -275,6 +275,8 @@ class ShardedStep:
         self.step(tokens, pos)  # uploads the scalars; captures on first use
         self.restore(snap)
         first, last = self.shards[0], self.shards[-1]
+        if first.dev != last.dev:  # CUDA events of two devices cannot be compared: host timing
+            return _host_ms(self, tokens, pos, repeats)
         ts = []
         for _ in range(repeats):
             with torch.cuda.device(first.dev):
@@ -289,8 +291,7 @@ class ShardedStep:
             with torch.cuda.device(s.dev):
                 torch.cuda.synchronize()
         self.restore(snap)
-        ms = sorted(a.elapsed_time(b) for a, b in ts) if first.dev == last.dev else \
-            [_host_ms(self, tokens, pos, repeats)]
+        ms = sorted(a.elapsed_time(b) for a, b in ts)
         return ms[len(ms) // 2]
 
     def _replay(self, q: int, pos: int) -> None:
@@ -306,12 +307,13 @@ class ShardedStep:
 
     # ------------------------------------------------------------------------------------------ checks
     def bound_tensors(self) -> list[list[torch.Tensor]]:
-        """Per shard, every tensor its prepared graphs' launches are bound to (weights, state, arena views,
-        workspaces, step scalars, hc_in / hc_out, logits): for checking that shards share no memory and that
+        """Per shard, every tensor its prepared graphs' launches and rollback kernels are bound to (weights, state,
+        arena views, workspaces incl. the undo saves, step scalars, hc_in / hc_out, logits): for checking that shards share no memory and that
         each shard's tensors are on its device."""
         out = []
         for s in self.shards:
-            ts = [a for sg in s._graphs.values() for b in sg.launches for a in b.args if isinstance(a, torch.Tensor)]
+            bound = [b for sg in s._graphs.values() for b in sg.launches + ([sg.rollback] if sg.rollback else [])]
+            ts = [a for b in bound for a in b.args if isinstance(a, torch.Tensor)]
             ts += [t for t in (s.hc_in, s.hc_out, s._logits, s._step_dev) if t is not None]
             out.append(ts)
         return out
