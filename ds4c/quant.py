@@ -16,6 +16,36 @@ large tensors are processed in chunks of ~16M elements only to bound temporary m
     ``e2m1[nibble] * 2^(e-127)``. Dequantization is bit-identical to ``gguf.quants.dequantize`` for every
     byte pattern (including ``e < 2``, which ggml decodes to the subnormals ``2^-128``, ``2^-127``).
     The quantizer uses the DeepSeek scale rule (spec ds4-flash.md P4), not gguf's ``floor(log2 amax) - 2``.
+  - **K-quants and IQ4_XS** (llama.cpp's ``block_q*_K`` / ``block_iq4_xs``; read only, see :func:`quantize`):
+    super-blocks of ``QK_K = 256`` values along the row, so a row must be a multiple of 256 values
+    (:data:`SUPER_BLOCKS`, :func:`super_block`). ``fp16`` fields are little-endian and converted exactly to
+    fp32; every product below is one fp32 operation, evaluated in the order written (the order of
+    ``gguf.quants``, so dequantization is bit-identical to it). Value index ``i`` in 0..255; ``l`` is the
+    position inside the 32 (or 16 / 64) bytes a group of values shares.
+
+    - ``Q2_K`` (84 bytes): ``scales[16]`` @0 (byte ``j``: low nibble = scale, high nibble = min of the
+      16-value sub-block ``j = i/16``), ``qs[64]`` @16, fp16 ``d`` @80, fp16 ``dmin`` @82. 2-bit code:
+      ``h = i/128, s = (i%128)/32, l = i%32``: ``q = (qs[32h+l] >> 2s) & 3``.
+      value = ``(d * (scales[j] & 15)) * q - dmin * (scales[j] >> 4)``.
+    - ``Q3_K`` (110 bytes): ``hmask[32]`` @0, ``qs[64]`` @32, ``scales[12]`` @96, fp16 ``d`` @108.
+      16 6-bit signed scales, sub-block ``j = i/16``: low 4 bits ``scales[j] & 15`` (j < 8) or
+      ``scales[j-8] >> 4`` (j >= 8), high 2 bits ``(scales[8 + j%4] >> 2(j/4)) & 3``; ``sc = bits - 32``.
+      ``q = ((qs[32h+l] >> 2s) & 3) - 4 * (1 - ((hmask[i%32] >> (i/32)) & 1))`` (h, s, l as Q2_K: a set hmask
+      bit means no offset). value = ``(d * sc[j]) * q``.
+    - ``Q4_K`` (144 bytes): fp16 ``d`` @0, fp16 ``dmin`` @2, ``scales[12]`` @4, ``qs[128]`` @16. 8 sub-blocks
+      of 32, ``j = i/32``, 6-bit scale and min: for j < 4 ``sc = scales[j] & 63``, ``m = scales[j+4] & 63``;
+      for j >= 4 ``sc = (scales[j+4] & 15) | ((scales[j-4] >> 6) << 4)``,
+      ``m = (scales[j+4] >> 4) | ((scales[j] >> 6) << 4)``. ``q = (qs[32(j/2) + i%32] >> 4(j%2)) & 15``.
+      value = ``(d * sc) * q - dmin * m``.
+    - ``Q5_K`` (176 bytes): ``d`` @0, ``dmin`` @2, ``scales[12]`` @4 (as Q4_K), ``qh[32]`` @16, ``qs[128]`` @48.
+      ``q = Q4_K's 4 bits | ((qh[i%32] >> j) & 1) << 4``; value = ``(d * sc) * q - dmin * m``.
+    - ``Q6_K`` (210 bytes): ``ql[128]`` @0, ``qh[64]`` @128, int8 ``scales[16]`` @192 (one per 16 values),
+      fp16 ``d`` @208. ``h = i/128, k = i%128``: low 4 bits ``(ql[64h + k%64] >> 4(k/64)) & 15``, high 2 bits
+      ``(qh[32h + k%32] >> 2(k/32)) & 3``; ``q = bits - 32``. value = ``(d * scales[i/16]) * q``.
+    - ``IQ4_XS`` (136 bytes): fp16 ``d`` @0, uint16 ``scales_h`` @2, ``scales_l[4]`` @4, ``qs[128]`` @8.
+      sub-block ``j = i/32``: ``sc = ((scales_l[j/2] >> 4(j%2)) & 15 | ((scales_h >> 2j) & 3) << 4) - 32``;
+      code ``c = (qs[16j + (i%32)%16] >> 4((i%32)/16)) & 15`` into the non-linear table
+      ``-127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113``. value = ``(d * sc) * table[c]``.
 
 * **DeepSeek numeric primitives** (spec ds4-flash.md section 2.3 step 1, section 3 P3 and P4):
   ``pow2_ceil_scale`` (UE8M0 power-of-two scale), ``e2m1_round``, ``fp4_fake_quant`` (P4, block 32),
@@ -33,7 +63,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Callable, Sequence, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 import torch
@@ -50,6 +80,12 @@ except ImportError:  # pragma: no cover - gguf is a dependency, this is only a f
         F32 = 0
         F16 = 1
         Q8_0 = 8
+        Q2_K = 10
+        Q3_K = 11
+        Q4_K = 12
+        Q5_K = 13
+        Q6_K = 14
+        IQ4_XS = 23
         I32 = 26
         BF16 = 30
         MXFP4 = 39
@@ -64,6 +100,13 @@ __all__ = [
     "dequantize_q8_0",
     "quantize_mxfp4",
     "dequantize_mxfp4",
+    "QK_K",
+    "SuperBlock",
+    "SUPER_BLOCKS",
+    "SUPER_BLOCK_NAMES",
+    "super_block",
+    "is_super_block",
+    "dequantize_super_block",
     "e2m1_round",
     "pow2_ceil_scale",
     "fp4_fake_quant",
@@ -81,8 +124,11 @@ __all__ = [
 
 ArrayLike = Union[torch.Tensor, np.ndarray]
 
-#: (values per block, bytes per block) of the block formats.
-BLOCK: dict = {GGMLType.Q8_0: (32, 34), GGMLType.MXFP4: (32, 17)}
+#: (values per block, bytes per block) of the block formats (the K-quants' and IQ4_XS's blocks are their
+#: super-blocks of 256 values; see :data:`SUPER_BLOCKS`).
+BLOCK: dict = {GGMLType.Q8_0: (32, 34), GGMLType.MXFP4: (32, 17),
+               GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144),
+               GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.IQ4_XS: (256, 136)}
 
 #: bytes per element of the plain formats.
 _PLAIN_SIZE = {GGMLType.F32: 4, GGMLType.F16: 2, GGMLType.BF16: 2, GGMLType.I32: 4}
@@ -155,8 +201,9 @@ def _check_block_dim(k: int, block: int, what: str) -> None:
 def nbytes(ggml_type, shape: Sequence[int]) -> int:
     """Bytes a tensor of torch-order ``shape`` (last dim = row length) occupies in ``ggml_type``.
 
-    Block formats (Q8_0: 32 values / 34 bytes, MXFP4: 32 values / 17 bytes) need the last dim to be a
-    multiple of 32; otherwise :class:`QuantError`. Spec gguf-deepseek4.md "Tensor types ds4c supports".
+    Block formats (:data:`BLOCK`: Q8_0 32 values / 34 bytes, MXFP4 32 / 17, the K-quants and IQ4_XS 256 values
+    per super-block) need the last dim to be a multiple of their block; otherwise :class:`QuantError`.
+    Spec gguf-deepseek4.md "Tensor types ds4c supports"; docs/gguf-layout.md "K-quants".
     """
     t = _ggml_type(ggml_type)
     shp = _shape(shape)
@@ -164,7 +211,11 @@ def nbytes(ggml_type, shape: Sequence[int]) -> int:
         bs, ts = BLOCK[t]
         if len(shp) == 0:
             raise QuantError(f"{t.name}: expected a shape with a row dimension, found a scalar shape ()")
-        _check_block_dim(shp[-1], bs, f"{t.name} tensor of shape {shp}")
+        if shp[-1] % bs:
+            hint = (" (rows of a K-quant / IQ4_XS tensor are whole super-blocks of 256 values; ds4c stores "
+                    "such tensors as Q8_0: ds4c.tensors.storage_types)" if t in SUPER_BLOCKS else "")
+            raise QuantError(f"{t.name} tensor of shape {shp}: the last dim must be a multiple of the block "
+                             f"size {bs}, found {shp[-1]}{hint}")
         return _numel(shp) // bs * ts
     return _numel(shp) * _PLAIN_SIZE[t]
 
@@ -484,6 +535,157 @@ def dequantize_mxfp4(raw: ArrayLike, shape: Sequence[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# K-quants (Q2_K .. Q6_K) and IQ4_XS: super-blocks of 256 values (layouts in the module docstring)
+# ---------------------------------------------------------------------------------------------------------
+
+QK_K = 256
+"""Values per super-block of the K-quant and IQ4_XS formats."""
+
+
+class SuperBlock(NamedTuple):
+    """One super-block format: ``name`` (the short name kernels' ``fmt`` strings and ``--formats`` use, e.g.
+    ``"q4_k"``), ``ggml_type``, ``values`` per super-block (256) and ``nbytes`` per super-block."""
+
+    name: str
+    ggml_type: GGMLType
+    values: int
+    nbytes: int
+
+
+#: the super-block formats ds4c reads, by GGML type (sizes from :data:`BLOCK`, as ``gguf.GGML_QUANT_SIZES``).
+SUPER_BLOCKS: dict = {t: SuperBlock(t.name.lower(), t, *BLOCK[t]) for t in (
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS)}
+
+#: short name (``"q2_k"`` .. ``"iq4_xs"``) -> GGML type of the super-block formats.
+SUPER_BLOCK_NAMES: dict = {sb.name: t for t, sb in SUPER_BLOCKS.items()}
+
+
+def super_block(t) -> SuperBlock:
+    """The :class:`SuperBlock` of a K-quant / IQ4_XS type given as a GGMLType, its id, its GGML name
+    (``"Q4_K"``) or its short name (``"q4_k"``). Raises QuantError (one line) for any other type."""
+    if isinstance(t, str) and t.lower() in SUPER_BLOCK_NAMES:
+        return SUPER_BLOCKS[SUPER_BLOCK_NAMES[t.lower()]]
+    g = _ggml_type(t)
+    if g not in SUPER_BLOCKS:
+        raise QuantError(f"{g.name} is not a super-block (K-quant / IQ4_XS) type; expected one of "
+                         + ", ".join(s.ggml_type.name for s in SUPER_BLOCKS.values()))
+    return SUPER_BLOCKS[g]
+
+
+def is_super_block(t) -> bool:
+    """True for the K-quant / IQ4_XS types (rows must be a multiple of 256 values)."""
+    try:
+        return GGMLType(int(t)) in SUPER_BLOCKS
+    except (ValueError, TypeError):
+        return False
+
+
+#: the IQ4_NL / IQ4_XS non-linear 4-bit code table (``gguf.quants.IQ4_NL.kvalues``).
+_IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """fp32 of the little-endian fp16 at byte ``at`` of each super-block row: [n, 1]."""
+    return b[:, at:at + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _shifts(values: Sequence[int], shape: tuple, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device).view(shape)
+
+
+def _q2_k_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales, qs = b[:, 0:16], b[:, 16:80]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dl = (d * (scales & 0xF).to(torch.float32)).view(n, 16, 1)
+    ml = (dmin * (scales >> 4).to(torch.float32)).view(n, 16, 1)
+    q = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)) & 3
+    return (dl * q.reshape(n, 16, 16).to(torch.float32) - ml).view(n, QK_K)
+
+
+def _q3_k_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    hmask, qs, sc = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b, 108)
+    lo = (sc[:, 0:8].reshape(n, 1, 8) >> _shifts((0, 4), (1, 2, 1), b.device)).reshape(n, 16) & 0xF
+    hi = (sc[:, 8:12].reshape(n, 1, 4) >> _shifts((0, 2, 4, 6), (1, 4, 1), b.device)).reshape(n, 16) & 3
+    scale = ((lo | (hi << 4)).to(torch.int32) - 32).to(torch.float32)
+    dl = (d * scale).view(n, 16, 1)
+    ql = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 16, 16) & 3
+    qh = (hmask.reshape(n, 1, 1, 32) >> _shifts(range(8), (1, 1, 8, 1), b.device)).reshape(n, 16, 16) & 1
+    q = (ql.to(torch.int32) - ((qh ^ 1).to(torch.int32) << 2)).to(torch.float32)  # hmask bit 0: q - 4
+    return (dl * q).view(n, QK_K)
+
+
+def _k_scale_min(sc: torch.Tensor) -> tuple:
+    """The 8 6-bit scales and 8 6-bit mins of a Q4_K / Q5_K super-block (12 bytes ``sc`` [n, 12]) as fp32
+    [n, 8, 1] each."""
+    n = sc.shape[0]
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scale = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scale.to(torch.float32).view(n, 8, 1), mins.to(torch.float32).view(n, 8, 1)
+
+
+def _q4_k_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, m = _k_scale_min(b[:, 4:16])
+    q = (b[:, 16:144].reshape(n, 4, 1, 32) >> _shifts((0, 4), (1, 1, 2, 1), b.device)) & 0xF
+    return ((d.view(n, 1, 1) * sc) * q.reshape(n, 8, 32).to(torch.float32) - dmin.view(n, 1, 1) * m).view(n, QK_K)
+
+
+def _q5_k_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, m = _k_scale_min(b[:, 4:16])
+    ql = (b[:, 48:176].reshape(n, 4, 1, 32) >> _shifts((0, 4), (1, 1, 2, 1), b.device)).reshape(n, 8, 32) & 0xF
+    qh = (b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(range(8), (1, 1, 8, 1), b.device)).reshape(n, 8, 32) & 1
+    q = (ql | (qh << 4)).to(torch.float32)
+    return ((d.view(n, 1, 1) * sc) * q - dmin.view(n, 1, 1) * m).view(n, QK_K)
+
+
+def _q6_k_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    dl = (_f16(b, 208) * sc).view(n, 16, 1)
+    lo = (ql.reshape(n, 2, 1, 64) >> _shifts((0, 4), (1, 1, 2, 1), b.device)).reshape(n, 8, 32) & 0xF
+    hi = (qh.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 8, 32) & 3
+    q = ((lo | (hi << 4)).to(torch.int32) - 32).to(torch.float32)
+    return (dl * q.view(n, 16, 16)).view(n, QK_K)
+
+
+def _iq4_xs_dequant_blocks(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    sh = b[:, 2:3].to(torch.int32) | (b[:, 3:4].to(torch.int32) << 8)  # little-endian uint16
+    hi = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device).view(1, 8)) & 3
+    lo = (b[:, 4:8].reshape(n, 4, 1) >> _shifts((0, 4), (1, 1, 2), b.device)).reshape(n, 8) & 0xF
+    scale = ((lo.to(torch.int32) | (hi << 4)) - 32).to(torch.float32)
+    dl = (d * scale).view(n, 8, 1)
+    codes = (b[:, 8:136].reshape(n, 8, 1, 16) >> _shifts((0, 4), (1, 1, 2, 1), b.device)) & 0xF
+    table = torch.tensor(_IQ4_KVALUES, dtype=torch.float32, device=b.device)
+    q = table.index_select(0, codes.reshape(-1).to(torch.int32)).view(n, 8, 32)
+    return (dl * q).view(n, QK_K)
+
+
+_SUPER_DEQUANT = {GGMLType.Q2_K: _q2_k_dequant_blocks, GGMLType.Q3_K: _q3_k_dequant_blocks,
+                  GGMLType.Q4_K: _q4_k_dequant_blocks, GGMLType.Q5_K: _q5_k_dequant_blocks,
+                  GGMLType.Q6_K: _q6_k_dequant_blocks, GGMLType.IQ4_XS: _iq4_xs_dequant_blocks}
+
+
+def dequantize_super_block(raw: ArrayLike, ggml_type, shape: Sequence[int]) -> torch.Tensor:
+    """Dequantize Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS bytes (exactly ``nbytes(type, shape)`` bytes, the
+    last dim a multiple of 256) to float32 of ``shape``, on ``raw``'s device; bit-identical to
+    ``gguf.quants.dequantize`` for every byte pattern with finite fp16 scales (same fp32 operations in the
+    same order; formulas in the module docstring). Raises QuantError for another type or a wrong byte count."""
+    t = super_block(ggml_type).ggml_type
+    blocks, shp = _raw_blocks(raw, t, shape)
+    return _map_blocks(_SUPER_DEQUANT[t], blocks, QK_K, torch.float32, QK_K).view(shp)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # DeepSeek FP4 <-> GGUF MXFP4 repack (spec ds4-flash.md 2.1, gguf-deepseek4.md)
 # ---------------------------------------------------------------------------------------------------------
 
@@ -542,7 +744,8 @@ def dequantize(raw: ArrayLike, ggml_type, shape: Sequence[int], dtype: torch.dty
 
     ``raw``: the tensor's bytes in any fixed-size dtype and any shape with exactly ``nbytes(ggml_type, shape)``
     bytes (uint8 bytes, a float32/float16 array, a torch bf16 tensor, a numpy uint16/int16 view of bf16 bits,
-    an int32 array, ...). Supported: F32, F16, BF16, I32 (values converted to ``dtype``), Q8_0, MXFP4;
+    an int32 array, ...). Supported: F32, F16, BF16, I32 (values converted to ``dtype``), Q8_0, MXFP4, the
+    K-quants Q2_K .. Q6_K and IQ4_XS (:func:`dequantize_super_block`);
     anything else raises :class:`QuantError` naming the type. Plain types are converted directly from their
     own dtype (bf16 -> bf16 without a fp32 round trip); block types decode to float32 first.
     """
@@ -551,6 +754,8 @@ def dequantize(raw: ArrayLike, ggml_type, shape: Sequence[int], dtype: torch.dty
         out = dequantize_q8_0(raw, shape)
     elif t == GGMLType.MXFP4:
         out = dequantize_mxfp4(raw, shape)
+    elif t in SUPER_BLOCKS:
+        out = dequantize_super_block(raw, t, shape)
     else:
         shp = _shape(shape)
         need = nbytes(t, shp)
@@ -572,8 +777,13 @@ def dequantize(raw: ArrayLike, ggml_type, shape: Sequence[int], dtype: torch.dty
 def quantize(x: ArrayLike, ggml_type) -> torch.Tensor:
     """Encode ``x`` ``[..., K]`` as ``ggml_type``: uint8 bytes ``[..., nbytes/row]`` for Q8_0 and MXFP4 (see
     :func:`quantize_q8_0`, :func:`quantize_mxfp4`), the plain converted tensor for F32 / F16 / BF16 (RNE casts)
-    and I32 (integer input only). Unsupported types raise :class:`QuantError` naming the type."""
+    and I32 (integer input only). Unsupported types raise :class:`QuantError` naming the type; so do the
+    K-quants and IQ4_XS, which ds4c reads but does not write (llama.cpp's ``llama-quantize`` makes them; ds4c's
+    synthetic models generate their stored codes directly)."""
     t = _ggml_type(ggml_type)
+    if t in SUPER_BLOCKS:
+        raise QuantError(f"ds4c reads {t.name} but does not quantize to it (llama.cpp's llama-quantize writes "
+                         f"K-quant / IQ4_XS files; ds4c's synthetic models generate stored codes directly)")
     if t == GGMLType.Q8_0:
         return quantize_q8_0(x)
     if t == GGMLType.MXFP4:
