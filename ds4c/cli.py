@@ -93,9 +93,12 @@ def main() -> None:
               show_default=True, help="Model dimensions.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Random seed of the weights.")
-@click.option("--formats", type=click.Choice(["official", "bf16", "f32"]), default="official", show_default=True,
+@click.option("--formats", type=click.Choice(["official", "bf16", "f32", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                                             "iq4_xs"]), default="official", show_default=True,
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
-                   "F32 (the same model, for exact comparisons with other engines, docs/interop.md).")
+                   "F32 (the same model, for exact comparisons with other engines, docs/interop.md); q2_k .. iq4_xs: "
+                   "official with the routed experts in that llama.cpp type (Q8_0 for rows not a multiple of 256; "
+                   "the synthetic generator is pending).")
 @click.option("--drafter", type=click.Choice(["dspark"]), default=None,
               help="Write instead the synthetic DSpark drafter (spec section 7, llama.cpp's dflash layout) of the model "
                    "this preset and seed make: give it to generate --draft FILE.")
@@ -107,7 +110,7 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
     from ds4c.config import preset
     from ds4c.quant import nbytes
     from ds4c.synth import make_model
-    from ds4c.tensors import FORMATS, tensor_specs
+    from ds4c.tensors import storage_types, tensor_specs
 
     cfg = preset(preset_name)
     if drafter == "dspark":
@@ -117,7 +120,8 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
         click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, DSpark drafter of preset {preset_name} seed "
                    f"{seed}, formats {formats})")
         return
-    total = sum(nbytes(FORMATS[formats][s.role], s.shape) for s in tensor_specs(cfg))
+    types = storage_types(cfg, formats)
+    total = sum(nbytes(types[s.name], s.shape) for s in tensor_specs(cfg))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
               disable=total < (64 << 20)) as bar:
         path = make_model(cfg, output, seed=seed, formats=formats, progress=lambda s, n: bar.update(n))
@@ -524,13 +528,13 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     from ds4c.ir.export import to_dot
     from ds4c.passes.manager import PIPELINES, run_pipeline
     from ds4c.passes.partition import kernel_plan, plan_weight_types
-    from ds4c.tensors import FORMATS, tensor_specs
+    from ds4c.tensors import storage_types
 
     if file and preset_name:
         raise click.UsageError("give a model file or --preset, not both")
     if preset_name:
         cfg = preset(preset_name)
-        types = {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+        types = storage_types(cfg, "official")
     else:
         mf = open_model(_model_path(file))
         cfg = mf.config

@@ -27,7 +27,7 @@ from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tempfiles import OwnedTemp, remove_stale
 from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
-                          tensor_specs)
+                          storage_type, tensor_specs)
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
@@ -78,6 +78,9 @@ class _CheckedReader(GGUFReader):
                 block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
             except (ValueError, KeyError):
                 raise ModelFileError(f"tensor {name!r} has unknown GGML type id {int(raw_dtype[0])}") from None
+            if len(dims) and int(dims[0]) % block:  # gguf's reader fails on it with a reshape error naming nothing
+                raise ModelFileError(f"tensor {name!r} of type {_type_name(int(raw_dtype[0]))} has rows of "
+                                     f"{int(dims[0])} values, not a multiple of its block of {block} values")
             end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block
             if end > size:
                 raise ModelFileError(f"tensor {name!r} ends at byte {end} but the file has {size} bytes "
@@ -358,7 +361,9 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             written, see :mod:`ds4c.tempfiles`) and renamed when complete. Temporaries of earlier writers of
             ``path`` that were killed (SIGKILL included) are removed first.
         cfg: the config; its metadata goes to the ``deepseek4.*`` keys.
-        types: role -> GGUF type to store (see :data:`ds4c.tensors.FORMATS`).
+        types: role -> GGUF type to store (see :data:`ds4c.tensors.FORMATS`); each tensor is stored in
+            :func:`ds4c.tensors.storage_type` of it (a K-quant role type falls back to Q8_0 for rows that are not
+            whole super-blocks of 256 values).
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
         extra_metadata: extra ``ds4c.*`` string/int/float keys.
         progress: called with ``(spec, bytes)`` after each tensor.
@@ -394,7 +399,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             _add_metadata(w, cfg, extra_metadata or {}, types, metadata)
             add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))
             for s in specs:
-                t = types[s.role]
+                t = storage_type(s, types)
                 w.add_tensor_info(s.name, s.shape, np.dtype(np.float32) if t == GGMLType.F32 else
                                   np.dtype(np.int32) if t == GGMLType.I32 else np.dtype(np.float16),
                                   nbytes(t, s.shape), raw_dtype=t)
@@ -403,7 +408,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             w.write_ti_data_to_file()
             fout = w.fout[0]
             for s in specs:
-                t = types[s.role]
+                t = storage_type(s, types)
                 want = nbytes(t, s.shape)
                 w.write_padding(fout, fout.tell())
                 got = 0
@@ -508,13 +513,16 @@ def tokenizer_entries(cfg: Ds4Config, meta: dict[str, Any]) -> list[tuple[str, A
 def file_type(types: dict[str, GGMLType]) -> int:
     """``general.file_type`` (llama.cpp's ``LlamaFileType``) of a role -> type table: MOSTLY_MXFP4_MOE (38) when
     the routed experts are MXFP4, as the converter sets for the official checkpoint; else MOSTLY_BF16 (32) when
-    the experts are BF16, MOSTLY_Q8_0 (7) for Q8_0, ALL_F32 (0) for F32."""
-    from gguf import LlamaFileType
+    the experts are BF16, MOSTLY_Q8_0 (7) for Q8_0, ALL_F32 (0) for F32, and for K-quant / IQ4_XS experts the
+    file type llama-quantize names after that type (MOSTLY_Q2_K, MOSTLY_Q3_K_M, MOSTLY_Q4_K_M, MOSTLY_Q5_K_M,
+    MOSTLY_Q6_K, MOSTLY_IQ4_XS)."""
+    from gguf import LlamaFileType as L
 
     t = types["fp4"]
-    return int({GGMLType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE, GGMLType.BF16: LlamaFileType.MOSTLY_BF16,
-                GGMLType.Q8_0: LlamaFileType.MOSTLY_Q8_0, GGMLType.F16: LlamaFileType.MOSTLY_F16}.get(
-        t, LlamaFileType.ALL_F32))
+    return int({GGMLType.MXFP4: L.MOSTLY_MXFP4_MOE, GGMLType.BF16: L.MOSTLY_BF16, GGMLType.Q8_0: L.MOSTLY_Q8_0,
+                GGMLType.F16: L.MOSTLY_F16, GGMLType.Q2_K: L.MOSTLY_Q2_K, GGMLType.Q3_K: L.MOSTLY_Q3_K_M,
+                GGMLType.Q4_K: L.MOSTLY_Q4_K_M, GGMLType.Q5_K: L.MOSTLY_Q5_K_M, GGMLType.Q6_K: L.MOSTLY_Q6_K,
+                GGMLType.IQ4_XS: L.MOSTLY_IQ4_XS}.get(t, L.ALL_F32))
 
 
 def _add_metadata(w: GGUFWriter, cfg: Ds4Config, extra: dict[str, Any], types: dict[str, GGMLType],

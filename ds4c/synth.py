@@ -30,7 +30,7 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.gguf_file import write_model
-from ds4c.quant import GGMLType, dequantize
+from ds4c.quant import GGMLType, dequantize, is_super_block
 from ds4c.tensors import FORMATS, ROLE_BF16, ROLE_F32, ROLE_FP4, ROLE_FP8, ROLE_I32, ROLE_NORM, TensorSpec
 
 OUT_GAIN = 0.25
@@ -190,16 +190,22 @@ def make_model(cfg: Ds4Config, path: str | Path, seed: int = 0, formats: str = "
         cfg: the config (e.g. ``ds4c.config.preset("tiny")``).
         path: output file; written atomically.
         seed: the random seed; the same (cfg, seed, formats) always gives the same bytes.
-        formats: ``"official"`` (Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 as spec 2.1) or ``"bf16"``.
+        formats: ``"official"`` (Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 as spec 2.1), ``"bf16"`` or
+            ``"f32"`` (:data:`ds4c.tensors.FORMATS`; each tensor's type: :func:`ds4c.tensors.storage_type`).
         progress: optional per-tensor callback ``(spec, bytes_written)``.
 
     Raises:
-        ConfigError: unknown ``formats``.
+        ConfigError: unknown ``formats``, or a K-quant / IQ4_XS one (``q2_k`` .. ``iq4_xs``: their stored-form
+            generators are not written yet).
     """
     from ds4c.errors import ConfigError
 
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
+    if is_super_block(FORMATS[formats][ROLE_FP4]):
+        raise ConfigError(f"make-model --formats {formats}: the stored-form {formats.upper()} generator is pending "
+                          f"(ds4c reads {formats.upper()} files, e.g. from llama.cpp's llama-quantize, but cannot "
+                          f"write synthetic ones yet)")
     from ds4c.tokenizer import synthetic_vocab
 
     extra = {"ds4c.synthetic_seed": int(seed), "ds4c.formats": formats}

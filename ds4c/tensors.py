@@ -12,7 +12,9 @@ its GGUF name, its shape in **torch order** (the reverse of the ggml order the G
 * ``f32``  F32 tensors (HC parameters, compressor ``ape``, sinks, router bias);
 * ``i32``  the hash-routing table ``tid2eid``.
 
-A role decides which GGUF types a reader accepts and which type each ``--formats`` choice writes. Names and
+A role decides which GGUF types a reader accepts and which type each ``--formats`` choice writes
+(:func:`storage_types`: a K-quant / IQ4_XS choice falls back to Q8_0 for tensors whose rows are not a multiple
+of 256 values; docs/gguf-layout.md "K-quants"). Names and
 types are those llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4Model``) writes from the official
 checkpoint; docs/gguf-layout.md records what was taken from it. Files of ds4c 0.1 (bare HC base/scale names,
 BF16 norm gains, no tokenizer) still load: :data:`LEGACY_NAMES` maps their names.
@@ -23,31 +25,75 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds4c.config import Ds4Config
-from ds4c.quant import GGMLType
+from ds4c.quant import QK_K, SUPER_BLOCK_NAMES, GGMLType, is_super_block
 
 ROLE_FP8, ROLE_FP4, ROLE_BF16, ROLE_NORM, ROLE_F32, ROLE_I32 = "fp8", "fp4", "bf16", "norm", "f32", "i32"
 
-# GGUF types a reader accepts per role. Quantized roles may also be stored wider (bf16/f16/f32).
+_K = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS)
+
+# GGUF types a reader accepts per role. Quantized roles may also be stored wider (bf16/f16/f32). The K-quants and
+# IQ4_XS are what llama.cpp's llama-quantize writes: any of them for the routed experts (the file's type) and
+# for the other matrices, whose type it mixes per tensor (Q4_K..Q6_K for attention and the shared expert,
+# Q2_K/Q3_K in the small types, Q6_K / Q8_0 for token_embd and output, the file's type for the embedding).
 ACCEPTED_TYPES: dict[str, tuple[GGMLType, ...]] = {
-    ROLE_FP8: (GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
-    ROLE_FP4: (GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
-    ROLE_BF16: (GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_FP8: (GGMLType.Q8_0,) + _K + (GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_FP4: (GGMLType.MXFP4,) + _K + (GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32),
+    ROLE_BF16: (GGMLType.BF16, GGMLType.F16, GGMLType.F32, GGMLType.Q8_0) + _K,
     ROLE_NORM: (GGMLType.F32, GGMLType.BF16, GGMLType.F16),
     ROLE_F32: (GGMLType.F32,),
     ROLE_I32: (GGMLType.I32,),
 }
 
-# Type written per role for each `make-model --formats` choice.
+_OFFICIAL = {ROLE_FP8: GGMLType.Q8_0, ROLE_FP4: GGMLType.MXFP4, ROLE_BF16: GGMLType.BF16,
+             ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32}
+
+# Type written per role for each `make-model --formats` choice. Apply it per tensor with storage_types (a
+# K-quant choice cannot store rows that are not whole super-blocks).
 FORMATS: dict[str, dict[str, GGMLType]] = {
-    "official": {ROLE_FP8: GGMLType.Q8_0, ROLE_FP4: GGMLType.MXFP4, ROLE_BF16: GGMLType.BF16,
-                 ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+    "official": dict(_OFFICIAL),
     "bf16": {ROLE_FP8: GGMLType.BF16, ROLE_FP4: GGMLType.BF16, ROLE_BF16: GGMLType.BF16,
              ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
     # every float tensor F32: the same model with no rounding in any engine's weight products (llama.cpp
     # quantizes activations to Q8_0 for Q8_0/MXFP4 weights and to bf16 for BF16 ones); for exact comparisons
     "f32": {ROLE_FP8: GGMLType.F32, ROLE_FP4: GGMLType.F32, ROLE_BF16: GGMLType.F32,
             ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
+    # official, with the routed experts in a K-quant / IQ4_XS type: "q2_k", ..., "q6_k", "iq4_xs"
+    **{name: {**_OFFICIAL, ROLE_FP4: t} for name, t in SUPER_BLOCK_NAMES.items()},
 }
+
+KQUANT_FALLBACK = GGMLType.Q8_0
+"""The type a tensor takes instead of a K-quant / IQ4_XS one when its rows (last dim) are not a multiple of 256
+values (e.g. the ``tiny`` preset's expert down projection, rows of 128): a block-32 format ds4c reads (every
+ds4c row is a multiple of 32) at least as precise as any K-quant. llama.cpp's quantizer falls back too, to
+IQ4_NL / Q5_0 / Q5_1 / Q8_0 by type, which ds4c does not read; DeepSeek-V4-Flash itself has no such rows (all
+its matrices' rows are multiples of 256), so only ds4c's small synthetic presets meet this rule."""
+
+
+def storage_type(spec: "TensorSpec", types: dict[str, GGMLType]) -> GGMLType:
+    """The GGUF type tensor ``spec`` is stored in under the role table ``types`` (a :data:`FORMATS` value):
+    ``types[spec.role]``, or :data:`KQUANT_FALLBACK` (Q8_0) when that is a K-quant / IQ4_XS type and the rows
+    of ``spec`` are not a multiple of 256 values."""
+    t = types[spec.role]
+    if is_super_block(t) and (not spec.shape or spec.shape[-1] % QK_K):
+        return KQUANT_FALLBACK
+    return t
+
+
+def storage_types(cfg: Ds4Config, formats: str | dict[str, GGMLType] = "official",
+                  specs: "list[TensorSpec] | None" = None) -> dict[str, GGMLType]:
+    """``{tensor name: GGUF type}`` of every tensor of ``cfg`` (or of ``specs``) under ``formats`` (a
+    :data:`FORMATS` name or a role -> type table), with the Q8_0 fallback of :func:`storage_type`.
+
+    Raises:
+        ConfigError: an unknown formats name.
+    """
+    if isinstance(formats, str):
+        if formats not in FORMATS:
+            from ds4c.errors import ConfigError
+
+            raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
+        formats = FORMATS[formats]
+    return {s.name: storage_type(s, formats) for s in (tensor_specs(cfg) if specs is None else specs)}
 
 
 def legacy_names(cfg: Ds4Config) -> dict[str, str]:

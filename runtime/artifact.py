@@ -125,9 +125,9 @@ def _lower_graph(g: Any, cfg: Ds4Config, target: Target, weight_types: dict | No
 def effective_weight_types(cfg: Ds4Config, weight_types: dict | None = None) -> dict[str, str]:
     """``{tensor name: GGML type name}`` the kernels are compiled for: ``weight_types`` (e.g. a GGUF file's
     ``{name: mf.ggml_type(name)}``) or, when None, the official formats of ``cfg``."""
-    from ds4c.tensors import FORMATS, tensor_specs
+    from ds4c.tensors import storage_types
 
-    types = weight_types or {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+    types = weight_types or storage_types(cfg, "official")
     return {k: getattr(v, "name", str(v)) for k, v in sorted(types.items())}
 
 

@@ -85,7 +85,7 @@ def describe(k: LoweredKernel) -> dict[str, Any]:
 from ds4c.config import Ds4Config  # noqa: E402
 from ds4c.ir.graph import Graph, Op, Value  # noqa: E402
 from ds4c.ir.printer import value_names  # noqa: E402
-from ds4c.quant import GGMLType  # noqa: E402
+from ds4c.quant import GGMLType, is_super_block  # noqa: E402
 from ds4c.runtime.families import attention as _att  # noqa: E402
 from ds4c.runtime.families import compressor as _cmp  # noqa: E402
 from ds4c.runtime.families import experts as _exp  # noqa: E402
@@ -97,8 +97,11 @@ from ds4c.runtime.families import rowchain as _rc  # noqa: E402
 from ds4c.runtime.families import undo as _undo  # noqa: E402
 from ds4c.runtime.render import RenderError  # noqa: E402
 from ds4c.runtime.targets import Target  # noqa: E402
-from ds4c.tensors import FORMATS, tensor_specs  # noqa: E402
+from ds4c.tensors import storage_types  # noqa: E402
 
+# GGUF storage type -> the ``fmt`` string of the GEMV and experts families (runtime/families/gemv.py FORMATS,
+# experts.py FORMATS). A type missing here (the K-quants and IQ4_XS until their kernels land) is a one-line
+# LoweringError naming the tensor: _Ctx.fmt, check_expert_formats.
 _FMT = {GGMLType.BF16: "bf16", GGMLType.F32: "f32", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4"}
 ELEMENTWISE_CHAIN = ("rms_norm", "head_rms", "rope", "kv_fake_quant", "fp4_fake_quant", "hadamard", "mul_scalar")
 
@@ -154,10 +157,21 @@ class _Ctx:
         return Arg("value", self.names[v])
 
     def fmt(self, weight: str) -> str:
+        """The kernel ``fmt`` string of ``weight``'s stored type (:data:`_FMT`); LoweringError for a type no
+        kernel reads."""
         t = self.types.get(weight, GGMLType.BF16)
         if t not in _FMT:
-            raise LoweringError(f"weight {weight}: storage {t.name} has no GEMV kernel (expected BF16/F32/Q8_0/MXFP4)")
+            raise LoweringError(f"weight {weight}: storage {getattr(t, 'name', t)} has no GEMV kernel (expected "
+                                f"BF16/F32/Q8_0/MXFP4){_reference_hint(t)}")
         return _FMT[t]
+
+    def same_fmt(self, weights: tuple[str, ...]) -> str:
+        """The one ``fmt`` of ``weights`` (the three matrices one experts kernel reads in one format)."""
+        fmts = [self.fmt(w) for w in weights]
+        if len(set(fmts)) > 1:
+            found = ", ".join(f"{w} {getattr(self.types.get(w, GGMLType.BF16), 'name', '?')}" for w in weights)
+            raise LoweringError(f"the experts kernel reads w1, w3 and w2 in one format; found {found}")
+        return fmts[0]
 
     def name(self, op: Op, suffix: str) -> str:
         """Kernel (entry) name: by role, not by layer, so identical kernels of different layers render the
@@ -436,8 +450,10 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
     layer = re_.attrs["layer"]
     p = f"blk.{layer}."
     cfg = c.cfg
+    routed = tuple(p + n for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+    shared = tuple(c.weight_name(x.inputs[1]) or "" for x in (gate, up, down))
     spec = _exp.ExpertsSpec(c.q, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts,
-                            c.fmt(p + "ffn_gate_exps.weight"), c.fmt(c.weight_name(gate.inputs[1]) or ""),
+                            c.same_fmt(routed), c.same_fmt(shared),
                             bool(re_.attrs["emulate"]), re_.attrs["limit"])
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
@@ -479,9 +495,16 @@ def check_expert_formats(types: dict[str, GGMLType]) -> None:
     """
     for name, t in types.items():
         if ("_exps." in name or "_shexp." in name) and t not in EXPERT_FORMATS:
+            hint = _reference_hint(t) or (" (an --formats f32 model runs on the reference only: make it with "
+                                          "--formats official or bf16 to compile it)")
             raise LoweringError(f"the compiled step reads expert weights stored as MXFP4, Q8_0 or BF16; {name} is "
-                                f"{t.name} (an --formats f32 model runs on the reference only: make it with "
-                                f"--formats official or bf16 to compile it)")
+                                f"{getattr(t, 'name', t)}{hint}")
+
+
+def _reference_hint(t: object) -> str:
+    """What to do with a K-quant / IQ4_XS weight the compiled kernels cannot read yet ('' for other types)."""
+    return ("; K-quant / IQ4_XS kernels are not written yet: run this model with --engine reference"
+            if is_super_block(t) else "")
 
 
 def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
@@ -496,7 +519,7 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
     """
     if "partition" not in g.meta.get("passes", ()):
         raise LoweringError("lower_graph needs a partitioned graph (run the default pipeline first)")
-    types = weight_types or {s.name: FORMATS["official"][s.role] for s in tensor_specs(cfg)}
+    types = weight_types or storage_types(cfg, "official")
     check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)
     out: list[LoweredKernel] = []

@@ -507,7 +507,7 @@ def test_mis_shaped_f32_tensor(tmp_path, tiny):
 @pytest.mark.parametrize("name,data,t,found", [
     ("blk.1.attn_sinks.weight", lambda mf, n: bf16_bytes(mf.tensor(n)), G.BF16, "BF16"),  # F32 role as BF16
     ("blk.0.ffn_gate_tid2eid.weight", lambda mf, n: mf.tensor(n).float().numpy(), G.F32, "F32"),  # I32 as F32
-    ("output.weight", lambda mf, n: quantize(mf.tensor(n), G.Q8_0).numpy(), G.Q8_0, "Q8_0"),  # BF16 role as Q8_0
+    ("output.weight", lambda mf, n: quantize(mf.tensor(n), G.MXFP4).numpy(), G.MXFP4, "MXFP4"),  # BF16 role
     ("blk.3.attn_q_b.weight", lambda mf, n: quantize(mf.tensor(n), G.MXFP4).numpy(), G.MXFP4, "MXFP4"),  # FP8 role
 ])
 def test_wrongly_typed_tensor(tmp_path, tiny, name, data, t, found):

@@ -25,7 +25,8 @@ from ds4c.errors import ConfigError
 from ds4c.gguf_file import ModelFile, open_model
 from ds4c.quant import GGMLType
 from ds4c.synth import _as_type, _matrix, _rng, producer
-from ds4c.tensors import FORMATS, TensorSpec
+from ds4c.quant import is_super_block
+from ds4c.tensors import FORMATS, ROLE_FP4, TensorSpec
 
 
 def drafter_seed(seed: int) -> int:
@@ -88,6 +89,9 @@ def make_dspark(target: ModelFile | Ds4Config | str | os.PathLike[str], path: st
         cfg, tok_meta = mf.config, mf.metadata
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
+    if is_super_block(FORMATS[formats][ROLE_FP4]):
+        raise ConfigError(f"DSpark drafter --formats {formats}: a drafter has no routed experts, so {formats} would "
+                          f"be the official drafter; give --formats official (it drafts for a {formats} target too)")
     taps = default_taps(cfg) if taps is None else tuple(taps)
     if not taps or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.n_layers for t in taps) \
             or len(set(taps)) != len(taps):
