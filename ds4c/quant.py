@@ -20,8 +20,9 @@ large tensors are processed in chunks of ~16M elements only to bound temporary m
     super-blocks of ``QK_K = 256`` values along the row, so a row must be a multiple of 256 values
     (:data:`SUPER_BLOCKS`, :func:`super_block`). ``fp16`` fields are little-endian and converted exactly to
     fp32; every product below is one fp32 operation, evaluated in the order written (the order of
-    ``gguf.quants``, so dequantization is bit-identical to it). Value index ``i`` in 0..255; ``l`` is the
-    position inside the 32 (or 16 / 64) bytes a group of values shares.
+    ``gguf.quants``, so dequantization is bit-identical to it). The products are exact (at most 23
+    significant bits: docs/gguf-layout.md), so only the final ``- dmin * m`` of Q2_K / Q4_K / Q5_K rounds.
+    Value index ``i`` in 0..255; ``l`` is the position inside the 32 (or 16 / 64) bytes a group of values shares.
 
     - ``Q2_K`` (84 bytes): ``scales[16]`` @0 (byte ``j``: low nibble = scale, high nibble = min of the
       16-value sub-block ``j = i/16``), ``qs[64]`` @16, fp16 ``d`` @80, fp16 ``dmin`` @82. 2-bit code:

@@ -274,28 +274,12 @@ def test_reference_equals_f32_copy(kfiles, tmp_path):
 def test_wrong_k_type_for_role_is_one_line(kfiles, tmp_path):
     """A K-quant where a role accepts none (a norm gain) names the tensor, the type and the types expected; rows
     that are not whole super-blocks name the tensor."""
-    from gguf import GGUFWriter
+    from test_gguf import copy_model
 
     src = open_model(kfiles["a"])
-
-    def rewrite(path, name, data, t):
-        w = GGUFWriter(str(path), "deepseek4")
-        from ds4c.config import to_gguf_metadata
-        from ds4c.gguf_file import add_metadata_entries
-
-        add_metadata_entries(w, to_gguf_metadata(src.config))
-        for n in src.specs:
-            raw, tt = (data, t) if n == name else (np.asarray(src.raw(n)), src.ggml_type(n))
-            w.add_tensor(n, np.ascontiguousarray(raw), raw_dtype=tt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return path
-
     name = "blk.0.attn_norm.weight"
     blk = random_blocks(np.random.default_rng(0), G.Q4_K, 1).reshape(-1)
-    p = rewrite(tmp_path / "norm.gguf", name, blk, G.Q4_K)  # the [256] gain as one Q4_K super-block
+    p = copy_model(src, tmp_path / "norm.gguf", replace={name: (blk, G.Q4_K)})  # the [256] gain as one Q4_K block
     with pytest.raises(ModelFileError) as ei:
         open_model(p)
     msg = str(ei.value)
@@ -311,7 +295,8 @@ def test_wrong_k_type_for_role_is_one_line(kfiles, tmp_path):
     with pytest.raises(ModelFileError) as ei:
         open_model(tmp_path / "rows.gguf")
     msg = str(ei.value)
-    assert "\n" not in msg and f"{name!r} of type Q4_K has rows of 128 values, not a multiple of its block of 256" in msg
+    assert "\n" not in msg
+    assert f"{name!r} of type Q4_K has rows of 128 values, not a multiple of its block of 256" in msg
 
 
 def test_info_shows_k_types(kfiles):
@@ -351,3 +336,25 @@ def test_compiled_lowering_refuses_k_quants_in_one_line(kfiles):
         check_expert_formats(types)
     msg = str(ei.value)
     assert "\n" not in msg and "ffn_gate_exps.weight is Q3_K" in msg and "--engine reference" in msg
+
+
+def test_lowering_names_the_tensor_and_type():
+    """A K-quant GEMV weight and an experts bank whose w2 differs from w1 are one-line LoweringErrors naming the
+    tensor and its type (before: a w2 in another format was read silently in w1's)."""
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import LoweringError, lower_graph
+    from ds4c.runtime.targets import target
+
+    g = run_pipeline(build_step(TINY, 1, max_ctx=128), "default", context=128).graph
+    official = storage_types(TINY, "official")
+    for change, want in (({"blk.0.attn_q_a.weight": G.Q4_K},
+                          "weight blk.0.attn_q_a.weight: storage Q4_K has no GEMV kernel"),
+                         ({"blk.2.ffn_down_exps.weight": G.Q8_0},
+                          "blk.2.ffn_gate_exps.weight MXFP4, blk.2.ffn_up_exps.weight MXFP4, "
+                          "blk.2.ffn_down_exps.weight Q8_0")):
+        with pytest.raises(LoweringError) as ei:
+            lower_graph(g, TINY, target("sm_90"), {**official, **change})
+        msg = str(ei.value)
+        assert "\n" not in msg and want in msg, msg
+        assert ("--engine reference" in msg) == (G.Q4_K in change.values())
