@@ -103,6 +103,9 @@ from ds4c.tensors import storage_types  # noqa: E402
 # experts.py FORMATS). A type missing here (the K-quants and IQ4_XS until their kernels land) is a one-line
 # LoweringError naming the tensor: _Ctx.fmt, check_expert_formats.
 _FMT = {GGMLType.BF16: "bf16", GGMLType.F32: "f32", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4"}
+#: ... of the experts family, which also reads the K-quants and IQ4_XS
+_EXPERT_FMT = {GGMLType.BF16: "bf16", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4",
+               **{GGMLType[f.upper()]: f for f in _exp.KQUANTS}}
 ELEMENTWISE_CHAIN = ("rms_norm", "head_rms", "rope", "kv_fake_quant", "fp4_fake_quant", "hadamard", "mul_scalar")
 
 
@@ -165,13 +168,17 @@ class _Ctx:
                                 f"BF16/F32/Q8_0/MXFP4){_reference_hint(t)}")
         return _FMT[t]
 
-    def same_fmt(self, weights: tuple[str, ...]) -> str:
-        """The one ``fmt`` of ``weights`` (the three matrices one experts kernel reads in one format)."""
-        fmts = [self.fmt(w) for w in weights]
-        if len(set(fmts)) > 1:
-            found = ", ".join(f"{w} {getattr(self.types.get(w, GGMLType.BF16), 'name', '?')}" for w in weights)
-            raise LoweringError(f"the experts kernel reads w1, w3 and w2 in one format; found {found}")
-        return fmts[0]
+    def expert_fmt(self, weights: tuple[str, ...]) -> str:
+        """The one experts-family ``fmt`` of ``weights`` (matrices one experts kernel reads in one format:
+        routed gate + up, routed down, or the shared expert's three); LoweringError when they differ or a type
+        has no experts kernel."""
+        types = [self.types.get(w, GGMLType.BF16) for w in weights]
+        found = ", ".join(f"{w} {getattr(t, 'name', t)}" for w, t in zip(weights, types))
+        if any(t not in _EXPERT_FMT for t in types):
+            raise LoweringError(f"the experts kernel reads MXFP4, Q8_0, BF16, Q2_K..Q6_K or IQ4_XS; found {found}")
+        if len(set(types)) > 1:
+            raise LoweringError(f"the experts kernel reads these matrices in one format; found {found}")
+        return _EXPERT_FMT[types[0]]
 
     def name(self, op: Op, suffix: str) -> str:
         """Kernel (entry) name: by role, not by layer, so identical kernels of different layers render the
@@ -450,11 +457,11 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
     layer = re_.attrs["layer"]
     p = f"blk.{layer}."
     cfg = c.cfg
-    routed = tuple(p + n for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
     shared = tuple(c.weight_name(x.inputs[1]) or "" for x in (gate, up, down))
     spec = _exp.ExpertsSpec(c.q, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts,
-                            c.same_fmt(routed), c.same_fmt(shared),
-                            bool(re_.attrs["emulate"]), re_.attrs["limit"])
+                            c.expert_fmt((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
+                            c.expert_fmt(shared), bool(re_.attrs["emulate"]), re_.attrs["limit"],
+                            down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)))
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
     b = {"x": c.arg(re_.inputs[0]), "ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]),
@@ -484,27 +491,29 @@ FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "h
              "moe_experts": "experts"}
 
 
-EXPERT_FORMATS = (GGMLType.MXFP4, GGMLType.Q8_0, GGMLType.BF16)
+EXPERT_FORMATS = tuple(_EXPERT_FMT)
 
 
 def check_expert_formats(types: dict[str, GGMLType]) -> None:
-    """The experts kernels read routed and shared expert weights stored as MXFP4, Q8_0 or BF16.
+    """The experts kernels read routed and shared expert weights stored as MXFP4, Q8_0, BF16, a K-quant
+    (Q2_K..Q6_K) or IQ4_XS.
 
     Raises:
         LoweringError: naming the first expert tensor stored otherwise (e.g. an ``--formats f32`` model).
     """
     for name, t in types.items():
         if ("_exps." in name or "_shexp." in name) and t not in EXPERT_FORMATS:
-            hint = _reference_hint(t) or (" (an --formats f32 model runs on the reference only: make it with "
-                                          "--formats official or bf16 to compile it)")
-            raise LoweringError(f"the compiled step reads expert weights stored as MXFP4, Q8_0 or BF16; {name} is "
-                                f"{getattr(t, 'name', t)}{hint}")
+            raise LoweringError(f"the compiled step reads expert weights stored as MXFP4, Q8_0, BF16, Q2_K..Q6_K "
+                                f"or IQ4_XS; {name} is {getattr(t, 'name', t)}{_reference_hint(t)}")
 
 
 def _reference_hint(t: object) -> str:
-    """What to do with a K-quant / IQ4_XS weight the compiled kernels cannot read yet ('' for other types)."""
-    return ("; K-quant / IQ4_XS kernels are not written yet: run this model with --engine reference"
-            if is_super_block(t) else "")
+    """What to do with a weight no compiled kernel reads."""
+    if is_super_block(t):
+        return ("; the GEMV kernels of the other matrices do not read K-quants / IQ4_XS yet: run this model "
+                "with --engine reference")
+    return (" (an --formats f32 model runs on the reference only: make it with --formats official or bf16 to "
+            "compile it)") if t == GGMLType.F32 else ""
 
 
 def lower_graph(g: Graph, cfg: Ds4Config, target: Target,

@@ -327,20 +327,25 @@ def test_plan_bytes_use_stored_types(kfiles):
     assert total == sum(per_kernel.values())
 
 
-def test_compiled_lowering_refuses_k_quants_in_one_line(kfiles):
+def test_compiled_experts_accept_k_quants_other_types_refused_in_one_line(kfiles):
+    """The experts kernels read K-quant banks (file "a": Q3_K gate/up, Q8_0 down); an expert stored F32 is
+    still a one-line refusal naming it."""
     from ds4c.runtime.lower import LoweringError, check_expert_formats
 
     mf = open_model(kfiles["a"])
     types = {n: mf.ggml_type(n) for n in mf.specs}
+    assert types["blk.0.ffn_gate_exps.weight"] == G.Q3_K
+    check_expert_formats(types)
     with pytest.raises(LoweringError) as ei:
-        check_expert_formats(types)
+        check_expert_formats({**types, "blk.1.ffn_up_exps.weight": G.F32})
     msg = str(ei.value)
-    assert "\n" not in msg and "ffn_gate_exps.weight is Q3_K" in msg and "--engine reference" in msg
+    assert "\n" not in msg and "blk.1.ffn_up_exps.weight is F32" in msg and "--formats official" in msg
 
 
 def test_lowering_names_the_tensor_and_type():
-    """A K-quant GEMV weight and an experts bank whose w2 differs from w1 are one-line LoweringErrors naming the
-    tensor and its type (before: a w2 in another format was read silently in w1's)."""
+    """A K-quant GEMV weight and an experts bank whose w3 differs from w1 (one kernel phase reads both) are
+    one-line LoweringErrors naming the tensor and its type (before: w2 and w3 in another format were read
+    silently in w1's; w2 now has its own format)."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
     from ds4c.runtime.lower import LoweringError, lower_graph
@@ -350,9 +355,8 @@ def test_lowering_names_the_tensor_and_type():
     official = storage_types(TINY, "official")
     for change, want in (({"blk.0.attn_q_a.weight": G.Q4_K},
                           "weight blk.0.attn_q_a.weight: storage Q4_K has no GEMV kernel"),
-                         ({"blk.2.ffn_down_exps.weight": G.Q8_0},
-                          "blk.2.ffn_gate_exps.weight MXFP4, blk.2.ffn_up_exps.weight MXFP4, "
-                          "blk.2.ffn_down_exps.weight Q8_0")):
+                         ({"blk.2.ffn_up_exps.weight": G.Q8_0},
+                          "blk.2.ffn_gate_exps.weight MXFP4, blk.2.ffn_up_exps.weight Q8_0")):
         with pytest.raises(LoweringError) as ei:
             lower_graph(g, TINY, target("sm_90"), {**official, **change})
         msg = str(ei.value)

@@ -64,12 +64,22 @@ from ds4c.runtime.targets import Target
 
 TEMPLATE = "experts/experts.cu.j2"
 FAMILY = "experts"
-FORMATS = ("mxfp4", "q8_0", "bf16")
-FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2}
-#: bytes of one 32-value block
-BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
-#: blocks per streamed chunk row (about 256-272 bytes per row segment)
-CHUNK_BLOCKS = {"mxfp4": 16, "q8_0": 8, "bf16": 4}
+#: llama.cpp's K-quants and IQ4_XS: super-blocks of 256 values (layouts in ds4c.quant and the template's
+#: ``xp_kq`` decoder)
+KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+FORMATS = ("mxfp4", "q8_0", "bf16") + KQUANTS
+FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2, "q2_k": 3, "q3_k": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8}
+#: values of one stored block (32; a K-quant super-block holds 256)
+BLOCK_VALUES = {"mxfp4": 32, "q8_0": 32, "bf16": 32, **{f: 256 for f in KQUANTS}}
+#: bytes of one stored block
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64, "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176,
+               "q6_k": 210, "iq4_xs": 136}
+#: blocks per streamed chunk row (about 256-272 bytes per row segment; K-quants: two super-blocks, 168-352
+#: bytes; Q3_K and Q6_K one, of 110 / 210 bytes: their decode needs the registers)
+CHUNK_BLOCKS = {"mxfp4": 16, "q8_0": 8, "bf16": 4, **{f: 2 for f in KQUANTS}, "q3_k": 1, "q6_k": 1}
+#: K-quant random weights (:func:`random_weight`): (a, byte offsets of the fp16 d / dmin in the super-block)
+KQ_SCALE = {"q2_k": (1e-3, (80, 82)), "q3_k": (1e-4, (108,)), "q4_k": (1e-4, (0, 2)), "q5_k": (5e-5, (0, 2)),
+            "q6_k": (1e-5, (208,)), "iq4_xs": (1e-5, (0,))}
 ENGINES = ("auto", "mma", "simt")
 PHASES = ("up", "down")
 ROWS_PER_BLOCK = 16
@@ -78,6 +88,9 @@ MAX_Q = 8
 #: registers per thread the CUDA build may use (``__launch_bounds__`` min blocks = 64K / (threads * this));
 #: the prefetch buffers alone take ~72
 REG_BUDGET = 168
+#: ... with a K-quant in the phase: its decode (packed 6-bit scales, high-bit planes, sign extension) and the
+#: 4-byte loads of Q3_K / Q6_K chunks need more (2 blocks per SM)
+REG_BUDGET_KQ = 255
 #: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
 #: CUDA archs with cvt.f16x2.e4m3x2 (sm_89+): the f16-MMA path with e4m3 activations
@@ -91,7 +104,7 @@ def _float_literal(x: float) -> str:
 
 def row_bytes(fmt: str, n_in: int) -> int:
     """Bytes of one stored weight row of ``n_in`` values."""
-    return n_in // 32 * BLOCK_BYTES[fmt]
+    return n_in // BLOCK_VALUES[fmt] * BLOCK_BYTES[fmt]
 
 
 @dataclass(frozen=True)
@@ -104,8 +117,12 @@ class ExpertsSpec:
         inter: F, the expert intermediate width (2048 official, 128 tiny).
         k: routed experts per row (6 official, 4 tiny).
         n_experts: E (256 official, 16 tiny).
-        routed_fmt: storage of the routed experts: ``mxfp4`` (GGUF files) | ``q8_0`` | ``bf16``.
-        shared_fmt: storage of the shared expert: ``q8_0`` (GGUF files) | ``bf16`` | ``mxfp4``.
+        routed_fmt: storage of the routed experts' gate/up (w1, w3): ``mxfp4`` (official GGUF files) |
+            ``q8_0`` | ``bf16`` | a K-quant (``q2_k`` .. ``q6_k``, ``iq4_xs``; rows must be multiples of 256).
+        shared_fmt: storage of the shared expert: ``q8_0`` (official GGUF files) | any of the above.
+        down_fmt: storage of the routed experts' down projection (w2); None = ``routed_fmt``. llama.cpp's
+            quantizer often gives ffn_down another type than gate/up, and a K-quant model whose F is not a
+            multiple of 256 stores w2 in Q8_0.
         act_quant: FP8 activation quant of x and h (spec 2.3.1; the reference's ``emulate``).
         limit: SwiGLU clamp (P11; 10.0).
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
@@ -124,8 +141,11 @@ class ExpertsSpec:
     act_quant: bool = True
     limit: float = 10.0
     engine: str = "auto"
+    down_fmt: str | None = None
 
     def __post_init__(self) -> None:
+        if self.down_fmt is None:
+            object.__setattr__(self, "down_fmt", self.routed_fmt)
         bad = []
         if not (isinstance(self.q, int) and 1 <= self.q <= MAX_Q):
             bad.append(f"q {self.q!r} (expected 1..{MAX_Q})")
@@ -137,9 +157,15 @@ class ExpertsSpec:
             bad.append(f"n_experts {self.n_experts!r} (expected >= 1)")
         if not (isinstance(self.k, int) and 1 <= self.k <= max(1, self.n_experts if isinstance(self.n_experts, int) else 1)):
             bad.append(f"k {self.k!r} (expected 1..n_experts)")
-        for name in ("routed_fmt", "shared_fmt"):
-            if getattr(self, name) not in FORMATS:
-                bad.append(f"{name} {getattr(self, name)!r} (expected one of {FORMATS})")
+        for name, dims in (("routed_fmt", ("hidden",)), ("shared_fmt", ("hidden", "inter")), ("down_fmt", ("inter",))):
+            f = getattr(self, name)
+            if f not in FORMATS:
+                bad.append(f"{name} {f!r} (expected one of {FORMATS})")
+                continue
+            for dim in dims:
+                v = getattr(self, dim)
+                if isinstance(v, int) and v % BLOCK_VALUES[f]:
+                    bad.append(f"{name} {f} with {dim} {v} (rows of {f} are multiples of {BLOCK_VALUES[f]} values)")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
         if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
@@ -154,13 +180,15 @@ class ExpertsSpec:
 
     def key(self) -> str:
         """Short name of the kernel variant (without the engine)."""
+        down = "" if self.down_fmt == self.routed_fmt else f"_dn{self.down_fmt}"
         return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
-                f"{self.shared_fmt}{'' if self.act_quant else '_noaq'}"
+                f"{self.shared_fmt}{down}{'' if self.act_quant else '_noaq'}"
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
 
     def short(self) -> str:
         return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
-                f"{self.routed_fmt}/{self.shared_fmt}{'' if self.act_quant else ' noaq'}")
+                f"{self.routed_fmt}/{self.shared_fmt}" + ("" if self.down_fmt == self.routed_fmt else f" down {self.down_fmt}")
+                + ("" if self.act_quant else " noaq"))
 
 
 def resolve_engine(spec: ExpertsSpec, target: Target) -> str:
@@ -187,6 +215,9 @@ class _Geo:
     rs: int
     form: int
     nj: int
+    vb: int
+    rbl: int
+    mis: int
 
 
 @dataclass(frozen=True)
@@ -214,22 +245,26 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _geo(fmt: str, kin: int, kw: int, e4m3: bool, act_quant: bool) -> _Geo:
-    bb = BLOCK_BYTES[fmt]
-    nkb = kw // 32
-    ch = max(c for c in (16, 8, 4, 2, 1) if c <= CHUNK_BLOCKS[fmt] and nkb % c == 0)
+def _geo(fmt: str, kin: int, kw: int, e4m3: bool, act_quant: bool, cap: int = 16) -> _Geo:
+    bb, vb = BLOCK_BYTES[fmt], BLOCK_VALUES[fmt]
+    nkb = kw // vb
+    ch = max(c for c in (16, 8, 4, 2, 1) if c <= min(cap, CHUNK_BLOCKS[fmt]) and nkb % c == 0)
     rb, rs = ch * bb, row_bytes(fmt, kin)
-    v = max(v for v in (16, 8, 4) if rb % v == 0 and rs % v == 0)
+    # chunks or rows not a multiple of 4 bytes (Q3_K / Q6_K super-blocks are 110 / 210): stream the u32s
+    # covering each chunk row (every address is even, so 2 more bytes) and let the kernel find its start
+    mis = int(rb % 4 != 0 or rs % 4 != 0)
+    rbl = rb + 2 + (-(rb + 2)) % 4 if mis else rb
+    v = 4 if mis else max(v for v in (16, 8, 4) if rb % v == 0 and rs % v == 0)
     # padded row stride of the shared tile: 16-byte multiple, bank-conflict-free fragment reads
     want = (16, 8) if fmt == "bf16" else (8, 4)
-    rbp = _round16(rb)
+    rbp = _round16(rbl)
     while (rbp // 4) % want[0] != want[1]:
         rbp += 16
     # form 0: f16 activations + per-128 scale (the f16 MMA on MXFP4 / Q8_0 with act_quant, sm_89+: MXFP4 needs
     # the e4m3 -> f16 cvt); form 1: bf16 activations (bf16 MMA, SIMT)
-    form = 0 if (e4m3 and fmt in ("mxfp4", "q8_0") and act_quant) else 1
-    nj = -(-(16 * rb // v) // 32)
-    return _Geo(FMT_ID[fmt], bb, ch, v, rb, rbp, rs, form, nj)
+    form = 0 if (e4m3 and fmt != "bf16" and act_quant) else 1
+    nj = -(-(16 * rbl // v) // 32)
+    return _Geo(FMT_ID[fmt], bb, ch, v, rb, rbp, rs, form, nj, vb, rbl, mis)
 
 
 def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
@@ -243,9 +278,22 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
     engine = resolve_engine(spec, target)
     e4m3 = engine == "mma" and target.arch in E4M3_ARCHS
     kin, nout = (spec.hidden, spec.inter) if phase == "up" else (spec.inter, spec.hidden)
-    nw = max(w for w in (4, 2, 1) if w <= MAX_WARPS and kin % (128 * w) == 0)
+    routed = spec.routed_fmt if phase == "up" else spec.down_fmt
+    unit = max(128, BLOCK_VALUES[routed], BLOCK_VALUES[spec.shared_fmt])  # a warp's K range holds whole blocks
+    nw = max(w for w in (4, 2, 1) if w <= MAX_WARPS and kin % (unit * w) == 0)
     kw = kin // nw
-    geos = (_geo(spec.routed_fmt, kin, kw, e4m3, spec.act_quant), _geo(spec.shared_fmt, kin, kw, e4m3, spec.act_quant))
+    lim = SMEM_LIMIT[target.vendor]
+    for cap in (16, 1):  # K-quant chunks of two super-blocks can overflow HIP's 64 KB: then one per chunk
+        pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, cap)
+        if pl.smem <= lim:
+            return pl
+    raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {pl.smem} bytes of shared memory, "
+                      f"the limit is {lim}")
+
+
+def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3: bool, kin: int, nout: int, nw: int,
+               kw: int, routed: str, cap: int) -> PhasePlan:
+    geos = (_geo(routed, kin, kw, e4m3, spec.act_quant, cap), _geo(spec.shared_fmt, kin, kw, e4m3, spec.act_quant, cap))
     if engine == "simt":
         assert all(g.form == 1 for g in geos)
     nb = max(g.nj * g.v // 4 for g in geos)
@@ -262,10 +310,6 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
     off_extra = nw * act_wb + nw * tile_wb + pbuf
     extra = 0 if phase == "up" else (5 * spec.slots + 1) * 4 + 2 * q * 16 * 4
     smem = _round16(off_extra + extra)
-    lim = SMEM_LIMIT[target.vendor]
-    if smem > lim:
-        raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, "
-                          f"the limit is {lim}")
     if phase == "up":
         grid = (spec.inter // ROWS_PER_BLOCK, spec.slots + 1, 1)
     else:
@@ -281,7 +325,13 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
                 limit=_float_literal(spec.limit), nb=pl.nb, ast16=pl.ast16, act_wb=pl.act_wb,
                 tile_wb=pl.tile_wb, off_extra=pl.off_extra, smem=pl.smem,
                 geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts,
-                min_blocks=max(1, min(4, 65536 // (pl.block[0] * REG_BUDGET))))
+                min_blocks=max(1, min(4, 65536 // (pl.block[0] * _reg_budget(spec, phase)))))
+
+
+def _reg_budget(spec: ExpertsSpec, phase: str) -> int:
+    """Registers per thread the CUDA build of ``phase`` may use (:data:`REG_BUDGET`, :data:`REG_BUDGET_KQ`)."""
+    fmts = (spec.routed_fmt if phase == "up" else spec.down_fmt, spec.shared_fmt)
+    return REG_BUDGET_KQ if any(f in KQUANTS for f in fmts) else REG_BUDGET
 
 
 def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -> list[KernelSource]:
@@ -327,15 +377,16 @@ def arg_shapes(spec: ExpertsSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     q, D, F, k, E = spec.q, spec.hidden, spec.inter, spec.k, spec.n_experts
     return {"x": ((q, D), torch.bfloat16), "ids": ((q, k), torch.int64), "weights": ((q, k), torch.float32),
             "w1": weight_shape(spec.routed_fmt, F, D, E), "w3": weight_shape(spec.routed_fmt, F, D, E),
-            "w2": weight_shape(spec.routed_fmt, D, F, E), "sh_w1": weight_shape(spec.shared_fmt, F, D),
+            "w2": weight_shape(spec.down_fmt, D, F, E), "sh_w1": weight_shape(spec.shared_fmt, F, D),
             "sh_w3": weight_shape(spec.shared_fmt, F, D), "sh_w2": weight_shape(spec.shared_fmt, D, F),
             "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16)}
 
 
 def expert_bytes(spec: ExpertsSpec, fmt: str | None = None) -> int:
-    """Stored bytes of one expert (w1 + w3 + w2) in ``fmt`` (default: the routed format)."""
-    f = fmt or spec.routed_fmt
-    return 2 * spec.inter * row_bytes(f, spec.hidden) + spec.hidden * row_bytes(f, spec.inter)
+    """Stored bytes of one expert (w1 + w3 + w2) all in ``fmt``; default: a routed expert (w1, w3 in
+    ``routed_fmt``, w2 in ``down_fmt``)."""
+    up, down = (fmt, fmt) if fmt else (spec.routed_fmt, spec.down_fmt)
+    return 2 * spec.inter * row_bytes(up, spec.hidden) + spec.hidden * row_bytes(down, spec.inter)
 
 
 def bytes_read(spec: ExpertsSpec, ids: torch.Tensor) -> int:
@@ -376,8 +427,9 @@ def reference(spec: ExpertsSpec, x: torch.Tensor, ids: torch.Tensor, weights: to
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if e not in cache:
-            cache[e] = tuple(dequantize_weight(spec.routed_fmt, w, r, c, e).to(dev)  # type: ignore[assignment]
-                             for w, r, c in ((w1, F, D), (w3, F, D), (w2, D, F)))
+            cache[e] = tuple(dequantize_weight(f, w, r, c, e).to(dev)  # type: ignore[assignment]
+                             for f, w, r, c in ((spec.routed_fmt, w1, F, D), (spec.routed_fmt, w3, F, D),
+                                                (spec.down_fmt, w2, D, F)))
         return cache[e]
 
     x = x.to(torch.bfloat16)
@@ -393,10 +445,19 @@ def reference(spec: ExpertsSpec, x: torch.Tensor, ids: torch.Tensor, weights: to
 def random_weight(fmt: str, rows: int, n_in: int, experts: int | None = None,
                   generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Random valid stored bytes: ``mxfp4`` random nibbles with exponent bytes 118..124 (values up to 0.75);
-    ``q8_0`` random int8 with fp16 scales in [1e-3, 1e-2); ``bf16`` values ~N(0, 0.05). Generated on
-    ``device`` (``generator`` must live there)."""
+    ``q8_0`` random int8 with fp16 scales in [1e-3, 1e-2); ``bf16`` values ~N(0, 0.05); K-quants: every byte
+    random (codes, packed sub-block scales and mins, high-bit planes) except the fp16 super-block scales
+    ``d`` (and ``dmin``), uniform in [a, 10a) with ``a`` (:data:`KQ_SCALE`) keeping values within ~±1.
+    Generated on ``device`` (``generator`` must live there)."""
     shape, _ = weight_shape(fmt, rows, n_in, experts)
-    nblk = math.prod(shape[:-1]) * (n_in // 32)
+    nblk = math.prod(shape[:-1]) * (n_in // BLOCK_VALUES[fmt])
+    if fmt in KQUANTS:
+        b = torch.randint(0, 256, (nblk, BLOCK_BYTES[fmt]), generator=generator, device=device, dtype=torch.uint8)
+        a, offs = KQ_SCALE[fmt]
+        for o in offs:
+            d = ((torch.rand(nblk, generator=generator, device=device) * 9 + 1) * a).to(torch.float16)
+            b[:, o:o + 2] = d.view(torch.uint8).view(nblk, 2)
+        return b.view(shape)
     if fmt == "bf16":
         return (torch.randn(shape, generator=generator, device=device) * 0.05).to(torch.bfloat16)
     if fmt == "mxfp4":
@@ -446,5 +507,5 @@ def random_inputs(spec: ExpertsSpec, generator: torch.Generator | None = None,
     return {"x": torch.randn(spec.q, D, generator=g).to(torch.bfloat16).to(dev), "ids": ids.to(dev),
             "weights": wts.to(dev),
             "w1": rw(spec.routed_fmt, F, D, E, gd, dev), "w3": rw(spec.routed_fmt, F, D, E, gd, dev),
-            "w2": rw(spec.routed_fmt, D, F, E, gd, dev), "sh_w1": rw(spec.shared_fmt, F, D, None, gd, dev),
+            "w2": rw(spec.down_fmt, D, F, E, gd, dev), "sh_w1": rw(spec.shared_fmt, F, D, None, gd, dev),
             "sh_w3": rw(spec.shared_fmt, F, D, None, gd, dev), "sh_w2": rw(spec.shared_fmt, D, F, None, gd, dev)}
