@@ -57,6 +57,10 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
             ("official mma  q=3 act_quant off", dict(OFFICIAL, q=3, engine="mma", act_quant=False)),
             ("tiny mma  q=5 routed q8_0 shared mxfp4", dict(TINY, q=5, engine="mma", routed_fmt="q8_0",
                                                           shared_fmt="mxfp4"))]
+    # K-quant / IQ4_XS banks (issue 14 part 2): each routed format at the official shape, both engines, q = 1
+    # and 5 (the bench's byte model reads the achieved bandwidth per format from these timings)
+    out += [(f"official {e:4s} q={q} routed {f}", dict(OFFICIAL, q=q, engine=e, routed_fmt=f))
+            for f in X.KQUANTS for e in ("mma", "simt") for q in (1, 5)]
     return out
 
 
