@@ -30,7 +30,7 @@ Every synthetic file carries a real byte-level BPE vocabulary of the preset's vo
 special tokens and a chat template (:func:`ds4c.tokenizer.synthetic_vocab`, deterministic), so text works on
 every preset.
 
-ds4c 0.3 changed the generator (numpy PCG64 streams before): make-model files of a (preset, seed) have other
+The generator replaced numpy PCG64 streams: make-model files of a (preset, seed) have other
 bytes than before, once.
 """
 
@@ -46,7 +46,7 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.gguf_file import write_model
-from ds4c.quant import GGMLType, dequantize
+from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tensors import FORMATS, ROLE_BF16, ROLE_F32, ROLE_FP4, ROLE_FP8, ROLE_I32, ROLE_NORM, TensorSpec
 
 OUT_GAIN = 0.25
@@ -352,14 +352,17 @@ def small_tensor(cfg: Ds4Config, spec: TensorSpec, t: GGMLType, seed: int,
     return _as_stored(x, t).reshape(-1)
 
 
-#: Hash words per generated piece: small on the CPU (the temporaries stay in cache), large on a GPU.
-_PIECE_WORDS = {"cpu": 1 << 16, "cuda": 1 << 25}
+#: Hash words per generated piece: small on the CPU (the temporaries stay in cache), larger on a GPU (few
+#: launches; transients of a few hundred MiB).
+_PIECE_WORDS = {"cpu": 1 << 16, "cuda": 1 << 23}
 
 
-def piece_rows(spec: TensorSpec, device: torch.device | str) -> int:
-    """Rows per generated piece of matrix ``spec`` on ``device``."""
-    kind = torch.device(device).type
-    return max(1, _PIECE_WORDS.get(kind, 1 << 25) // max(1, spec.shape[-1] // 4))
+def piece_rows(spec: TensorSpec, t: GGMLType, device: torch.device | str) -> int:
+    """Rows per generated piece of matrix ``spec`` stored as ``t`` on ``device`` (about the same number of hash
+    words per piece whatever the type: a quantized row takes its bytes / 8 words, a float row one per value)."""
+    k = spec.shape[-1]
+    words = k if t in _FLOAT_DTYPES else max(1, nbytes(t, (1, k)) // 8)
+    return max(1, _PIECE_WORDS.get(torch.device(device).type, 1 << 23) // words)
 
 
 def stored_pieces(cfg: Ds4Config, spec: TensorSpec, t: GGMLType, seed: int, r0: int = 0, r1: int | None = None,
@@ -370,7 +373,7 @@ def stored_pieces(cfg: Ds4Config, spec: TensorSpec, t: GGMLType, seed: int, r0: 
         yield small_tensor(cfg, spec, t, seed, device)
         return
     r1 = n_rows(spec) if r1 is None else r1
-    step = piece_rows(spec, device)
+    step = piece_rows(spec, t, device)
     for a in range(r0, r1, step):
         yield tensor_rows(cfg, spec, t, seed, a, min(r1, a + step), device)
 
