@@ -162,8 +162,9 @@ class Model:
     """A DeepSeek-V4-Flash model opened for generation.
 
     Args:
-        path: a GGUF file (or an opened :class:`~ds4c.gguf_file.ModelFile`); None: the built-in default model
-            (the ``tiny`` preset, seed 0, written on first use under ``$DS4C_HOME``).
+        path: a GGUF file (or an opened :class:`~ds4c.gguf_file.ModelFile`), or ``"synthetic:PRESET[:FORMATS[:SEED]]"``
+            (no file: the tensors are generated on the device, docs/synthetic.md); None: the built-in default
+            model (the ``tiny`` preset, seed 0, written on first use under ``$DS4C_HOME``).
         device: ``"cpu"`` or ``"cuda"``.
         artifact: a ``ds4c compile`` folder whose kernels the compiled engine runs (nothing is compiled).
         max_ctx: positions a sequence may hold (prompt + new tokens); with an artifact at most its ``max_ctx``;
@@ -206,7 +207,7 @@ class Model:
                 from ds4c.cli import default_model_path
 
                 path = default_model_path()
-            mf = open_model(Path(path))
+            mf = open_model(path if str(path).startswith("synthetic:") else Path(path))
         self.file = mf
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
@@ -225,6 +226,12 @@ class Model:
     @property
     def path(self) -> Path:
         return self.file.path
+
+    @property
+    def memory_plan(self):
+        """The compiled engine's :class:`~ds4c.runtime.memory_plan.MemoryPlan` (checked before loading), or None
+        (the reference engine)."""
+        return getattr(self.stepper, "memory_plan", None)
 
     @property
     def eos_id(self) -> int:

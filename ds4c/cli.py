@@ -54,7 +54,11 @@ def default_model_path() -> Path:
     return path
 
 
-def _model_path(file: str | None) -> Path:
+def _model_path(file: str | None) -> Path | str:
+    """The model a command's FILE argument names: a path, a ``synthetic:...`` spec (kept as text), or the
+    built-in default model."""
+    if file and file.startswith("synthetic:"):
+        return file
     return Path(file) if file else default_model_path()
 
 
@@ -85,6 +89,16 @@ class _Group(click.Group):
 @click.version_option(__version__, prog_name="ds4c")
 def main() -> None:
     """ds4c: compile and run DeepSeek-V4-Flash decode / verify steps."""
+
+
+def _split_options(fn):
+    """``--devices`` / ``--layer-split`` (a layer split, ``ds4c.shard_plan``) on a command."""
+    fn = click.option("--layer-split", "layer_split", default=None, metavar="N,N,...",
+                      help="Layers per shard, e.g. 22,21 (with --devices: one count per device; alone: every shard "
+                           "on --device, a virtual split). Default with --devices: placed from the memory plan.")(fn)
+    fn = click.option("--devices", "devices", default=None, metavar="DEV,DEV,...",
+                      help="Run a layer split: one shard per device, e.g. cuda:0,cuda:1 (a device may repeat).")(fn)
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -133,9 +147,19 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
 @main.command("info")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record.")
-def info_cmd(file: str | None, as_json: bool) -> None:
+@click.option("--plan", "show_plan", is_flag=True,
+              help="Print instead the compiled step's memory plan (weights by kind, state per bucket, arena, "
+                   "graphs; no GPU needed) and, when free memory is known, whether it fits (exit 1 if not).")
+@click.option("--max-ctx", type=click.IntRange(1), default=4096, show_default=True, help="--plan: context served.")
+@click.option("--free-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--plan: free memory of each device in GiB (default: the CUDA devices' free memory now; "
+                   "without a GPU, unknown).")
+@click.option("--arch", default="sm_90", show_default=True, help="--plan: the CUDA arch to lower for.")
+@_split_options
+def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, free_gib: float | None, arch: str,
+             devices: str | None, layer_split: str | None) -> None:
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
-    its stages, taps, block size and heads)."""
+    its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]]."""
     from ds4c.gguf_file import ArchitectureError, open_model
 
     try:
@@ -144,6 +168,8 @@ def info_cmd(file: str | None, as_json: bool) -> None:
         if e.arch != "dflash":
             raise
         return _info_dspark(_model_path(file), as_json)
+    if show_plan:
+        return _info_plan(mf, as_json, max_ctx, free_gib, arch, devices, layer_split)
     cfg = mf.config
     layers = [] if mf.mtp_only else [
         {"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
@@ -191,6 +217,46 @@ def info_cmd(file: str | None, as_json: bool) -> None:
     click.echo(f"  {'total':6s} {total_n:6d} tensors  {total_b:>16,d} bytes  ({total_b / 2**30:8.3f} GiB)")
 
 
+def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: str, devices: str | None,
+               layer_split: str | None) -> None:
+    """``ds4c info --plan``: the memory plan (arithmetic), checked when the free memory is known."""
+    import torch
+
+    from ds4c.buckets import BucketSpec
+    from ds4c.engine import COMPILED_WIDTHS
+    from ds4c.runtime.memory_plan import memory_plan, plan_parts
+    from ds4c.runtime.sharded import free_memory, memory_model
+    from ds4c.shard_plan import parse_counts, parse_plan
+
+    if mf.mtp_only:
+        raise Ds4cError(f"{mf.path}: an MTP-only file has no compiled step to plan")
+    cfg = mf.config
+    if max_ctx > cfg.max_position:
+        raise Ds4cError(f"--max-ctx {max_ctx}: the model's context length is {cfg.max_position}")
+    buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, max_ctx)
+    parts = plan_parts(mf, buckets, arch)
+    devs = devices or ",".join(["cuda"] * (len(parse_counts(layer_split)) if layer_split else 1))
+    probe = parse_plan(devs, layer_split, cfg.n_layers, default_device="cuda")
+    if probe.kind != "cuda":
+        raise Ds4cError(f"--devices {devs}: the memory plan is the compiled step's (CUDA devices)")
+    if free_gib is not None:
+        free = [int(free_gib * 2**30)] * probe.n_shards
+    elif torch.cuda.is_available():
+        free = free_memory(list(probe.devices))
+    else:
+        free = None
+    plan = probe
+    if devices and not layer_split and free is not None and probe.is_split:  # automatic placement
+        plan = parse_plan(devs, None, cfg.n_layers, default_device="cuda", memory=memory_model(mf, buckets, arch, parts),
+                          free_bytes=free)
+    mp = memory_plan(mf, buckets, plan if plan.is_split else None, free, arch, parts)
+    if as_json:
+        click.echo(json.dumps({"memory_plan": mp.as_dict()}))
+    else:
+        click.echo(mp.describe())
+    mp.check()
+
+
 def _info_dspark(path: Path, as_json: bool) -> None:
     """``ds4c info`` of a DSpark drafter file (spec section 7)."""
     from ds4c.drafters.dspark_file import open_dspark
@@ -223,16 +289,6 @@ def _mtp_summary(mf) -> dict | None:
                        "compress_ratio": (mf.config.compress_ratios[b] if b < len(mf.config.compress_ratios) else 0),
                        "nextn": nextn})
     return {"mtp_only": mf.mtp_only, "blocks": blocks}
-
-
-def _split_options(fn):
-    """``--devices`` / ``--layer-split`` (a layer split, ``ds4c.shard_plan``) on a command."""
-    fn = click.option("--layer-split", "layer_split", default=None, metavar="N,N,...",
-                      help="Layers per shard, e.g. 22,21 (with --devices: one count per device; alone: every shard "
-                           "on --device, a virtual split). Default with --devices: placed from the memory plan.")(fn)
-    fn = click.option("--devices", "devices", default=None, metavar="DEV,DEV,...",
-                      help="Run a layer split: one shard per device, e.g. cuda:0,cuda:1 (a device may repeat).")(fn)
-    return fn
 
 
 def _spec_width(text: str) -> int | str:
@@ -714,6 +770,8 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
                         f"(../shared/peers/build_llama.sh builds it), found no executable file")
     mf = open_model(_model_path(file))
+    if llama_bench is not None and getattr(mf, "generates_on_device", False):
+        raise Ds4cError(f"--llama-bench reads a GGUF file; {mf.path} has none (write it with ds4c make-model)")
     rep = run_bench(mf, _device_of(device, devices), ws, cs, repeats, ref_repeats, modes, artifact,
                     transformers=transformers, llama_bench=llama_bench, devices=devices, layer_split=layer_split,
                     say=lambda m: click.echo(m, err=True))

@@ -60,14 +60,15 @@ def resolve_engine(device: str, engine: str = "auto", dataflow: str = "bf16") ->
 
 
 def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = None,
-               layer_split: str | list[int] | None = None, buckets: Any = None) -> ShardPlan | None:
+               layer_split: str | list[int] | None = None, buckets: Any = None,
+               parts: Any = None) -> ShardPlan | None:
     """The layer split ``devices`` / ``layer_split`` (``--devices`` / ``--layer-split``) describe, or None when
     neither is given (the unsplit step on ``device``).
 
     ``layer_split`` without ``devices`` splits on ``device`` alone (a virtual split: every shard on the same
     device). ``devices`` without ``layer_split`` places layers automatically: on CUDA from the memory plan
-    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``) against each device's free memory, on the CPU
-    evenly.
+    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``; from ``parts`` when given:
+    :func:`ds4c.runtime.memory_plan.plan_parts`) against each device's free memory, on the CPU evenly.
 
     Raises:
         ShardPlanError: a malformed or invalid plan, a plan whose devices are not of ``device``'s kind, or an
@@ -86,11 +87,33 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
         if probe.kind == "cuda" and probe.is_split:
             from ds4c.runtime.sharded import free_memory, memory_model
 
-            memory, free = memory_model(mf, buckets), free_memory(list(probe.devices))
+            memory, free = memory_model(mf, buckets, parts=parts), free_memory(list(probe.devices))
     plan = parse_plan(devices, layer_split, n, default_device=device, memory=memory, free_bytes=free)
     if plan.kind != device:
         raise ShardPlanError(f"--devices {','.join(plan.devices)}: expected {device} devices (--device {device})")
     return plan
+
+
+def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str, parts: Any = None,
+                 progress: bool = True) -> Any:
+    """The compiled step's :class:`~ds4c.runtime.memory_plan.MemoryPlan` against each device's free memory now
+    (:func:`ds4c.runtime.sharded.free_memory`), printed to stderr with ``progress``, checked before any weight
+    is loaded.
+
+    Raises:
+        ShardPlanError: the plan does not fit (one line: the shard, what it needs, what its device has free, the
+            shortfall, what to try).
+    """
+    import sys
+
+    from ds4c.runtime.memory_plan import memory_plan
+    from ds4c.runtime.sharded import free_memory
+
+    mp = memory_plan(mf, buckets, plan, free_memory(["cuda"] if plan is None else list(plan.devices)), arch, parts)
+    if progress:
+        print(mp.describe(), file=sys.stderr)
+    mp.check()
+    return mp
 
 
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
@@ -124,10 +147,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep` (split:
         :class:`~ds4c.reference.sharded.ShardedReference`, :class:`~ds4c.runtime.sharded.ShardedStep`); its
         ``max_ctx`` is the context it serves (a split one's ``plan`` is its :class:`~ds4c.shard_plan.ShardPlan`).
+        A compiled one's ``memory_plan`` is its :class:`~ds4c.runtime.memory_plan.MemoryPlan`, checked (and
+        printed to stderr with ``progress``) before any weight was loaded (:func:`check_memory`).
 
     Raises:
         Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
-            the cpu, an artifact with the reference engine, ``dataflow="fp32"`` with the compiled engine or an
+            the cpu, an artifact with the reference engine, a compiled step that does not fit its devices' free
+            memory (``ShardPlanError`` naming the shortfall), ``dataflow="fp32"`` with the compiled engine or an
             unknown dataflow, ``threads`` < 1, ``max_ctx`` outside the model's
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
             does not serve this model: ``ArtifactError``).
@@ -155,14 +181,20 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                                 f"compile the artifact with a larger --max-ctx or ask for less")
         else:
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
-        plan = shard_plan(mf, device, devices, layer_split, buckets)
+        from ds4c.runtime.memory_plan import plan_parts
+
+        arch = device_arch()
+        parts = plan_parts(mf, buckets, arch)
+        plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
+        mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress)
         art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 
-            step = ShardedStep(mf, buckets, plan, device_arch(), artifact=art)
+            step = ShardedStep(mf, buckets, plan, arch, artifact=art)
         else:
-            step = CompiledStep(mf, buckets, device_arch(), artifact=art, plan=plan)
+            step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan)
+        step.memory_plan = mplan
         if prepare:
             step.prepare_all(progress=progress)
         return step

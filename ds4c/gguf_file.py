@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -273,8 +274,19 @@ class ModelFile:
         """The stored bytes/values of ``name`` as a read-only memory-mapped numpy array (no copy)."""
         return self._get(name).data
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Tensor ``name`` dequantized to ``dtype`` (shape = its spec shape, torch order).
+    def stored(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The stored bytes of ``name``: uint8 ``[nbytes]``; on the host a zero-copy view of the memory map (read
+        only: never write through it), else copied to ``device``."""
+        raw = np.ascontiguousarray(self.raw(name)).reshape(-1).view(np.uint8)
+        with warnings.catch_warnings():  # the memory map is read-only; the bytes are only read
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(raw)
+        return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Tensor ``name`` dequantized to ``dtype`` (shape = its spec shape, torch order), on ``device`` (default
+        the host; the file's bytes are decoded on the host).
 
         I32 tensors come back as int64. Raises ModelFileError for an unknown name.
         """
@@ -282,19 +294,28 @@ class ModelFile:
         spec = self.specs.get(name) or self.mtp_specs.get(name)
         shape = spec.shape if spec else tuple(int(x) for x in reversed(t.shape.tolist()))
         if int(t.tensor_type) == int(GGMLType.I32):
-            return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(shape)
-        return dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
+            out = torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(shape)
+        else:
+            out = dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
+        return out if device is None else out.to(device)
 
-    def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Expert ``e`` of the 3-d expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in]."""
+    def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Expert ``e`` of the 3-d expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in] (on
+        ``device``, default the host)."""
         t = self._get(name)
+        shape = self._expert_shape(name, e)
+        out = dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), shape[1:], dtype=dtype)
+        return out if device is None else out.to(device)
+
+    def _expert_shape(self, name: str, e: int) -> tuple[int, ...]:
         spec = self.specs.get(name) or self.mtp_specs.get(name)
         if spec is None or len(spec.shape) != 3:
             raise ModelFileError(f"{self.path}: {name!r} is not an expert tensor of this model")
         shape = spec.shape
         if not 0 <= e < shape[0]:
             raise ModelFileError(f"{name}: expert index {e} out of range 0..{shape[0] - 1}")
-        return dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), shape[1:], dtype=dtype)
+        return shape
 
     def weight_bytes_by_type(self) -> dict[str, tuple[int, int]]:
         """``type name -> (tensor count, bytes)`` over every tensor in the file."""
@@ -336,7 +357,15 @@ class ModelFile:
 
 def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
     """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`); an MTP-only file (the converter's
-    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``."""
+    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``.
+
+    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.synth_source.SyntheticModel` of that
+    make-model (preset, formats, seed), whose tensors are generated on demand (a bad spec: one line listing the
+    presets and formats)."""
+    if str(path).startswith("synthetic:"):
+        from ds4c.synth_source import open_synthetic  # the synthetic source stands where this reader stands
+
+        return open_synthetic(str(path))
     return ModelFile(path, allow_mtp_only=allow_mtp_only)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,20 +293,19 @@ class CompiledStep:
     def _weight(self, name: str, form: str) -> torch.Tensor:
         key = (name, form)
         if key not in self._weights:
-            self._weights[key] = self._convert(name, form).to(self.dev).contiguous()
+            dev = self.dev if getattr(self.mf, "generates_on_device", False) else None
+            self._weights[key] = self._convert(name, form, dev).to(self.dev).contiguous()
         return self._weights[key]
 
-    def _convert(self, name: str, form: str) -> torch.Tensor:
-        """A weight in the form a kernel reads, on the host (``raw``: the stored bytes, no copy)."""
+    def _convert(self, name: str, form: str, device: torch.device | None = None) -> torch.Tensor:
+        """A weight in the form a kernel reads, on the host (``raw``: the stored bytes, no copy), or made on
+        ``device`` by a source that generates there (``generates_on_device``: the synthetic source)."""
         if form == "raw" or (form == "bf16" and self._types.get(name) == GGMLType.BF16):
-            raw = np.ascontiguousarray(self.mf.raw(name)).reshape(-1).view(np.uint8)
-            with warnings.catch_warnings():  # the memory map is read-only; the bytes are only read
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.from_numpy(raw)
+            t = self.mf.stored(name, device)
             return t if form == "raw" else t.view(torch.bfloat16).reshape(self.mf.specs[name].shape)
         if form == "bf16":
-            return self.mf.tensor(name).to(torch.bfloat16)
-        return self.mf.tensor(name)  # f32, i64
+            return self.mf.tensor(name, device=device).to(torch.bfloat16)
+        return self.mf.tensor(name, device=device)  # f32, i64
 
     @_on_device
     def load_weights(self, forms: dict[str, str], progress: bool = True,
@@ -316,13 +314,17 @@ class CompiledStep:
         graphs' arguments: :meth:`prepare_all`), streaming the stored bytes from the memory map through two pinned staging buffers: the host copies
         chunk i+1 into one while the device copies chunk i out of the other (a side stream, events between),
         so page-cache reads and PCIe transfers overlap. Weights read in a converted form (fp32 norms and HC
-        parameters, bf16 of a non-BF16 tensor, int64 tid2eid) are converted on the host first.
+        parameters, bf16 of a non-BF16 tensor, int64 tid2eid) are converted on the host first. A source that
+        makes its tensors on the device (``generates_on_device``: ``synthetic:...``) generates each weight
+        straight into device memory instead (nothing staged on the host).
 
         Returns (and keeps as :attr:`load_stats`): ``bytes``, ``seconds``, ``gb_per_s`` of this call.
         """
         from tqdm import tqdm
 
         todo = [(n, f) for n, f in forms.items() if (n, f) not in self._weights]
+        if getattr(self.mf, "generates_on_device", False):
+            return self._generate_weights(todo, progress)
         hosts = [(n, f, self._convert(n, f)) for n, f in todo]
         total = sum(h.numel() * h.element_size() for _n, _f, h in hosts)
         stage = [torch.empty(staging_bytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
@@ -346,6 +348,25 @@ class CompiledStep:
                     bar.update(n)
                 self._weights[(name, form)] = dst
         stream.synchronize()
+        dt = time.perf_counter() - t0
+        self.load_stats = {"bytes": float(total), "seconds": dt, "gb_per_s": total / dt / 1e9 if dt > 0 else 0.0}
+        return self.load_stats
+
+    def _generate_weights(self, todo: list[tuple[str, str]], progress: bool) -> dict[str, float]:
+        """:meth:`load_weights` of a source that makes its tensors on the device (the synthetic source): each
+        weight is generated straight into device memory, nothing staged on the host."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        total = 0
+        with tqdm(total=len(todo), unit="tensor", desc="weights (generated)", file=sys.stderr,
+                  disable=not progress or len(todo) < 64) as bar:
+            for name, form in todo:
+                w = self._convert(name, form, self.dev).contiguous()
+                self._weights[(name, form)] = w
+                total += w.numel() * w.element_size()
+                bar.update(1)
+        torch.cuda.synchronize(self.dev)
         dt = time.perf_counter() - t0
         self.load_stats = {"bytes": float(total), "seconds": dt, "gb_per_s": total / dt / 1e9 if dt > 0 else 0.0}
         return self.load_stats

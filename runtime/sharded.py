@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ds4c.gguf_file import ModelFile
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.executor import CompiledStep
 from ds4c.shard_plan import MemoryModel, ShardPlan, validate
+
+if TYPE_CHECKING:
+    from ds4c.runtime.memory_plan import Parts
 
 
 class ShardedStep:
@@ -356,52 +359,29 @@ def _host_ms(step: ShardedStep, tokens: list[int], pos: int, repeats: int) -> fl
 SHARD_OVERHEAD_BYTES = 512 << 20
 
 
-def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90") -> MemoryModel:
-    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``):
-    every weight in the form its kernels read it (from the lowered q = 1 and widest graphs of the largest
-    bucket: stored bytes for quantized tensors, fp32 / bf16 / int64 conversions otherwise), the layer's
-    sequence state at the largest bucket, the token embedding on the first shard, the head and logits on the
-    last, and per shard the largest activation arena of its graphs plus :data:`SHARD_OVERHEAD_BYTES`."""
-    import numpy as np
+def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90",
+                 parts: "Parts | None" = None) -> MemoryModel:
+    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``), from
+    :func:`ds4c.runtime.memory_plan.plan_parts` (or the given ``parts``): every weight in the form its kernels
+    read it (from the lowered q = 1 and widest graphs of the largest bucket: stored bytes for quantized tensors,
+    fp32 / bf16 / int64 conversions otherwise), the layer's sequence state at the largest bucket, the token
+    embedding on the first shard, the head and logits on the last, and per shard the largest activation arena
+    of its graphs, the HC boundary buffers and :data:`SHARD_OVERHEAD_BYTES`."""
+    from ds4c.runtime.memory_plan import plan_parts
 
-    from ds4c.ir import build_step
-    from ds4c.ir.builder import state_inputs
-    from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.lower import lower_graph
-    from ds4c.runtime.targets import target
-
-
+    p = parts or plan_parts(mf, buckets, arch)
     cfg = mf.config
-    types = {n: mf.ggml_type(n) for n in mf.specs}
-    forms: dict[str, str] = {}
-    arena = 0
-    for w in sorted({min(buckets.widths), max(buckets.widths)}):
-        g = run_pipeline(build_step(cfg, w, buckets.max_ctx), "default", context=buckets.contexts[-1]).graph
-        arena = max(arena, int(g.meta["memory"]["arena_bytes"]))
-        for k in lower_graph(g, cfg, target(arch), types):
-            for la in k.launches:
-                for a in la.args:
-                    if a.kind == "weight":
-                        forms[a.name] = a.form or "f32"
-    size = {"f32": 4, "bf16": 2, "i64": 8}
-    per_layer = [0] * cfg.n_layers
+    per_layer = list(p.state[buckets.contexts[-1]])
     first = last = 0
-    for name, form in forms.items():
-        spec = mf.specs[name]
-        n = int(np.asarray(mf.raw(name)).nbytes) if form == "raw" else spec.numel * size.get(form, 4)
-        if spec.layer >= 0:
-            per_layer[spec.layer] += n
-        elif name.startswith("token_embd"):
+    for _name, (layer, kind, n) in p.weights.items():
+        if layer >= 0:
+            per_layer[layer] += n
+        elif kind == "embedding":
             first += n
         else:
             last += n
-    for i in range(cfg.n_layers):
-        for t in state_inputs(cfg, buckets.max_ctx, (i, i + 1)).values():
-            per_layer[i] += int(np.prod(t.shape)) * size.get(t.dtype, 4)
-    last += max(buckets.widths) * cfg.vocab_size * 4  # the logits buffer
-    hc_rows = max(buckets.widths) * cfg.hc_mult * cfg.hidden_size * 2
-    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last,
-                       shard_bytes=arena + 2 * hc_rows + SHARD_OVERHEAD_BYTES)
+    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last + p.logits,
+                       shard_bytes=p.arena + 2 * p.hc_rows + SHARD_OVERHEAD_BYTES)
 
 
 def free_memory(devices: list[str]) -> list[int]:

@@ -625,17 +625,6 @@ def test_synthetic_files_carry_a_tokenizer_in_the_converters_keys(tiny):
     assert tok.bos_id == TINY.bos_id and tok.eos_id == TINY.eos_id and tok.chat_template
 
 
-def test_synthetic_weights_are_those_of_ds4c_0_1(tiny):
-    """The layout change renamed the HC base/scale tensors; their random streams keep the old names, so a
-    (preset, seed) is the same model as before (measurements stay comparable)."""
-    from ds4c.synth import _rng
-
-    old = _rng(0, "blk.2.hc_ffn_base").standard_normal(4)
-    new = _rng(0, "blk.2.hc_ffn_base.weight").standard_normal(4)
-    assert np.array_equal(old, new)
-    assert not np.array_equal(_rng(0, "blk.2.hc_ffn_fn.weight").standard_normal(4), old)
-
-
 def test_fast_array_parsing_equals_gguf_reader(tmp_path):
     """_CheckedReader parses metadata arrays in one pass; every field equals what gguf's own reader builds
     (types, data indices, parts, contents), for string, int and float arrays (gguf writes no empty ones)."""

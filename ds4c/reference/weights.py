@@ -79,7 +79,7 @@ class ExpertStore:
             self._cache.move_to_end(key)
             return hit  # type: ignore[return-value]
         p = f"blk.{layer}."
-        w = tuple(self.mf.expert(p + n, e).to(self.device)
+        w = tuple(self.mf.expert(p + n, e, device=self.device)
                   for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
         if self.cap > 0:
             self._cache[key] = w
@@ -155,7 +155,7 @@ class ReferenceWeights:
         by_name: dict[str, torch.Tensor] = {}
 
         def t(name: str, dtype: torch.dtype = F32) -> torch.Tensor:
-            by_name[name] = mf.tensor(name, dtype).to(dev)
+            by_name[name] = mf.tensor(name, dtype, device=dev)  # a synthetic source makes it on ``dev``
             if name.endswith("attn_output_a.weight") and dataflow == "bf16":  # convert.py: wo_a rounded to bf16
                 by_name[name] = by_name[name].to(BF16).to(F32)
             return by_name[name]
