@@ -41,11 +41,13 @@ class _StageTensors:
         self.config = dfile.config.replace(quant_emulation=target.config.quant_emulation)
         self._f, self._shared = dfile, {"token_embd.weight": target.embed, "output.weight": target.head}
 
-    def tensor(self, name: str, dtype: torch.dtype = F32) -> torch.Tensor:
-        return self._shared[name] if name in self._shared else self._f.tensor(name, dtype)
+    def tensor(self, name: str, dtype: torch.dtype = F32, device: torch.device | str | None = None) -> torch.Tensor:
+        t = self._shared[name] if name in self._shared else self._f.tensor(name, dtype)
+        return t if device is None else t.to(device)
 
-    def expert(self, name: str, e: int, dtype: torch.dtype = F32) -> torch.Tensor:
-        return self._f.expert(name, e, dtype)
+    def expert(self, name: str, e: int, dtype: torch.dtype = F32, device: torch.device | str | None = None) -> torch.Tensor:
+        t = self._f.expert(name, e, dtype)
+        return t if device is None else t.to(device)
 
 
 class _Stages(Reference):

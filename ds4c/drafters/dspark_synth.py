@@ -24,7 +24,7 @@ from ds4c.drafters.dspark_file import (CONF_BIAS, MARKOV_W1, OFFICIAL_BLOCK_SIZE
 from ds4c.errors import ConfigError
 from ds4c.gguf_file import ModelFile, open_model
 from ds4c.quant import GGMLType
-from ds4c.synth import _as_type, _matrix, _rng, producer
+from ds4c.synth import _as_stored, _normal, matrix_rows, n_rows, producer, sub_key, tensor_key
 from ds4c.quant import is_super_block
 from ds4c.tensors import FORMATS, ROLE_FP4, TensorSpec
 
@@ -49,10 +49,11 @@ def dspark_producer(stage: Ds4Config, seed: int) -> Callable[[TensorSpec, GGMLTy
     base = producer(stage, seed)
 
     def produce(spec: TensorSpec, t: GGMLType) -> Iterator[np.ndarray]:
+        key = tensor_key(seed, spec.name)
         if spec.name == MARKOV_W1:
-            yield from _matrix(_rng(seed, spec.name), spec, t, 1.0)
+            yield matrix_rows(key, spec.role, t, 0, n_rows(spec), spec.shape[-1], 1.0).numpy()
         elif spec.name == CONF_BIAS:
-            yield _as_type(0.1 * _rng(seed, spec.name).standard_normal(spec.shape, dtype=np.float32), t)
+            yield _as_stored(_normal(sub_key(key, 0), 0, spec.numel, 0.1).view(spec.shape), t).numpy()
         else:  # stages as ds4c.synth; fc, markov_w2, conf_proj: 1/sqrt(fan_in) projections
             yield from base(spec, t)
 
