@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from ds4c import __version__
-from ds4c.config import PRESETS
+from ds4c.config import MAX_PREFILL_ROWS, PRESETS
 from ds4c.errors import Ds4cError
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
@@ -567,6 +567,9 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--preset", "preset_name", type=click.Choice(list(PRESETS)), default=None,
               help="Inspect a preset's step without a model file (weight bytes then assume official formats).")
 @click.option("--width", type=click.IntRange(1, 5), default=1, show_default=True, help="Step width q.")
+@click.option("--prefill", "prefill", type=click.IntRange(1, MAX_PREFILL_ROWS), default=None,
+              help="Print the prefill chunk graph of C rows instead of a step (padded rows masked by n_valid; "
+                   "the head reads the last valid row).")
 @click.option("--max-ctx", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--context", type=int, default=None, help="Context bucket (default: the largest).")
 @click.option("--pipeline", default="default", show_default=True, help="Pipeline name.")
@@ -574,9 +577,11 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--all", "print_all", is_flag=True, help="Print the IR after every pass.")
 @click.option("--layers", default=None, help="Only print these layers' ops, e.g. 0,1 (-1 = embedding/head).")
 @click.option("--dot", "dot", type=click.Path(dir_okay=False), default=None, help="Write Graphviz dot here.")
-def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ctx: int, context: int | None,
-                   pipeline: str, after: str | None, print_all: bool, layers: str | None, dot: str | None) -> None:
-    """Print the step IR after the chosen passes and a per-layer kernel-plan summary."""
+def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
+                   context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
+                   dot: str | None) -> None:
+    """Print the step IR (or a prefill chunk's, --prefill C) after the chosen passes and a per-layer
+    kernel-plan summary."""
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
     from ds4c.gguf_file import open_model
@@ -596,6 +601,8 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
         cfg = mf.config
         types = {name: mf.ggml_type(name) for name in mf.specs}
     types = plan_weight_types(cfg, types)
+    if prefill is not None and width != 1:
+        raise click.UsageError("give --width (a decode / verify step) or --prefill (a prefill chunk), not both")
     buckets = BucketSpec.build(cfg, (width,), max_ctx)
     ctx = context if context is not None else buckets.contexts[-1]
     if ctx not in buckets.contexts:
@@ -605,7 +612,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
         raise Ds4cError(f"unknown pipeline {pipeline!r}: expected one of {sorted(PIPELINES)}")
     if after is not None and after not in names:
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
-    g0 = build_step(cfg, width, max_ctx)
+    g0 = build_step(cfg, prefill, max_ctx, prefill=True) if prefill is not None else build_step(cfg, width, max_ctx)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(_parse_ints(layers, "--layers")) if layers else None
@@ -619,7 +626,8 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, max_ct
     if dot:
         Path(dot).write_text(to_dot(res.graph))
         click.echo(f"wrote {dot}", err=True)
-    click.echo(f"// {cfg.name}, width {width}, context bucket {ctx}, max_ctx {max_ctx}")
+    what = f"prefill chunk of {prefill} rows" if prefill is not None else f"width {width}"
+    click.echo(f"// {cfg.name}, {what}, context bucket {ctx}, max_ctx {max_ctx}")
     click.echo("// pass                 seconds  top-level ops  leaf ops")
     for r in res.records:
         click.echo(f"//   {r.name:18s} {r.seconds:8.4f} {r.top_ops:14d} {r.leaf_ops:9d}")

@@ -31,6 +31,7 @@ ARCH = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # deepseek4.expert_gating_func value for sqrt(softplus(z))
 
 MAX_WIDTH = 5  # widest step: q = 1 decode, q = 2..5 speculative verify
+MAX_PREFILL_ROWS = 4096  # widest prefill chunk graph (ds4c.ir.builder.build_step(prefill=True))
 LAYER_SWA = "swa"  # compress ratio 0: 128-token sliding window only
 LAYER_CSA = "csa"  # compress ratio 4: window + indexer-selected compressed rows
 LAYER_HCA = "hca"  # any other ratio (128 official): window + all compressed rows

@@ -5,7 +5,8 @@ pre-mix) and the RMSNorm after it become one ``fused`` op:
 
 * ``hc_embed_pre``: embedding lookup + stream expansion + HC pre + attn_norm (layer 0);
 * ``hc_post_pre``: HC post of a sub-block + HC pre of the next + its RMSNorm;
-* ``hc_post_head``: the last HC post + the HC head (sigmoid gate, pre-mix) + the final RMSNorm.
+* ``hc_post_head``: the last HC post + the HC head (sigmoid gate, pre-mix) + the final RMSNorm (in a prefill
+  chunk graph with the ``take_row`` of the last valid row between them).
 
 At the boundaries of a layer-split shard (``build_step(..., layers=...)``), where the HC state crosses
 devices, the boundary is cut in two:
@@ -52,6 +53,9 @@ def fuse_hc(g: Graph, ctx: Any = None) -> Graph:
             continue
         members = [mix, gate, premix, norm]
         src = prod.get(x)
+        if src is not None and src.kind == "take_row" and gate.kind == "hc_head_gate":  # a prefill chunk's head
+            members.insert(0, src)
+            src = prod.get(src.inputs[0])
         if src is not None and src.kind == "hc_post":
             members.insert(0, src)
             pattern = "hc_post_head" if gate.kind == "hc_head_gate" else "hc_post_pre"

@@ -524,10 +524,15 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
         weight_types: GGUF storage type per weight name (default: the official formats of ``cfg``).
 
     Raises:
-        LoweringError: a plan kernel whose pattern no family implements (or the graph was not partitioned).
+        LoweringError: a plan kernel whose pattern no family implements (or the graph was not partitioned, or is a
+            prefill chunk graph, which has no kernels yet).
     """
     if "partition" not in g.meta.get("passes", ()):
         raise LoweringError("lower_graph needs a partitioned graph (run the default pipeline first)")
+    if g.meta.get("prefill"):
+        raise LoweringError(f"a prefill chunk graph ({g.meta.get('width')} rows) has no kernels yet: its GEMM, "
+                            f"grouped-experts and chunk-attention families are not written; it runs on the IR "
+                            f"interpreter, and prompts on the compiled step are prefilled as verify steps")
     types = weight_types or storage_types(cfg, "official")
     check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)

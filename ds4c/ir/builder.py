@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds4c.config import MAX_WIDTH, Ds4Config
+from ds4c.config import MAX_PREFILL_ROWS, MAX_WIDTH, Ds4Config
 from ds4c.errors import StepError
 from ds4c.ir.graph import Graph, Op, Sym, TensorType, Value
 from ds4c.ir.ops import OPS, infer_op
@@ -86,8 +86,10 @@ def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, i
     return start, stop
 
 
-def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None) -> Graph:
-    """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify) for ``cfg``.
+def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None,
+               prefill: bool = False, all_logits: bool = False) -> Graph:
+    """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify; with ``prefill`` a chunk of a prompt)
+    for ``cfg``.
 
     Args:
         cfg: the model config (``quant_emulation`` decides the fake-quant attributes).
@@ -99,12 +101,24 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             end at the last layer writes its outgoing HC state to the output ``hc_out`` (same type) instead of
             the head's ``logits``. ``tokens`` and ``pos`` are inputs of every shard (hash routing reads the
             token ids). Recorded in ``meta["layers"]``.
+        prefill: a prefill chunk graph of ``width`` = C rows (1..``MAX_PREFILL_ROWS``; issue: batched prefill):
+            the same ops, plus the input ``n_valid`` (i64 scalar, 1..C): rows ``n_valid..C-1`` are padding
+            (the last chunk of a prompt, padded to a compiled size), computed but never written to the window
+            ring, the compressor / indexer state or the spans the valid rows see. The head reads only row
+            ``n_valid - 1`` (``take_row``): ``logits`` is fp32 [1, vocab] (the next token's). Recorded in
+            ``meta["prefill"]``.
+        all_logits: with ``prefill``, the head reads every row instead: ``logits`` [C, vocab] (rows past
+            ``n_valid`` meaningless).
 
     Raises:
-        StepError: width outside 1..5, max_ctx < 1, or a layer range outside the model.
+        StepError: width outside 1..5 (1..MAX_PREFILL_ROWS with ``prefill``), max_ctx < 1, a layer range
+            outside the model, or ``all_logits`` without ``prefill``.
     """
-    if not 1 <= width <= MAX_WIDTH:
-        raise StepError(f"step width must be in 1..{MAX_WIDTH}, found {width}")
+    limit = MAX_PREFILL_ROWS if prefill else MAX_WIDTH
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= limit:
+        raise StepError(f"{'prefill chunk' if prefill else 'step'} width must be in 1..{limit}, found {width}")
+    if all_logits and not prefill:
+        raise StepError("all_logits is a prefill graph option (a decode / verify step has the logits of every row)")
     if max_ctx < 1:
         raise StepError(f"max_ctx must be >= 1, found {max_ctx}")
     start, stop = check_layers(cfg, layers)
@@ -120,6 +134,9 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         inputs[k] = Value(t, k)
     outputs: dict[str, Value] = {}
     tok, pos = inputs["tokens"], inputs["pos"]
+    valid: tuple[Value, ...] = ()  # the padded chunk's n_valid, passed to every op that writes state
+    if prefill:
+        valid = (inputs.setdefault("n_valid", Value(TensorType((), "i64"), "n_valid")),)
     emu, eps, hc = cfg.quant_emulation, cfg.norm_eps, cfg.hc_mult
     positions = b.op("row_positions", tok, pos, name="positions")
     freq_attrs = dict(rope_dim=cfg.rope_dim, factor=cfg.rope_factor, orig_len=cfg.original_seq_len,
@@ -178,27 +195,27 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
                 ikv, isc, keys = b.op(
                     "compress", iv, ig, W(p + "indexer_compressor_ape.weight"),
                     W(p + "indexer_compressor_norm.weight"), inputs[f"{L}.idx_kv"], inputs[f"{L}.idx_score"],
-                    inputs[f"{L}.idx_keys"], positions, freqs, ratio=4, d=cfg.index_head_dim, indexer=True,
+                    inputs[f"{L}.idx_keys"], positions, freqs, *valid, ratio=4, d=cfg.index_head_dim, indexer=True,
                     emulate=emu, nope=cfg.index_head_dim - cfg.rope_dim, eps=eps, name=f"{L}.idx")
                 outputs.update({f"{L}.idx_kv": ikv, f"{L}.idx_score": isc, f"{L}.idx_keys": keys})
-                key_span = b.op("live_rows", keys, tok, pos, ratio=4, sym=span_sym(4), name=f"{L}.key_span")
+                key_span = b.op("live_rows", keys, tok, pos, *valid, ratio=4, sym=span_sym(4), name=f"{L}.key_span")
                 key_mask = b.op("span_mask", key_span, positions, ratio=4, name=f"{L}.key_mask")
                 sel = b.op("indexer_topk", qi, key_span, hw, key_mask, topk=cfg.index_topk, name=f"{L}.sel")
             v = b.op("linear", a, W(p + "attn_compressor_kv.weight"), mode="f32", name=f"{L}.comp_v")
             g = b.op("linear", a, W(p + "attn_compressor_gate.weight"), mode="f32", name=f"{L}.comp_g")
             ckv, csc, rows = b.op(
                 "compress", v, g, W(p + "attn_compressor_ape.weight"), W(p + "attn_compressor_norm.weight"),
-                inputs[f"{L}.comp_kv"], inputs[f"{L}.comp_score"], inputs[f"{L}.comp"], positions, freqs,
+                inputs[f"{L}.comp_kv"], inputs[f"{L}.comp_score"], inputs[f"{L}.comp"], positions, freqs, *valid,
                 ratio=r, d=d, indexer=False, emulate=emu, nope=cfg.nope_dim, eps=eps, name=f"{L}.comp")
             outputs.update({f"{L}.comp_kv": ckv, f"{L}.comp_score": csc, f"{L}.comp": rows})
-            comp_span = b.op("live_rows", rows, tok, pos, ratio=r, sym=span_sym(r), name=f"{L}.comp_span")
+            comp_span = b.op("live_rows", rows, tok, pos, *valid, ratio=r, sym=span_sym(r), name=f"{L}.comp_span")
             if r != 4:
                 mask = b.op("span_mask", comp_span, positions, ratio=r, name=f"{L}.comp_mask")
         kind = cfg.layer_kind(i)
         extra = () if kind == "swa" else (comp_span, sel if kind == "csa" else mask)
         o = b.op("sparse_attention", qh, ring, kv, positions, W(p + "attn_sinks.weight"), *extra, kind=kind,
                  window=cfg.window, scale=cfg.head_dim ** -0.5, name=f"{L}.o")
-        outputs[f"{L}.ring"] = b.op("ring_write", ring, kv, positions, window=cfg.window, name=f"{L}.ring_new")
+        outputs[f"{L}.ring"] = b.op("ring_write", ring, kv, positions, *valid, window=cfg.window, name=f"{L}.ring_new")
         o = b.op("rope", o, positions, freqs, inverse=True, name=f"{L}.o_rope")
         z = b.op("grouped_linear", o, W(p + "attn_output_a.weight"), groups=cfg.o_groups, name=f"{L}.z")
         z = b.op("reshape", z, tail=(cfg.o_groups * cfg.o_lora_rank,), name=f"{L}.z_flat")
@@ -222,6 +239,10 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         ffn = b.op("moe_sum", routed, ys, name=f"{L}.ffn_out")
         x = b.op("hc_post", ffn, x, post, comb, name="hc_out" if i == stop - 1 < cfg.n_layers - 1 else f"{L}.x")
     meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
+    if prefill:
+        meta["prefill"] = True
+        if all_logits:
+            meta["all_logits"] = True
     if (start, stop) != (0, cfg.n_layers):
         meta["layers"] = [start, stop]
     if stop < cfg.n_layers:  # a shard before the last: its output is the HC state
@@ -229,6 +250,8 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         return Graph(inputs, b.ops, outputs, meta)
     # ---- head (spec 5.4)
     b.layer = -1
+    if prefill and not all_logits:
+        x = b.op("take_row", x, valid[0], name="head.last")
     m = b.op("hc_mix", x, W("output_hc_fn.weight"), eps=eps, name="head.mix")
     pre = b.op("hc_head_gate", m, W("output_hc_scale.weight"), W("output_hc_base.weight"), eps=cfg.hc_eps, name="head.pre")
     y = b.op("hc_premix", x, pre, name="head.y")

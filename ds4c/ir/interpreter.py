@@ -104,30 +104,53 @@ def state_to_inputs(state: SequenceState) -> dict[str, torch.Tensor]:
     return out
 
 
+#: the token id of a padded prefill row (any id in the vocabulary: the row is computed, never kept)
+PAD_TOKEN = 0
+
+
 def step_inputs(graph: Graph, state: SequenceState, tokens: list[int], pos: int) -> dict[str, torch.Tensor]:
     """All inputs of ``graph`` for a step: token ids, position, live lengths (``live_r{ratio}`` inputs
-    added by ``pad_compressed_kv``: ``(pos + q) // ratio``) and the state buffers."""
+    added by ``pad_compressed_kv``: ``(pos + n) // ratio``) and the state buffers. A prefill chunk graph
+    (input ``n_valid``) of C rows takes ``n = len(tokens) <= C`` tokens, padded with :data:`PAD_TOKEN`."""
     dev = state.layers[0].ring.device
-    ins: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64, device=dev),
-                                    "pos": torch.tensor(pos, dtype=torch.int64, device=dev)}
+    n = len(tokens)
+    ids = list(tokens)
+    ins: dict[str, torch.Tensor] = {}
+    if "n_valid" in graph.inputs:
+        c = graph.meta["width"]
+        ids += [PAD_TOKEN] * (c - n)
+        ins["n_valid"] = torch.tensor(n, dtype=torch.int64, device=dev)
+    ins.update({"tokens": torch.tensor(ids, dtype=torch.int64, device=dev),
+                "pos": torch.tensor(pos, dtype=torch.int64, device=dev)})
     for name in graph.inputs:
         if name.startswith("live_r"):
-            ins[name] = torch.tensor((pos + len(tokens)) // int(name[len("live_r"):]), dtype=torch.int64, device=dev)
+            ins[name] = live_length(pos, n, int(name[len("live_r"):]), dev)
     ins.update(state_to_inputs(state))
     return ins
 
 
+def live_length(pos: int, n: int, ratio: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ``live_r{ratio}`` input of a step of ``n`` real rows at ``pos``: ``(pos + n) // ratio`` (i64)."""
+    return torch.tensor((pos + n) // ratio, dtype=torch.int64, device=device)
+
+
 def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: int) -> torch.Tensor:
     """One step through the interpreter on a reference state: runs, writes the updated buffers back into
-    ``state`` and advances ``state.pos``. Returns fp32 logits [q, vocab].
+    ``state`` and advances ``state.pos`` by ``len(tokens)``. Returns fp32 logits [q, vocab]; of a prefill chunk
+    graph (``build_step(prefill=True)``, 1..C tokens, padded), the next token's logits [1, vocab] (every row's,
+    [C, vocab], with ``all_logits``).
 
     Raises:
-        StepError: ``pos`` is not the state's next position, or the token count is not the graph's width.
+        StepError: ``pos`` is not the state's next position, or the token count is not the graph's width (a
+            prefill chunk graph: not in 1..C).
     """
     width = interp.graph.meta.get("width")
     if pos != state.pos:
         raise StepError(f"step at position {pos}, but the state's next position is {state.pos}")
-    if width is not None and len(tokens) != width:
+    if interp.graph.meta.get("prefill"):
+        if width is not None and not 1 <= len(tokens) <= width:
+            raise StepError(f"prefill chunk graph is for 1..{width} tokens, got {len(tokens)}")
+    elif width is not None and len(tokens) != width:
         raise StepError(f"graph is for width {width}, got {len(tokens)} tokens")
     if pos + len(tokens) > state.max_ctx:
         raise StepError(f"positions {pos}..{pos + len(tokens) - 1} exceed the state's max_ctx={state.max_ctx}")
@@ -157,8 +180,7 @@ def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: lis
             ins["hc_in"] = out["hc_out"]
         for name in ip.graph.inputs:
             if name.startswith("live_r") and name not in ins:
-                ins[name] = torch.tensor((pos + len(tokens)) // int(name[len("live_r"):]), dtype=torch.int64,
-                                         device=ins["pos"].device)
+                ins[name] = live_length(pos, len(tokens), int(name[len("live_r"):]), ins["pos"].device)
         out = ip.run(ins)
         for name, t in out.items():
             if name in buffers:

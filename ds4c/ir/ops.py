@@ -385,6 +385,24 @@ class Add:
         return [ins[0] + ins[1]]
 
 
+@register("take_row", ("x", "n_valid"), ("y",))
+class TakeRow:
+    """The last valid row of a prefill chunk: ``x[n_valid - 1 : n_valid]`` ([1, ...]; the head's input when
+    only the next token's logits are wanted)."""
+
+    @staticmethod
+    def infer(ins, a):
+        return [T((1,) + tuple(ins[0].shape[1:]), ins[0].dtype)]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        x, n = ins
+        n = int(n)
+        if not 1 <= n <= x.shape[0]:
+            raise ValueError(f"take_row: n_valid must be in 1..{x.shape[0]}, found {n}")
+        return [x[n - 1:n]]
+
+
 @register("cast", ("x",), ("y",), ("dtype",))
 class Cast:
     """Round to ``dtype`` (bf16 or f32)."""
@@ -400,9 +418,17 @@ class Cast:
 
 # ---------------------------------------------------------------------------------------------- state
 
-@register("ring_write", ("ring", "kv", "positions"), ("ring_new",), ("window",))
+def _valid_rows(ins: list[Any], k: int, q: int) -> int:
+    """Rows that are real tokens: the optional ``n_valid`` input at index ``k`` (a prefill chunk's padded
+    graph), else all ``q``."""
+    return int(ins[k]) if len(ins) > k else q
+
+
+@register("ring_write", ("ring", "kv", "positions", "n_valid*"), ("ring_new",), ("window",))
 class RingWrite:
-    """5.2(h.1): write each row's KV into ring slot ``pos mod window`` (after every row attended)."""
+    """5.2(h.1): write each row's KV into ring slot ``pos mod window`` (after every row attended), in row order
+    (a prefill chunk longer than the window leaves the last ``window`` rows, as token-wise decoding does); with
+    ``n_valid`` (a padded prefill chunk) only rows ``0 .. n_valid-1``."""
 
     @staticmethod
     def infer(ins, a):
@@ -410,18 +436,19 @@ class RingWrite:
 
     @staticmethod
     def run(ctx, ins, a):
-        ring, kv, positions = ins
+        ring, kv, positions = ins[:3]
         out = ring.clone()
-        for i, p in enumerate(positions.tolist()):
+        for i, p in enumerate(positions.tolist()[:_valid_rows(ins, 3, kv.shape[0])]):
             out[p % a["window"]] = kv[i]
         return [out]
 
 
-@register("compress", ("v", "g", "ape", "norm", "kv_state", "score_state", "rows", "positions", "freqs"),
+@register("compress", ("v", "g", "ape", "norm", "kv_state", "score_state", "rows", "positions", "freqs", "n_valid*"),
           ("kv_state_new", "score_state_new", "rows_new"), ("ratio", "d", "indexer", "emulate", "nope", "eps"))
 class Compress:
     """5.3: compressor update for every row in position order (state kv/score, and on a flush the finished
-    row ``p // ratio`` written into ``rows``). v, g: fp32 [q, c*d] projections; ape fp32 [ratio, c*d]."""
+    row ``p // ratio`` written into ``rows``; a prefill chunk crosses any number of flushes). v, g: fp32
+    [q, c*d] projections; ape fp32 [ratio, c*d]. With ``n_valid`` only rows ``0 .. n_valid-1``."""
 
     @staticmethod
     def infer(ins, a):
@@ -429,10 +456,10 @@ class Compress:
 
     @staticmethod
     def run(ctx, ins, a):
-        v, g, ape, norm, kv, score, rows, positions, freqs = ins
+        v, g, ape, norm, kv, score, rows, positions, freqs = ins[:9]
         kv, score, rows = kv.clone(), score.clone(), rows.clone()
         r, d = a["ratio"], a["d"]
-        for i, p in enumerate(positions.tolist()):
+        for i, p in enumerate(positions.tolist()[:_valid_rows(ins, 9, v.shape[0])]):
             cvec = B.compress_token(kv, score, v[i], g[i] + ape[p % r], p, r, d, B.plain_write)
             if cvec is not None:
                 rows[p // r] = B.finish_compressed_row(cvec, norm, p, r, freqs, a["eps"], a["indexer"],
@@ -440,9 +467,10 @@ class Compress:
         return [kv, score, rows]
 
 
-@register("live_rows", ("rows", "tokens", "pos"), ("span",), ("ratio", "sym"))
+@register("live_rows", ("rows", "tokens", "pos", "n_valid*"), ("span",), ("ratio", "sym"))
 class LiveRows:
-    """The compressed rows a step can see: ``rows[: (pos+q) // ratio]``, [n, d] with n symbolic."""
+    """The compressed rows a step can see: ``rows[: (pos+q) // ratio]`` (``q`` = ``n_valid`` in a padded
+    prefill chunk: padded rows see no row the valid ones did not write), [n, d] with n symbolic."""
 
     @staticmethod
     def infer(ins, a):
@@ -450,8 +478,8 @@ class LiveRows:
 
     @staticmethod
     def run(ctx, ins, a):
-        rows, tok, pos = ins
-        return [rows[: (int(pos) + tok.shape[0]) // a["ratio"]]]
+        rows, tok, pos = ins[:3]
+        return [rows[: (int(pos) + _valid_rows(ins, 3, tok.shape[0])) // a["ratio"]]]
 
 
 @register("bucket_rows", ("rows", "live"), ("span",), ("capacity",))

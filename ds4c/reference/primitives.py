@@ -10,8 +10,9 @@ q single-row calls (the verify == sequential-decode rule of section 6 holds bit 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,35 @@ F32 = torch.float32
 # CUDA backends with an F32 KV cache). Set for the duration of a step by :func:`dataflow`.
 _ACT: list[torch.dtype] = [BF16]
 DATAFLOWS = {"bf16": BF16, "fp32": F32}
+
+
+def row_invariant(n_row_args: int) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """Decorator: on the CPU, evaluate the function one leading row at a time (its first ``n_row_args``
+    arguments are row-indexed; outputs are concatenated along dim 0).
+
+    Why: CPU torch computes transcendental functions (exp, sigmoid, softplus, silu, sin, cos) with vector code
+    on whole vectors and scalar code on the tail, and the two can differ in the last bit; so an element's
+    result depends on its place in the whole tensor, i.e. on how many rows the step has. Per row, a row's
+    values are the same in a decode (1 row), a verify (2..5) and a prefill chunk (any C): the reference stays
+    batch-invariant bit for bit, as :func:`matmul_rows` keeps its projections. CUDA evaluates every element
+    with the same instructions, so device tensors take the batched path."""
+
+    def deco(fn: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(fn)
+        def wrapper(*args: object, **kw: object) -> object:
+            lead = args[0]
+            assert isinstance(lead, torch.Tensor)
+            if lead.device.type != "cpu" or lead.dim() == 0 or lead.shape[0] <= 1:
+                return fn(*args, **kw)
+            rows = [fn(*(a[i:i + 1] for a in args[:n_row_args]), *args[n_row_args:], **kw)  # type: ignore[index]
+                    for i in range(lead.shape[0])]
+            if isinstance(rows[0], tuple):
+                return tuple(torch.cat(parts) for parts in zip(*rows))
+            return torch.cat(rows)  # type: ignore[arg-type]
+
+        return wrapper
+
+    return deco
 
 
 def act_dtype() -> torch.dtype:
@@ -143,6 +173,7 @@ def rope_freqs(rope_dim: int, base: float, yarn: bool, factor: float, orig_len: 
     return freqs
 
 
+@row_invariant(2)
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """P7: interleaved (GPT-J) RoPE on the **last** ``2*len(freqs)`` dims of ``x``, fp32 math, bf16 out.
 
@@ -165,6 +196,7 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, inverse:
 
 # -------------------------------------------------------------------------------------------------- P8
 
+@row_invariant(1)
 def sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """P8: split the 24 HC mixing logits into pre [..., hc], post [..., hc] and the doubly-stochastic
@@ -212,6 +244,7 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     return y.to(residual.dtype)
 
 
+@row_invariant(1)
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final HC head (spec 5.4.1): sigmoid-gated sum of the streams. x: bf16 [R, hc, D] -> bf16 [R, D]."""
@@ -267,11 +300,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
 
 # -------------------------------------------------------------------------------------------------- P10-P12
 
+@row_invariant(1)
 def sqrtsoftplus(z: torch.Tensor) -> torch.Tensor:
     """P10: ``sqrt(softplus(z))`` (beta 1, threshold 20), fp32."""
     return torch.sqrt(F.softplus(z))
 
 
+@row_invariant(2)
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """P11: ``silu(min(g, limit)) * clamp(u, -limit, limit)`` in fp32 (gate clamped above only)."""
     u = torch.clamp(u, min=-limit, max=limit)
