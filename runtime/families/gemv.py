@@ -9,7 +9,9 @@ One launch computes, for ``q`` rows (1..5) of one activation ``x`` (bf16 ``[q, K
   ``bf16`` raw u16 ``[N, K]``; ``f32`` ``[N, K]``; ``q8_0`` GGUF Q8_0 blocks, uint8 ``[N, K/32*34]`` (fp16 scale
   ``d`` then 32 int8 ``q``, value ``d*q``); ``mxfp4`` GGUF MXFP4 blocks, uint8 ``[N, K/32*17]`` (e8m0 byte ``e``,
   then 16 bytes: byte ``j`` = element ``j`` (low nibble) and ``j+16`` (high nibble); value
-  ``e2m1[nibble] * 2^(e-127)``).
+  ``e2m1[nibble] * 2^(e-127)``); ``q2_k`` .. ``q6_k``, ``iq4_xs``: llama.cpp's super-blocks of 256 values,
+  uint8 ``[N, K/256*bytes]`` (84 / 110 / 144 / 176 / 210 / 136 bytes; layouts in :mod:`ds4c.quant`), K a multiple
+  of 256.
 * ``mode``: ``fp8act`` (spec 2.3: when ``GemvSpec.act_quant`` the activation is quantized to e4m3 in blocks of
   128 with power-of-two scales exactly as :func:`ds4c.quant.act_quant_dequant`, then an fp32-accumulated
   product, bf16 out); ``bf16`` (plain bf16 x, fp32 accumulate, bf16 out); ``f32`` (fp32 out; the head).
@@ -39,6 +41,17 @@ Kernel design (the numbers are render-time constants computed here, see :func:`p
   scale. mxfp4 codes are decoded by bit placement (``code << 22`` is ``e2m1 * 2^-126`` as fp32, subnormal for
   ``|e2m1| < 1``) with x pre-scaled by ``2^64``; the unit sum is multiplied back by ``2^62 * 2^(e-127)``.
   This is exact for |x| < 2^64 (realistic activations) and e <= 254.
+* K-quants / IQ4_XS (staged like q8_0): a unit is one 32-block ``ib`` of super-block ``unit // 8`` (the decoder
+  ``templates/prelude/kquant.h.j2``, shared with the experts family). Per row the two 16-value halves' scales
+  ``sc = d * sub_scale`` and mins ``mn = dmin * sub_min`` are decoded once; then per 8-column chunk the 8 codes
+  as exact int8 (``ds4c_kq_codes``, magic-number conversion) times x, summed per half (per 32-block for Q4_K /
+  Q5_K / IQ4_XS, one scale for both halves) and applied once: ``acc += sc * sum(x*code) - mn * sum(x)``, with
+  ``sum(x)`` shared by the ``R`` rows. The products are those of gguf's dequantizer (``d*sc`` exact, times the
+  code exact), so only the fp32 summation order differs from :func:`reference` (plus the subtraction of the
+  min term after the sum instead of per element). Q3_K / Q6_K rows of an odd number of super-blocks are only
+  2-byte aligned, as is every odd super-block inside a row: their 4-byte reads funnel two aligned words.
+  Rows ``R`` = 4 at q <= 2, 2 at q >= 3 (HIP: 1 at q >= 6) and, on CUDA, ``__launch_bounds__(256, 2)``, so no
+  build spills (sm_90: 40-120 registers).
 * Reduction over the ``TG`` threads of a row group: a butterfly reduce-scatter of the ``R*q`` sums with the
   prelude's xor shuffle (about ``R*q + log2`` shuffles per warp instead of ``5*R*q``), then a shared-memory
   sum over the warps of a group; one thread per (row, q) writes the output.
@@ -105,7 +118,8 @@ class GemvOutput:
 
     Attributes:
         n: N, the rows of ``W`` (output width).
-        fmt: storage of ``W``: ``bf16`` | ``q8_0`` | ``mxfp4`` | ``f32`` (layouts in the module docstring).
+        fmt: storage of ``W``: ``bf16`` | ``q8_0`` | ``mxfp4`` | ``f32`` | ``q2_k`` .. ``q6_k`` | ``iq4_xs``
+            (layouts in the module docstring).
         mode: ``fp8act`` | ``bf16`` | ``f32`` (the IR ``linear`` modes).
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
     """
