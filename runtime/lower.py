@@ -85,7 +85,7 @@ def describe(k: LoweredKernel) -> dict[str, Any]:
 from ds4c.config import Ds4Config  # noqa: E402
 from ds4c.ir.graph import Graph, Op, Value  # noqa: E402
 from ds4c.ir.printer import value_names  # noqa: E402
-from ds4c.quant import GGMLType, is_super_block  # noqa: E402
+from ds4c.quant import GGMLType  # noqa: E402
 from ds4c.runtime.families import attention as _att  # noqa: E402
 from ds4c.runtime.families import compressor as _cmp  # noqa: E402
 from ds4c.runtime.families import experts as _exp  # noqa: E402
@@ -100,10 +100,12 @@ from ds4c.runtime.targets import Target  # noqa: E402
 from ds4c.tensors import storage_types  # noqa: E402
 
 # GGUF storage type -> the ``fmt`` string of the GEMV and experts families (runtime/families/gemv.py FORMATS,
-# experts.py FORMATS). A type missing here (the K-quants and IQ4_XS until their kernels land) is a one-line
-# LoweringError naming the tensor: _Ctx.fmt, check_expert_formats.
-_FMT = {GGMLType.BF16: "bf16", GGMLType.F32: "f32", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4"}
-#: ... of the experts family, which also reads the K-quants and IQ4_XS
+# experts.py FORMATS); both read the K-quants and IQ4_XS. A type missing here is a one-line LoweringError naming
+# the tensor: _Ctx.fmt, check_expert_formats. The weights read converted at load (token_embd and wo_a as bf16,
+# norms and HC parameters as f32) take any type ds4c.quant decodes, K-quants included.
+_FMT = {GGMLType.BF16: "bf16", GGMLType.F32: "f32", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4",
+        **{GGMLType[f.upper()]: f for f in _gv.KQUANTS}}
+#: ... of the experts family (no F32)
 _EXPERT_FMT = {GGMLType.BF16: "bf16", GGMLType.Q8_0: "q8_0", GGMLType.MXFP4: "mxfp4",
                **{GGMLType[f.upper()]: f for f in _exp.KQUANTS}}
 ELEMENTWISE_CHAIN = ("rms_norm", "head_rms", "rope", "kv_fake_quant", "fp4_fake_quant", "hadamard", "mul_scalar")
@@ -165,7 +167,7 @@ class _Ctx:
         t = self.types.get(weight, GGMLType.BF16)
         if t not in _FMT:
             raise LoweringError(f"weight {weight}: storage {getattr(t, 'name', t)} has no GEMV kernel (expected "
-                                f"BF16/F32/Q8_0/MXFP4){_reference_hint(t)}")
+                                f"BF16/F32/Q8_0/MXFP4/Q2_K..Q6_K/IQ4_XS){_reference_hint(t)}")
         return _FMT[t]
 
     def expert_fmt(self, weights: tuple[str, ...]) -> str:
@@ -508,10 +510,7 @@ def check_expert_formats(types: dict[str, GGMLType]) -> None:
 
 
 def _reference_hint(t: object) -> str:
-    """What to do with a weight no compiled kernel reads."""
-    if is_super_block(t):
-        return ("; the GEMV kernels of the other matrices do not read K-quants / IQ4_XS yet: run this model "
-                "with --engine reference")
+    """What to do with a weight no compiled kernel reads (every K-quant / IQ4_XS is read by some kernel now)."""
     return (" (an --formats f32 model runs on the reference only: make it with --formats official or bf16 to "
             "compile it)") if t == GGMLType.F32 else ""
 

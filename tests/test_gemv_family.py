@@ -49,7 +49,7 @@ SINGLE_MODE = {"bf16": "bf16", "f32": "f32", "q8_0": "fp8act", "mxfp4": "fp8act"
 SPECS: dict[str, G.GemvSpec] = {}
 for _k in (256, 4096):
     for _q in (1, 5):
-        for _f in G.FORMATS:
+        for _f in ("bf16", "q8_0", "mxfp4", "f32"):
             SPECS[f"{_f}_k{_k}_q{_q}"] = G.GemvSpec(_k, _q, [O(1000 if _k == 256 else 2048, _f, SINGLE_MODE[_f])])
         SPECS[f"multi7_k{_k}_q{_q}"] = _multi7(_k, _q)
 SPECS["multi7_k4096_q5_noaq"] = _multi7(4096, 5, act_quant=False)
@@ -58,6 +58,19 @@ SPECS["mixed_formats_k4096_q5"] = G.GemvSpec(4096, 5, [O(512, "q8_0", "fp8act"),
 SPECS["wq_b_k1024_q5"] = G.GemvSpec(1024, 5, [O(32768, "q8_0", "fp8act")])
 SPECS["head_k4096_q1"] = G.GemvSpec(4096, 1, [O(129280, "bf16", "f32")])
 SPECS["head_k4096_q5"] = G.GemvSpec(4096, 5, [O(129280, "bf16", "f32")])
+# K-quants / IQ4_XS at official shapes (K 4096: the attention inputs, shared expert, head; K 1024: wq_b, the
+# shared expert's down projection at q_lora / F widths), each format in one mode; the compile test builds these
+# for every arch too
+KQ_SPECS = {
+    "q2_k_k4096_q1": G.GemvSpec(4096, 1, [O(1024, "q2_k", "fp8act")]),
+    "q3_k_k4096_q5": G.GemvSpec(4096, 5, [O(1024, "q3_k", "fp8act"), O(512, "q3_k", "fp8act")]),
+    "q4_k_k4096_q5": G.GemvSpec(4096, 5, [O(1024, "q4_k", "fp8act")]),
+    "q5_k_k1024_q5": G.GemvSpec(1024, 5, [O(1024, "q5_k", "bf16")]),
+    "q6_k_k1024_q5": G.GemvSpec(1024, 5, [O(4096, "q6_k", "fp8act")]),
+    "q6_k_head_k4096_q1": G.GemvSpec(4096, 1, [O(129280, "q6_k", "f32")]),
+    "iq4_xs_k4096_q5": G.GemvSpec(4096, 5, [O(1024, "iq4_xs", "fp8act")]),
+}
+SPECS.update(KQ_SPECS)
 
 
 # --------------------------------------------------------------------------------------------- compiling
@@ -87,12 +100,12 @@ def test_argmax_compiles(arch: str, tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- plan / API
 def _signature(ks: KernelSource) -> list[str]:
-    m = re.search(r"DS4C_GLOBAL void DS4C_LAUNCH_BOUNDS\(\w+\) " + ks.entry + r"\((.*?)\)\s*\{", ks.source, re.S)
+    m = re.search(r"DS4C_GLOBAL void (?:DS4C_LAUNCH_BOUNDS\(\w+\)|GV_LAUNCH_BOUNDS) " + ks.entry + r"\((.*?)\)\s*\{", ks.source, re.S)
     assert m, "kernel signature not found"
     return [re.split(r"\s+", a.strip())[-1] for a in m.group(1).split(",")]
 
 
-@pytest.mark.parametrize("name", ["multi7_k4096_q5", "mixed_formats_k4096_q5", "head_k4096_q1"])
+@pytest.mark.parametrize("name", ["multi7_k4096_q5", "mixed_formats_k4096_q5", "head_k4096_q1", "q3_k_k4096_q5"])
 def test_signature_matches_arg_order(name: str) -> None:
     spec = SPECS[name]
     ks = G.render_gemv(spec, target("sm_90"), "gemv_sig")
@@ -145,7 +158,11 @@ def test_bad_specs() -> None:
     with pytest.raises(RenderError):
         G.GemvSpec(256, 1, [])
     with pytest.raises(RenderError):
-        O(8, "q4_k")
+        O(8, "q7_k")
+    with pytest.raises(RenderError, match="not a multiple of 256"):  # K-quant rows are whole super-blocks
+        G.plan(G.GemvSpec(384, 1, [O(8, "q4_k", "fp8act")]))
+    with pytest.raises(RenderError, match="not a multiple of 16"):  # 4 rows of 9 * 110 bytes: tiles off 16 B
+        G.plan(G.GemvSpec(2304, 1, [O(8, "q3_k", "bf16")], rows=1))
     with pytest.raises(RenderError):
         O(8, "bf16", "fp16")
     with pytest.raises(RenderError):
@@ -525,6 +542,20 @@ EMU_SPECS = {
     "k384_q4_r8": G.GemvSpec(384, 4, [O(17, "q8_0", "fp8act", "f32"), O(13, "mxfp4", "fp8act", "f32"),
                                       O(11, "bf16", "bf16", "f32")], rows=8),
 }
+# K-quants and IQ4_XS (one spec per format; both modes with the FP8 prologue and plain x, q 1 and 5; Q3_K / Q6_K
+# rows of 1 and 3 super-blocks (110 / 330, 210 / 630 bytes) are not 4-byte multiples; partial last tiles)
+KQ_EMU_SPECS = {
+    "q2_k_k512_q5": G.GemvSpec(512, 5, [O(37, "q2_k", "fp8act"), O(11, "q2_k", "bf16", "f32")]),
+    "q3_k_k768_q5_r2": G.GemvSpec(768, 5, [O(30, "q3_k", "fp8act", "f32"), O(9, "q3_k", "f32")], rows=2),
+    "q4_k_k1024_q1": G.GemvSpec(1024, 1, [O(45, "q4_k", "fp8act"), O(20, "q4_k", "bf16", "f32")]),
+    "q5_k_k256_q5_r4": G.GemvSpec(256, 5, [O(70, "q5_k", "fp8act", "f32"), O(33, "bf16", "bf16")], rows=4),
+    "q6_k_k256_q1_noaq": G.GemvSpec(256, 1, [O(50, "q6_k", "fp8act", "f32"), O(24, "q6_k", "bf16")],
+                                    act_quant=False),
+    "iq4_xs_k512_q5": G.GemvSpec(512, 5, [O(29, "iq4_xs", "fp8act"), O(40, "iq4_xs", "f32")]),
+    "kq_mixed_k256_q3": G.GemvSpec(256, 3, [O(21, "q6_k", "fp8act", "f32"), O(17, "q8_0", "fp8act", "f32"),
+                                            O(19, "q3_k", "bf16", "f32"), O(13, "mxfp4", "fp8act", "f32")]),
+}
+EMU_SPECS.update(KQ_EMU_SPECS)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])

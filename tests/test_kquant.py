@@ -326,9 +326,9 @@ def test_compiled_experts_accept_k_quants_other_types_refused_in_one_line(kfiles
 
 
 def test_lowering_names_the_tensor_and_type():
-    """A K-quant GEMV weight and an experts bank whose w3 differs from w1 (one kernel phase reads both) are
-    one-line LoweringErrors naming the tensor and its type (before: w2 and w3 in another format were read
-    silently in w1's; w2 now has its own format)."""
+    """An experts bank whose w3 differs from w1 (one kernel phase reads both) is a one-line LoweringError naming
+    the tensors and their types (before: w2 and w3 in another format were read silently in w1's; w2 now has
+    its own format)."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
     from ds4c.runtime.lower import LoweringError, lower_graph
@@ -336,12 +336,35 @@ def test_lowering_names_the_tensor_and_type():
 
     g = run_pipeline(build_step(TINY, 1, max_ctx=128), "default", context=128).graph
     official = storage_types(TINY, "official")
-    for change, want in (({"blk.0.attn_q_a.weight": G.Q4_K},
-                          "weight blk.0.attn_q_a.weight: storage Q4_K has no GEMV kernel"),
-                         ({"blk.2.ffn_up_exps.weight": G.Q8_0},
-                          "blk.2.ffn_gate_exps.weight MXFP4, blk.2.ffn_up_exps.weight Q8_0")):
-        with pytest.raises(LoweringError) as ei:
-            lower_graph(g, TINY, target("sm_90"), {**official, **change})
-        msg = str(ei.value)
-        assert "\n" not in msg and want in msg, msg
-        assert ("--engine reference" in msg) == (G.Q4_K in change.values())
+    with pytest.raises(LoweringError) as ei:
+        lower_graph(g, TINY, target("sm_90"), {**official, "blk.2.ffn_up_exps.weight": G.Q8_0})
+    msg = str(ei.value)
+    assert "\n" not in msg and "blk.2.ffn_gate_exps.weight MXFP4, blk.2.ffn_up_exps.weight Q8_0" in msg, msg
+
+
+@pytest.mark.parametrize("which", sorted(FILE_TYPES))
+@pytest.mark.parametrize("q", [1, 5])
+def test_compiled_lowering_reads_k_quant_matrices(which, q):
+    """Files "a" / "b" (K-quant FP8-role and BF16-role matrices: attention inputs, router, head, embedding) lower
+    for the compiled step: every GEMV whose weight is a K-quant reads it in its own format (``gv_run_kq``), the
+    embedding is read converted to bf16. The shared expert is read in one format by the experts kernel, so its
+    gate/up are set to tiny's Q8_0 down projection here (rows of 128 cannot be K-quants)."""
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.targets import target
+
+    g = run_pipeline(build_step(TINY, q, max_ctx=128), "default", context=128).graph
+    types = storage_types(TINY, FILE_TYPES[which])
+    types.update({n: G.Q8_0 for n in types if "_shexp." in n})
+    kq = {n for n, t in types.items() if Q.is_super_block(t) and "_exps." not in n}
+    assert {"blk.0.attn_q_a.weight", "output.weight", "token_embd.weight"} <= kq
+    gemv_kq = 0
+    for k in lower_graph(g, TINY, target("sm_90"), types):
+        for la in k.launches:
+            raw = [a.name for a in la.args if a.kind == "weight" and a.form == "raw" and a.name in kq]
+            if raw and la.kernel.family == "gemv":
+                gemv_kq += 1
+                assert "gv_run_kq<" in la.kernel.source, (k.name, raw)
+            assert not (raw and la.kernel.family not in ("gemv", "experts")), (k.name, raw)
+    assert gemv_kq >= 2 * TINY.n_layers + 1  # per layer the attention inputs and the router; the head

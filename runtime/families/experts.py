@@ -65,7 +65,7 @@ from ds4c.runtime.targets import Target
 TEMPLATE = "experts/experts.cu.j2"
 FAMILY = "experts"
 #: llama.cpp's K-quants and IQ4_XS: super-blocks of 256 values (layouts in ds4c.quant and the template's
-#: ``xp_kq`` decoder)
+#: ``ds4c_kq`` decoder, templates/prelude/kquant.h.j2)
 KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 FORMATS = ("mxfp4", "q8_0", "bf16") + KQUANTS
 FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2, "q2_k": 3, "q3_k": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8}

@@ -9,7 +9,9 @@ One launch computes, for ``q`` rows (1..5) of one activation ``x`` (bf16 ``[q, K
   ``bf16`` raw u16 ``[N, K]``; ``f32`` ``[N, K]``; ``q8_0`` GGUF Q8_0 blocks, uint8 ``[N, K/32*34]`` (fp16 scale
   ``d`` then 32 int8 ``q``, value ``d*q``); ``mxfp4`` GGUF MXFP4 blocks, uint8 ``[N, K/32*17]`` (e8m0 byte ``e``,
   then 16 bytes: byte ``j`` = element ``j`` (low nibble) and ``j+16`` (high nibble); value
-  ``e2m1[nibble] * 2^(e-127)``).
+  ``e2m1[nibble] * 2^(e-127)``); ``q2_k`` .. ``q6_k``, ``iq4_xs``: llama.cpp's super-blocks of 256 values,
+  uint8 ``[N, K/256*bytes]`` (84 / 110 / 144 / 176 / 210 / 136 bytes; layouts in :mod:`ds4c.quant`), K a multiple
+  of 256.
 * ``mode``: ``fp8act`` (spec 2.3: when ``GemvSpec.act_quant`` the activation is quantized to e4m3 in blocks of
   128 with power-of-two scales exactly as :func:`ds4c.quant.act_quant_dequant`, then an fp32-accumulated
   product, bf16 out); ``bf16`` (plain bf16 x, fp32 accumulate, bf16 out); ``f32`` (fp32 out; the head).
@@ -39,6 +41,17 @@ Kernel design (the numbers are render-time constants computed here, see :func:`p
   scale. mxfp4 codes are decoded by bit placement (``code << 22`` is ``e2m1 * 2^-126`` as fp32, subnormal for
   ``|e2m1| < 1``) with x pre-scaled by ``2^64``; the unit sum is multiplied back by ``2^62 * 2^(e-127)``.
   This is exact for |x| < 2^64 (realistic activations) and e <= 254.
+* K-quants / IQ4_XS (staged like q8_0): a unit is one 32-block ``ib`` of super-block ``unit // 8`` (the decoder
+  ``templates/prelude/kquant.h.j2``, shared with the experts family). Per row the two 16-value halves' scales
+  ``sc = d * sub_scale`` and mins ``mn = dmin * sub_min`` are decoded once; then per 8-column chunk the 8 codes
+  as exact int8 (``ds4c_kq_codes``, magic-number conversion) times x, summed per half (per 32-block for Q4_K /
+  Q5_K / IQ4_XS, one scale for both halves) and applied once: ``acc += sc * sum(x*code) - mn * sum(x)``, with
+  ``sum(x)`` shared by the ``R`` rows. The products are those of gguf's dequantizer (``d*sc`` exact, times the
+  code exact), so only the fp32 summation order differs from :func:`reference` (plus the subtraction of the
+  min term after the sum instead of per element). Q3_K / Q6_K rows of an odd number of super-blocks are only
+  2-byte aligned, as is every odd super-block inside a row: their 4-byte reads funnel two aligned words.
+  Rows ``R`` = 4 at q <= 2, 2 at q >= 3 (HIP: 1 at q >= 6) and, on CUDA, ``__launch_bounds__(256, 2)``, so no
+  build spills (sm_90: 40-120 registers).
 * Reduction over the ``TG`` threads of a row group: a butterfly reduce-scatter of the ``R*q`` sums with the
   prelude's xor shuffle (about ``R*q + log2`` shuffles per warp instead of ``5*R*q``), then a shared-memory
   sum over the warps of a group; one thread per (row, q) writes the output.
@@ -64,6 +77,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ds4c.runtime.families.experts import BLOCK_BYTES as _KQ_BYTES, FMT_ID as _FMT_ID, KQUANTS
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.targets import Target, target as _target
 
@@ -71,14 +85,17 @@ TEMPLATE = "gemv/gemv.cu.j2"
 FAMILY = "gemv"
 THREADS = 256
 ARGMAX_THREADS = 1024
-FORMATS = ("bf16", "q8_0", "mxfp4", "f32")
+FORMATS = ("bf16", "q8_0", "mxfp4", "f32") + KQUANTS
 MODES = ("fp8act", "bf16", "f32")
 OUT_DTYPES = ("bf16", "f32")
-#: columns per thread unit (one 16-byte load for bf16 / f32, half a Q8_0 block, one MXFP4 block)
-UNIT_COLS = {"bf16": 8, "f32": 4, "q8_0": 16, "mxfp4": 32}
+#: columns per thread unit (one 16-byte load for bf16 / f32, half a Q8_0 block, one MXFP4 block, one 32-block of
+#: a K-quant / IQ4_XS super-block)
+UNIT_COLS = {"bf16": 8, "f32": 4, "q8_0": 16, "mxfp4": 32, **{f: 32 for f in KQUANTS}}
 #: rows per thread (x reuse) before the small-launch adjustment
-DEFAULT_ROWS = {"bf16": 4, "f32": 2, "q8_0": 4, "mxfp4": 4}
-STAGED = ("q8_0", "mxfp4")
+DEFAULT_ROWS = {"bf16": 4, "f32": 2, "q8_0": 4, "mxfp4": 4, **{f: 4 for f in KQUANTS}}
+STAGED = ("q8_0", "mxfp4") + KQUANTS
+#: values per K-quant super-block (K of such an output must be a multiple)
+QK_K = 256
 #: shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
 #: shared memory per multiprocessor, for the persistent grid's blocks per SM
@@ -101,7 +118,8 @@ class GemvOutput:
 
     Attributes:
         n: N, the rows of ``W`` (output width).
-        fmt: storage of ``W``: ``bf16`` | ``q8_0`` | ``mxfp4`` | ``f32`` (layouts in the module docstring).
+        fmt: storage of ``W``: ``bf16`` | ``q8_0`` | ``mxfp4`` | ``f32`` | ``q2_k`` .. ``q6_k`` | ``iq4_xs``
+            (layouts in the module docstring).
         mode: ``fp8act`` | ``bf16`` | ``f32`` (the IR ``linear`` modes).
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
     """
@@ -176,13 +194,15 @@ class GemvSpec:
 
 
 def row_bytes(fmt: str, k: int) -> int:
-    """Bytes of one stored row of ``k`` values in ``fmt``."""
+    """Bytes of one stored row of ``k`` values in ``fmt`` (K-quants: ``k // 256`` super-blocks)."""
+    if fmt in KQUANTS:
+        return k // QK_K * _KQ_BYTES[fmt]
     return {"bf16": 2 * k, "f32": 4 * k, "q8_0": k // 32 * 34, "mxfp4": k // 32 * 17}[fmt]
 
 
 def weight_shape(out: GemvOutput, k: int) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) of the weight tensor passed to the kernel: bf16 ``[N, K]`` torch.bfloat16 (any 2-byte dtype
-    holding the bits works), f32 ``[N, K]`` float32, q8_0 / mxfp4 uint8 ``[N, row_bytes]``."""
+    holding the bits works), f32 ``[N, K]`` float32, q8_0 / mxfp4 / K-quants uint8 ``[N, row_bytes]``."""
     if out.fmt == "bf16":
         return (out.n, k), torch.bfloat16
     if out.fmt == "f32":
@@ -302,10 +322,14 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
     """Compute every render-time constant of ``spec`` for ``target`` (default sm_90).
 
     Raises:
-        RenderError: the activation does not fit in the target's shared memory (HIP: 64 KiB), or a staged
-            tile would not start on a 16-byte boundary.
+        RenderError: the activation does not fit in the target's shared memory (HIP: 64 KiB), a staged
+            tile would not start on a 16-byte boundary, or K of a K-quant output is not a multiple of 256.
     """
     tgt = target or _target("sm_90")
+    for j, o in enumerate(spec.outputs):
+        if o.fmt in KQUANTS and spec.k % QK_K:
+            raise RenderError(f"gemv output {j} ({o.fmt}): K={spec.k} is not a multiple of {QK_K} (rows of "
+                              f"{o.fmt} are whole super-blocks of {QK_K} values)")
     rows0 = {o.fmt: (spec.rows or DEFAULT_ROWS[o.fmt]) for o in spec.outputs}
     if not spec.rows and _plain_q1(spec):
         rows0 = {f: 1 for f in rows0}
@@ -313,6 +337,13 @@ def plan(spec: GemvSpec, target: Target | None = None) -> Plan:
         rows0 = {"bf16": 8}  # H200 sweep: head q=5 293 -> 269 us (3.9 TB/s), 128 registers, no spills
     if not spec.rows and tgt.vendor == "hip" and spec.q >= 3 and "mxfp4" in rows0:
         rows0["mxfp4"] = 2  # clang keeps more of the mxfp4 decode live than ptxas: 4 rows spill at q = 5
+    if not spec.rows and spec.q >= 3:
+        # K-quant decodes (two halves' scales and mins, high-bit planes, 2-byte aligned Q3_K / Q6_K words) at
+        # 4 rows spill at q = 5 under sm_90's 128 registers (2 blocks per SM); clang for gfx942 also needs 1 row
+        # from q = 6 (2 rows: scratch at q = 8)
+        for f in KQUANTS:
+            if f in rows0:
+                rows0[f] = 1 if (tgt.vendor == "hip" and spec.q >= 6) else 2
     scale = 1
     while True:
         outs = [_out_plan(j, o, spec, max(1, rows0[o.fmt] // scale), tgt.wave) for j, o in enumerate(spec.outputs)]
@@ -370,14 +401,18 @@ def _plan_params(pl: Plan) -> dict[str, Any]:
     outs = []
     for p in pl.outs:
         d = dict(vars(p))
-        d["wtype"] = {"bf16": "u16", "f32": "float", "q8_0": "u8", "mxfp4": "u8"}[p.fmt]
+        d["wtype"] = {"bf16": "u16", "f32": "float"}.get(p.fmt, "u8")
+        d["kq"] = p.fmt in KQUANTS
+        d["fid"] = _FMT_ID.get(p.fmt, -1)
+        d["bb"] = _KQ_BYTES.get(p.fmt, 0) if p.fmt in KQUANTS else 0
         d["ytype"] = "u16" if p.out == "bf16" else "float"
         outs.append(d)
     return {"kind": "gemv", "q": pl.spec.q, "k": pl.spec.k, "threads": THREADS, "outs": outs,
             "total_tiles": pl.total_tiles, "need_q": pl.need_q, "p_smem": pl.p_smem, "xrow": pl.xrow,
             "off_xq": pl.off_xq, "off_xp": pl.off_xp, "off_stage": pl.off_stage, "off_red": pl.off_red,
             "smem": pl.smem, "nch": pl.nch, "any_staged": any(p.staged for p in pl.outs),
-            "staged": [o for o in outs if o["staged"]], "spec_text": pl.spec.short()}
+            "staged": [o for o in outs if o["staged"]], "spec_text": pl.spec.short(),
+            "any_kq": any(o["kq"] for o in outs)}
 
 
 def render_gemv(spec: GemvSpec, target: Target, name: str) -> KernelSource:
@@ -418,7 +453,7 @@ def arg_order(spec: GemvSpec) -> list[tuple[str, str, tuple[int, ...], torch.dty
 
 
 # --------------------------------------------------------------------------------------------- reference
-_GGML = {"bf16": "BF16", "f32": "F32", "q8_0": "Q8_0", "mxfp4": "MXFP4"}
+_GGML = {"bf16": "BF16", "f32": "F32", "q8_0": "Q8_0", "mxfp4": "MXFP4", **{f: f.upper() for f in KQUANTS}}
 
 
 def dequantize_weight(out: GemvOutput, k: int, raw: torch.Tensor) -> torch.Tensor:
@@ -468,9 +503,15 @@ def random_weight(out: GemvOutput, k: int, generator: torch.Generator | None = N
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """Fresh random valid stored bytes on ``device`` (``generator`` must live there too): bf16 / f32 values
     ~ N(0, 1/K); q8_0: random int8 codes and random fp16 scales in [0.5, 2]/(127*sqrt(K)); mxfp4: random
-    nibbles and exponents 118..124. Shapes and dtypes as :func:`weight_shape`."""
+    nibbles and exponents 118..124; K-quants / IQ4_XS: :func:`ds4c.runtime.families.experts.random_weight`
+    (every byte random but the fp16 super-block ``d`` / ``dmin``, set so values stay within ~1). Shapes and
+    dtypes as :func:`weight_shape`."""
     n = out.n
     kw = {"generator": generator, "device": device}
+    if out.fmt in KQUANTS:
+        from ds4c.runtime.families.experts import random_weight as _kq_random
+
+        return _kq_random(out.fmt, n, k, generator=generator, device=device)
     if out.fmt in ("bf16", "f32"):
         w = torch.randn(n, k, **kw) / math.sqrt(k)
         return w.to(torch.bfloat16 if out.fmt == "bf16" else torch.float32)

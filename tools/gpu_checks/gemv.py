@@ -6,11 +6,13 @@ wq_b (1024 -> 32768), one routed expert (4096 -> 2048 MXFP4, fp8act) and its w2 
 (4096 -> 129280, bf16 weights, f32 mode), the 7-output attention-input fusion (wq_a, wkv, compressor wkv / wgate,
 indexer weights_proj and compressor wkv / wgate), plus two checks with fp32 output of an fp8act product (Q8_0
 and MXFP4), whose 1e-4 tolerance sees a single mis-quantized activation or mis-decoded weight, one with the
-activation quantization off, and gemv_argmax on the head's logits (with planted ties).
+activation quantization off, gemv_argmax on the head's logits (with planted ties), and the K-quant / IQ4_XS
+cases (wq_a with fp32 output and wq_b per format, the head in Q6_K, a bf16-mode Q4_K, a mixed attention input).
 
 Per case: fresh random inputs (x with per-128-block magnitudes from 1e-2 to 1e2, and a row of magnitude 1e-6
 that exercises the 1e-4 amax floor; weights as random valid stored
-bytes: int8 codes + fp16 scales for Q8_0, nibbles + exponents 118..124 for MXFP4), every output poisoned with NaN
+bytes: int8 codes + fp16 scales for Q8_0, nibbles + exponents 118..124 for MXFP4, random super-blocks with
+sane fp16 d / dmin for the K-quants), every output poisoned with NaN
 before the launch, then: every element written, relative error ||y - ref|| / ||ref|| (worst q row) against
 ``gemv.reference`` (computed on the GPU in fp32, TF32 off) below 1e-2 for bf16 outputs and 1e-4 for fp32
 outputs, and the median of 50 CUDA-event timings after warm-up, cycling through enough weight copies that
@@ -66,6 +68,15 @@ CASES: list[tuple[str, int, list[G.GemvOutput], bool]] = [
     ("q8_f32out", 4096, [O(1024, "q8_0", "fp8act", "f32")], True),
     ("mxfp4_f32out", 4096, [O(2048, "mxfp4", "fp8act", "f32")], True),
     ("wq_a_noaq", 4096, [O(1024, "q8_0", "fp8act")], False),
+    # K-quants / IQ4_XS (a Q4_K_M / Q3_K_M file's non-expert matrices): wq_a and wq_b in each format, fp32 output
+    # of the fp8act product (tolerance 1e-4 sees a mis-decoded scale or code), the head in Q6_K (llama.cpp's
+    # output type in the K mixes) and a bf16-mode shared-expert-sized GEMV; wq_b (K = 1024) in Q3_K / Q6_K has
+    # rows of 440 / 840 bytes, not 16-byte multiples
+    *[(f"wq_a_{f}", 4096, [O(1024, f, "fp8act", "f32")], True) for f in G.KQUANTS],
+    *[(f"wq_b_{f}", 1024, [O(32768, f, "fp8act")], True) for f in G.KQUANTS],
+    ("head_q6_k", 4096, [O(129280, "q6_k", "f32")], True),
+    ("shexp_q4_k_bf16", 4096, [O(2048, "q4_k", "bf16")], True),
+    ("attn_in_q4_k", 4096, [O(1024, "q4_k", "fp8act"), O(512, "q4_k", "fp8act"), O(64, "bf16", "bf16")], True),
 ]
 
 
