@@ -74,6 +74,9 @@ class StepRow:
     projected_flash_ms: float | None = None
     split_ms: float | None = None
     """The same step through the layer split (``--devices`` / ``--layer-split``), graph replays back to back."""
+    llama_ms: float | None = None
+    """llama.cpp's time for the same step on the same file (``--llama-bench``): q = 1 its ``tg`` per token, q = 5
+    its ``pp5`` batch (:func:`llama_step_ms`); None for other widths or without it."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -460,6 +463,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             rows.append(row)
             say(format_row(row))
     llama = llama_bench_tg(llama_bench, mf.path, contexts, say) if llama_bench else {}
+    for row in rows:
+        row.llama_ms = llama_step_ms(llama, row.width, row.context)
     if split is not None:
         del split
         torch.cuda.empty_cache()
@@ -478,34 +483,54 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
 
 
 def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...], say: Callable[[str], None] = print,
-                   n_gen: int = 128, reps: int = 3) -> dict[str, Any]:
-    """llama.cpp's decode rate on ``model``: ``llama-bench -m MODEL -p 0 -n N_GEN -d CTX -r REPS -ngl 99 -o json``
-    for every context (the ``tg`` test at that depth; llama.cpp's own timing, host work included).
+                   n_gen: int = 128, reps: int = 3, pp: int = 5) -> dict[str, Any]:
+    """llama.cpp's decode and small-batch rates on ``model``: ``llama-bench -m MODEL -p PP -n N_GEN -d CTX -r REPS
+    -ngl 99 -o json`` for every context: its ``tg`` test (one token per step) and its ``pp5`` test (a batch of
+    ``pp`` = 5 prompt tokens, the peer of our q = 5 verify step) at that depth; llama.cpp's own timing, host
+    work included.
 
     Returns:
-        ``{"cmd": str, "tg_tok_s": {ctx: tokens/s}, "errors": {ctx: one line}}``; a failing run (llama.cpp
-        cannot load the file, no such binary) is recorded per context, never raised.
+        ``{"cmd": str, "tg_tok_s": {ctx: tokens/s}, "pp_tok_s": {ctx: tokens/s}, "pp": pp, "errors": {ctx: one
+        line}}``; a failing run (llama.cpp cannot load the file, no such binary) is recorded per context, never
+        raised (a run with tg but no pp result keeps the tg).
     """
     import json
     import subprocess
 
-    args = ["-p", "0", "-n", str(n_gen), "-d", "CTX", "-r", str(reps), "-ngl", "99", "-o", "json"]
-    out: dict[str, Any] = {"cmd": " ".join([str(exe), "-m", "MODEL"] + args), "tg_tok_s": {}, "errors": {}}
+    args = ["-p", str(pp), "-n", str(n_gen), "-d", "CTX", "-r", str(reps), "-ngl", "99", "-o", "json"]
+    out: dict[str, Any] = {"cmd": " ".join([str(exe), "-m", "MODEL"] + args), "tg_tok_s": {}, "pp_tok_s": {},
+                           "pp": pp, "errors": {}}
     for c in contexts:
         cmd = [str(exe), "-m", str(model)] + [str(c) if a == "CTX" else a for a in args]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
             recs = json.loads(r.stdout) if r.returncode == 0 else None
             tg = [x for x in recs or [] if x.get("n_gen") == n_gen and x.get("n_depth") == c]
+            ppr = [x for x in recs or [] if x.get("n_prompt") == pp and not x.get("n_gen") and x.get("n_depth") == c]
             if not tg:
                 last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 raise ValueError(f"no tg result (exit {r.returncode}): {last}")
             out["tg_tok_s"][c] = float(tg[0]["avg_ts"])
-            say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s")
+            if ppr:
+                out["pp_tok_s"][c] = float(ppr[0]["avg_ts"])
+            say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s; pp{pp}: "
+                f"{_f(out['pp_tok_s'].get(c), '.1f')} tokens/s")
         except (OSError, ValueError, subprocess.TimeoutExpired) as e:
             out["errors"][c] = f"{type(e).__name__}: {e}".splitlines()[0]
             say(f"llama.cpp at depth {c}: {out['errors'][c]}")
     return out
+
+
+def llama_step_ms(llama: dict[str, Any], width: int, context: int) -> float | None:
+    """ms of llama.cpp's step of ``width`` rows at ``context`` from :func:`llama_bench_tg`'s result: q = 1 is
+    ``1000 / tg``, q = ``pp`` (5) is ``pp * 1000 / pp5``; None otherwise or when not measured."""
+    if width == 1:
+        ts = llama.get("tg_tok_s", {}).get(context)
+    elif width == llama.get("pp"):
+        ts = llama.get("pp_tok_s", {}).get(context)
+    else:
+        return None
+    return None if not ts else width * 1e3 / ts
 
 
 def _end_to_end(ex: Any, rows: list[StepRow], toks_of: dict[int, list[int]], contexts: tuple[int, ...],
@@ -595,20 +620,20 @@ def format_report(rep: BenchReport) -> str:
                                sorted(r.families.items(), key=lambda kv: -kv[1]["us"]))
             out.append(f"q={r.width} ctx={r.context} time share (GB/s) by family, launches timed alone: {shares}")
     out.append(f"{'q':>2s} {'ctx':>6s} {'ours ms':>9s} {'eager ms':>9s} {'compile':>9s} {'transf.':>8s} "
-               f"{'GB read':>8s} {'roof ms':>8s} {'k/layer':>7s} {'43L ms':>7s} {'tok/s':>7s}")
+               f"{'llama ms':>8s} {'GB read':>8s} {'roof ms':>8s} {'k/layer':>7s} {'43L ms':>7s} {'tok/s':>7s}")
     for r in rep.rows:
         tps = None if r.projected_flash_ms is None else 1e3 / r.projected_flash_ms
         out.append(f"{r.width:2d} {r.context:6d} {_f(r.ours_ms):>9s} {_f(r.eager_ms, '.2f'):>9s} "
-                   f"{_f(r.compile_ms, '.2f'):>9s} {_f(r.transformers_ms, '.2f'):>8s} {r.total_bytes / 1e9:8.3f} "
-                   f"{_f(r.roofline_ms):>8s} {r.kernels_per_layer:7d} {_f(r.projected_flash_ms, '.2f'):>7s} "
-                   f"{_f(tps, '.0f'):>7s}")
-    out.append("speed-ups (x) and roofline fraction:")
+                   f"{_f(r.compile_ms, '.2f'):>9s} {_f(r.transformers_ms, '.2f'):>8s} {_f(r.llama_ms, '.2f'):>8s} "
+                   f"{r.total_bytes / 1e9:8.3f} {_f(r.roofline_ms):>8s} {r.kernels_per_layer:7d} "
+                   f"{_f(r.projected_flash_ms, '.2f'):>7s} {_f(tps, '.0f'):>7s}")
+    out.append("speed-ups (x) and roofline fraction (llama: q=1 its tg, q=5 its pp5 at the same depth):")
     out.append(f"{'q':>2s} {'ctx':>6s} {'eager/ours':>10s} {'compile/ours':>12s} {'transf/ours':>11s} "
-               f"{'roof/ours':>9s}")
+               f"{'llama/ours':>10s} {'roof/ours':>9s}")
     for r in rep.rows:
         out.append(f"{r.width:2d} {r.context:6d} {_f(r.ratio(r.eager_ms), '.1f'):>10s} "
                    f"{_f(r.ratio(r.compile_ms), '.1f'):>12s} {_f(r.ratio(r.transformers_ms), '.1f'):>11s} "
-                   f"{_f(r.ratio(r.roofline_ms), '.2f'):>9s}")
+                   f"{_f(r.ratio(r.llama_ms), '.2f'):>10s} {_f(r.ratio(r.roofline_ms), '.2f'):>9s}")
     out.append(f"cold compile (artifact, this machine): {_f(rep.cold_compile_s, '.1f')} s; "
                f"warm artifact load (every graph ready): {_f(rep.artifact_load_s, '.2f')} s")
     if rep.prepare:

@@ -459,11 +459,12 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
     layer = re_.attrs["layer"]
     p = f"blk.{layer}."
     cfg = c.cfg
-    shared = tuple(c.weight_name(x.inputs[1]) or "" for x in (gate, up, down))
+    sh_gate, sh_up, sh_down = (c.weight_name(x.inputs[1]) or "" for x in (gate, up, down))
     spec = _exp.ExpertsSpec(c.q, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts,
                             c.expert_fmt((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
-                            c.expert_fmt(shared), bool(re_.attrs["emulate"]), re_.attrs["limit"],
-                            down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)))
+                            c.expert_fmt((sh_gate, sh_up)), bool(re_.attrs["emulate"]), re_.attrs["limit"],
+                            down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)),
+                            shared_down_fmt=c.expert_fmt((sh_down,)))
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
     b = {"x": c.arg(re_.inputs[0]), "ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]),

@@ -101,18 +101,23 @@ def test_family_table_counts_a_kernel_of_several_launches_once():
 def test_llama_bench_tg_parses_and_records_failures(tmp_path):
     """``--llama-bench``: llama-bench's JSON parsed per depth; a crash, bad output or a missing binary is a
     one-line error per context, never an exception."""
-    from ds4c.bench import llama_bench_tg
+    from ds4c.bench import llama_bench_tg, llama_step_ms
 
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\n"
                     "d=$(echo \"$@\" | sed 's/.*-d \\([0-9]*\\).*/\\1/')\n"
                     "[ \"$d\" = 999 ] && { echo boom >&2; exit 3; }\n"
-                    "echo '[{\"n_prompt\": 0, \"n_gen\": 128, \"n_depth\": '$d', \"avg_ts\": 478.6}]'\n")
+                    "echo '[{\"n_prompt\": 5, \"n_gen\": 0, \"n_depth\": '$d', \"avg_ts\": 1146.8},"
+                    " {\"n_prompt\": 0, \"n_gen\": 128, \"n_depth\": '$d', \"avg_ts\": 478.6}]'\n")
     fake.chmod(0o755)
     out = llama_bench_tg(str(fake), "m.gguf", (4096, 999), say=lambda m: None)
-    assert out["tg_tok_s"] == {4096: 478.6}
+    assert out["tg_tok_s"] == {4096: 478.6} and out["pp_tok_s"] == {4096: 1146.8}
     assert set(out["errors"]) == {999} and "boom" in out["errors"][999] and "\n" not in out["errors"][999]
-    assert out["cmd"].endswith("-m MODEL -p 0 -n 128 -d CTX -r 3 -ngl 99 -o json")
+    assert out["cmd"].endswith("-m MODEL -p 5 -n 128 -d CTX -r 3 -ngl 99 -o json")
+    # the step-table columns: q=1 is llama's tg per token, q=5 its pp5 batch; other widths have none
+    assert llama_step_ms(out, 1, 4096) == pytest.approx(1e3 / 478.6)
+    assert llama_step_ms(out, 5, 4096) == pytest.approx(5e3 / 1146.8)
+    assert llama_step_ms(out, 3, 4096) is None and llama_step_ms(out, 1, 999) is None
     missing = llama_bench_tg(str(tmp_path / "nope"), "m.gguf", (64,), say=lambda m: None)
     assert missing["tg_tok_s"] == {} and "No such file" in missing["errors"][64]
 

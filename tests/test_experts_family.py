@@ -114,6 +114,10 @@ def test_spec_validation() -> None:
     with pytest.raises(RenderError, match="down_fmt q4_k with inter 128 .rows of q4_k are multiples of 256"):
         X.ExpertsSpec(q=1, **TINY, routed_fmt="q4_k")  # tiny's w2 rows hold 128 values
     assert X.ExpertsSpec(q=1, **TINY, routed_fmt="q4_k", down_fmt="q8_0").down_fmt == "q8_0"
+    with pytest.raises(RenderError, match="shared_down_fmt q6_k with inter 128"):
+        X.ExpertsSpec(q=1, **TINY, shared_fmt="q6_k")
+    sp = X.ExpertsSpec(q=1, **TINY, shared_fmt="q6_k", shared_down_fmt="q8_0")
+    assert X.arg_shapes(sp)["sh_w2"][0] == (256, 128 // 32 * 34) and "_shdnq8_0" in sp.key()
     with pytest.raises(RenderError, match="engine"):
         X.ExpertsSpec(q=1, engine="wgmma")
     with pytest.raises(RenderError, match="CUDA only"):
@@ -132,10 +136,12 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
     engines = ("mma", "simt") if t.vendor == "cuda" else ("simt",)
     srcs = [k for _, shape, q in CASES for eng in engines
             for k in X.render_experts(X.ExpertsSpec(q=q, engine=eng, **shape), t)]
-    # K-quants at the official shape, q = 5: a format with mins (Q2_K) and the two whose chunks start at
-    # byte 2 of a u32 (Q3_K, Q6_K)
-    srcs += [k for f in ("q2_k", "q3_k", "q6_k") for eng in engines
-             for k in X.render_experts(X.ExpertsSpec(q=5, engine=eng, routed_fmt=f, **OFFICIAL), t)]
+    # K-quants at the official shape, q = 5: a format with mins (Q2_K) and one whose chunks start at byte 2 of
+    # a u32 (Q6_K), each as shared expert of the other, one per engine (tools/gpu_checks/experts.py and the
+    # device build cover every format and engine)
+    kq = [("mma", "q2_k", "q6_k"), ("simt", "q6_k", "q2_k")] if t.vendor == "cuda" else [("simt", "q6_k", "q2_k")]
+    srcs += [k for eng, rf, sf in kq
+             for k in X.render_experts(X.ExpertsSpec(q=5, engine=eng, routed_fmt=rf, shared_fmt=sf, **OFFICIAL), t)]
 
     def job(k):
         d = tmp_path / k.entry
@@ -275,14 +281,13 @@ EMU_CASES = [("mma", "sm_90", dict(q=1)), ("mma", "sm_90", dict(q=5)), ("simt", 
              ("mma", "sm_80", dict(q=3, shared_fmt="bf16")), ("simt", "sm_90", dict(q=3, routed_fmt="q8_0", shared_fmt="mxfp4")),
              ("mma", "sm_90", dict(q=2, hidden=512, inter=384, limit=3.0))]
 # K-quants (D 512, F 256, E 8: w2 rows of 256 = one super-block per warp; Q3_K / Q6_K w2 rows of 110 / 210
-# bytes, so rows and chunks start at byte 2 of a u32), one case per format spread over engines and forms
+# bytes, so rows and chunks start at byte 2 of a u32): every format as routed gate/up, routed down, shared and
+# shared down, spread over engines and forms
 KQ = dict(hidden=512, inter=256, n_experts=8, k=4)
-EMU_CASES += [("mma", "sm_90", dict(q=3, routed_fmt="q2_k", shared_fmt="q4_k")),
-              ("simt", "sm_90", dict(q=5, routed_fmt="q3_k", shared_fmt="q6_k")),
-              ("mma", "sm_90", dict(q=4, routed_fmt="q4_k", shared_fmt="iq4_xs", down_fmt="q8_0")),
-              ("mma", "sm_80", dict(q=3, routed_fmt="q5_k", shared_fmt="q2_k")),
-              ("mma", "sm_90", dict(q=2, routed_fmt="q6_k", shared_fmt="q3_k", act_quant=False)),
-              ("simt", "sm_90", dict(q=3, routed_fmt="iq4_xs", shared_fmt="q5_k", down_fmt="q6_k"))]
+EMU_CASES += [("mma", "sm_90", dict(q=3, routed_fmt="q2_k", shared_fmt="q4_k", down_fmt="q6_k", shared_down_fmt="q3_k")),
+              ("simt", "sm_90", dict(q=3, routed_fmt="q3_k", shared_fmt="q6_k", down_fmt="iq4_xs", shared_down_fmt="q5_k")),
+              ("mma", "sm_80", dict(q=3, routed_fmt="q5_k", shared_fmt="iq4_xs", down_fmt="q8_0")),
+              ("mma", "sm_90", dict(q=2, routed_fmt="q6_k", shared_fmt="q2_k", act_quant=False))]
 
 
 @pytest.mark.parametrize("engine,arch,kw", EMU_CASES, ids=[f"{e}-{a}-" + "-".join(f"{k}{v}" for k, v in kw.items())

@@ -347,8 +347,8 @@ def test_lowering_names_the_tensor_and_type():
 def test_compiled_lowering_reads_k_quant_matrices(which, q):
     """Files "a" / "b" (K-quant FP8-role and BF16-role matrices: attention inputs, router, head, embedding) lower
     for the compiled step: every GEMV whose weight is a K-quant reads it in its own format (``gv_run_kq``), the
-    embedding is read converted to bf16. The shared expert is read in one format by the experts kernel, so its
-    gate/up are set to tiny's Q8_0 down projection here (rows of 128 cannot be K-quants)."""
+    embedding is read converted to bf16; the experts kernel reads the shared expert's K-quant gate/up and its
+    Q8_0 down projection (tiny's rows of 128 cannot be K-quants) each in its own format."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
     from ds4c.runtime.lower import lower_graph
@@ -356,7 +356,7 @@ def test_compiled_lowering_reads_k_quant_matrices(which, q):
 
     g = run_pipeline(build_step(TINY, q, max_ctx=128), "default", context=128).graph
     types = storage_types(TINY, FILE_TYPES[which])
-    types.update({n: G.Q8_0 for n in types if "_shexp." in n})
+    assert Q.is_super_block(types["blk.0.ffn_gate_shexp.weight"]) and types["blk.0.ffn_down_shexp.weight"] == G.Q8_0
     kq = {n for n, t in types.items() if Q.is_super_block(t) and "_exps." not in n}
     assert {"blk.0.attn_q_a.weight", "output.weight", "token_embd.weight"} <= kq
     gemv_kq = 0

@@ -32,14 +32,6 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _tokenwise(weights, toks: list[int]) -> tuple[Reference, torch.Tensor]:
-    ref = Reference(weights, max_ctx=MAX_CTX)
-    logits = None
-    for p, t in enumerate(toks):
-        logits = ref.decode(t, p)
-    return ref, logits.reshape(-1)
-
-
 def _states_equal(a, b) -> list[str]:
     """Names of the state buffers that differ (empty: bit-equal)."""
     bad = []
@@ -86,9 +78,17 @@ def test_chunked_prefill_equals_tokenwise_decoding(tiny_weights, chunk: int, pas
     padded (n_valid < C) for every length here."""
     pf = _Chunked(tiny_weights, chunk, passes)
     lengths = (1, 70, 330) if passes else (40,)
+    toks_all = _prompt(max(lengths), seed=330)
+    tokenwise = Reference(tiny_weights, max_ctx=MAX_CTX)  # one token-wise run; the prompts are its prefixes
+    at: dict[int, tuple] = {}
+    for p, t in enumerate(toks_all):
+        logits = tokenwise.decode(t, p)
+        if p + 1 in lengths:
+            at[p + 1] = (tokenwise.snapshot(), logits.reshape(-1))
     for n in lengths:
-        toks = _prompt(n, seed=n)
-        want_ref, want = _tokenwise(tiny_weights, toks)
+        toks = toks_all[:n]
+        want_ref, want = Reference(tiny_weights, max_ctx=MAX_CTX), at[n][1]
+        want_ref.restore(at[n][0])
         got_ref, got = pf.run(toks)
         assert got.shape == want.shape and torch.equal(got, want), f"{n} tokens: next-token logits differ"
         assert got_ref.state.pos == n

@@ -104,7 +104,8 @@ def ar(ref):
     return {i: generate(ref, p, 300).tokens for i, p in enumerate(PROMPTS)}
 
 
-@pytest.mark.parametrize("which,width", [(0, 2), (0, 3), (0, 4), (0, 5), (1, 2), (1, 5)])
+# widths 2, 3 and 5 and both prompts (width 4 runs in the oracle-drafter and sampling tests below)
+@pytest.mark.parametrize("which,width", [(0, 2), (1, 3), (0, 5)])
 def test_greedy_speculative_equals_autoregressive(ref, ar, width, which):
     drafter = OracleDrafter(0.7, 512, seed=width, continuation=ar[which])
     res = generate(ref, PROMPTS[which], 300, draft=drafter, spec_width=width)

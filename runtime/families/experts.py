@@ -119,10 +119,11 @@ class ExpertsSpec:
         n_experts: E (256 official, 16 tiny).
         routed_fmt: storage of the routed experts' gate/up (w1, w3): ``mxfp4`` (official GGUF files) |
             ``q8_0`` | ``bf16`` | a K-quant (``q2_k`` .. ``q6_k``, ``iq4_xs``; rows must be multiples of 256).
-        shared_fmt: storage of the shared expert: ``q8_0`` (official GGUF files) | any of the above.
+        shared_fmt: storage of the shared expert's gate/up: ``q8_0`` (official GGUF files) | any of the above.
         down_fmt: storage of the routed experts' down projection (w2); None = ``routed_fmt``. llama.cpp's
             quantizer often gives ffn_down another type than gate/up, and a K-quant model whose F is not a
             multiple of 256 stores w2 in Q8_0.
+        shared_down_fmt: storage of the shared expert's down projection; None = ``shared_fmt``.
         act_quant: FP8 activation quant of x and h (spec 2.3.1; the reference's ``emulate``).
         limit: SwiGLU clamp (P11; 10.0).
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
@@ -142,10 +143,13 @@ class ExpertsSpec:
     limit: float = 10.0
     engine: str = "auto"
     down_fmt: str | None = None
+    shared_down_fmt: str | None = None
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
             object.__setattr__(self, "down_fmt", self.routed_fmt)
+        if self.shared_down_fmt is None:
+            object.__setattr__(self, "shared_down_fmt", self.shared_fmt)
         bad = []
         if not (isinstance(self.q, int) and 1 <= self.q <= MAX_Q):
             bad.append(f"q {self.q!r} (expected 1..{MAX_Q})")
@@ -157,7 +161,8 @@ class ExpertsSpec:
             bad.append(f"n_experts {self.n_experts!r} (expected >= 1)")
         if not (isinstance(self.k, int) and 1 <= self.k <= max(1, self.n_experts if isinstance(self.n_experts, int) else 1)):
             bad.append(f"k {self.k!r} (expected 1..n_experts)")
-        for name, dims in (("routed_fmt", ("hidden",)), ("shared_fmt", ("hidden", "inter")), ("down_fmt", ("inter",))):
+        for name, dims in (("routed_fmt", ("hidden",)), ("shared_fmt", ("hidden",)), ("down_fmt", ("inter",)),
+                           ("shared_down_fmt", ("inter",))):
             f = getattr(self, name)
             if f not in FORMATS:
                 bad.append(f"{name} {f!r} (expected one of {FORMATS})")
@@ -180,7 +185,8 @@ class ExpertsSpec:
 
     def key(self) -> str:
         """Short name of the kernel variant (without the engine)."""
-        down = "" if self.down_fmt == self.routed_fmt else f"_dn{self.down_fmt}"
+        down = ("" if self.down_fmt == self.routed_fmt else f"_dn{self.down_fmt}") + \
+            ("" if self.shared_down_fmt == self.shared_fmt else f"_shdn{self.shared_down_fmt}")
         return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
                 f"{self.shared_fmt}{down}{'' if self.act_quant else '_noaq'}"
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
@@ -188,6 +194,7 @@ class ExpertsSpec:
     def short(self) -> str:
         return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
                 f"{self.routed_fmt}/{self.shared_fmt}" + ("" if self.down_fmt == self.routed_fmt else f" down {self.down_fmt}")
+                + ("" if self.shared_down_fmt == self.shared_fmt else f" shared down {self.shared_down_fmt}")
                 + ("" if self.act_quant else " noaq"))
 
 
@@ -279,12 +286,13 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
     e4m3 = engine == "mma" and target.arch in E4M3_ARCHS
     kin, nout = (spec.hidden, spec.inter) if phase == "up" else (spec.inter, spec.hidden)
     routed = spec.routed_fmt if phase == "up" else spec.down_fmt
-    unit = max(128, BLOCK_VALUES[routed], BLOCK_VALUES[spec.shared_fmt])  # a warp's K range holds whole blocks
+    shared = spec.shared_fmt if phase == "up" else spec.shared_down_fmt
+    unit = max(128, BLOCK_VALUES[routed], BLOCK_VALUES[shared])  # a warp's K range holds whole blocks
     nw = max(w for w in (4, 2, 1) if w <= MAX_WARPS and kin % (unit * w) == 0)
     kw = kin // nw
     lim = SMEM_LIMIT[target.vendor]
     for cap in (16, 1):  # K-quant chunks of two super-blocks can overflow HIP's 64 KB: then one per chunk
-        pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, cap)
+        pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, shared, cap)
         if pl.smem <= lim:
             return pl
     raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {pl.smem} bytes of shared memory, "
@@ -292,8 +300,8 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
 
 
 def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3: bool, kin: int, nout: int, nw: int,
-               kw: int, routed: str, cap: int) -> PhasePlan:
-    geos = (_geo(routed, kin, kw, e4m3, spec.act_quant, cap), _geo(spec.shared_fmt, kin, kw, e4m3, spec.act_quant, cap))
+               kw: int, routed: str, shared: str, cap: int) -> PhasePlan:
+    geos = (_geo(routed, kin, kw, e4m3, spec.act_quant, cap), _geo(shared, kin, kw, e4m3, spec.act_quant, cap))
     if engine == "simt":
         assert all(g.form == 1 for g in geos)
     nb = max(g.nj * g.v // 4 for g in geos)
@@ -330,7 +338,7 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
 
 def _reg_budget(spec: ExpertsSpec, phase: str) -> int:
     """Registers per thread the CUDA build of ``phase`` may use (:data:`REG_BUDGET`, :data:`REG_BUDGET_KQ`)."""
-    fmts = (spec.routed_fmt if phase == "up" else spec.down_fmt, spec.shared_fmt)
+    fmts = (spec.routed_fmt, spec.shared_fmt) if phase == "up" else (spec.down_fmt, spec.shared_down_fmt)
     return REG_BUDGET_KQ if any(f in KQUANTS for f in fmts) else REG_BUDGET
 
 
@@ -378,7 +386,7 @@ def arg_shapes(spec: ExpertsSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return {"x": ((q, D), torch.bfloat16), "ids": ((q, k), torch.int64), "weights": ((q, k), torch.float32),
             "w1": weight_shape(spec.routed_fmt, F, D, E), "w3": weight_shape(spec.routed_fmt, F, D, E),
             "w2": weight_shape(spec.down_fmt, D, F, E), "sh_w1": weight_shape(spec.shared_fmt, F, D),
-            "sh_w3": weight_shape(spec.shared_fmt, F, D), "sh_w2": weight_shape(spec.shared_fmt, D, F),
+            "sh_w3": weight_shape(spec.shared_fmt, F, D), "sh_w2": weight_shape(spec.shared_down_fmt, D, F),
             "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16)}
 
 
@@ -392,7 +400,8 @@ def expert_bytes(spec: ExpertsSpec, fmt: str | None = None) -> int:
 def bytes_read(spec: ExpertsSpec, ids: torch.Tensor) -> int:
     """Expert weight bytes one call streams: each distinct routed expert once, plus the shared expert."""
     n = int(torch.unique(ids.reshape(-1)).numel())
-    return n * expert_bytes(spec) + expert_bytes(spec, spec.shared_fmt)
+    shared = 2 * spec.inter * row_bytes(spec.shared_fmt, spec.hidden) + spec.hidden * row_bytes(spec.shared_down_fmt, spec.inter)
+    return n * expert_bytes(spec) + shared
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -436,7 +445,9 @@ def reference(spec: ExpertsSpec, x: torch.Tensor, ids: torch.Tensor, weights: to
     ids_c, wts = ids.to(torch.int64).cpu(), weights.to(torch.float32).to(dev)
     routed = torch.cat([B.routed_sum(x[i:i + 1], ids_c[i], wts[i], expert, spec.limit, spec.act_quant)
                         for i in range(x.shape[0])])
-    sh = [dequantize_weight(spec.shared_fmt, w, r, c).to(dev) for w, r, c in ((sh_w1, F, D), (sh_w3, F, D), (sh_w2, D, F))]
+    sh = [dequantize_weight(f, w, r, c).to(dev) for f, w, r, c in ((spec.shared_fmt, sh_w1, F, D),
+                                                                    (spec.shared_fmt, sh_w3, F, D),
+                                                                    (spec.shared_down_fmt, sh_w2, D, F))]
     ys = B.expert_ffn(x, sh[0], sh[1], sh[2], None, spec.limit, spec.act_quant)
     return (routed + ys.to(torch.float32)).to(torch.bfloat16)
 
@@ -508,4 +519,4 @@ def random_inputs(spec: ExpertsSpec, generator: torch.Generator | None = None,
             "weights": wts.to(dev),
             "w1": rw(spec.routed_fmt, F, D, E, gd, dev), "w3": rw(spec.routed_fmt, F, D, E, gd, dev),
             "w2": rw(spec.down_fmt, D, F, E, gd, dev), "sh_w1": rw(spec.shared_fmt, F, D, None, gd, dev),
-            "sh_w3": rw(spec.shared_fmt, F, D, None, gd, dev), "sh_w2": rw(spec.shared_fmt, D, F, None, gd, dev)}
+            "sh_w3": rw(spec.shared_fmt, F, D, None, gd, dev), "sh_w2": rw(spec.shared_down_fmt, D, F, None, gd, dev)}
