@@ -517,9 +517,11 @@ def test_full_pipeline_kernels_and_memory(compiled, name):
 
 
 def test_flash_pipeline_is_fast(compiled):
+    """A guard against a pass going pathological on the 43-layer graph (e.g. quadratic in the op count), not a
+    benchmark: ~4 s alone on a 2-core machine, ~10 s with the other test worker and a busy machine."""
     _, seconds = compiled("flash", 1)
     print(f"flash q=1 build + default pipeline: {seconds:.2f} s")
-    assert seconds < 10
+    assert seconds < 40
 
 
 # ------------------------------------------------------------------------------------------------ manager
