@@ -26,6 +26,7 @@ runtime; nothing imports it but the CLI.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -505,20 +506,34 @@ def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
             recs = json.loads(r.stdout) if r.returncode == 0 else None
+            if recs is not None and not (isinstance(recs, list) and all(isinstance(x, dict) for x in recs)):
+                raise ValueError(f"expected llama-bench's JSON list of test records, found {type(recs).__name__} "
+                                 f"{str(recs)[:60]}")
             tg = [x for x in recs or [] if x.get("n_gen") == n_gen and x.get("n_depth") == c]
             ppr = [x for x in recs or [] if x.get("n_prompt") == pp and not x.get("n_gen") and x.get("n_depth") == c]
             if not tg:
-                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
                 raise ValueError(f"no tg result (exit {r.returncode}): {last}")
-            out["tg_tok_s"][c] = float(tg[0]["avg_ts"])
+            out["tg_tok_s"][c] = _rate(tg[0])
             if ppr:
-                out["pp_tok_s"][c] = float(ppr[0]["avg_ts"])
+                out["pp_tok_s"][c] = _rate(ppr[0])
             say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s; pp{pp}: "
                 f"{_f(out['pp_tok_s'].get(c), '.1f')} tokens/s")
         except (OSError, ValueError, subprocess.TimeoutExpired) as e:
             out["errors"][c] = f"{type(e).__name__}: {e}".splitlines()[0]
             say(f"llama.cpp at depth {c}: {out['errors'][c]}")
     return out
+
+
+def _rate(rec: dict[str, Any]) -> float:
+    """A llama-bench record's ``avg_ts`` (tokens/s); ValueError unless a positive finite number."""
+    try:
+        ts = float(rec["avg_ts"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"a test record without a numeric avg_ts: {str(rec)[:80]}") from None
+    if not (math.isfinite(ts) and ts > 0):
+        raise ValueError(f"a test record with avg_ts {ts} (expected a positive rate)")
+    return ts
 
 
 def llama_step_ms(llama: dict[str, Any], width: int, context: int) -> float | None:

@@ -144,14 +144,21 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
 
 
 # ------------------------------------------------------------------------------------------------------
+def _finite_gib(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and value <= 1 << 20):
+        raise click.BadParameter(f"expected a finite size in GiB (at most {1 << 20}), found {value}")
+    return value
+
+
 @main.command("info")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record.")
 @click.option("--plan", "show_plan", is_flag=True,
               help="Print instead the compiled step's memory plan (weights by kind, state per bucket, arena, "
-                   "graphs; no GPU needed) and, when free memory is known, whether it fits (exit 1 if not).")
+                   "graphs; no GPU needed) and, when free memory is known, whether it fits (exit 2 with the "
+                   "refusal line if not).")
 @click.option("--max-ctx", type=click.IntRange(1), default=4096, show_default=True, help="--plan: context served.")
-@click.option("--free-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--free-gib", type=click.FloatRange(min=0, min_open=True), default=None, callback=_finite_gib,
               help="--plan: free memory of each device in GiB (default: the CUDA devices' free memory now; "
                    "without a GPU, unknown).")
 @click.option("--arch", default="sm_90", show_default=True, help="--plan: the CUDA arch to lower for.")
@@ -170,6 +177,11 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
         return _info_dspark(_model_path(file), as_json)
     if show_plan:
         return _info_plan(mf, as_json, max_ctx, free_gib, arch, devices, layer_split)
+    ctx = click.get_current_context()
+    given = [f"--{n.replace('_', '-')}" for n in ("max_ctx", "free_gib", "arch", "devices", "layer_split")
+             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: {'these apply' if len(given) > 1 else 'applies'} only with --plan")
     cfg = mf.config
     layers = [] if mf.mtp_only else [
         {"layer": i, "kind": cfg.layer_kind(i), "compress_ratio": cfg.ratio(i),
@@ -603,6 +615,9 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     types = plan_weight_types(cfg, types)
     if prefill is not None and width != 1:
         raise click.UsageError("give --width (a decode / verify step) or --prefill (a prefill chunk), not both")
+    if prefill is not None and prefill > max_ctx:
+        raise click.BadParameter(f"a prefill chunk of {prefill} rows is longer than the context ({max_ctx})",
+                                 param_hint="--prefill")
     buckets = BucketSpec.build(cfg, (width,), max_ctx)
     ctx = context if context is not None else buckets.contexts[-1]
     if ctx not in buckets.contexts:
@@ -612,7 +627,8 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
         raise Ds4cError(f"unknown pipeline {pipeline!r}: expected one of {sorted(PIPELINES)}")
     if after is not None and after not in names:
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
-    g0 = build_step(cfg, prefill, max_ctx, prefill=True) if prefill is not None else build_step(cfg, width, max_ctx)
+    cap = buckets.contexts[-1]  # state capacity: the largest bucket (>= max_ctx), as compiled artifacts hold
+    g0 = build_step(cfg, prefill, cap, prefill=True) if prefill is not None else build_step(cfg, width, cap)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(_parse_ints(layers, "--layers")) if layers else None
@@ -645,7 +661,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
         click.echo(f"//   {layer:3d} {kind:4s} {len(ks):7d} {ops_before.get(layer, 0):11d} {mb:10.1f}  {detail}")
     mem = res.graph.meta.get("memory", {})
     click.echo(f"// kernels {len(plan.kernels)}, weight bytes/step {sum(k.weight_bytes for k in plan.kernels) / 1e9:.3f} GB "
-               f"(routed experts: {cfg.n_active_experts} per row), arena {mem.get('arena_bytes', 0):,d} bytes "
+               f"(routed experts: the {cfg.n_active_experts} of one row; a wider step reads more), arena {mem.get('arena_bytes', 0):,d} bytes "
                f"(without reuse {mem.get('no_reuse_bytes', 0):,d})")
 
 
@@ -774,6 +790,8 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise Ds4cError(f"--json {json_out}: the folder {parent} does not exist or is not writable")
     modes = () if compile_modes.strip() == "none" else tuple(m.strip() for m in compile_modes.split(","))
+    if llama_bench is not None:
+        llama_bench = os.path.abspath(llama_bench)  # the path checked is the path run (not looked up on PATH)
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
                         f"(../shared/peers/build_llama.sh builds it), found no executable file")

@@ -89,7 +89,7 @@ def plan_parts(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90") -> Parts
     forms: dict[str, str] = {}
     arena = 0
     for w in sorted({min(buckets.widths), max(buckets.widths)}):
-        g = run_pipeline(build_step(cfg, w, buckets.max_ctx), "default", context=buckets.contexts[-1]).graph
+        g = run_pipeline(build_step(cfg, w, buckets.contexts[-1]), "default", context=buckets.contexts[-1]).graph
         arena = max(arena, int(g.meta["memory"]["arena_bytes"]))
         for k in lower_graph(g, cfg, target(arch), types):
             for la in k.launches:
@@ -216,9 +216,10 @@ class MemoryPlan:
         if smaller:
             tries.append(f"a smaller format ({smaller})")
         per = max(x.usable or 0 for x in self.shards)
-        n_dev = math.ceil(self.need / per) if per else 0
-        if n_dev > len({x.device for x in self.shards}):
-            tries.append("--devices " + ",".join(f"cuda:{i}" for i in range(n_dev)))
+        n_dev = math.ceil(self.need / per) if per else 0  # a lower bound: layers do not split finer
+        if n_dev > len({x.device for x in self.shards}) and per > max(x.overhead for x in self.shards):
+            tries.append(f"a layer split over at least {n_dev} such devices (--devices "
+                         + ",".join(f"cuda:{i}" for i in range(min(n_dev, 2))) + ",...)")
         raise ShardPlanError(f"{self.model} does not fit: {where} needs {_gib(s.need)}, has {_gib(s.free)} free "
                              f"({_gib(s.usable)} usable, {s.headroom:.0%} headroom): short {_gib(s.short)}"
                              + (f"; try {' or '.join(tries)}" if tries else ""))
@@ -247,7 +248,8 @@ def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = Non
     Args:
         plan: the layer split (None: the whole model on one device, named ``cuda``).
         free_bytes: each shard's device free memory (as :func:`ds4c.runtime.sharded.free_memory` returns it;
-            None: unknown, the plan is printed without a verdict).
+            None: unknown, the plan is printed without a verdict). Shards on one device share it: a shard's
+            ``free`` is what the earlier shards on its device leave.
         parts: precomputed :func:`plan_parts` (else computed here).
     """
     from ds4c.runtime.sharded import SHARD_OVERHEAD_BYTES
@@ -260,15 +262,17 @@ def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = Non
         raise ValueError(f"free memory of {len(free_bytes)} devices for {len(devices)} shards")
     held = p.state[buckets.contexts[-1]]
     shards = []
+    used: dict[str, int] = {}  # shards sharing a device share its free memory: each gets what the earlier left
     for k, (dev, (a, b)) in enumerate(zip(devices, ranges)):
         kinds = {kind: 0 for kind in KINDS}
         for _name, (layer, kind, n) in p.weights.items():
             if (a <= layer < b) or (layer < 0 and (kind == "embedding" and a == 0 or
                                                    kind != "embedding" and b == cfg.n_layers)):
                 kinds[kind] += n
+        free = None if free_bytes is None else max(0, int(free_bytes[k]) - used.get(dev, 0))
         shards.append(ShardNeed(dev, (a, b), kinds, sum(held[a:b]), p.arena + 2 * p.hc_rows,
-                                p.logits if b == cfg.n_layers else 0, SHARD_OVERHEAD_BYTES,
-                                None if free_bytes is None else int(free_bytes[k])))
+                                p.logits if b == cfg.n_layers else 0, SHARD_OVERHEAD_BYTES, free))
+        used[dev] = used.get(dev, 0) + shards[-1].need
     total = {kind: sum(s.weights[kind] for s in shards) for kind in KINDS}
     return MemoryPlan(str(mf.path), buckets.max_ctx, tuple(buckets.contexts), total,
                       {c: sum(v) for c, v in p.state.items()}, tuple(shards),

@@ -167,3 +167,5 @@ def test_inspect_ir_prints_the_chunk_graph(tmp_path) -> None:
     assert "prefill chunk of 64 rows" in r.output and "take_row" in r.output and "n_valid" in r.output
     r = CliRunner().invoke(main, ["inspect-ir", "--preset", "tiny", "--prefill", "8", "--width", "2"], env=env)
     assert r.exit_code == 2 and "not both" in r.output
+    r = CliRunner().invoke(main, ["inspect-ir", "--preset", "tiny", "--prefill", "64", "--max-ctx", "16"], env=env)
+    assert r.exit_code == 2 and "longer than the context (16)" in r.output

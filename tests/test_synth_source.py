@@ -18,7 +18,7 @@ from ds4c.errors import ModelFileError
 from ds4c.gguf_file import ModelFile, open_model
 from ds4c.quant import GGMLType as G
 from ds4c.quant import dequantize
-from ds4c.shard_plan import ShardPlanError
+from ds4c.shard_plan import ShardPlan, ShardPlanError
 from ds4c.synth_source import SyntheticModel, parse_spec
 from ds4c.tensors import FORMATS
 
@@ -172,7 +172,6 @@ def _plan(spec: str, free: list[int] | None, plan=None):
 def test_memory_plan_adds_up_and_agrees_with_the_layer_split_model():
     from ds4c.buckets import BucketSpec
     from ds4c.runtime.sharded import memory_model
-    from ds4c.shard_plan import ShardPlan
 
     mf = open_model("synthetic:tiny")
     b = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512)
@@ -195,8 +194,14 @@ def test_memory_plan_refuses_in_one_line_naming_the_shortfall():
         p.check()
     msg = str(e.value)
     assert "\n" not in msg and "needs" in msg and "has 300.0 MiB free" in msg and "short" in msg
-    assert "try --devices cuda:0,cuda:1" in msg
+    assert "try" not in msg  # no device count helps: one shard's fixed overhead alone exceeds 285 MiB usable
     _plan("synthetic:tiny", [1 << 30]).check()
+    with pytest.raises(ShardPlanError) as e:  # flash-l4 official (~16 GB) on 10 GiB: at least 2 such devices
+        _plan("synthetic:flash-l4", [10 << 30]).check()
+    assert "a layer split over at least 2 such devices (--devices cuda:0,cuda:1,...)" in str(e.value)
+    with pytest.raises(ShardPlanError) as e:  # two shards on one device share its free memory
+        _plan("synthetic:tiny", [800 << 20] * 2, ShardPlan(("cuda:0", "cuda:0"), (2, 4))).check()
+    assert "shard 1 (layers [2,6)) on cuda:0" in str(e.value)
 
 
 def test_compiled_engine_refuses_before_loading_anything(monkeypatch, capsys):
@@ -230,3 +235,20 @@ def test_info_plan_without_a_gpu():
 
     rec = json.loads(r.stdout)["memory_plan"]
     assert r.exit_code == 0 and [s["device"] for s in rec["shards"]] == ["cuda:0", "cuda:1"] and rec["fits"]
+
+
+def test_info_plan_options_are_checked(tmp_path):
+    """--free-gib must be a finite positive size; the --plan options without --plan are a usage error (not
+    silently ignored); a --max-ctx between buckets plans the bucket that holds it."""
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+
+    env = {"DS4C_HOME": str(tmp_path)}
+    for bad in ("nan", "inf", "1e400"):
+        r = CliRunner().invoke(main, ["info", "synthetic:tiny", "--plan", "--free-gib", bad], env=env)
+        assert r.exit_code == 2 and "expected a finite size in GiB" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["info", "synthetic:tiny", "--free-gib", "3", "--max-ctx", "64"], env=env)
+    assert r.exit_code == 2 and "--max-ctx, --free-gib: these apply only with --plan" in r.output
+    r = CliRunner().invoke(main, ["info", "synthetic:tiny", "--plan", "--max-ctx", "100", "--free-gib", "10"], env=env)
+    assert r.exit_code == 0 and "buckets 112..112" in r.output, r.output
