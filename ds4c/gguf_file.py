@@ -108,6 +108,15 @@ def check_tensor_extent(path: Path, name: str, t: Any, file_size: int) -> None:
                              f"(truncated file)")
 
 
+def check_tensor_type(path: Path, name: str, t: Any, spec: TensorSpec) -> None:
+    """Raise ModelFileError (one line) when GGUF tensor ``t`` is stored in a type its role does not accept
+    (:data:`ds4c.tensors.ACCEPTED_TYPES`), naming the type found and the types expected."""
+    if int(t.tensor_type) not in [int(x) for x in ACCEPTED_TYPES[spec.role]]:
+        allowed = ", ".join(x.name for x in ACCEPTED_TYPES[spec.role])
+        raise ModelFileError(f"{path}: tensor {name!r} has type {_type_name(t.tensor_type)}, expected one of "
+                             f"{allowed} (role {spec.role})")
+
+
 def _type_name(t: int) -> str:
     return _TYPE_NAMES.get(int(t), f"type-{int(t)}")
 
@@ -253,10 +262,7 @@ class ModelFile:
                     hint = " (pruned-expert files are not supported)"
                 raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, expected "
                                      f"{list(spec.shape)} (torch order){hint}")
-            if int(t.tensor_type) not in [int(x) for x in ACCEPTED_TYPES[spec.role]]:
-                allowed = ", ".join(x.name for x in ACCEPTED_TYPES[spec.role])
-                raise ModelFileError(f"{self.path}: tensor {name!r} has type {_type_name(t.tensor_type)}, "
-                                     f"expected one of {allowed} (role {spec.role})")
+            check_tensor_type(self.path, name, t, spec)
             if spec.role == "i32":
                 vals = np.asarray(t.data)
                 lo, hi = int(vals.min()), int(vals.max())

@@ -25,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds4c.config import Ds4Config
-from ds4c.quant import QK_K, SUPER_BLOCK_NAMES, GGMLType, is_super_block
+from ds4c.quant import QK_K, SUPER_BLOCK_NAMES, SUPER_BLOCKS, GGMLType, is_super_block
 
 ROLE_FP8, ROLE_FP4, ROLE_BF16, ROLE_NORM, ROLE_F32, ROLE_I32 = "fp8", "fp4", "bf16", "norm", "f32", "i32"
 
-_K = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS)
+_K = tuple(SUPER_BLOCKS)  # the K-quants and IQ4_XS
 
 # GGUF types a reader accepts per role. Quantized roles may also be stored wider (bf16/f16/f32). The K-quants and
 # IQ4_XS are what llama.cpp's llama-quantize writes: any of them for the routed experts (the file's type) and

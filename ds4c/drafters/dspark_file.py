@@ -34,11 +34,10 @@ import torch
 from ds4c.config import ARCH as TARGET_ARCH
 from ds4c.config import Ds4Config, from_gguf_metadata, to_gguf_metadata
 from ds4c.errors import ConfigError, ModelFileError
-from ds4c.gguf_file import (Producer, _CheckedReader, _field_value, _type_name, check_magic, check_tensor_extent,
-                            write_model)
+from ds4c.gguf_file import (Producer, _CheckedReader, _field_value, check_magic, check_tensor_extent,
+                            check_tensor_type, write_model)
 from ds4c.quant import GGMLType, dequantize
-from ds4c.tensors import (ACCEPTED_TYPES, ROLE_BF16, ROLE_F32, ROLE_FP8, ROLE_NORM, TensorSpec,
-                          layer_tensor_specs)
+from ds4c.tensors import ROLE_BF16, ROLE_F32, ROLE_FP8, ROLE_NORM, TensorSpec, layer_tensor_specs
 
 ARCH = "dflash"
 N_STAGES = 3
@@ -249,10 +248,7 @@ class DSparkFile:
             if shape != spec.shape:
                 raise ModelFileError(f"{self.path}: tensor {name!r} has shape {list(shape)}, expected "
                                      f"{list(spec.shape)} (torch order)")
-            if int(t.tensor_type) not in [int(x) for x in ACCEPTED_TYPES[spec.role]]:
-                allowed = ", ".join(x.name for x in ACCEPTED_TYPES[spec.role])
-                raise ModelFileError(f"{self.path}: tensor {name!r} has type {_type_name(t.tensor_type)}, expected "
-                                     f"one of {allowed} (role {spec.role})")
+            check_tensor_type(self.path, name, t, spec)
             check_tensor_extent(self.path, name, t, file_size)
 
     def check_target(self, target: Ds4Config) -> None:

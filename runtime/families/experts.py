@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 import torch
 
+from ds4c.quant import SUPER_BLOCKS
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
@@ -66,14 +67,14 @@ TEMPLATE = "experts/experts.cu.j2"
 FAMILY = "experts"
 #: llama.cpp's K-quants and IQ4_XS: super-blocks of 256 values (layouts in ds4c.quant and the template's
 #: ``ds4c_kq`` decoder, templates/prelude/kquant.h.j2)
-KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+KQUANTS = tuple(sb.name for sb in SUPER_BLOCKS.values())  # q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs
 FORMATS = ("mxfp4", "q8_0", "bf16") + KQUANTS
+#: the template's format ids (``XpGeo::FMT``; the K-quant decoder switches on 3..8 in this order)
 FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2, "q2_k": 3, "q3_k": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8}
 #: values of one stored block (32; a K-quant super-block holds 256)
-BLOCK_VALUES = {"mxfp4": 32, "q8_0": 32, "bf16": 32, **{f: 256 for f in KQUANTS}}
+BLOCK_VALUES = {"mxfp4": 32, "q8_0": 32, "bf16": 32, **{sb.name: sb.values for sb in SUPER_BLOCKS.values()}}
 #: bytes of one stored block
-BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64, "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176,
-               "q6_k": 210, "iq4_xs": 136}
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64, **{sb.name: sb.nbytes for sb in SUPER_BLOCKS.values()}}
 #: blocks per streamed chunk row (about 256-272 bytes per row segment; K-quants: two super-blocks, 168-352
 #: bytes; Q3_K and Q6_K one, of 110 / 210 bytes: their decode needs the registers)
 CHUNK_BLOCKS = {"mxfp4": 16, "q8_0": 8, "bf16": 4, **{f: 2 for f in KQUANTS}, "q3_k": 1, "q6_k": 1}
