@@ -298,6 +298,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
               compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
               artifact: str | None = None, arch: str | None = None, seed: int = 0, transformers: bool = True,
               llama_bench: str | None = None, devices: str | None = None, layer_split: str | None = None,
+              reference: bool = True, end_to_end: bool = True,
               say: Callable[[str], None] = print) -> BenchReport:
     """Benchmark one model (module docstring says what is measured).
 
@@ -317,14 +318,19 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             file, next to ours (:func:`llama_bench_tg`).
         devices, layer_split: also time every step through this layer split (``ds4c.engine.shard_plan``; cuda
             only): the split column and the boundary cost.
+        reference: time the reference columns (eager, torch.compile). False (cuda only): the reference's
+            weights are not loaded at all, for a model whose compiled step leaves too little device memory
+            for a second copy of its weights (the 43-layer flash on one H200).
+        end_to_end: run ``generate`` at each context after the step timings (TTFT, the loop's tokens/s);
+            False skips it (its prompt is prefilled from scratch: minutes at 32K on the 43-layer model).
 
     Returns:
         BenchReport (times in ms; bytes; copy bandwidth in GB/s).
 
     Raises:
         BenchError: a width outside 1..5, a context under 8 or past the model's context length, widths or
-            contexts not increasing, an unknown torch.compile mode, an artifact with ``device='cpu'``, or
-            ``device='cuda'`` without a CUDA device.
+            contexts not increasing, an unknown torch.compile mode, an artifact with ``device='cpu'``,
+            ``device='cuda'`` without a CUDA device, or ``reference=False`` with ``device='cpu'``.
     """
     cfg = mf.config
     if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths):
@@ -341,6 +347,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         raise BenchError(f"torch.compile modes must be among {list(COMPILE_MODES)}, found {bad_modes}")
     if artifact is not None and device != "cuda":
         raise BenchError("--artifact is used only by the compiled step (--device cuda)")
+    if not reference and device != "cuda":
+        raise BenchError("--no-reference leaves nothing to time with --device cpu (the cpu bench is the reference)")
     if device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu "
                          "for the reference columns alone")
@@ -401,7 +409,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         split.prepare_all(progress=False)
     capacity = ex.capacity if ex is not None else buckets.contexts[-1]
     n_routed_total = cfg.n_layers * MAX_WIDTH * cfg.n_active_experts
-    ref = Reference(ReferenceWeights.load(mf, dev, cache_experts=n_routed_total + 8), max_ctx=capacity)
+    ref = (Reference(ReferenceWeights.load(mf, dev, cache_experts=n_routed_total + 8), max_ctx=capacity)
+           if reference else None)
     modes_used: dict[str, str] = {}
     best_mode, compiled_ref = None, None
     rows: list[StepRow] = []
@@ -437,7 +446,8 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                 head_us = sum(r["us"] for r in prof if r["layer"] < 0)
                 layer_ms = max(row.ours_ms - head_us / 1e3, 0.0) / cfg.n_layers
                 row.projected_flash_ms = layer_ms * FLASH_LAYERS + head_us / 1e3
-                _copy_state_into_reference(ex, ref, pos)
+                if ref is not None:
+                    _copy_state_into_reference(ex, ref, pos)
                 if split is not None:
                     for sh in split.shards:  # the same sequence state, by buffer name
                         for name, buf in sh.state.items():
@@ -453,6 +463,11 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
             row.state_bytes = state_read_bytes(cfg, pos + w, w)
             if copy_gbps:
                 row.roofline_ms = row.total_bytes / (copy_gbps * 1e9) * 1e3
+            if ref is None:
+                row.notes.append("reference not run: --no-reference")
+                rows.append(row)
+                say(format_row(row))
+                continue
             row.eager_ms = _reference_step_ms(ref, step_toks, pos, ref_repeats, compiled)
             if compile_modes:
                 if compiled_ref is None and not modes_used:
@@ -469,9 +484,11 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     if split is not None:
         del split
         torch.cuda.empty_cache()
-    e2e = _end_to_end(ex, rows, toks_of, contexts, say, llama.get("tg_tok_s", {})) if ex is not None else []
-    if not transformers:
-        tf_line = "transformers port not run: not asked for (--no-transformers)"
+    e2e = (_end_to_end(ex, rows, toks_of, contexts, say, llama.get("tg_tok_s", {}))
+           if ex is not None and end_to_end else [])
+    if not transformers or not reference:
+        tf_line = ("transformers port not run: not asked for (--no-transformers)" if not transformers else
+                   "transformers port not run: --no-reference")
     elif compiled:
         del ref, compiled_ref
         torch.cuda.empty_cache()

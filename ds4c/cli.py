@@ -773,11 +773,17 @@ def _resources_of(rec: dict, entry: str) -> dict:
               help="Time the transformers port when it is importable.")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
               help="llama.cpp's llama-bench: its tg rate at each --ctx on the same file, next to ours.")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="Time the reference columns (eager, torch.compile); --no-reference loads no second copy of "
+                   "the weights (a model that fills the device, e.g. synthetic:flash:q3_k on one H200).")
+@click.option("--generate/--no-generate", "end_to_end", default=True, show_default=True,
+              help="After the step timings, run generate end to end at each --ctx (TTFT, the loop's tokens/s).")
 @_split_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
               compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
-              devices: str | None, layer_split: str | None, json_out: str | None) -> None:
+              reference: bool, end_to_end: bool, devices: str | None, layer_split: str | None,
+              json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
     from ds4c.bench import format_report, run_bench
@@ -800,7 +806,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         raise Ds4cError(f"--llama-bench reads a GGUF file; {mf.path} has none (write it with ds4c make-model)")
     rep = run_bench(mf, _device_of(device, devices), ws, cs, repeats, ref_repeats, modes, artifact,
                     transformers=transformers, llama_bench=llama_bench, devices=devices, layer_split=layer_split,
-                    say=lambda m: click.echo(m, err=True))
+                    reference=reference, end_to_end=end_to_end, say=lambda m: click.echo(m, err=True))
     click.echo(format_report(rep))
     if json_out:
         tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")

@@ -753,7 +753,8 @@ class CompiledStep:
         """
         sg = self._begin(tokens, pos)
         snap = self.snapshot()
-        pairs = [(k, la) for k in sg.kernels for la in k.launches]
+        pairs = [(k, la) for k in sg.kernels if k.name != ROLLBACK_KERNEL for la in k.launches]  # as sg.launches
+        assert len(pairs) == len(sg.launches), (len(pairs), len(sg.launches))
         evs = [[torch.cuda.Event(enable_timing=True) for _ in range(len(pairs) + 1)] for _ in range(repeats)]
         for r in range(repeats):
             self.restore(snap)

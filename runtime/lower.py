@@ -196,11 +196,20 @@ def _launch(src: KernelSource, grid: Any, block: Any, smem: int, args: list[Arg]
 
 
 # ------------------------------------------------------------------------------------------------- GEMV
+#: Verify widths from which an FP8-quantized GEMV activation is quantized once by its own small kernel
+#: (``templates/actq``) instead of by every block of the GEMV. Every block quantizes all q rows of x before its
+#: first product, so the prologue grows with q and runs in each of the ~264 blocks: on the H200 (session 7,
+#: ``gpu_kernel_check.py --only gemv``) wq_a took 27.6 us at q = 5 quantizing in-block against 9.3 us reading a
+#: plain bf16 x, for ~2-3 us of extra launch in a CUDA graph; at q = 1 the in-block prologue costs 0.5 us.
+PREQUANT_MIN_Q = 2
+
+
 def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> list[Launch]:
-    """One multi-output GEMV over ``x``. When the FP8-quantized activation does not fit in shared memory
-    (HIP: 64 KiB, e.g. K = 8192 at q = 5), the activation is first quantized once into a bf16 workspace by
-    small kernel (``templates/actq``; e4m3 values times powers of two are exact in bf16) and the GEMV reads
-    it in plain bf16 mode: the same products and sums."""
+    """One multi-output GEMV over ``x``. With FP8-quantized activations (``fp8act`` outputs, ``act_quant``) the
+    activation is quantized either by each block into shared memory (q below :data:`PREQUANT_MIN_Q`), or once
+    into a bf16 workspace by a small kernel (``templates/actq``; e4m3 values times powers of two are exact in
+    bf16) that the GEMV then reads in plain bf16 mode: the same products and sums. The second form is also the
+    fallback when the quantized activation does not fit in shared memory (HIP: 64 KiB, e.g. K = 8192 at q = 5)."""
     k = int(linears[0].inputs[0].type.shape[-1])
     outs = []
     for lin in linears:
@@ -211,21 +220,23 @@ def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> l
     wargs = [Arg("weight", c.weight_name(l.inputs[1]) or "", form="raw") for l in linears] + \
         [Arg("value", c.names[l.outputs[0]]) for l in linears]
     spec = _gv.GemvSpec(k, c.q, tuple(outs), act_quant)
-    try:
-        src = _gv.render_gemv(spec, c.target, name)
-    except RenderError:
-        if not act_quant or all(o.mode != "fp8act" for o in outs) or any(o.mode == "f32" for o in outs):
-            raise
-        xq = Arg("workspace", name + "_xq", nbytes=2 * c.q * k)
-        pre = _launch(render("actq/act_quant.cu.j2", name + "_actq", "gemv", c.target, {"k": k}),
-                      (k // 128, c.q), (128,), 0, [c.arg(x), xq])
-        plain = tuple(_gv.GemvOutput(o.n, o.fmt, "bf16" if o.mode == "fp8act" else o.mode, o.out_dtype) for o in outs)
-        spec = _gv.GemvSpec(k, c.q, plain, False)
-        src = _gv.render_gemv(spec, c.target, name)
-        grid, block, smem = _gv.launch_shape(spec, c.target)
-        return [pre, _launch(src, grid, block, smem, [xq] + wargs)]
+    can_prequant = act_quant and any(o.mode == "fp8act" for o in outs) and all(o.mode != "f32" for o in outs)
+    if not (can_prequant and c.q >= PREQUANT_MIN_Q):
+        try:
+            src = _gv.render_gemv(spec, c.target, name)
+            grid, block, smem = _gv.launch_shape(spec, c.target)
+            return [_launch(src, grid, block, smem, [c.arg(x)] + wargs)]
+        except RenderError:
+            if not can_prequant:
+                raise
+    xq = Arg("workspace", name + "_xq", nbytes=2 * c.q * k)
+    pre = _launch(render("actq/act_quant.cu.j2", name + "_actq", "gemv", c.target, {"k": k}),
+                  (k // 128, c.q), (128,), 0, [c.arg(x), xq])
+    plain = tuple(_gv.GemvOutput(o.n, o.fmt, "bf16" if o.mode == "fp8act" else o.mode, o.out_dtype) for o in outs)
+    spec = _gv.GemvSpec(k, c.q, plain, False)
+    src = _gv.render_gemv(spec, c.target, name)
     grid, block, smem = _gv.launch_shape(spec, c.target)
-    return [_launch(src, grid, block, smem, [c.arg(x)] + wargs)]
+    return [pre, _launch(src, grid, block, smem, [xq] + wargs)]
 
 
 def _chain_op(c: _Ctx, op: Op) -> _rc.ChainOp | None:

@@ -62,12 +62,13 @@ def test_cpu_bench_times_the_reference_and_says_what_was_not_run(tiny_path):
                                      ({"contexts": (64, 16, 16)}, "contexts must be increasing without repeats"),
                                      ({"modes": ("nonsense",)}, r"modes must be among .*found \['nonsense'\]"),
                                      ({"modes": ("",)}, r"found \[''\]"),
-                                     ({"artifact": "/does/not/exist"}, r"--artifact is used only by the compiled step")])
+                                     ({"artifact": "/does/not/exist"}, r"--artifact is used only by the compiled step"),
+                                     ({"reference": False}, r"--no-reference leaves nothing to time with --device cpu")])
 def test_bad_requests_name_what_was_expected(tiny_path, kw, msg):
-    args = {"widths": (1,), "contexts": (40,), "modes": (), "artifact": None, **kw}
+    args = {"widths": (1,), "contexts": (40,), "modes": (), "artifact": None, "reference": True, **kw}
     with pytest.raises(BenchError, match=msg):
         run_bench(open_model(tiny_path), "cpu", args["widths"], args["contexts"], compile_modes=args["modes"],
-                  artifact=args["artifact"])
+                  artifact=args["artifact"], reference=args["reference"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a CUDA device")
