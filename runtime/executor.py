@@ -11,6 +11,7 @@ file; nothing upstream imports it.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -64,6 +65,7 @@ class _Bound:
     block: tuple[int, int, int]
     smem: int
     args: list[Any]
+    programmatic: bool = False  # launched with programmatic stream serialization (KernelSource.programmatic_launch)
 
 
 @dataclass
@@ -137,6 +139,10 @@ class CompiledStep:
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
         self.use_graphs = use_graphs
+        #: programmatic dependent launch of the kernels that allow it (sm_90+ devices; DS4C_PDL=0 turns it off,
+        #: for comparing the two in one bench session: docs/perf.md)
+        self.programmatic = (os.environ.get("DS4C_PDL", "1") != "0"
+                             and torch.cuda.get_device_capability(self.dev)[0] >= 9)
         self.artifact = artifact
         self._manifest = None
         self._types = {n: mf.ggml_type(n) for n in mf.specs}
@@ -527,7 +533,7 @@ class CompiledStep:
                 mod = self._modules[mkey] = CudaModule(image())
             fn = mod.function(la.kernel.entry, la.smem)
             args = [self._resolve(a, sg, consts) for a in la.args]
-            bound = _Bound(fn, la.grid, la.block, la.smem, args)
+            bound = _Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch)
             if kname == ROLLBACK_KERNEL:
                 sg.rollback = bound
             else:
@@ -824,7 +830,7 @@ class CompiledStep:
 
     def _run(self, sg: _StepGraph) -> None:
         for b in sg.launches:
-            b.kernel(b.grid, b.block, b.args, smem=b.smem)
+            b.kernel(b.grid, b.block, b.args, smem=b.smem, programmatic=b.programmatic)
         if self._handoff is not None:  # the next shard is on this device: its hc_in, copied inside the graph
             self._handoff[:sg.width].copy_(self.hc_out[:sg.width])
 

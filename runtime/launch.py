@@ -67,8 +67,9 @@ class CudaKernel:
     def __init__(self, entry: str, func: Any):
         self.entry, self.func = entry, func
 
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0) -> None:
-        self.launch_packed(grid, block, self.pack(args), smem)
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], smem: int = 0,
+                 programmatic: bool = False) -> None:
+        self.launch_packed(grid, block, self.pack(args), smem, programmatic)
 
     def pack(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
         """The driver's argument array for ``args`` (checked and converted once): a launch whose arguments
@@ -94,8 +95,13 @@ class CudaKernel:
         return holders, ptrs
 
     def launch_packed(self, grid: Sequence[int], block: Sequence[int], packed: tuple[list[Any], Any],
-                      smem: int = 0) -> None:
-        """Launch on torch's current stream with a :meth:`pack` result (whose tensors must still be alive)."""
+                      smem: int = 0, programmatic: bool = False) -> None:
+        """Launch on torch's current stream with a :meth:`pack` result (whose tensors must still be alive).
+
+        ``programmatic``: launch with programmatic stream serialization (``cuLaunchKernelEx``), so the kernel
+        may be scheduled before the previous kernel of the stream finishes; only for a kernel that waits on
+        that kernel itself (``KernelSource.programmatic_launch``). Captured into a CUDA graph as a
+        programmatic dependency edge."""
         import torch
 
         drv = _driver()
@@ -103,5 +109,26 @@ class CudaKernel:
         g = list(grid) + [1] * (3 - len(grid))
         b = list(block) + [1] * (3 - len(block))
         stream = torch.cuda.current_stream().cuda_stream
-        _check(drv.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream,
-                                  ctypes.addressof(ptrs), 0), f"cuLaunchKernel({self.entry})")
+        if not programmatic:
+            _check(drv.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream,
+                                      ctypes.addressof(ptrs), 0), f"cuLaunchKernel({self.entry})")
+            return
+        _check(drv.cuLaunchKernelEx(programmatic_config(g, b, smem, stream), self.func, ctypes.addressof(ptrs), 0),
+               f"cuLaunchKernelEx({self.entry}, programmatic stream serialization)")
+
+
+def programmatic_config(grid: Sequence[int], block: Sequence[int], smem: int, stream: int) -> Any:
+    """The ``CUlaunchConfig`` of a launch with programmatic stream serialization allowed (grid and block as
+    3-tuples, dynamic shared memory in bytes, the stream handle as an int)."""
+    drv = _driver()
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(v) for v in grid)
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(v) for v in block)
+    cfg.sharedMemBytes = int(smem)
+    cfg.hStream = drv.CUstream(stream)
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg

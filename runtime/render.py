@@ -33,6 +33,11 @@ class RenderError(Ds4cError):
     """A template is missing, or its parameters are incomplete or invalid."""
 
 
+#: How a template calls the programmatic-dependent-launch entry (``prelude/cuda.h.j2``); the macro's own
+#: definition has no semicolon after the parentheses, so only a kernel body matches.
+PDL_CALL = "DS4C_PDL_ENTRY();"
+
+
 @dataclass(frozen=True)
 class KernelSource:
     """A rendered kernel: ``entry`` is the ``extern "C"`` function name; ``templates`` maps every template
@@ -52,6 +57,14 @@ class KernelSource:
 
     def digest(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
+
+    @property
+    def programmatic_launch(self) -> bool:
+        """True when the kernel may be launched with programmatic stream serialization (programmatic dependent
+        launch): it calls ``DS4C_PDL_ENTRY()`` (``prelude/cuda.h.j2``: wait for the stream's previous kernel,
+        then let the next one launch) and targets CUDA sm_90 or newer, where that macro is not a no-op."""
+        return (self.target.vendor == "cuda" and int(self.target.arch.removeprefix("sm_").rstrip("a")) >= 90
+                and PDL_CALL in self.source)
 
 
 class _TextLoader(jinja2.FileSystemLoader):

@@ -354,6 +354,7 @@ _EMU_PRELUDE = r"""
 #define DS4C_CPU_EMU 1
 #define DS4C_WAVE {wave}
 #define DS4C_GLOBAL extern "C"
+#define DS4C_PDL_ENTRY() do {{ }} while (0)  /* programmatic dependent launch: nothing to wait for on the host */
 #define DS4C_DEVICE static inline
 #define DS4C_SHARED static
 #define DS4C_RESTRICT __restrict__

@@ -64,6 +64,21 @@ def test_identical_layers_share_sources():
     assert len({la.kernel.digest() for la in launches}) < len(launches) * 0.6
 
 
+@pytest.mark.parametrize("arch,expect", [("sm_90", True), ("sm_90a", True), ("sm_80", False), ("gfx942", False)])
+def test_step_kernels_allow_programmatic_launch_on_sm90_only(arch, expect):
+    """Every step kernel calls DS4C_PDL_ENTRY() before reading what the previous kernel writes, so on sm_90+ all
+    are launched with programmatic stream serialization; on sm_80 and HIP none (the macro is a no-op there)."""
+    from ds4c.runtime.render import PDL_CALL, render
+
+    for q in (1, 5):
+        ks = lower_graph(_graph("flash-l4", q, 4096), preset("flash-l4"), target(arch))
+        flags = {la.kernel.entry: la.kernel.programmatic_launch for k in ks for la in k.launches}
+        assert all(PDL_CALL in la.kernel.source for k in ks for la in k.launches)
+        assert set(flags.values()) == {expect}, flags
+    assert not render("selftest/axpy.cu.j2", "axpy", "selftest", target(arch),
+                      {"threads": 256, "per_thread": 4}).programmatic_launch
+
+
 def test_unpartitioned_graph_is_refused():
     g = run_pipeline(build_step(preset("tiny"), 1, max_ctx=128), "static", context=128).graph
     with pytest.raises(LoweringError, match="partitioned"):

@@ -42,6 +42,7 @@ HOST_PRELUDE = r"""
 #define DS4C_CUDA 1
 #define DS4C_WAVE 32
 #define DS4C_GLOBAL extern "C"
+#define DS4C_PDL_ENTRY() do { } while (0)  /* programmatic dependent launch: nothing to wait for on the host */
 #define DS4C_DEVICE static inline
 #define DS4C_SHARED
 #define DS4C_RESTRICT __restrict__
