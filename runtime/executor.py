@@ -139,9 +139,10 @@ class CompiledStep:
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
         self.use_graphs = use_graphs
-        #: programmatic dependent launch of the kernels that allow it (sm_90+ devices; DS4C_PDL=0 turns it off,
-        #: for comparing the two in one bench session: docs/perf.md)
-        self.programmatic = (os.environ.get("DS4C_PDL", "1") != "0"
+        #: programmatic dependent launch of the kernels that allow it (sm_90+ devices), opt-in with DS4C_PDL=1:
+        #: measured on the H200 (docs/perf.md, session 7) it gave nothing at q = 1 and cost 5% at q = 5, so it
+        #: stays off until the trigger placement is tuned; the kernels' DS4C_PDL_ENTRY() is free without it
+        self.programmatic = (os.environ.get("DS4C_PDL", "0") == "1"
                              and torch.cuda.get_device_capability(self.dev)[0] >= 9)
         self.artifact = artifact
         self._manifest = None

@@ -15,7 +15,7 @@ A=/tmp/ds4c-ab-art
 /usr/bin/time -f "compile %e s" ds4c compile "$M" --arch sm_90 --max-ctx 4096 -o $A > "$OUT/compile.log" 2>&1
 echo "compile rc $?"; grep -E "binaries|seconds|compile " "$OUT/compile.log"
 i=0
-for pdl in 1 0 1; do  # on, off, on again: the run-to-run spread next to the difference
+for pdl in 1 0 1; do  # on, off, on again (DS4C_PDL=1 opts in): the run-to-run spread next to the difference
   i=$((i + 1))
   DS4C_PDL=$pdl timeout 60 ds4c bench "$M" --widths 1,5 --ctx 4096 --artifact $A --no-reference --no-generate \
       --compile-modes none --no-transformers --repeats 50 --json "$OUT/bench-$i-pdl$pdl.json" \
