@@ -56,6 +56,13 @@ typedef unsigned int u32;
 typedef int i32;
 typedef long long i64;
 typedef unsigned long long u64;
+#define DS4C_HAS_BYTE_PERM 1  /* prmt on the host: byte (sel >> 4i) & 7 of (b:a), as prelude/cuda.h.j2 */
+static inline u32 ds4c_byte_perm(u32 a, u32 b, u32 sel) {
+  const unsigned long long v = ((unsigned long long)b << 32) | a;
+  u32 r = 0u;
+  for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
 
 struct EmuBlock {
   std::barrier<>* bar;
