@@ -191,19 +191,27 @@ def test_kernel_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> No
         assert e < 1e-5, e
 
 
-def test_kernel_emulated_prequantized_x(tmp_path: Path) -> None:
-    """The kernel's in-tile activation quant on an X already quantized by actq gives the same bits as on the raw
-    X (the idempotence the module docstring relies on), through the f16-MMA path."""
+@pytest.mark.parametrize("engine,fmt", [("mma", "q8_0"), ("simt", "mxfp4")])
+def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -> None:
+    """An X already quantized by actq: the default kernel (full in-tile quant) gives the same bits as on the raw
+    X (the idempotence the module docstring relies on), and so does the ``x_prequant`` kernel, which skips the
+    rounding (the f16-MMA form 0 for q8_0; form 1 in the SIMT body)."""
     why = _host_cxx_reason()
     if why:
         pytest.skip(why)
     E = _emu()
-    spec = GM.GemmSpec(40, 64, 256, "q8_0")
+    spec = GM.GemmSpec(40, 64, 256, fmt, engine=engine)
     x, w = _inputs(spec, 9)
-    exe = E.build(spec, tmp_path)
-    y, _ = E.run(spec, x, w, tmp_path, exe=exe)
-    yq, _ = E.run(spec, act_quant_dequant(x, 128).to(BF16), w, tmp_path, exe=exe)
-    assert not torch.isnan(y.float()).any() and torch.equal(y.view(torch.int16), yq.view(torch.int16))
+    xq = act_quant_dequant(x, 128).to(BF16)
+    exe = E.build(spec, tmp_path / "full")
+    y, _ = E.run(spec, x, w, tmp_path / "full", exe=exe)
+    yq, _ = E.run(spec, xq, w, tmp_path / "full", exe=exe)
+    pre = GM.GemmSpec(40, 64, 256, fmt, engine=engine, x_prequant=True)
+    yp, guard = E.run(pre, xq, w, tmp_path / "pre")
+    assert not torch.isnan(y.float()).any() and torch.isnan(guard.float()).all()
+    assert torch.equal(y.view(torch.int16), yq.view(torch.int16))
+    assert torch.equal(y.view(torch.int16), yp.view(torch.int16))
+    assert _rel_rows(y, GM.reference(spec, x, w)) < 1e-3
 
 
 # -------------------------------------------------------------------------------------- device compiles
@@ -216,6 +224,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     sm_90 also with the SIMT engine (the HIP body). Registers printed (pytest -s)."""
     t = target(arch)
     specs = [GM.GemmSpec(4096, 4096, 4096, f, m) for f, m in COMPILE_CASES]
+    specs.append(GM.GemmSpec(4096, 4096, 4096, "mxfp4", x_prequant=True))
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
     lines = []
@@ -240,6 +249,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     (dict(rows=0, n=64, k=256), "rows 0 (expected an int in 1.."),
     (dict(rows=64, n=64, k=256, mode="fp4"), "mode 'fp4' (expected one of"),
     (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
+    (dict(rows=64, n=64, k=256, mode="bf16", x_prequant=True), "x_prequant with mode 'bf16' and act_quant True"),
 ])
 def test_bad_spec(kw: dict, needle: str) -> None:
     with pytest.raises(RenderError) as ei:

@@ -30,6 +30,7 @@ from tools.experts_emu import HOST_PRELUDE, _host_body  # noqa: E402
 
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""
+DS4C_DEVICE u32 gm_f16x2(float lo, float hi) { return emu_f16_bits(lo) | (emu_f16_bits(hi) << 16); }
 DS4C_DEVICE void gm_e4m3x4_f16(u32 v, u32& lo, u32& hi) { xp_e4m3x4_f16(v, lo, hi); }
 DS4C_DEVICE void gm_i8x4_f16(u32 w, u32& lo, u32& hi) { xp_i8x4_f16(w, lo, hi); }
 DS4C_DEVICE void gm_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,

@@ -11,25 +11,36 @@ Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): `
 ``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``. K-quants and f32 weights raise :class:`RenderError`.
 
 Activation: ``x`` is bf16 ``[C, K]``. With mode ``fp8act`` and ``act_quant`` the kernel quantizes it per
-(row, 128-block) while storing each X tile to shared memory (:func:`ds4c.quant.act_quant_fp8`). Chosen over
-a pre-quantized input because (a) the quantization is ~1% of the tile's work (one amax and one rounding per
-value per CTA column of the grid, against 64 MMA MACs per value), (b) no extra launch and no ``[C, K]``
-scratch round trip through HBM, and (c) it is idempotent: an ``x`` already quantized by
+(row, 128-block) while storing each X tile to shared memory (:func:`ds4c.quant.act_quant_fp8`: amax over
+the 16 threads holding the row's 128 values, ``s = 2^ceil(log2(max(amax, 1e-4)/448))``, e4m3 RNE of
+``x/s``). Chosen over requiring a pre-quantized input because it needs no extra launch and no ``[C, K]``
+scratch, the kernel is numerically self-contained (one place implements spec 2.3.1 for it, tested against
+the reference in emulation), and it is idempotent: an ``x`` already quantized by
 ``templates/actq/act_quant.cu.j2`` (bf16 holding ``e4m3 * 2^k``) re-quantizes to the same values
-(tests/test_gemm_family.py checks it), so the same kernel serves both producers.
+(tests/test_gemm_family.py checks it on the reference and on the emulated kernel), so the same kernel serves
+both producers. The price: every CTA column of the grid (``ceil(N/64)`` of them) re-quantizes its X tiles,
+about 20 ALU instructions per value with the software e4m3 rounding, i.e. per K step ~1300 per thread against
+~500 for its share of the MMAs, the weight decode and the per-block scaling: at large N the in-kernel quant
+is probably the largest issue cost (not yet measured). ``GemmSpec.x_prequant`` (x is actq's output) keeps
+only the amax / scale recovery and skips the rounding and clamp (about half of that work). The fast path
+this points to, not built yet: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
+which the GEMM would stage with cp.async and no per-value work.
 
 Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x 64 weight rows, 128 threads (4 warps as
 2 x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of 128 (one activation scale block; four
 32-value weight blocks). Grid ``(ceil(C/64), ceil(N/64))``, ``blockIdx.x`` over C so the CTAs sharing a
 weight tile run together and its bytes come from HBM about once. Why 64 x 64: per K step a CTA stages 4.3 KB
 (MXFP4) / 8.7 KB (Q8_0) / 16 KB (bf16) of weights and 16 KB of X for 64*64*128 MACs; every weight byte is
-reused by ``C`` rows (ceil(C/64) CTAs). At C >= 64 a 4096 x 4096 MXFP4 projection moves 8.9 MB of weights
-for 2.1 GFLOP per 64 rows, ~240 FLOP per weight byte, far above the H200's ~200 FLOP/byte ridge for the
-f16 MMA against HBM (989 TFLOP/s dense / 4.8 TB/s), so the kernel is MMA-issue / shared-memory bound, not
-HBM bound, and a bigger tile only buys less X re-staging (X is re-read ``N/64`` times, from L2). 64 x 64 keeps
-the accumulators at 32 fp32 (+32 per-128-block partials) per thread, two stages in 36-72 KB of shared
-memory and >= 2 CTAs per SM; at C = 16 three quarters of the MMA rows are padding (the GEMV family is the
-better kernel there).
+reused by ``C`` rows (ceil(C/64) CTAs). At C = 64 a 4096 x 4096 MXFP4 projection moves 8.9 MB of weights for
+2.1 GFLOP, ~240 FLOP per weight byte (Q8_0: ~120; C = 512: 8x that), against the H200's ~200 FLOP/byte
+ridge (989 TFLOP/s dense f16 / 4.8 TB/s HBM); with ``mma.sync`` (not wgmma) and the per-32-block scaling
+FMAs the reachable MMA rate is well below 989, so from C ~ 64 up the kernel is issue bound (MMAs, decode,
+scaling, the in-kernel quant), not HBM bound, and a bigger tile would mostly buy less X re-staging (X is
+re-read ``ceil(N/64)`` times, from L2). 64 x 64 keeps
+the accumulators at 32 fp32 (+32 per-128-block partials) per thread and two stages in 45-72 KB of shared
+memory; with the register prefetch of the next step (32 u32 of X, 9-32 of weights) ptxas uses 180-255
+registers on sm_90 (``__launch_bounds__(128, 2)``: 2 CTAs = 8 warps per SM, no spills). At C = 16 three
+quarters of the MMA rows are padding (the GEMV family is the better kernel there).
 
 Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
 segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
@@ -107,6 +118,9 @@ class GemmSpec:
         act_quant: quantize the activation of an ``fp8act`` GEMM (False = the reference's ``emulate=False``).
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
+        x_prequant: ``x`` is already quantized by ``templates/actq/act_quant.cu.j2`` (bf16 holding
+            ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results,
+            about half the in-kernel quant work). Only with mode ``fp8act`` and ``act_quant``.
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -120,6 +134,7 @@ class GemmSpec:
     act_quant: bool = True
     out_dtype: str | None = None
     engine: str = "auto"
+    x_prequant: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -143,6 +158,9 @@ class GemmSpec:
             bad.append(f"out_dtype {self.out_dtype!r} (expected one of {OUT_DTYPES})")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
+        if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
+            bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "
+                       f"mode 'fp8act' and act_quant True)")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -158,11 +176,11 @@ class GemmSpec:
     def key(self) -> str:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
-                + f"_{self.out_dtype}")
+                + ("_xpre" if self.x_prequant else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
-                + ("" if self.act_quant else " noaq") + f"->{self.out_dtype}")
+                + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "") + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -238,7 +256,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     name = name or f"gemm_{spec.key()}_{pl.engine}"
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
-        quant=spec.quant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        quant=spec.quant, x_prequant=spec.x_prequant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
         smem=pl.smem, min_blocks=max(1, 65536 // (THREADS * REG_BUDGET)))
     return render(TEMPLATE, name, FAMILY, target, params)

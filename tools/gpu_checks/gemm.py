@@ -6,7 +6,8 @@ Cases (:func:`cases`): the official prefill projections at chunk sizes C = 16, 6
 MXFP4, all fp8act; a bf16-weight, bf16-mode 4096 -> 4096), the head (4096 -> 129280 bf16, f32 mode; C <= 512:
 its fp32 output at C = 4096 is 2 GB), fp32 outputs of fp8act products (Q8_0, MXFP4; their 1e-4 tolerance
 sees one mis-quantized activation or mis-decoded weight), act_quant off, partial tiles in both dims (C = 77,
-N = 1000), and the SIMT engine (the HIP body) on CUDA.
+N = 1000), the SIMT engine (the HIP body) on CUDA, and ``x_prequant`` kernels on actq-quantized x (compare
+their us with the same shapes' default kernels: the price of the in-kernel e4m3 rounding).
 
 Per case: fresh random inputs (``gemm.random_x``: per-(row, 128-block) magnitudes 1e-2..1e2 and a row of
 magnitude 1e-6 under the 1e-4 amax floor; ``gemm.random_weight``), the output poisoned with NaN and followed
@@ -66,15 +67,24 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32")),
             ("simt_q8_c512", GM.GemmSpec(512, 1024, 4096, "q8_0", engine="simt")),
             ("simt_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", engine="simt")),
-            ("simt_bf16_c64", GM.GemmSpec(64, 4096, 4096, "bf16", "bf16", engine="simt"))]
+            ("simt_bf16_c64", GM.GemmSpec(64, 4096, 4096, "bf16", "bf16", engine="simt")),
+            # x_prequant: x is actq's output (case_buffers quantizes it), the kernel skips the rounding
+            ("xpre_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", x_prequant=True)),
+            ("xpre_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", x_prequant=True)),
+            ("xpre_q8_f32out_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", x_prequant=True))]
     return out
 
 
 def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, w, ybuf)`` on ``device`` (``g`` lives there): ``ybuf`` is ``[C + 64, N]`` of NaN in ``out_dtype``;
-    the kernel gets its first C rows, the rest is the guard."""
+    the kernel gets its first C rows, the rest is the guard. With ``x_prequant`` x is quantized as actq
+    does (``act_quant_dequant`` in bf16, exact)."""
+    from ds4c.quant import act_quant_dequant
+
     x = GM.random_x(spec, g, device)
+    if spec.x_prequant:
+        x = act_quant_dequant(x, 128).to(torch.bfloat16)
     w = GM.random_weight(spec, g, device)
     ybuf = torch.full((spec.rows + GM.BM, spec.n), float("nan"), dtype=spec.torch_out_dtype, device=device)
     return x, w, ybuf
