@@ -134,6 +134,11 @@ def test_hip_bf16_fits_one_stage() -> None:
     spec = GM.GemmSpec(64, 64, 256, "bf16")
     assert GM.plan(spec, target("sm_90")).nstage == 2
     assert GM.plan(spec, target("gfx942")).nstage == 1
+    wide = GM.GemmSpec(100, 300, 256, "mxfp4", bn=128)
+    ln = GM.launch_shape(wide, target("sm_90"))
+    assert ln.grid == (2, 3, 1) and ln.block == (256, 1, 1)
+    assert GM.plan(wide, target("gfx942")).nstage == 2 and GM.plan(GM.GemmSpec(64, 64, 256, "q8_0", bn=128),
+                                                                    target("gfx942")).nstage == 1
 
 
 # ------------------------------------------------------------------------------------ emulated kernels
@@ -167,6 +172,9 @@ EMU_CASES = [
     ("simt", "sm_90", dict(rows=80, n=100, k=256, fmt="mxfp4")),
     ("simt", "sm_90", dict(rows=17, n=64, k=256, fmt="q8_0", mode="f32")),
     ("simt", "sm_90", dict(rows=65, n=64, k=128, fmt="bf16", out_dtype="f32")),
+    # 128-row weight tiles (256 threads, 4 x 2 warps), N a partial tile
+    ("mma", "sm_90", dict(rows=70, n=200, k=256, fmt="mxfp4", bn=128)),
+    ("simt", "sm_90", dict(rows=30, n=128, k=256, fmt="q8_0", bn=128, x_prequant=False)),
 ]
 
 
@@ -225,6 +233,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     t = target(arch)
     specs = [GM.GemmSpec(4096, 4096, 4096, f, m) for f, m in COMPILE_CASES]
     specs.append(GM.GemmSpec(4096, 4096, 4096, "mxfp4", x_prequant=True))
+    specs += [GM.GemmSpec(4096, 4096, 4096, f, bn=128) for f in ("mxfp4", "q8_0")]
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
     lines = []
@@ -250,6 +259,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     (dict(rows=64, n=64, k=256, mode="fp4"), "mode 'fp4' (expected one of"),
     (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
     (dict(rows=64, n=64, k=256, mode="bf16", x_prequant=True), "x_prequant with mode 'bf16' and act_quant True"),
+    (dict(rows=64, n=64, k=256, bn=96), "bn 96 (expected 0 or one of (64, 128))"),
 ])
 def test_bad_spec(kw: dict, needle: str) -> None:
     with pytest.raises(RenderError) as ei:

@@ -26,21 +26,24 @@ only the amax / scale recovery and skips the rounding and clamp (about half of t
 this points to, not built yet: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
 which the GEMM would stage with cp.async and no per-value work.
 
-Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x 64 weight rows, 128 threads (4 warps as
-2 x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of 128 (one activation scale block; four
-32-value weight blocks). Grid ``(ceil(C/64), ceil(N/64))``, ``blockIdx.x`` over C so the CTAs sharing a
-weight tile run together and its bytes come from HBM about once. Why 64 x 64: per K step a CTA stages 4.3 KB
-(MXFP4) / 8.7 KB (Q8_0) / 16 KB (bf16) of weights and 16 KB of X for 64*64*128 MACs; every weight byte is
-reused by ``C`` rows (ceil(C/64) CTAs). At C = 64 a 4096 x 4096 MXFP4 projection moves 8.9 MB of weights for
-2.1 GFLOP, ~240 FLOP per weight byte (Q8_0: ~120; C = 512: 8x that), against the H200's ~200 FLOP/byte
-ridge (989 TFLOP/s dense f16 / 4.8 TB/s HBM); with ``mma.sync`` (not wgmma) and the per-32-block scaling
-FMAs the reachable MMA rate is well below 989, so from C ~ 64 up the kernel is issue bound (MMAs, decode,
-scaling, the in-kernel quant), not HBM bound, and a bigger tile would mostly buy less X re-staging (X is
-re-read ``ceil(N/64)`` times, from L2). 64 x 64 keeps
-the accumulators at 32 fp32 (+32 per-128-block partials) per thread and two stages in 45-72 KB of shared
-memory; with the register prefetch of the next step (32 u32 of X, 9-32 of weights) ptxas uses 180-255
-registers on sm_90 (``__launch_bounds__(128, 2)``: 2 CTAs = 8 warps per SM, no spills). At C = 16 three
-quarters of the MMA rows are padding (the GEMV family is the better kernel there).
+Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x ``bn`` = 64 (default) or 128 weight
+rows, ``2 * bn`` threads (warps ``bn/32`` x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of
+128 (one activation scale block; four 32-value weight blocks). Grid ``(ceil(C/64), ceil(N/bn))``,
+``blockIdx.x`` over C so the CTAs sharing a weight tile run together and its bytes come from HBM about once.
+Why 64 x 64: per K step a CTA stages 4.3 KB (MXFP4) / 8.7 KB (Q8_0) / 16 KB (bf16) of weights and 16 KB of X
+for 64*64*128 MACs; every weight byte is reused by ``C`` rows (ceil(C/64) CTAs). At C = 64 a 4096 x 4096
+MXFP4 projection moves 8.9 MB of weights for 2.1 GFLOP, ~240 FLOP per weight byte (Q8_0: ~120; C = 512: 8x
+that), against the H200's ~200 FLOP/byte ridge (989 TFLOP/s dense f16 / 4.8 TB/s HBM); with ``mma.sync``
+(not wgmma) and the per-32-block scaling FMAs the reachable MMA rate is well below 989, so from C ~ 64 up
+the kernel is issue bound (MMAs, decode, scaling, the in-kernel quant), not HBM bound. A bigger tile buys
+less X re-staging and re-quantization (X is re-read and re-quantized ``ceil(N/bn)`` times, from L2), which
+is what ``bn = 128`` is for; its cost is half the CTAs (small N x C grids fill fewer of the 132 SMs). 64 x
+64 keeps the accumulators at 32 fp32 (+32 per-128-block partials) per thread and two stages in 45-72 KB of
+shared memory (bn 128: 56-108 KB); with the register prefetch of the next step (32 u32 of X at bn 64, 16 at
+bn 128, and 9-32 of weights) ptxas uses 180-255 registers on sm_90 with no spills
+(``__launch_bounds__(threads, 65536 / (threads * 255))``: 8 warps per SM either way). At C = 16 three
+quarters of the MMA rows are padding (the GEMV family is the better kernel there). Not tuned on a GPU yet:
+tools/gpu_checks/gemm.py times both ``bn``.
 
 Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
 segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
@@ -86,13 +89,14 @@ ENGINES = ("auto", "mma", "simt")
 #: bytes of one stored block of 32 values
 BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
 BM = 64   # X rows per CTA
-BN = 64   # weight rows (output columns) per CTA
-THREADS = 128
+BN = 64   # weight rows (output columns) per CTA by default (GemmSpec.bn: 64 or 128; threads = 2 * bn)
+BNS = (64, 128)
 KSTEP = 128
 XST = 272  # bytes between X tile rows in shared memory
 #: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
-#: registers per thread the CUDA build may use: __launch_bounds__(128, 65536 // (128 * this)) = 2 CTAs per SM
+#: registers per thread the CUDA build may use: __launch_bounds__(threads, 65536 // (threads * this)), i.e. 2
+#: CTAs of 128 threads or 1 of 256 per SM
 REG_BUDGET = 255
 
 
@@ -121,6 +125,8 @@ class GemmSpec:
         x_prequant: ``x`` is already quantized by ``templates/actq/act_quant.cu.j2`` (bf16 holding
             ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results,
             about half the in-kernel quant work). Only with mode ``fp8act`` and ``act_quant``.
+        bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
+            by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -135,6 +141,7 @@ class GemmSpec:
     out_dtype: str | None = None
     engine: str = "auto"
     x_prequant: bool = False
+    bn: int = 0
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -158,6 +165,8 @@ class GemmSpec:
             bad.append(f"out_dtype {self.out_dtype!r} (expected one of {OUT_DTYPES})")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
+        if self.bn not in (0,) + BNS:
+            bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
         if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
             bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "
                        f"mode 'fp8act' and act_quant True)")
@@ -176,11 +185,12 @@ class GemmSpec:
     def key(self) -> str:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
-                + ("_xpre" if self.x_prequant else "") + f"_{self.out_dtype}")
+                + ("_xpre" if self.x_prequant else "") + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
-                + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "") + f"->{self.out_dtype}")
+                + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
+                + (f" bn{self.bn}" if self.bn else "") + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -200,12 +210,13 @@ def resolve_engine(spec: GemmSpec, target: Target) -> str:
 @dataclass(frozen=True)
 class GemmPlan:
     """Render-time geometry of one GEMM on one target: ``form`` (0: f16 MMA on e4m3 activations + per-128
-    scales; 1: bf16 activations), weight staging (``sb`` bytes per row segment of a K step, ``v`` bytes per
+    scales; 1: bf16 activations), ``bn`` weight rows per CTA (threads ``2 * bn``), weight staging (``sb`` bytes per row segment of a K step, ``v`` bytes per
     vector load, ``rbp`` padded shared-memory row stride), ``nstage`` shared-memory stages of ``stage_bytes``,
     ``smem`` dynamic shared bytes, ``grid`` / ``block``."""
 
     engine: str
     form: int
+    bn: int
     sb: int
     v: int
     rbp: int
@@ -233,16 +244,17 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
     while (rbp // 4) % want[0] != want[1]:
         rbp += 16
-    stage = _round16(BM * XST + BM * 4 + BN * rbp)
+    bn = spec.bn or BN
+    stage = _round16(BM * XST + BM * 4 + bn * rbp)
     lim = SMEM_LIMIT[target.vendor]
-    epi = BM * (BN + 4) * 4
+    epi = BM * (bn + 4) * 4
     nstage = 2 if max(2 * stage, epi) <= lim else 1
     smem = max(nstage * stage, epi)
     if smem > lim:
         raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
                           f"is {lim}")
-    grid = (-(-spec.rows // BM), -(-spec.n // BN), 1)
-    return GemmPlan(engine, form, sb, v, rbp, stage, nstage, smem, grid, (THREADS, 1, 1))
+    grid = (-(-spec.rows // BM), -(-spec.n // bn), 1)
+    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1))
 
 
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
@@ -258,12 +270,12 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
         quant=spec.quant, x_prequant=spec.x_prequant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, min_blocks=max(1, 65536 // (THREADS * REG_BUDGET)))
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)))
     return render(TEMPLATE, name, FAMILY, target, params)
 
 
 def launch_shape(spec: GemmSpec, target: Target) -> Launch:
-    """Grid ``(ceil(C/64), ceil(N/64), 1)``, block ``(128, 1, 1)`` and the dynamic shared bytes (CUDA: above
+    """Grid ``(ceil(C/64), ceil(N/bn), 1)``, block ``(2*bn, 1, 1)`` and the dynamic shared bytes (CUDA: above
     48 KiB needs the function attribute, ``CudaModule.function(entry, smem)``)."""
     pl = plan(spec, target)
     return Launch(pl.grid, pl.block, pl.smem)

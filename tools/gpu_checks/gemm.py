@@ -7,7 +7,8 @@ MXFP4, all fp8act; a bf16-weight, bf16-mode 4096 -> 4096), the head (4096 -> 129
 its fp32 output at C = 4096 is 2 GB), fp32 outputs of fp8act products (Q8_0, MXFP4; their 1e-4 tolerance
 sees one mis-quantized activation or mis-decoded weight), act_quant off, partial tiles in both dims (C = 77,
 N = 1000), the SIMT engine (the HIP body) on CUDA, and ``x_prequant`` kernels on actq-quantized x (compare
-their us with the same shapes' default kernels: the price of the in-kernel e4m3 rounding).
+their us with the same shapes' default kernels: the price of the in-kernel e4m3 rounding), and 128-row weight
+tiles (``bn=128``, 256 threads) against the default 64.
 
 Per case: fresh random inputs (``gemm.random_x``: per-(row, 128-block) magnitudes 1e-2..1e2 and a row of
 magnitude 1e-6 under the 1e-4 amax floor; ``gemm.random_weight``), the output poisoned with NaN and followed
@@ -71,7 +72,12 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             # x_prequant: x is actq's output (case_buffers quantizes it), the kernel skips the rounding
             ("xpre_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", x_prequant=True)),
             ("xpre_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", x_prequant=True)),
-            ("xpre_q8_f32out_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", x_prequant=True))]
+            ("xpre_q8_f32out_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", x_prequant=True)),
+            # 128-row weight tiles (256 threads): against the same shapes' bn=64 rows above
+            ("bn128_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", bn=128)),
+            ("bn128_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", bn=128)),
+            ("bn128_wq_b_c512", GM.GemmSpec(512, 32768, 1024, "q8_0", bn=128)),
+            ("bn128_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", bn=128, out_dtype="f32"))]
     return out
 
 
