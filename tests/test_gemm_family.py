@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from ds4c.reference import primitives as P
 from ds4c.runtime.families import gemm as GM
 from ds4c.runtime.render import PDL_CALL, RenderError
 from ds4c.runtime.targets import target
-from kernel_compile import assert_no_spills, compile_kernel
+from kernel_compile import assert_no_spills, compile_kernel, compiler_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16, F32 = torch.bfloat16, torch.float32
@@ -178,15 +179,30 @@ EMU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("engine,arch,kw", EMU_CASES,
-                         ids=[f"{e}-{a}-" + "-".join(f"{v}" for v in kw.values()) for e, a, kw in EMU_CASES])
-def test_kernel_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def emu_exes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The host builds of every EMU_CASES kernel, compiled two at a time (the host compile is most of a case's
+    time)."""
     why = _host_cxx_reason()
     if why:
         pytest.skip(why)
+    E, root = _emu(), tmp_path_factory.mktemp("gemm-emu")
+
+    def job(i: int) -> tuple[int, Path]:
+        eng, arch, kw = EMU_CASES[i]
+        return i, E.build(GM.GemmSpec(**kw, engine=eng), root / str(i), arch)
+
+    with ThreadPoolExecutor(2) as ex:
+        return dict(ex.map(job, range(len(EMU_CASES))))
+
+
+@pytest.mark.parametrize("i", range(len(EMU_CASES)),
+                         ids=[f"{e}-{a}-" + "-".join(f"{v}" for v in kw.values()) for e, a, kw in EMU_CASES])
+def test_kernel_emulated(i: int, emu_exes: dict[int, Path], tmp_path: Path) -> None:
+    engine, arch, kw = EMU_CASES[i]
     spec = GM.GemmSpec(**kw, engine=engine)
     x, w = _inputs(spec, 5)
-    y, guard = _emu().run(spec, x, w, tmp_path, arch=arch)
+    y, guard = _emu().run(spec, x, w, tmp_path, arch=arch, exe=emu_exes[i])
     want = GM.reference(spec, x, w)
     assert not torch.isnan(y.float()).any(), "unwritten output elements"
     assert torch.isnan(guard.float()).all(), "the kernel wrote rows beyond C"
@@ -236,12 +252,20 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     specs += [GM.GemmSpec(4096, 4096, 4096, f, bn=128) for f in ("mxfp4", "q8_0")]
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
-    lines = []
-    for i, spec in enumerate(specs):
-        src = GM.render_gemm(spec, t)
+    why = compiler_missing(arch)
+    if why:
+        pytest.skip(f"no compiler for {arch}: {why}")
+
+    def job(i: int) -> tuple[GM.GemmSpec, object, object]:
+        src = GM.render_gemm(specs[i], t)
         d = tmp_path / str(i)
         d.mkdir()
-        c = compile_kernel(src, d)
+        return specs[i], src, compile_kernel(src, d)
+
+    lines = []
+    with ThreadPoolExecutor(2) as ex:
+        built = list(ex.map(job, range(len(specs))))
+    for spec, src, c in built:
         assert_no_spills(c.usage, src, c.log)
         assert c.usage.get("registers", 0) <= 256
         lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)}: {c.usage.get('registers')} registers, "
