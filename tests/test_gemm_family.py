@@ -124,6 +124,9 @@ def test_render(fmt: str, arch: str) -> None:
     assert ('asm("mma.sync' in src.source) == (t.vendor == "cuda")
     pl = GM.plan(spec, t)
     assert pl.form == (0 if arch == "sm_90" and fmt != "bf16" else 1)
+    assert ("#define GM_HWQ 1" in src.source) == (pl.form == 0)  # cvt.rn.satfinite.e4m3x2 rounding
+    sw = GM.render_gemm(GM.GemmSpec(100, 200, 512, fmt, sw_quant=True), t)
+    assert "#define GM_HWQ 0" in sw.source
     ln = GM.launch_shape(spec, t)
     assert ln.grid == (2, 4, 1) and ln.block == (128, 1, 1) and 0 < ln.smem <= GM.SMEM_LIMIT[t.vendor]
     assert [a[0] for a in GM.arg_order(spec)] == ["x", "w", "y"]
@@ -173,6 +176,9 @@ EMU_CASES = [
     ("simt", "sm_90", dict(rows=80, n=100, k=256, fmt="mxfp4")),
     ("simt", "sm_90", dict(rows=17, n=64, k=256, fmt="q8_0", mode="f32")),
     ("simt", "sm_90", dict(rows=65, n=64, k=128, fmt="bf16", out_dtype="f32")),
+    # the software e4m3 rounding on the f16 MMA path (the default there is cvt.rn.satfinite.e4m3x2, emulated
+    # by tools/gemm_emu.py's own nearest-value search)
+    ("mma", "sm_90", dict(rows=21, n=80, k=256, fmt="mxfp4", sw_quant=True)),
     # 128-row weight tiles (256 threads, 4 x 2 warps), N a partial tile
     ("mma", "sm_90", dict(rows=70, n=200, k=256, fmt="mxfp4", bn=128)),
     ("simt", "sm_90", dict(rows=30, n=128, k=256, fmt="q8_0", bn=128, x_prequant=False)),
@@ -250,6 +256,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     specs = [GM.GemmSpec(4096, 4096, 4096, f, m) for f, m in COMPILE_CASES]
     specs.append(GM.GemmSpec(4096, 4096, 4096, "mxfp4", x_prequant=True))
     specs += [GM.GemmSpec(4096, 4096, 4096, f, bn=128) for f in ("mxfp4", "q8_0")]
+    specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", sw_quant=True))
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
     why = compiler_missing(arch)
@@ -314,6 +321,9 @@ def test_gpu_check_cases_build_on_cpu() -> None:
     assert "gemm" in gpu_kernel_check.FAMILIES
     cs = check.cases()
     assert len(cs) == len({n for n, _ in cs}) and any(s.engine == "simt" for _, s in cs)
+    names = dict(cs)
+    assert all(names[sw].sw_quant and not names[hw].sw_quant and names[sw].rows == names[hw].rows
+               for sw, hw in check.TWINS)
     for n, s in cs:
         GM.render_gemm(s, target("sm_90"), f"gemm_{n}")
     spec = GM.GemmSpec(20, 64, 256, "q8_0")

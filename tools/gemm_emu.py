@@ -31,6 +31,25 @@ from tools.experts_emu import HOST_PRELUDE, _host_body  # noqa: E402
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""
 DS4C_DEVICE u32 gm_f16x2(float lo, float hi) { return emu_f16_bits(lo) | (emu_f16_bits(hi) << 16); }
+// cvt.rn.satfinite.e4m3x2.f32 as PTX defines it, written independently of the prelude's ds4c_round_e4m3: the
+// nearest of the 127 finite positive e4m3 values (ties to the even code), saturated at 448
+static inline u32 emu_e4m3_rne(float x) {
+  const float a = std::fabs(x);
+  u32 c = 0;
+  if (a >= 448.0f) {
+    c = 0x7e;
+  } else {
+    while (c < 0x7e && emu_e4m3(c + 1) <= a) ++c;
+    if (emu_e4m3(c) != a) {
+      const float lo = a - emu_e4m3(c), hi = emu_e4m3(c + 1) - a;
+      if (hi < lo || (hi == lo && (c & 1u))) ++c;
+    }
+  }
+  return c | (std::signbit(x) ? 0x80u : 0u);
+}
+DS4C_DEVICE u32 gm_e4m3_f16x2(float lo, float hi) {
+  return emu_f16_bits(emu_e4m3(emu_e4m3_rne(lo))) | (emu_f16_bits(emu_e4m3(emu_e4m3_rne(hi))) << 16);
+}
 DS4C_DEVICE void gm_e4m3x4_f16(u32 v, u32& lo, u32& hi) { xp_e4m3x4_f16(v, lo, hi); }
 DS4C_DEVICE void gm_i8x4_f16(u32 w, u32& lo, u32& hi) { xp_i8x4_f16(w, lo, hi); }
 DS4C_DEVICE void gm_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,

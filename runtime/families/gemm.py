@@ -18,12 +18,16 @@ scratch, the kernel is numerically self-contained (one place implements spec 2.3
 the reference in emulation), and it is idempotent: an ``x`` already quantized by
 ``templates/actq/act_quant.cu.j2`` (bf16 holding ``e4m3 * 2^k``) re-quantizes to the same values
 (tests/test_gemm_family.py checks it on the reference and on the emulated kernel), so the same kernel serves
-both producers. The price: every CTA column of the grid (``ceil(N/64)`` of them) re-quantizes its X tiles,
-about 20 ALU instructions per value with the software e4m3 rounding, i.e. per K step ~1300 per thread against
-~500 for its share of the MMAs, the weight decode and the per-block scaling: at large N the in-kernel quant
-is probably the largest issue cost (not yet measured). ``GemmSpec.x_prequant`` (x is actq's output) keeps
-only the amax / scale recovery and skips the rounding and clamp (about half of that work). The fast path
-this points to, not built yet: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
+both producers. The price: every CTA column of the grid (``ceil(N/bn)`` of them) re-quantizes its X tiles.
+With the software e4m3 rounding (``ds4c_round_e4m3``, clamp, f16 pack) that is ~20 ALU instructions per value,
+per K step ~1300 per thread against ~500 for its share of the MMAs, the weight decode and the per-block
+scaling; so on the f16 MMA path (sm_89+) the rounding, clamp and f16 pack are two instructions per pair of
+values, ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, saturating at 448 = the spec's clamp) then
+``cvt.rn.f16x2.e4m3x2`` (``GemmSpec.sw_quant`` forces the software rounding: the A/B, and the GPU check's
+bit-for-bit comparison of the two; the emulator implements the cvt by its own nearest-value search).
+``GemmSpec.x_prequant`` (x is actq's output) keeps only the amax / scale recovery: on the bf16 paths (sm_80,
+bf16 weights, HIP) the tile is then a plain copy. Not measured yet (docs/perf.md has the predictions). The
+fast path this points to, not built: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
 which the GEMM would stage with cp.async and no per-value work.
 
 Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x ``bn`` = 64 (default) or 128 weight
@@ -123,8 +127,11 @@ class GemmSpec:
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
         x_prequant: ``x`` is already quantized by ``templates/actq/act_quant.cu.j2`` (bf16 holding
-            ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results,
-            about half the in-kernel quant work). Only with mode ``fp8act`` and ``act_quant``.
+            ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results; on
+            the bf16 paths the tile is a plain copy). Only with mode ``fp8act`` and ``act_quant``.
+        sw_quant: round the activation to e4m3 in software (``ds4c_round_e4m3``) even where the f16 MMA path
+            would use ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): the A/B and the hardware check of that
+            instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
         bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
             by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
 
@@ -142,6 +149,7 @@ class GemmSpec:
     engine: str = "auto"
     x_prequant: bool = False
     bn: int = 0
+    sw_quant: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -185,11 +193,13 @@ class GemmSpec:
     def key(self) -> str:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
-                + ("_xpre" if self.x_prequant else "") + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
+                + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
+                + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
                 + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
+                + (" swq" if self.sw_quant else "")
                 + (f" bn{self.bn}" if self.bn else "") + f"->{self.out_dtype}")
 
 
@@ -268,7 +278,8 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     name = name or f"gemm_{spec.key()}_{pl.engine}"
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
-        quant=spec.quant, x_prequant=spec.x_prequant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        quant=spec.quant, x_prequant=spec.x_prequant,
+        hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
         smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)))
     return render(TEMPLATE, name, FAMILY, target, params)

@@ -8,7 +8,9 @@ its fp32 output at C = 4096 is 2 GB), fp32 outputs of fp8act products (Q8_0, MXF
 sees one mis-quantized activation or mis-decoded weight), act_quant off, partial tiles in both dims (C = 77,
 N = 1000), the SIMT engine (the HIP body) on CUDA, and ``x_prequant`` kernels on actq-quantized x (compare
 their us with the same shapes' default kernels: the price of the in-kernel e4m3 rounding), and 128-row weight
-tiles (``bn=128``, 256 threads) against the default 64.
+tiles (``bn=128``, 256 threads) against the default 64. Two "twin" rows run a ``sw_quant`` kernel (software
+e4m3 rounding) and its default twin (``cvt.rn.satfinite.e4m3x2.f32``) on the same inputs: the outputs must be
+equal bit for bit.
 
 Per case: fresh random inputs (``gemm.random_x``: per-(row, 128-block) magnitudes 1e-2..1e2 and a row of
 magnitude 1e-6 under the 1e-4 amax floor; ``gemm.random_weight``), the output poisoned with NaN and followed
@@ -77,8 +79,17 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("bn128_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", bn=128)),
             ("bn128_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", bn=128)),
             ("bn128_wq_b_c512", GM.GemmSpec(512, 32768, 1024, "q8_0", bn=128)),
-            ("bn128_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", bn=128, out_dtype="f32"))]
+            ("bn128_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", bn=128, out_dtype="f32")),
+            # the software e4m3 rounding: TWINS compares each bit for bit with its cvt.rn.satfinite twin
+            ("swq_wq_a_c512", GM.GemmSpec(512, 1024, 4096, "q8_0", sw_quant=True)),
+            ("swq_mxfp4_f32out_c512", GM.GemmSpec(512, 2048, 4096, "mxfp4", "fp8act", out_dtype="f32",
+                                                  sw_quant=True))]
     return out
+
+
+#: (software-rounding case, its default twin): the same inputs must give the same bits (the check that
+#: cvt.rn.satfinite.e4m3x2.f32 rounds as the reference does, subnormals and saturation included)
+TWINS = [("swq_wq_a_c512", "wq_a_c512"), ("swq_mxfp4_f32out_c512", "mxfp4_f32out_c512")]
 
 
 def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
@@ -173,6 +184,30 @@ def run(arch: str = "sm_90") -> list[dict]:
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
                          "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
         torch.cuda.empty_cache()
+    for sw, hw in TWINS:
+        try:
+            ks = []
+            for n in (sw, hw):
+                b = built[n]
+                if isinstance(b, Exception):
+                    raise b
+                ks.append(load(b[0]).function(srcs[n].entry, GM.launch_shape(specs[n], tgt).smem))
+            spec = specs[sw]
+            ln = GM.launch_shape(spec, tgt)
+            x, w, ybuf = case_buffers(spec, g)
+            y2 = torch.full_like(ybuf[:spec.rows], float("nan"))
+            ks[0](ln.grid, ln.block, [x, w, ybuf[:spec.rows]], ln.smem)
+            ks[1](ln.grid, ln.block, [x, w, y2], GM.launch_shape(specs[hw], tgt).smem)
+            torch.cuda.synchronize()
+            iv = torch.int16 if y2.dtype == torch.bfloat16 else torch.int32
+            same = torch.equal(ybuf[:spec.rows].view(iv), y2.view(iv))
+            rows.append({"spec": f"twin {sw} = {hw}", "detail": "software vs cvt e4m3 rounding, bit for bit",
+                         "ok": same, "rel_err": _rel_rows(y2, ybuf[:spec.rows]), "us": float("nan"),
+                         "GBps": float("nan")})
+        except Exception as ex:
+            traceback.print_exc()
+            rows.append({"spec": f"twin {sw} = {hw}", "ok": False, "error": repr(ex)[:300],
+                         "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
     for r in rows:
         r["compile_total_s"] = compile_s
     return rows
