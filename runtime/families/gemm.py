@@ -52,7 +52,9 @@ tools/gpu_checks/gemm.py times both ``bn``.
 Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
 segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
 cp.async) while step ``k`` is computed from shared memory, then stored into the other stage (two stages; one,
-with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights).
+with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights). bf16 weight rows and the bf16 X
+rows are 16-byte aligned and could go by cp.async (fewer registers); not done: one staging path for every
+format and target, which the CPU emulator runs as written.
 
 Engines (``GemmSpec.engine``): ``mma`` (CUDA): form 0 on sm_89+ with act_quant and MXFP4 / Q8_0: the f16
 MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16; per 32-block the fp32 MMA
@@ -220,9 +222,10 @@ def resolve_engine(spec: GemmSpec, target: Target) -> str:
 @dataclass(frozen=True)
 class GemmPlan:
     """Render-time geometry of one GEMM on one target: ``form`` (0: f16 MMA on e4m3 activations + per-128
-    scales; 1: bf16 activations), ``bn`` weight rows per CTA (threads ``2 * bn``), weight staging (``sb`` bytes per row segment of a K step, ``v`` bytes per
-    vector load, ``rbp`` padded shared-memory row stride), ``nstage`` shared-memory stages of ``stage_bytes``,
-    ``smem`` dynamic shared bytes, ``grid`` / ``block``."""
+    scales; 1: bf16 activations), ``bn`` weight rows per CTA (threads ``2 * bn``), weight staging (``sb`` bytes
+    per row segment of a K step, ``v`` bytes per vector load, ``rbp`` padded shared-memory row stride),
+    ``nstage`` shared-memory stages of ``stage_bytes``, ``smem`` dynamic shared bytes, ``grid`` / ``block``.
+    """
 
     engine: str
     form: int
@@ -279,7 +282,8 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
         quant=spec.quant, x_prequant=spec.x_prequant,
-        hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant, out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
+        out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
         smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)))
     return render(TEMPLATE, name, FAMILY, target, params)
@@ -287,7 +291,11 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
 
 def launch_shape(spec: GemmSpec, target: Target) -> Launch:
     """Grid ``(ceil(C/64), ceil(N/bn), 1)``, block ``(2*bn, 1, 1)`` and the dynamic shared bytes (CUDA: above
-    48 KiB needs the function attribute, ``CudaModule.function(entry, smem)``)."""
+    48 KiB needs the function attribute, ``CudaModule.function(entry, smem)``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
     pl = plan(spec, target)
     return Launch(pl.grid, pl.block, pl.smem)
 
