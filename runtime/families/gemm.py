@@ -1,0 +1,398 @@
+"""The tensor-core GEMM family for batched prefill (issue 12): ``Y[C, N] = X[C, K] @ W[N, K]^T`` for a chunk
+of ``C`` rows (16..4096 in prefill; any ``C >= 1`` renders) through one projection whose weight ``W`` is in
+its stored GGUF form. Spec ds4-flash.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
+128 with power-of-two scales, times the dequantized weight, fp32 accumulation, bf16 out) =
+:func:`ds4c.reference.primitives.linear_q`; modes ``bf16`` / ``f32`` as the GEMV family's
+(:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. Not wired into the lowering
+yet (runtime/lower.py still runs prefill projections as GEMVs).
+
+Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
+``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
+``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``. K-quants and f32 weights raise :class:`RenderError`.
+
+Activation: ``x`` is bf16 ``[C, K]``. With mode ``fp8act`` and ``act_quant`` the kernel quantizes it per
+(row, 128-block) while storing each X tile to shared memory (:func:`ds4c.quant.act_quant_fp8`: amax over
+the 16 threads holding the row's 128 values, ``s = 2^ceil(log2(max(amax, 1e-4)/448))``, e4m3 RNE of
+``x/s``). Chosen over requiring a pre-quantized input because it needs no extra launch and no ``[C, K]``
+scratch, the kernel is numerically self-contained (one place implements spec 2.3.1 for it, tested against
+the reference in emulation), and it is idempotent: an ``x`` already quantized by
+``templates/actq/act_quant.cu.j2`` (bf16 holding ``e4m3 * 2^k``) re-quantizes to the same values
+(tests/test_gemm_family.py checks it on the reference and on the emulated kernel), so the same kernel serves
+both producers. The price: every CTA column of the grid (``ceil(N/bn)`` of them) re-quantizes its X tiles.
+With the software e4m3 rounding (``ds4c_round_e4m3``, clamp, f16 pack) that is ~20 ALU instructions per value,
+per K step ~1300 per thread against ~500 for its share of the MMAs, the weight decode and the per-block
+scaling; so on the f16 MMA path (sm_89+) the rounding, clamp and f16 pack are two instructions per pair of
+values, ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, saturating at 448 = the spec's clamp) then
+``cvt.rn.f16x2.e4m3x2`` (``GemmSpec.sw_quant`` forces the software rounding: the A/B, and the GPU check's
+bit-for-bit comparison of the two; the emulator implements the cvt by its own nearest-value search).
+``GemmSpec.x_prequant`` (x is actq's output) keeps only the amax / scale recovery: on the bf16 paths (sm_80,
+bf16 weights, HIP) the tile is then a plain copy. Not measured yet (docs/perf.md has the predictions). The
+fast path this points to, not built: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
+which the GEMM would stage with cp.async and no per-value work.
+
+Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x ``bn`` = 64 (default) or 128 weight
+rows, ``2 * bn`` threads (warps ``bn/32`` x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of
+128 (one activation scale block; four 32-value weight blocks). Grid ``(ceil(C/64), ceil(N/bn))``,
+``blockIdx.x`` over C so the CTAs sharing a weight tile run together and its bytes come from HBM about once.
+Why 64 x 64: per K step a CTA stages 4.3 KB (MXFP4) / 8.7 KB (Q8_0) / 16 KB (bf16) of weights and 16 KB of X
+for 64*64*128 MACs; every weight byte is reused by ``C`` rows (ceil(C/64) CTAs). At C = 64 a 4096 x 4096
+MXFP4 projection moves 8.9 MB of weights for 2.1 GFLOP, ~240 FLOP per weight byte (Q8_0: ~120; C = 512: 8x
+that), against the H200's ~200 FLOP/byte ridge (989 TFLOP/s dense f16 / 4.8 TB/s HBM); with ``mma.sync``
+(not wgmma) and the per-32-block scaling FMAs the reachable MMA rate is well below 989, so from C ~ 64 up
+the kernel is issue bound (MMAs, decode, scaling, the in-kernel quant), not HBM bound. A bigger tile buys
+less X re-staging and re-quantization (X is re-read and re-quantized ``ceil(N/bn)`` times, from L2), which
+is what ``bn = 128`` is for; its cost is half the CTAs (small N x C grids fill fewer of the 132 SMs). 64 x
+64 keeps the accumulators at 32 fp32 (+32 per-128-block partials) per thread and two stages in 45-72 KB of
+shared memory (bn 128: 56-108 KB); with the register prefetch of the next step (32 u32 of X at bn 64, 16 at
+bn 128, and 9-32 of weights) ptxas uses 180-255 registers on sm_90 with no spills
+(``__launch_bounds__(threads, 65536 / (threads * 255))``: 8 warps per SM either way). At C = 16 three
+quarters of the MMA rows are padding (the GEMV family is the better kernel there). Not tuned on a GPU yet:
+tools/gpu_checks/gemm.py times both ``bn``.
+
+Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
+segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
+cp.async) while step ``k`` is computed from shared memory, then stored into the other stage (two stages; one,
+with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights). bf16 weight rows and the bf16 X
+rows are 16-byte aligned and could go by cp.async (fewer registers); not done: one staging path for every
+format and target, which the CPU emulator runs as written.
+
+Engines (``GemmSpec.engine``): ``mma`` (CUDA): form 0 on sm_89+ with act_quant and MXFP4 / Q8_0: the f16
+MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16; per 32-block the fp32 MMA
+result is times the weight block scale, summed over the 128-block, then times the activation scale (the
+experts family's numerics, spec 2.3.3). Form 1 (bf16 weights, act_quant off, mode bf16 / f32, or sm_80):
+the bf16 MMA on codes / bf16 weights and the bf16 activation (``bf16(q*s)`` exactly, or ``x``). ``simt``:
+fp32 FMAs with the same per-block scaling, the vendor-neutral body (HIP). ``auto`` = ``mma`` on CUDA,
+``simt`` on HIP.
+
+Kernel arguments (:func:`arg_order`): ``x`` bf16 ``[C, K]``, ``w`` the stored weight, ``y`` ``[C, N]`` in
+``out_dtype`` (only rows < C and columns < N are written). Pointers 16-byte aligned, tensors contiguous.
+
+Numerics vs :func:`reference`: the same operands and products (codes, scales and e4m3 values are exact in
+f16 / bf16 / fp32); only the fp32 summation order differs (per-32-block MMA partials, then scales), so fp32
+outputs agree to ~1e-6 relative and bf16 outputs to one bf16 rounding (a few elements differ by 1 ulp).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds4c.runtime.families import Launch
+from ds4c.runtime.families.experts import E4M3_ARCHS, KQUANTS
+from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.targets import Target
+
+TEMPLATE = "gemm/gemm.cu.j2"
+FAMILY = "gemm"
+FORMATS = ("mxfp4", "q8_0", "bf16")
+FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2}
+MODES = ("fp8act", "bf16", "f32")
+OUT_DTYPES = ("bf16", "f32")
+ENGINES = ("auto", "mma", "simt")
+#: bytes of one stored block of 32 values
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
+BM = 64   # X rows per CTA
+BN = 64   # weight rows (output columns) per CTA by default (GemmSpec.bn: 64 or 128; threads = 2 * bn)
+BNS = (64, 128)
+KSTEP = 128
+XST = 272  # bytes between X tile rows in shared memory
+#: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
+SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
+#: registers per thread the CUDA build may use: __launch_bounds__(threads, 65536 // (threads * this)), i.e. 2
+#: CTAs of 128 threads or 1 of 256 per SM
+REG_BUDGET = 255
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one stored weight row of ``k`` values."""
+    return k // 32 * BLOCK_BYTES[fmt]
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM (all render-time).
+
+    Attributes:
+        rows: C, the rows of X and Y (the prefill chunk; >= 1).
+        n: N, the output width (weight rows; >= 1).
+        k: K, the input width (a positive multiple of 128).
+        fmt: weight storage: ``mxfp4`` | ``q8_0`` | ``bf16``.
+        mode: ``fp8act`` (spec 2.3: e4m3 activation quant when ``act_quant``) | ``bf16`` | ``f32`` (plain x).
+        act_quant: quantize the activation of an ``fp8act`` GEMM (False = the reference's ``emulate=False``).
+        out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
+        engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
+        x_prequant: ``x`` is already quantized by ``templates/actq/act_quant.cu.j2`` (bf16 holding
+            ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results; on
+            the bf16 paths the tile is a plain copy). Only with mode ``fp8act`` and ``act_quant``.
+        sw_quant: round the activation to e4m3 in software (``ds4c_round_e4m3``) even where the f16 MMA path
+            would use ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): the A/B and the hardware check of that
+            instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
+        bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
+            by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
+
+    Raises:
+        RenderError: a field out of range; the message names it, what was expected and what was found.
+    """
+
+    rows: int
+    n: int
+    k: int
+    fmt: str = "mxfp4"
+    mode: str = "fp8act"
+    act_quant: bool = True
+    out_dtype: str | None = None
+    engine: str = "auto"
+    x_prequant: bool = False
+    bn: int = 0
+    sw_quant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.out_dtype is None:
+            object.__setattr__(self, "out_dtype", "f32" if self.mode == "f32" else "bf16")
+        bad = []
+        if not (isinstance(self.rows, int) and 1 <= self.rows <= 65535 * BM):
+            bad.append(f"rows {self.rows!r} (expected an int in 1..{65535 * BM})")
+        if not (isinstance(self.n, int) and 1 <= self.n <= 65535 * BN):
+            bad.append(f"n {self.n!r} (expected an int in 1..{65535 * BN})")
+        if not (isinstance(self.k, int) and self.k >= KSTEP and self.k % KSTEP == 0):
+            bad.append(f"k {self.k!r} (expected a positive multiple of {KSTEP}: one activation-quant block per "
+                       f"K step)")
+        if self.fmt in KQUANTS:
+            bad.append(f"fmt {self.fmt!r} (K-quants are not supported by the GEMM family; expected one of "
+                       f"{FORMATS})")
+        elif self.fmt not in FORMATS:
+            bad.append(f"fmt {self.fmt!r} (expected one of {FORMATS})")
+        if self.mode not in MODES:
+            bad.append(f"mode {self.mode!r} (expected one of {MODES})")
+        if self.out_dtype not in OUT_DTYPES:
+            bad.append(f"out_dtype {self.out_dtype!r} (expected one of {OUT_DTYPES})")
+        if self.engine not in ENGINES:
+            bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
+        if self.bn not in (0,) + BNS:
+            bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
+        if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
+            bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "
+                       f"mode 'fp8act' and act_quant True)")
+        if bad:
+            raise RenderError("GemmSpec: bad " + "; ".join(bad))
+
+    @property
+    def quant(self) -> bool:
+        """The activation is FP8-quantized (mode ``fp8act`` with ``act_quant``)."""
+        return self.mode == "fp8act" and self.act_quant
+
+    @property
+    def torch_out_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.out_dtype == "bf16" else torch.float32
+
+    def key(self) -> str:
+        """Short name of the kernel variant (without the engine)."""
+        return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
+                + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
+                + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
+
+    def short(self) -> str:
+        return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
+                + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
+                + (" swq" if self.sw_quant else "")
+                + (f" bn{self.bn}" if self.bn else "") + f"->{self.out_dtype}")
+
+
+def resolve_engine(spec: GemmSpec, target: Target) -> str:
+    """``mma`` or ``simt`` for ``target``.
+
+    Raises:
+        RenderError: ``mma`` asked for a HIP target.
+    """
+    if spec.engine == "auto":
+        return "mma" if target.vendor == "cuda" else "simt"
+    if spec.engine == "mma" and target.vendor != "cuda":
+        raise RenderError(f"gemm: engine 'mma' (mma.sync) is CUDA only, found target {target.slug}; expected "
+                          f"engine 'simt' or 'auto'")
+    return spec.engine
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Render-time geometry of one GEMM on one target: ``form`` (0: f16 MMA on e4m3 activations + per-128
+    scales; 1: bf16 activations), ``bn`` weight rows per CTA (threads ``2 * bn``), weight staging (``sb`` bytes
+    per row segment of a K step, ``v`` bytes per vector load, ``rbp`` padded shared-memory row stride),
+    ``nstage`` shared-memory stages of ``stage_bytes``, ``smem`` dynamic shared bytes, ``grid`` / ``block``.
+    """
+
+    engine: str
+    form: int
+    bn: int
+    sb: int
+    v: int
+    rbp: int
+    stage_bytes: int
+    nstage: int
+    smem: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def plan(spec: GemmSpec, target: Target) -> GemmPlan:
+    """The geometry of ``spec`` on ``target``.
+
+    Raises:
+        RenderError: ``mma`` on HIP, or one stage does not fit the target's shared memory.
+    """
+    engine = resolve_engine(spec, target)
+    form = 0 if (engine == "mma" and target.arch in E4M3_ARCHS and spec.quant and spec.fmt != "bf16") else 1
+    sb = 4 * BLOCK_BYTES[spec.fmt]
+    rs = row_bytes(spec.fmt, spec.k)
+    v = max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
+    # padded row stride: a 16-byte multiple whose u32 stride puts the 8 rows g = 0..7 of a fragment read on
+    # distinct banks (4-byte reads: stride % 8 words == 4; bf16's 8-byte reads: % 16 == 8)
+    want = (16, 8) if spec.fmt == "bf16" else (8, 4)
+    rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
+    while (rbp // 4) % want[0] != want[1]:
+        rbp += 16
+    bn = spec.bn or BN
+    stage = _round16(BM * XST + BM * 4 + bn * rbp)
+    lim = SMEM_LIMIT[target.vendor]
+    epi = BM * (bn + 4) * 4
+    nstage = 2 if max(2 * stage, epi) <= lim else 1
+    smem = max(nstage * stage, epi)
+    if smem > lim:
+        raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
+                          f"is {lim}")
+    grid = (-(-spec.rows // BM), -(-spec.n // bn), 1)
+    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1))
+
+
+def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
+    """The kernel of ``spec`` for ``target``; ``name`` gives the entry (default ``"gemm_" + spec.key() + "_" +
+    engine``; non-identifier characters become ``_``). Launch with :func:`launch_shape`, :func:`arg_order`.
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    pl = plan(spec, target)
+    name = name or f"gemm_{spec.key()}_{pl.engine}"
+    params: dict[str, Any] = dict(
+        rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
+        quant=spec.quant, x_prequant=spec.x_prequant,
+        hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
+        out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)))
+    return render(TEMPLATE, name, FAMILY, target, params)
+
+
+def launch_shape(spec: GemmSpec, target: Target) -> Launch:
+    """Grid ``(ceil(C/64), ceil(N/bn), 1)``, block ``(2*bn, 1, 1)`` and the dynamic shared bytes (CUDA: above
+    48 KiB needs the function attribute, ``CudaModule.function(entry, smem)``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    pl = plan(spec, target)
+    return Launch(pl.grid, pl.block, pl.smem)
+
+
+def weight_shape(spec: GemmSpec) -> tuple[tuple[int, ...], torch.dtype]:
+    """Storage shape and dtype of ``w``: uint8 ``[N, row_bytes]`` for the block formats, bf16 ``[N, K]``."""
+    if spec.fmt == "bf16":
+        return (spec.n, spec.k), torch.bfloat16
+    return (spec.n, row_bytes(spec.fmt, spec.k)), torch.uint8
+
+
+def arg_order(spec: GemmSpec) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """``(name, role, shape, dtype)`` of ``x`` (bf16 ``[C, K]``), ``w`` (:func:`weight_shape`) and ``y``
+    (``[C, N]`` in ``out_dtype``), in kernel order. No integer arguments (every size is render-time)."""
+    ws, wd = weight_shape(spec)
+    return [("x", "in", (spec.rows, spec.k), torch.bfloat16), ("w", "in", ws, wd),
+            ("y", "out", (spec.rows, spec.n), spec.torch_out_dtype)]
+
+
+def flops(spec: GemmSpec) -> int:
+    """``2 * C * N * K``."""
+    return 2 * spec.rows * spec.n * spec.k
+
+
+def weight_bytes(spec: GemmSpec) -> int:
+    """Stored bytes of ``w``."""
+    return spec.n * row_bytes(spec.fmt, spec.k)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+_GGML = {"bf16": "BF16", "q8_0": "Q8_0", "mxfp4": "MXFP4"}
+
+
+def dequantize_weight(spec: GemmSpec, raw: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[N, K]`` of the stored weight ``raw`` (any tensor holding exactly its bytes), through
+    :func:`ds4c.quant.dequantize` (bit-identical to gguf's dequantizers)."""
+    from ds4c.quant import dequantize
+
+    return dequantize(raw.detach().contiguous(), _GGML[spec.fmt], (spec.n, spec.k), torch.float32)
+
+
+def reference(spec: GemmSpec, x: torch.Tensor, w_raw: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, on ``x``'s device.
+
+    Args:
+        x: bf16 ``[C, K]``.
+        w_raw: the stored weight (:func:`weight_shape`).
+    Returns:
+        ``[C, N]`` in ``out_dtype``: mode ``fp8act`` with bf16 out = ``primitives.linear_q(x, W, act_quant)``
+        (spec 2.3), ``bf16`` = ``primitives.linear_bf16``, ``f32`` = ``primitives.linear_f32``; another
+        ``out_dtype`` takes the same fp32 product before its rounding.
+    Raises:
+        RenderError: ``x`` is not bf16 ``[C, K]``.
+    """
+    from ds4c.quant import act_quant_dequant
+    from ds4c.reference import primitives as P
+
+    if tuple(x.shape) != (spec.rows, spec.k) or x.dtype != torch.bfloat16:
+        raise RenderError(f"gemm reference: x must be bf16 [{spec.rows}, {spec.k}], found {x.dtype} "
+                          f"{tuple(x.shape)}")
+    w = dequantize_weight(spec, w_raw).to(x.device)
+    if spec.mode == "fp8act" and spec.out_dtype == "bf16":
+        return P.linear_q(x, w, spec.act_quant)
+    if spec.mode == "bf16" and spec.out_dtype == "bf16":
+        return P.linear_bf16(x, w)
+    if spec.mode == "f32" and spec.out_dtype == "f32":
+        return P.linear_f32(x, w)
+    xa = act_quant_dequant(x, 128) if spec.quant else x.to(torch.float32)
+    return P.matmul_rows(xa, w).to(spec.torch_out_dtype)
+
+
+# ------------------------------------------------------------------------------------------ random inputs
+def random_weight(spec: GemmSpec, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Fresh random valid stored bytes on ``device`` (``generator`` must live there): bf16 ~N(0, 1/K); q8_0
+    random int8 codes with fp16 scales in [0.5, 2]/(127 sqrt(K)); mxfp4 random nibbles with exponent bytes
+    118..124 (:func:`ds4c.runtime.families.gemv.random_weight`)."""
+    from ds4c.runtime.families import gemv as G
+
+    return G.random_weight(G.GemvOutput(spec.n, spec.fmt), spec.k, generator, device)
+
+
+def random_x(spec: GemmSpec, generator: torch.Generator | None = None,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """bf16 ``[C, K]``: N(0, 1) times a per-(row, 128-block) magnitude 10^U(-2, 2) (varied activation
+    scales); with C > 1 row 1 has magnitude 1e-6 (every block under the 1e-4 amax floor)."""
+    c, nb = spec.rows, spec.k // KSTEP
+    mag = 10.0 ** (torch.rand(c, nb, 1, generator=generator, device=device) * 4 - 2)
+    if c > 1:
+        mag[1] = 1e-6
+    x = torch.randn(c, nb, KSTEP, generator=generator, device=device) * mag
+    return x.reshape(c, spec.k).to(torch.bfloat16)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` (fp64), infinite when ``got`` is not finite."""
+    g, w = got.double(), want.double()
+    if not bool(torch.isfinite(g).all()):
+        return math.inf
+    return float((g - w).norm() / w.norm().clamp(min=1e-300))

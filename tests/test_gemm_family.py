@@ -1,0 +1,348 @@
+"""The batched-prefill GEMM family (runtime/families/gemm.py, templates/gemm/gemm.cu.j2), on the CPU:
+
+* the torch reference against ``primitives.linear_q`` / ``linear_bf16`` / ``linear_f32`` on the weights decoded
+  here by hand from their bytes (MXFP4, Q8_0, bf16; several C, N, K), and the idempotence of the activation
+  quant that lets the kernel take a raw or an already-quantized bf16 X;
+* the rendered kernel run on CPU threads (tools/gemm_emu.py: ``mma.sync`` emulated from its fragment layouts),
+  the output poisoned with NaN and followed by a guard tile of NaN rows, C and N not multiples of the 64 x 64
+  tile: every element of rows < C written and within tolerance of the reference, no write past row C;
+* device compiles: sm_90 (nvcc; no spills, no stack; registers printed) and gfx942 (clang-19, the SIMT body;
+  no scratch), skipped with the reason when the compiler is missing;
+* bad specs raise RenderError with a one-line message; the GPU check's cases build on the CPU.
+
+Tolerances (emulation): bf16 outputs: worst per-row relative L2 < 1e-3 and per element
+``|y - ref| <= 2^-7 |ref| + 1e-6 max|ref|`` (one bf16 ulp). The noise floor: kernel and reference have the
+same products (codes, scales and e4m3 values are exact) and differ only in fp32 summation order, ~1e-7
+relative, so a bf16 rounding flips for about one element in a few thousand: observed worst row rel-L2 0 to
+1.4e-6 (0 or 1 differing elements per case). fp32 outputs: row rel-L2 < 1e-5 (observed 0.7e-7 to 2.7e-7).
+The emulator sums each MMA in double; the hardware's fp32 MMA accumulation adds a little more, which the GPU
+check's 1e-2 / 1e-4 tolerances (tools/gpu_checks/gemm.py) cover.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4c.quant import act_quant_dequant
+from ds4c.reference import primitives as P
+from ds4c.runtime.families import gemm as GM
+from ds4c.runtime.render import PDL_CALL, RenderError
+from ds4c.runtime.targets import target
+from kernel_compile import assert_no_spills, compile_kernel, compiler_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16, F32 = torch.bfloat16, torch.float32
+SHAPES = [(20, 64, 256), (64, 128, 128), (77, 96, 512), (1, 40, 384)]
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _inputs(spec: GM.GemmSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return GM.random_x(spec, g), GM.random_weight(spec, g)
+
+
+def _decode(spec: GM.GemmSpec, w: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] of the stored bytes, decoded here (not through ds4c.quant) from the layouts of the spec."""
+    n, k = spec.n, spec.k
+    if spec.fmt == "bf16":
+        return w.float()
+    b = w.view(torch.uint8).reshape(n, k // 32, -1)
+    if spec.fmt == "q8_0":
+        d = b[..., :2].contiguous().view(torch.float16).float()
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
+    qs = b[..., 1:].long()
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # element j: byte j low nibble, j+16: high nibble
+    scale = torch.pow(2.0, b[..., :1].double() - 127).float()
+    return (E2M1[codes] * scale).reshape(n, k)
+
+
+def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.double(), want.double()
+    d = (g - w).nan_to_num(float("inf")).norm(dim=-1)
+    return float((d / w.norm(dim=-1).clamp(min=1e-300)).max())
+
+
+# ------------------------------------------------------------------------------------------------ reference
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "c{}-n{}-k{}".format(*s))
+@pytest.mark.parametrize("fmt", GM.FORMATS)
+def test_reference_is_linear_q(fmt: str, shape: tuple) -> None:
+    """reference() on the raw bytes == primitives.linear_q on the hand-decoded weight, bit for bit."""
+    spec = GM.GemmSpec(*shape, fmt=fmt)
+    x, w = _inputs(spec, 3 + shape[0])
+    wd = _decode(spec, w)
+    assert torch.equal(GM.dequantize_weight(spec, w), wd)
+    assert wd.abs().max() > 0 and x.float().abs().max() > 0
+    y = GM.reference(spec, x, w)
+    assert y.dtype == BF16 and y.shape == (spec.rows, spec.n)
+    assert torch.equal(y, P.linear_q(x, wd))
+    assert torch.isfinite(y.float()).all() and y.float().abs().max() > 0
+
+
+@pytest.mark.parametrize("fmt", GM.FORMATS)
+def test_reference_modes(fmt: str) -> None:
+    """The other modes / output dtypes are the primitives they name (spec 2.3, the GEMV family's modes)."""
+    kw = dict(rows=33, n=64, k=256, fmt=fmt)
+    x, w = _inputs(GM.GemmSpec(**kw), 7)
+    wd = _decode(GM.GemmSpec(**kw), w)
+    assert torch.equal(GM.reference(GM.GemmSpec(**kw, mode="bf16"), x, w), P.linear_bf16(x, wd))
+    assert torch.equal(GM.reference(GM.GemmSpec(**kw, mode="f32"), x, w), P.linear_f32(x, wd))
+    assert torch.equal(GM.reference(GM.GemmSpec(**kw, act_quant=False), x, w), P.linear_q(x, wd, False))
+    y32 = GM.reference(GM.GemmSpec(**kw, out_dtype="f32"), x, w)
+    assert y32.dtype == F32 and torch.equal(y32, P.matmul_rows(act_quant_dequant(x, 128), wd))
+    assert torch.equal(y32.to(BF16), P.linear_q(x, wd))
+
+
+def test_prequantized_activation_is_idempotent() -> None:
+    """An X already quantized by actq (bf16 holding e4m3 * 2^k) re-quantizes to itself, so the kernel's
+    in-tile quant serves both producers."""
+    spec = GM.GemmSpec(80, 64, 512)
+    x, w = _inputs(spec, 11)
+    xq = act_quant_dequant(x, 128).to(BF16)
+    assert torch.equal(xq.float(), act_quant_dequant(x, 128))  # exact in bf16
+    assert torch.equal(act_quant_dequant(xq, 128), xq.float())
+    assert torch.equal(GM.reference(spec, xq, w), GM.reference(spec, x, w))
+
+
+# ------------------------------------------------------------------------------------------------- render
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80", "gfx942"])
+@pytest.mark.parametrize("fmt", GM.FORMATS)
+def test_render(fmt: str, arch: str) -> None:
+    spec, t = GM.GemmSpec(100, 200, 512, fmt), target(arch)
+    src = GM.render_gemm(spec, t)
+    assert src.family == "gemm" and not re.search(r"^\s*#include", src.source, re.M)
+    body = src.source.split(f"{src.entry}(", 1)[1].split("{", 1)[1]
+    assert body.lstrip().startswith(PDL_CALL)
+    assert src.programmatic_launch == (arch == "sm_90")
+    assert ('asm("mma.sync' in src.source) == (t.vendor == "cuda")
+    pl = GM.plan(spec, t)
+    assert pl.form == (0 if arch == "sm_90" and fmt != "bf16" else 1)
+    assert ("#define GM_HWQ 1" in src.source) == (pl.form == 0)  # cvt.rn.satfinite.e4m3x2 rounding
+    sw = GM.render_gemm(GM.GemmSpec(100, 200, 512, fmt, sw_quant=True), t)
+    assert "#define GM_HWQ 0" in sw.source
+    ln = GM.launch_shape(spec, t)
+    assert ln.grid == (2, 4, 1) and ln.block == (128, 1, 1) and 0 < ln.smem <= GM.SMEM_LIMIT[t.vendor]
+    assert [a[0] for a in GM.arg_order(spec)] == ["x", "w", "y"]
+    assert GM.arg_order(spec)[1][2:] == GM.weight_shape(spec)
+
+
+def test_hip_bf16_fits_one_stage() -> None:
+    """bf16 weights: two stages are 72 KB, over HIP's 64 KiB LDS, so one stage there; two on CUDA."""
+    spec = GM.GemmSpec(64, 64, 256, "bf16")
+    assert GM.plan(spec, target("sm_90")).nstage == 2
+    assert GM.plan(spec, target("gfx942")).nstage == 1
+    wide = GM.GemmSpec(100, 300, 256, "mxfp4", bn=128)
+    ln = GM.launch_shape(wide, target("sm_90"))
+    assert ln.grid == (2, 3, 1) and ln.block == (256, 1, 1)
+    assert GM.plan(wide, target("gfx942")).nstage == 2 and GM.plan(GM.GemmSpec(64, 64, 256, "q8_0", bn=128),
+                                                                    target("gfx942")).nstage == 1
+
+
+# ------------------------------------------------------------------------------------ emulated kernels
+def _host_cxx_reason() -> str | None:
+    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+    if not cxx:
+        return "no host C++ compiler"
+    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
+
+
+def _emu():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from tools import gemm_emu
+    finally:
+        sys.path.pop(0)
+    return gemm_emu
+
+
+# (engine, arch, spec): C and N not multiples of 64 somewhere in every format; forms 0 (sm_90 f16 MMA) and 1
+# (bf16 MMA: bf16 weights, act_quant off, sm_80), the SIMT body, fp32 and bf16 outputs, every mode
+EMU_CASES = [
+    ("mma", "sm_90", dict(rows=77, n=96, k=512, fmt="mxfp4")),
+    ("mma", "sm_90", dict(rows=20, n=128, k=256, fmt="q8_0")),
+    ("mma", "sm_90", dict(rows=70, n=64, k=256, fmt="bf16", mode="bf16")),
+    ("mma", "sm_90", dict(rows=33, n=72, k=256, fmt="mxfp4", out_dtype="f32")),
+    ("mma", "sm_80", dict(rows=64, n=64, k=384, fmt="q8_0")),
+    ("mma", "sm_90", dict(rows=24, n=64, k=128, fmt="q8_0", act_quant=False)),
+    ("simt", "sm_90", dict(rows=80, n=100, k=256, fmt="mxfp4")),
+    ("simt", "sm_90", dict(rows=17, n=64, k=256, fmt="q8_0", mode="f32")),
+    ("simt", "sm_90", dict(rows=65, n=64, k=128, fmt="bf16", out_dtype="f32")),
+    # the software e4m3 rounding on the f16 MMA path (the default there is cvt.rn.satfinite.e4m3x2, emulated
+    # by tools/gemm_emu.py's own nearest-value search)
+    ("mma", "sm_90", dict(rows=21, n=80, k=256, fmt="mxfp4", sw_quant=True)),
+    # 128-row weight tiles (256 threads, 4 x 2 warps), N a partial tile
+    ("mma", "sm_90", dict(rows=70, n=200, k=256, fmt="mxfp4", bn=128)),
+    ("simt", "sm_90", dict(rows=30, n=128, k=256, fmt="q8_0", bn=128, x_prequant=False)),
+]
+
+
+@pytest.fixture(scope="module")
+def emu_exes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The host builds of every EMU_CASES kernel, compiled two at a time (the host compile is most of a case's
+    time)."""
+    why = _host_cxx_reason()
+    if why:
+        pytest.skip(why)
+    E, root = _emu(), tmp_path_factory.mktemp("gemm-emu")
+
+    def job(i: int) -> tuple[int, Path]:
+        eng, arch, kw = EMU_CASES[i]
+        return i, E.build(GM.GemmSpec(**kw, engine=eng), root / str(i), arch)
+
+    with ThreadPoolExecutor(2) as ex:
+        return dict(ex.map(job, range(len(EMU_CASES))))
+
+
+@pytest.mark.parametrize("i", range(len(EMU_CASES)),
+                         ids=[f"{e}-{a}-" + "-".join(f"{v}" for v in kw.values()) for e, a, kw in EMU_CASES])
+def test_kernel_emulated(i: int, emu_exes: dict[int, Path], tmp_path: Path) -> None:
+    engine, arch, kw = EMU_CASES[i]
+    spec = GM.GemmSpec(**kw, engine=engine)
+    x, w = _inputs(spec, 5)
+    y, guard = _emu().run(spec, x, w, tmp_path, arch=arch, exe=emu_exes[i])
+    want = GM.reference(spec, x, w)
+    assert not torch.isnan(y.float()).any(), "unwritten output elements"
+    assert torch.isnan(guard.float()).all(), "the kernel wrote rows beyond C"
+    e = _rel_rows(y, want)
+    if spec.out_dtype == "bf16":
+        assert e < 1e-3, e
+        g, r = y.double(), want.double()
+        assert ((g - r).abs() <= 2.0 ** -7 * r.abs() + 1e-6 * r.abs().max()).all()
+    else:
+        assert e < 1e-5, e
+
+
+@pytest.mark.parametrize("engine,fmt", [("mma", "q8_0"), ("simt", "mxfp4")])
+def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -> None:
+    """An X already quantized by actq: the default kernel (full in-tile quant) gives the same bits as on the raw
+    X (the idempotence the module docstring relies on), and so does the ``x_prequant`` kernel, which skips the
+    rounding (the f16-MMA form 0 for q8_0; form 1 in the SIMT body)."""
+    why = _host_cxx_reason()
+    if why:
+        pytest.skip(why)
+    E = _emu()
+    spec = GM.GemmSpec(40, 64, 256, fmt, engine=engine)
+    x, w = _inputs(spec, 9)
+    xq = act_quant_dequant(x, 128).to(BF16)
+    exe = E.build(spec, tmp_path / "full")
+    y, _ = E.run(spec, x, w, tmp_path / "full", exe=exe)
+    yq, _ = E.run(spec, xq, w, tmp_path / "full", exe=exe)
+    pre = GM.GemmSpec(40, 64, 256, fmt, engine=engine, x_prequant=True)
+    yp, guard = E.run(pre, xq, w, tmp_path / "pre")
+    assert not torch.isnan(y.float()).any() and torch.isnan(guard.float()).all()
+    assert torch.equal(y.view(torch.int16), yq.view(torch.int16))
+    assert torch.equal(y.view(torch.int16), yp.view(torch.int16))
+    assert _rel_rows(y, GM.reference(spec, x, w)) < 1e-3
+
+
+def test_kernel_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-stage pipeline (HIP's 64 KiB with bf16 weights: a second barrier before each store), forced on
+    a CUDA render by a smaller shared-memory limit so the emulator runs it."""
+    why = _host_cxx_reason()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setitem(GM.SMEM_LIMIT, "cuda", 40 * 1024)
+    spec = GM.GemmSpec(50, 64, 512, "bf16", "bf16", engine="simt")
+    assert GM.plan(spec, target("sm_90")).nstage == 1
+    x, w = _inputs(spec, 13)
+    y, guard = _emu().run(spec, x, w, tmp_path)
+    assert torch.isnan(guard.float()).all() and not torch.isnan(y.float()).any()
+    assert _rel_rows(y, GM.reference(spec, x, w)) < 1e-3
+
+
+# -------------------------------------------------------------------------------------- device compiles
+COMPILE_CASES = [("mxfp4", "fp8act"), ("q8_0", "fp8act"), ("bf16", "bf16"), ("q8_0", "bf16")]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_device_compile(arch: str, tmp_path: Path) -> None:
+    """Official-sized kernels (C 4096, N 4096, K 4096) compile without spills or local / scratch memory;
+    sm_90 also with the SIMT engine (the HIP body). Registers printed (pytest -s)."""
+    t = target(arch)
+    specs = [GM.GemmSpec(4096, 4096, 4096, f, m) for f, m in COMPILE_CASES]
+    specs.append(GM.GemmSpec(4096, 4096, 4096, "mxfp4", x_prequant=True))
+    specs += [GM.GemmSpec(4096, 4096, 4096, f, bn=128) for f in ("mxfp4", "q8_0")]
+    specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", sw_quant=True))
+    if t.vendor == "cuda":
+        specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
+    why = compiler_missing(arch)
+    if why:
+        pytest.skip(f"no compiler for {arch}: {why}")
+
+    def job(i: int) -> tuple[GM.GemmSpec, object, object]:
+        src = GM.render_gemm(specs[i], t)
+        d = tmp_path / str(i)
+        d.mkdir()
+        return specs[i], src, compile_kernel(src, d)
+
+    lines = []
+    with ThreadPoolExecutor(2) as ex:
+        built = list(ex.map(job, range(len(specs))))
+    for spec, src, c in built:
+        assert_no_spills(c.usage, src, c.log)
+        assert c.usage.get("registers", 0) <= 256
+        lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)}: {c.usage.get('registers')} registers, "
+                     f"smem {GM.plan(spec, t).smem} B")
+    print("\n" + "\n".join(lines))  # shown with pytest -s
+
+
+# ------------------------------------------------------------------------------------------- bad specs
+@pytest.mark.parametrize("kw,needle", [
+    (dict(rows=64, n=64, k=200), "k 200 (expected a positive multiple of 128"),
+    (dict(rows=64, n=64, k=64), "k 64 (expected a positive multiple of 128"),
+    (dict(rows=64, n=64, k=256, fmt="q4_k"), "fmt 'q4_k' (K-quants are not supported"),
+    (dict(rows=64, n=64, k=256, fmt="f32"), "fmt 'f32' (expected one of ('mxfp4', 'q8_0', 'bf16'))"),
+    (dict(rows=0, n=64, k=256), "rows 0 (expected an int in 1.."),
+    (dict(rows=64, n=64, k=256, mode="fp4"), "mode 'fp4' (expected one of"),
+    (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
+    (dict(rows=64, n=64, k=256, mode="bf16", x_prequant=True), "x_prequant with mode 'bf16' and act_quant True"),
+    (dict(rows=64, n=64, k=256, bn=96), "bn 96 (expected 0 or one of (64, 128))"),
+])
+def test_bad_spec(kw: dict, needle: str) -> None:
+    with pytest.raises(RenderError) as ei:
+        GM.GemmSpec(**kw)
+    msg = str(ei.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_bad_engine_and_reference_input() -> None:
+    with pytest.raises(RenderError, match="CUDA only, found target hip-gfx942"):
+        GM.render_gemm(GM.GemmSpec(64, 64, 256, engine="mma"), target("gfx942"))
+    spec = GM.GemmSpec(8, 64, 256)
+    x, w = _inputs(spec, 1)
+    with pytest.raises(RenderError, match=r"x must be bf16 \[8, 256\], found torch.float32"):
+        GM.reference(spec, x.float(), w)
+
+
+# --------------------------------------------------------------------------------------- the GPU check
+def test_gpu_check_cases_build_on_cpu() -> None:
+    """tools/gpu_checks/gemm.py imports without a GPU, every case renders for sm_90, and its input builder
+    gives the shapes and the NaN-poisoned output with its guard rows."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from tools.gpu_checks import gemm as check
+        from tools import gpu_kernel_check
+    finally:
+        sys.path.pop(0)
+    assert "gemm" in gpu_kernel_check.FAMILIES
+    cs = check.cases()
+    assert len(cs) == len({n for n, _ in cs}) and any(s.engine == "simt" for _, s in cs)
+    names = dict(cs)
+    assert all(names[sw].sw_quant and not names[hw].sw_quant and names[sw].rows == names[hw].rows
+               for sw, hw in check.TWINS)
+    for n, s in cs:
+        GM.render_gemm(s, target("sm_90"), f"gemm_{n}")
+    spec = GM.GemmSpec(20, 64, 256, "q8_0")
+    x, w, ybuf = check.case_buffers(spec, torch.Generator().manual_seed(0), "cpu")
+    assert x.shape == (20, 256) and x.dtype == BF16
+    assert (tuple(w.shape), w.dtype) == GM.weight_shape(spec)
+    assert ybuf.shape == (20 + GM.BM, 64) and torch.isnan(ybuf.float()).all()
