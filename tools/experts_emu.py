@@ -217,7 +217,7 @@ static void save(const char* dir, const char* name, const void* p, size_t n) {
 """
 
 
-def _host_body(src: Any) -> str:
+def host_body(src: Any) -> str:
     """The rendered CUDA source without the CUDA prelude and the inline-PTX MMA helpers."""
     from ds4c.runtime.render import TEMPLATE_DIR
 
@@ -241,11 +241,11 @@ def build(spec: X.ExpertsSpec, workdir: Path, arch: str = "sm_90") -> Path:
     q, k, D, F = spec.q, spec.k, spec.hidden, spec.inter
     main = f"""
 namespace up_ns {{
-{_host_body(up)}
+{host_body(up)}
 alignas(16) u8 xp_smem[{lu.smem} + 64];
 }}
 namespace dn_ns {{
-{_host_body(dn)}
+{host_body(dn)}
 alignas(16) u8 xp_smem[{ld.smem} + 64];
 }}
 int main(int argc, char** argv) {{

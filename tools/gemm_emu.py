@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 
 from ds4c.runtime.families import gemm as GM  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from tools.experts_emu import HOST_PRELUDE, _host_body  # noqa: E402
+from tools.experts_emu import HOST_PRELUDE, host_body  # noqa: E402
 
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""
@@ -82,7 +82,7 @@ def build(spec: GM.GemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
 #include <limits>
 namespace gm_ns {{
 {SHIMS}
-{_host_body(src)}
+{host_body(src)}
 alignas(16) u8 gm_smem[{ln.smem} + 64];
 }}
 int main(int argc, char** argv) {{
