@@ -111,8 +111,7 @@ def _split_options(fn):
                                              "iq4_xs"]), default="official", show_default=True,
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
                    "F32 (the same model, for exact comparisons with other engines, docs/interop.md); q2_k .. iq4_xs: "
-                   "official with the routed experts in that llama.cpp type (Q8_0 for rows not a multiple of 256; "
-                   "the synthetic generator is pending).")
+                   "official with the routed experts in that llama.cpp type (Q8_0 for rows not a multiple of 256).")
 @click.option("--drafter", type=click.Choice(["dspark"]), default=None,
               help="Write instead the synthetic DSpark drafter (spec section 7, llama.cpp's dflash layout) of the model "
                    "this preset and seed make: give it to generate --draft FILE.")
@@ -538,8 +537,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         raise Ds4cError(f"the prompt's {len(ids)} tokens + --max-new-tokens {max_new_tokens} exceed the model's "
                         f"context length {limit}")
     if len(ids) + max_new_tokens > model.max_ctx:
-        raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the artifact's "
-                        f"max_ctx {model.max_ctx}")
+        whose = f"the artifact's max_ctx {model.max_ctx}" if artifact else f"--max-ctx {model.max_ctx}"
+        raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed {whose}")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
               stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width)
     text_mode = prompt_ids is None and model.tokenizer is not None
@@ -557,7 +556,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         click.echo(f"tokens: {res.tokens}")
         if c.text is not None:
             click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
-        click.echo(_timings_line(load_s, res, len(ids)))
+        click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
         return
     s = model.generate(ids, stream=True, **kw)
     try:
@@ -666,6 +665,28 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
 
 
 # ------------------------------------------------------------------------------------------------------
+def _check_writable_json(json_out: str) -> None:
+    """--json: a file the record can be written to when the run ends (checked before it starts)."""
+    from ds4c.tempfiles import check_writable
+
+    if not json_out.strip():
+        raise Ds4cError("--json: expected a file path, found ''")
+    try:
+        check_writable(json_out)
+    except OSError as e:
+        raise Ds4cError(f"--json {json_out}: cannot write a file there ({e.strerror or e})") from None
+
+
+def write_json_atomic(path: str, rec: dict) -> None:
+    """Write ``rec`` as indented JSON to ``path`` whole or not at all (ds4c.tempfiles.write_text_atomic)."""
+    from ds4c.tempfiles import write_text_atomic
+
+    try:
+        write_text_atomic(path, json.dumps(rec, indent=1))
+    except OSError as e:
+        raise Ds4cError(f"--json {path}: cannot write the record ({e.strerror or e})") from None
+
+
 def _parse_ints(text: str, hint: str) -> list[int]:
     parts = [t.strip() for t in text.split(",")]
     if not text.strip() or any(not re.fullmatch(r"-?[0-9]+", t) for t in parts):
@@ -703,6 +724,8 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
 
     if file and preset_name:
         raise click.UsageError("give a model file or --preset, not both")
+    if not output.strip():
+        raise Ds4cError("-o: expected an artifact folder path, found ''")
     targets = parse_targets(archs)
     ws = _parse_ints(widths, "--widths")
     cs = _parse_ints(contexts, "--contexts") if contexts is not None else None
@@ -791,10 +814,8 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 
     ws = tuple(_parse_ints(widths, "--widths"))
     cs = tuple(_parse_ints(contexts, "--ctx"))
-    if json_out:  # fail before the (long) run, not after it
-        parent = Path(json_out).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise Ds4cError(f"--json {json_out}: the folder {parent} does not exist or is not writable")
+    if json_out is not None:  # fail before the (long) run, not after it
+        _check_writable_json(json_out)
     modes = () if compile_modes.strip() == "none" else tuple(m.strip() for m in compile_modes.split(","))
     if llama_bench is not None:
         llama_bench = os.path.abspath(llama_bench)  # the path checked is the path run (not looked up on PATH)
@@ -809,9 +830,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
                     reference=reference, end_to_end=end_to_end, say=lambda m: click.echo(m, err=True))
     click.echo(format_report(rep))
     if json_out:
-        tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
-        tmp.write_text(json.dumps(rep.as_dict(), indent=1))
-        os.replace(tmp, json_out)
+        write_json_atomic(json_out, rep.as_dict())
 
 
 @main.command("inspect")

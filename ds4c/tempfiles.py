@@ -230,3 +230,30 @@ def remove_stale(parent: str | os.PathLike, prefix: str | None, tags: tuple[str,
             if fd is not None:
                 os.close(fd)
     return removed
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into an owned temporary beside it (removed on any error,
+    found stale by :func:`remove_stale` after a ``kill -9``), then renamed over ``path``.
+
+    Raises:
+        OSError: the folder does not exist or is not writable, or the write fails.
+    """
+    p = Path(path)
+    with OwnedTemp.create(p.parent, p.name) as owned:
+        owned.path.write_text(text)
+        os.replace(owned.path, p)
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Check that a file can be written at ``path`` later, by creating (and removing) an owned temporary beside
+    it now: a long run then fails before it starts, not after.
+
+    Raises:
+        OSError: the folder does not exist or is not writable, or ``path`` is a folder.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"{p} is a folder")
+    with OwnedTemp.create(p.parent, p.name):
+        pass

@@ -212,8 +212,11 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     except (FileExistsError, NotADirectoryError):
         raise ArtifactError(f"cannot write the artifact {out}: a part of {out.parent} is a file, not a "
                             f"directory") from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise ArtifactError(f"cannot write the artifact {out}: the folder {out.parent} is not writable")
+    try:  # a real probe (os.access says yes to root on read-only or virtual file systems such as /proc)
+        OwnedTemp.create(out.parent, out.name, _TMP_TAG, is_dir=True).discard()
+    except OSError as e:
+        raise ArtifactError(f"cannot write the artifact {out}: the folder {out.parent} is not writable "
+                            f"({e.strerror or e})") from None
     _clean_leftovers(out)
 
     # ---- pipeline + lowering

@@ -176,10 +176,12 @@ class MemoryPlan:
         return all(s.short == 0 for s in self.shards)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form (bytes as ints)."""
+        """JSON-ready form (bytes as ints; ``fits`` is null when a shard's free memory is unknown and no known
+        shard is short)."""
         return {"model": self.model, "max_ctx": self.max_ctx, "contexts": list(self.contexts),
                 "weights": dict(self.weights), "state_by_bucket": {str(k): v for k, v in self.state_by_bucket.items()},
-                "need": self.need, "fits": self.fits,
+                "need": self.need,
+                "fits": None if any(s.free is None for s in self.shards) and self.fits else self.fits,
                 "shards": [{"device": s.device, "layers": list(s.layers), "weights": dict(s.weights),
                             "state": s.state, "arena": s.arena, "logits": s.logits, "overhead": s.overhead,
                             "need": s.need, "free": s.free, "usable": s.usable, "short": s.short}

@@ -404,6 +404,11 @@ def test_cli_compile_errors(tmp_path, cache_env, fake_lower):
     r = run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "a", "-o", out)
     assert r.exit_code == 2 and "--widths" in r.output
     assert not out.exists()
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "-o", ""),
+                      "-o: expected an artifact folder path, found ''")
+    if Path("/proc").is_dir():  # not writable even for root (os.access says it is): refused before compiling
+        assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "-o", "/proc/art"),
+                          "cannot write the artifact /proc/art: the folder /proc is not writable")
 
 
 # ------------------------------------------------------------------------------------ real lower_graph

@@ -84,10 +84,24 @@ def test_cli_bench_without_a_gpu_says_so(tiny_path, tmp_path):
     assert "speed-ups" in r.stdout
 
 
-def test_cli_bench_checks_the_json_path_before_running(tiny_path, tmp_path):
-    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--json",
-                                  str(tmp_path / "missing" / "b.json")], catch_exceptions=False)
-    assert r.exit_code == 2 and "does not exist or is not writable" in r.output
+@pytest.mark.parametrize("where, msg", [("missing/b.json", "cannot write a file there"), ("", "expected a file path"),
+                                        ("/proc/b.json", "cannot write a file there")])
+def test_cli_bench_checks_the_json_path_before_running(tiny_path, tmp_path, where, msg):
+    path = where if where in ("", "/proc/b.json") else str(tmp_path / where)
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--json", path],
+                           catch_exceptions=False)
+    assert r.exit_code == 2 and msg in r.output and "\n" not in r.output.strip(), r.output
+    assert "filling the sequence" not in r.output  # refused before the run
+
+
+def test_cli_bench_writes_the_json_whole_and_leaves_no_temporary(tiny_path, tmp_path):
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--widths", "1", "--ctx", "40",
+                                  "--compile-modes", "none", "--ref-repeats", "1", "--json", str(out)],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["rows"][0]["width"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
 
 
 def test_family_table_counts_a_kernel_of_several_launches_once():

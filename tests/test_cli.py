@@ -185,7 +185,8 @@ def test_generate_text_output(home, tiny_path):
     assert "prompt: [4, 5]" in r.stdout
     m = re.search(r"^tokens: \[(\d+), (\d+), (\d+)\]$", r.stdout, re.M)
     assert m and all(0 <= int(t) < VOCAB for t in m.groups())
-    assert re.search(r"prefill 2 tokens in [\d.]+ s, decode [\d.]+ tokens/s", r.stdout)
+    assert re.search(r"prefill 2 tokens in [\d.]+ s, decode [\d.]+ tokens/s", r.stderr)  # timings: stderr
+    assert "prefill 2 tokens" not in r.stdout
 
 
 def test_generate_zero_new_tokens(home, tiny_path):

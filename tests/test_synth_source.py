@@ -234,7 +234,10 @@ def test_info_plan_without_a_gpu():
     import json
 
     rec = json.loads(r.stdout)["memory_plan"]
-    assert r.exit_code == 0 and [s["device"] for s in rec["shards"]] == ["cuda:0", "cuda:1"] and rec["fits"]
+    assert r.exit_code == 0 and [s["device"] for s in rec["shards"]] == ["cuda:0", "cuda:1"] and rec["fits"] is True
+    r = CliRunner().invoke(main, ["info", "synthetic:tiny", "--plan", "--max-ctx", "512", "--json"])
+    rec = json.loads(r.stdout)["memory_plan"]  # free memory unknown (no GPU, no --free-gib): no verdict
+    assert r.exit_code == 0 and rec["fits"] is None and rec["shards"][0]["free"] is None
 
 
 def test_info_plan_options_are_checked(tmp_path):
