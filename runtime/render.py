@@ -33,6 +33,20 @@ class RenderError(Ds4cError):
     """A template is missing, or its parameters are incomplete or invalid."""
 
 
+def resolve_mma_engine(engine: str, target: Target, family: str) -> str:
+    """A family's ``engine`` for ``target``: ``auto`` is ``mma`` (CUDA ``mma.sync``) on CUDA and ``simt`` on HIP.
+
+    Raises:
+        RenderError: ``mma`` asked for a HIP target.
+    """
+    if engine == "auto":
+        return "mma" if target.vendor == "cuda" else "simt"
+    if engine == "mma" and target.vendor != "cuda":
+        raise RenderError(f"{family}: engine 'mma' (mma.sync) is CUDA only, found target {target.slug}; expected "
+                          f"engine 'simt' or 'auto'")
+    return engine
+
+
 #: How a template calls the programmatic-dependent-launch entry (``prelude/cuda.h.j2``); the macro's own
 #: definition has no semicolon after the parentheses, so only a kernel body matches.
 PDL_CALL = "DS4C_PDL_ENTRY();"

@@ -8,8 +8,6 @@ and against the synthetic tiny model's GGUF bytes; and the kernels' own logic ru
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -267,15 +265,6 @@ def _emu():
     return experts_emu
 
 
-def _host_cxx_reason() -> str | None:
-    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
-    if not cxx:
-        return "no host C++ compiler"
-    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
-                       capture_output=True, text=True)
-    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
-
-
 EMU_CASES = [("mma", "sm_90", dict(q=1)), ("mma", "sm_90", dict(q=5)), ("simt", "sm_90", dict(q=1)),
              ("simt", "sm_90", dict(q=5)), ("mma", "sm_90", dict(q=4, act_quant=False)),
              ("mma", "sm_80", dict(q=3, shared_fmt="bf16")), ("simt", "sm_90", dict(q=3, routed_fmt="q8_0", shared_fmt="mxfp4")),
@@ -296,7 +285,7 @@ def test_kernels_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> N
     """The rendered kernel bodies, run on CPU threads, match the reference (bf16 output within 2e-2 relative:
     in practice bit-identical, as the fp32 sums of these shapes rarely round differently) and write every
     intermediate."""
-    why = _host_cxx_reason()
+    why = _emu().host_unavailable()
     if why:
         pytest.skip(why)
     E = _emu()

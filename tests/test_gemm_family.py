@@ -22,8 +22,6 @@ check's 1e-2 / 1e-4 tolerances (tools/gpu_checks/gemm.py) cover.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,15 +144,6 @@ def test_hip_bf16_fits_one_stage() -> None:
 
 
 # ------------------------------------------------------------------------------------ emulated kernels
-def _host_cxx_reason() -> str | None:
-    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
-    if not cxx:
-        return "no host C++ compiler"
-    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
-                       capture_output=True, text=True)
-    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
-
-
 def _emu():
     sys.path.insert(0, str(ROOT))
     try:
@@ -189,7 +178,7 @@ EMU_CASES = [
 def emu_exes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """The host builds of every EMU_CASES kernel, compiled two at a time (the host compile is most of a case's
     time)."""
-    why = _host_cxx_reason()
+    why = _emu().host_unavailable()
     if why:
         pytest.skip(why)
     E, root = _emu(), tmp_path_factory.mktemp("gemm-emu")
@@ -226,7 +215,7 @@ def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -
     """An X already quantized by actq: the default kernel (full in-tile quant) gives the same bits as on the raw
     X (the idempotence the module docstring relies on), and so does the ``x_prequant`` kernel, which skips the
     rounding (the f16-MMA form 0 for q8_0; form 1 in the SIMT body)."""
-    why = _host_cxx_reason()
+    why = _emu().host_unavailable()
     if why:
         pytest.skip(why)
     E = _emu()
@@ -247,7 +236,7 @@ def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -
 def test_kernel_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The single-stage pipeline (HIP's 64 KiB with bf16 weights: a second barrier before each store), forced on
     a CUDA render by a smaller shared-memory limit so the emulator runs it."""
-    why = _host_cxx_reason()
+    why = _emu().host_unavailable()
     if why:
         pytest.skip(why)
     monkeypatch.setitem(GM.SMEM_LIMIT, "cuda", 40 * 1024)

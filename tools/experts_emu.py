@@ -265,28 +265,61 @@ int main(int argc, char** argv) {{
   return 0;
 }}
 """
+    return compile_host(main, workdir, "experts_emu")
+
+
+def host_cxx() -> str | None:
+    """The host C++ compiler the emulators build with (g++, else clang++), or None."""
+    return shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+
+
+def host_unavailable() -> str | None:
+    """Why the emulators cannot run here (no host C++ compiler, or one without C++20 ``<barrier>``), or None:
+    the skip reason of the tests that emulate kernels."""
+    cxx = host_cxx()
+    if not cxx:
+        return "no host C++ compiler"
+    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
+
+
+def compile_host(main: str, workdir: Path, who: str) -> Path:
+    """Compile ``HOST_PRELUDE + main`` (a host program built around rendered kernel bodies) into
+    ``workdir/emu`` with the host C++20 compiler. ``who`` names the emulator in errors.
+
+    Raises:
+        RuntimeError: no g++ / clang++, or the compile failed (its log attached)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "emu.cpp").write_text(HOST_PRELUDE + main)
-    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+    cxx = host_cxx()
     if not cxx:
-        raise RuntimeError("experts_emu: no host C++ compiler (g++ / clang++)")
+        raise RuntimeError(f"{who}: no host C++ compiler (g++ / clang++)")
     p = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
                        capture_output=True, text=True)
     if p.returncode:
-        raise RuntimeError(f"experts_emu: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
+        raise RuntimeError(f"{who}: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
     return workdir / "emu"
+
+
+def run_host(exe: Path, workdir: Path, inputs: dict[str, torch.Tensor], who: str, timeout: int = 3600) -> None:
+    """Write each input tensor's raw bytes to ``workdir/<name>`` and run ``exe workdir`` (it writes its outputs
+    there).
+
+    Raises:
+        RuntimeError: the program failed (its output attached)."""
+    for name, t in inputs.items():
+        (workdir / name).write_bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    p = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"{who}: run failed ({p.returncode}):\n{p.stdout}{p.stderr}")
 
 
 def run(spec: X.ExpertsSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
         exe: Path | None = None) -> dict[str, torch.Tensor]:
     """Emulate one call on CPU ``inputs`` (:func:`ds4c.runtime.families.experts.random_inputs` names).
     Returns ``{"out": bf16 [q, D], "hbuf": bf16 [q, k+1, F]}``."""
-    exe = exe or build(spec, workdir, arch)
-    for name, t in inputs.items():
-        (workdir / name).write_bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    p = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, timeout=3600)
-    if p.returncode:
-        raise RuntimeError(f"experts_emu: run failed ({p.returncode}):\n{p.stdout}{p.stderr}")
+    run_host(exe or build(spec, workdir, arch), workdir, inputs, "experts_emu")
 
     def rd(name: str, shape: tuple) -> torch.Tensor:
         a = np.frombuffer((workdir / name).read_bytes(), dtype=np.int16).copy()

@@ -12,8 +12,6 @@ Used by ``tests/test_gemm_family.py``; runnable by hand: ``python tools/gemm_emu
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +24,7 @@ if __package__ in (None, ""):
 
 from ds4c.runtime.families import gemm as GM  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from tools.experts_emu import HOST_PRELUDE, host_body  # noqa: E402
+from tools.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
 
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""
@@ -96,16 +94,7 @@ int main(int argc, char** argv) {{
   return 0;
 }}
 """
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "emu.cpp").write_text(HOST_PRELUDE + main)
-    cxx = shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
-    if not cxx:
-        raise RuntimeError("gemm_emu: no host C++ compiler (g++ / clang++)")
-    p = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
-                       capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"gemm_emu: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
-    return workdir / "emu"
+    return compile_host(main, workdir, "gemm_emu")
 
 
 def run(spec: GM.GemmSpec, x: torch.Tensor, w: torch.Tensor, workdir: Path, arch: str = "sm_90",
@@ -113,12 +102,7 @@ def run(spec: GM.GemmSpec, x: torch.Tensor, w: torch.Tensor, workdir: Path, arch
     """Emulate one launch on CPU tensors ``x`` (bf16 ``[C, K]``) and ``w`` (the stored weight). Returns
     ``(y, guard)``: ``y`` ``[C, N]`` in ``out_dtype`` and ``guard`` ``[GUARD_ROWS, N]``, the poisoned rows
     after it (all NaN unless the kernel wrote past row C)."""
-    exe = exe or build(spec, workdir, arch)
-    for name, t in (("x", x), ("w", w)):
-        (workdir / name).write_bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    p = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, timeout=600)
-    if p.returncode:
-        raise RuntimeError(f"gemm_emu: run failed ({p.returncode}):\n{p.stdout}{p.stderr}")
+    run_host(exe or build(spec, workdir, arch), workdir, {"x": x, "w": w}, "gemm_emu", timeout=600)
     raw = (workdir / "y").read_bytes()
     if spec.out_dtype == "f32":
         a = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy())

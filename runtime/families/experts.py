@@ -59,7 +59,7 @@ from typing import Any, Callable
 import torch
 
 from ds4c.quant import SUPER_BLOCKS
-from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
 from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
@@ -200,16 +200,12 @@ class ExpertsSpec:
 
 
 def resolve_engine(spec: ExpertsSpec, target: Target) -> str:
-    """``mma`` or ``simt`` for ``target``.
+    """``mma`` or ``simt`` for ``target`` (:func:`ds4c.runtime.render.resolve_mma_engine`).
 
     Raises:
         RenderError: ``mma`` asked for a HIP target.
     """
-    if spec.engine == "auto":
-        return "mma" if target.vendor == "cuda" else "simt"
-    if spec.engine == "mma" and target.vendor != "cuda":
-        raise RenderError(f"experts: engine 'mma' (mma.sync) is CUDA only, not for {target.slug}; use 'simt'")
-    return spec.engine
+    return resolve_mma_engine(spec.engine, target, "experts")
 
 
 @dataclass(frozen=True)

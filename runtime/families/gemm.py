@@ -82,7 +82,7 @@ import torch
 
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.experts import E4M3_ARCHS, KQUANTS
-from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "gemm/gemm.cu.j2"
@@ -206,17 +206,12 @@ class GemmSpec:
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
-    """``mma`` or ``simt`` for ``target``.
+    """``mma`` or ``simt`` for ``target`` (:func:`ds4c.runtime.render.resolve_mma_engine`).
 
     Raises:
         RenderError: ``mma`` asked for a HIP target.
     """
-    if spec.engine == "auto":
-        return "mma" if target.vendor == "cuda" else "simt"
-    if spec.engine == "mma" and target.vendor != "cuda":
-        raise RenderError(f"gemm: engine 'mma' (mma.sync) is CUDA only, found target {target.slug}; expected "
-                          f"engine 'simt' or 'auto'")
-    return spec.engine
+    return resolve_mma_engine(spec.engine, target, "gemm")
 
 
 @dataclass(frozen=True)
