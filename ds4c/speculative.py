@@ -26,7 +26,10 @@ before the request (:func:`measure_width_costs`). This is the acceptance-and-cos
 confidence head (the oracle's); the widths chosen are counted in the stats.
 
 Greedy acceptance compares draft ids with the argmax of each verify row, taken on the verify step's device
-(only ``q`` ids cross to the host); sampling brings the rows' logits to the CPU for the exact rule.
+(only ``q`` ids cross to the host); on a stepper with ``verify_greedy`` (the compiled step) the comparison, the
+accepted count and the rollback run on the device too, enqueued behind the verify graph with one wait per step
+(:meth:`ds4c.runtime.executor.CompiledStep.verify_greedy`). Sampling brings the rows' logits to the CPU for the
+exact rule.
 
 Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
 autoregressive pass before the request, with each draft token replaced by a wrong one with probability
@@ -339,6 +342,8 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     id`` samples a plain decode step (used when no draft fits or the policy drafts none). Yields ids in order;
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
+    # greedy on a stepper that accepts and rolls back on its device (the compiled step): one call per step
+    fused = getattr(stepper, "verify_greedy", None) if temperature == 0 else None
     configure = getattr(drafter, "configure_sampling", None)
     if callable(configure):  # e.g. the DSpark drafter: sample the drafts from the q it returns
         configure(temperature, top_k, top_p, generator)
@@ -348,7 +353,9 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     while produced < n:
         k = policy.choose(n - produced - 1)
         if k <= 0:
-            tok = sample_one(stepper.decode(out[-1], pos).float().cpu())
+            logits = stepper.decode(out[-1], pos)
+            # greedy: the argmax on the step's device (ties to the lower id, as the CPU sampler); one id crosses
+            tok = int(logits[0].argmax()) if temperature == 0 else sample_one(logits.float().cpu())
             stats.record(0, 0)
             pos += 1
             new = [tok]
@@ -356,14 +363,18 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             t0 = time.perf_counter()
             drafts, q = drafter.propose(prompt + out, k)
             t1 = time.perf_counter()
-            logits = stepper.verify([out[-1]] + list(drafts), pos)
-            if temperature == 0:  # argmax on the step's device: k + 1 ids to the host
-                new = accept_greedy(logits.argmax(dim=-1).tolist(), list(drafts))
+            if fused is not None:  # verify, acceptance and rollback enqueued together, one wait
+                new = fused([out[-1]] + list(drafts), pos)
+                t2 = t3 = time.perf_counter()
             else:
-                new = accept(logits.float().cpu(), list(drafts), q, temperature, top_k, top_p, generator)
-            t2 = time.perf_counter()
-            stepper.rollback(len(new))  # keep the step's first row and the accepted drafts
-            t3 = time.perf_counter()
+                logits = stepper.verify([out[-1]] + list(drafts), pos)
+                if temperature == 0:  # argmax on the step's device: k + 1 ids to the host
+                    new = accept_greedy(logits.argmax(dim=-1).tolist(), list(drafts))
+                else:
+                    new = accept(logits.float().cpu(), list(drafts), q, temperature, top_k, top_p, generator)
+                t2 = time.perf_counter()
+                stepper.rollback(len(new))  # keep the step's first row and the accepted drafts
+                t3 = time.perf_counter()
             stats.record(k, len(new) - 1)
             policy.update(k, len(new) - 1)
             stats.host_s["draft"] += t1 - t0

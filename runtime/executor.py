@@ -204,6 +204,7 @@ class CompiledStep:
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
         self._undo: tuple | None = None
+        self._accept_host: tuple[torch.Tensor, Any] | None = None  # verify_greedy's pinned result and its event
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -281,6 +282,56 @@ class CompiledStep:
         if accepted:
             self.step(tokens[:accepted], pos)
 
+    @_on_device
+    def verify_greedy(self, tokens: list[int], pos: int) -> list[int]:
+        """A verify step with greedy acceptance and its rollback on the device: the tokens the step adds (the
+        accepted prefix of the drafts ``tokens[1:]`` then the target's own token, 1..q ids), with the state
+        holding exactly those rows (as :meth:`verify` then :meth:`rollback` of ``len(result)``).
+
+        The host enqueues, behind the verify graph: each row's argmax (ties to the lower id, as the CPU
+        sampler), the accepted count (1 + the leading drafts equal to their row's argmax) written into the
+        step buffer's ``accepted`` slot, the verify's rollback kernel (which reads it there; with every row
+        accepted it rewrites what the verify left) and one copy of the count and the argmax ids to pinned
+        host memory; then it waits once. So the GPU runs the verify, the acceptance and the rollback back to
+        back, and only ``1 + q`` ids cross to the host (against a wait for the argmax, the acceptance on the
+        host and a second round trip for the rollback). A step with no rollback kernel (q = 1, or a shard
+        of a split) takes the :meth:`verify` / :meth:`rollback` path.
+
+        Args:
+            tokens: the last accepted token then the drafts (q = len, a compiled width); pos: its position.
+        Returns:
+            the ids the step adds; the next position is ``pos + len(result)``.
+        Raises:
+            StepError: as :meth:`step`.
+        """
+        from ds4c.speculative import accept_greedy
+
+        q = len(tokens)
+        self.arm_undo(tokens, pos)
+        kind, held = self._undo[0], self._undo[1]
+        logits = self.step(tokens, pos)
+        if kind != "kernel" or not self.is_last:
+            new = accept_greedy(logits.argmax(dim=-1).tolist(), list(tokens[1:]))
+            self.rollback(len(new))
+            return new
+        d, t0, acc = self._step_dev, self._off["tokens"], self._off["accepted"]
+        top = logits.argmax(dim=-1)  # [q] int64
+        n = torch.cumprod((top[:q - 1] == d[t0 + 1:t0 + q]).to(torch.int64), 0).sum(0, keepdim=True) + 1
+        d[acc:acc + 1].copy_(n)
+        self._rollback_kernel(held)
+        if self._accept_host is None:  # pinned once: pinning costs milliseconds
+            self._accept_host = (torch.zeros(1 + max(self.buckets.widths), dtype=torch.int64).pin_memory(),
+                                 torch.cuda.Event())
+        h, done = self._accept_host
+        h[0:1].copy_(n, non_blocking=True)
+        h[1:1 + q].copy_(top, non_blocking=True)
+        done.record()
+        done.synchronize()
+        self._undo = None
+        a = int(h[0])
+        self.pos = pos + a
+        return h[1:1 + a].tolist()
+
     def _launch_rollback(self, sg: _StepGraph, accepted: int) -> None:
         """The rollback kernel of ``sg`` for ``accepted`` rows: the count uploaded into the step buffer's
         ``accepted`` slot (the verify's ``pos`` is still there), then one launch on the current stream."""
@@ -291,6 +342,10 @@ class CompiledStep:
         h[off] = int(accepted)
         self._step_dev[off:off + 1].copy_(h[off:off + 1], non_blocking=True)
         done.record()
+        self._rollback_kernel(sg)
+
+    def _rollback_kernel(self, sg: _StepGraph) -> None:
+        """Launch ``sg``'s rollback kernel on the current stream (it reads ``accepted`` from the step buffer)."""
         b = sg.rollback
         if sg.rollback_args is None:
             sg.rollback_args = b.kernel.pack(b.args)

@@ -171,6 +171,40 @@ def test_rollback_kernel_restores_exactly_what_the_verify_saved(setup, tokens):
                 assert torch.equal(ex.state[f"l{i}.{what}_score"].cpu(), sc), (i, what, keep)
     ex.reset()
 
+@pytest.mark.parametrize("agree", [0, 1, 2, 4])
+def test_verify_greedy_equals_verify_then_rollback(setup, tokens, agree):
+    """The device-side acceptance (``verify_greedy``: argmax, accepted count and rollback kernel enqueued behind
+    the verify graph) returns the tokens and leaves bit for bit the state that ``verify`` + the host's
+    ``accept_greedy`` + ``rollback`` give, for 4 drafts of which exactly the first ``agree`` equal the target's
+    greedy tokens (4: all, the bonus row's token added). At 15..19: two ratio-4 flushes in the step."""
+    from ds4c.speculative import accept_greedy
+
+    ex, _ = setup
+    start, first = 15, tokens[15]
+
+    def prefix():
+        ex.reset()
+        for s in range(0, start, 5):
+            ex.step(tokens[s:s + 5], s)
+
+    prefix()
+    drafts: list[int] = []
+    for i in range(4):  # the target's greedy chain: the last row's argmax after the rows so far
+        t = int(ex.verify([first] + drafts, start)[-1].argmax())
+        ex.rollback(0)
+        drafts.append(t if i < agree else (t + 1) % ex.cfg.vocab_size)
+    want_new = accept_greedy(ex.verify([first] + drafts, start).argmax(dim=-1).tolist(), drafts)
+    assert len(want_new) == agree + 1
+    ex.rollback(len(want_new))
+    want = {k: v.clone() for k, v in ex.state.items()}
+    prefix()
+    assert ex.verify_greedy([first] + drafts, start) == want_new
+    assert ex.pos == start + len(want_new) and ex._undo is None
+    for k, v in want.items():
+        assert torch.equal(ex.state[k], v), k
+    ex.reset()
+
+
 @pytest.mark.parametrize("formats", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_factory):
     """The compiled step with K-quant / IQ4_XS expert banks (and the GEMVs of the K mix) on the synthetic tiny

@@ -53,6 +53,19 @@ def rollback_costs(step, prompt: list[int], repeats: int = 30) -> dict[int, dict
     return out
 
 
+class _HostAccept:
+    """The compiled step without ``verify_greedy``: the loop then verifies, brings the rows' argmax to the host,
+    accepts there and calls ``rollback`` (the A/B of ``--host-accept-ab``)."""
+
+    def __init__(self, step):
+        self._step = step
+
+    def __getattr__(self, name):
+        if name == "verify_greedy":
+            raise AttributeError(name)
+        return getattr(self._step, name)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -61,6 +74,9 @@ def main() -> int:
     ap.add_argument("--alphas", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--widths", default="2,3,4,5,auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--host-accept-ab", action="store_true",
+                    help="also run q=5 at each ALPHA with the acceptance and rollback on the host (verify, then the "
+                         "argmax to the host, then rollback: the loop before verify_greedy), for an A/B in one run")
     a = ap.parse_args()
 
     from ds4c.engine import open_engine
@@ -80,10 +96,11 @@ def main() -> int:
     print(f"AR: {ar.decode_tokens_per_s:.1f} tokens/s ({a.new} new tokens after a {a.prompt}-token prompt)",
           flush=True)
     widths = [w if w == "auto" else int(w) for w in a.widths.split(",")]
+    runs = [(w, step) for w in widths] + ([("5 host", _HostAccept(step))] if a.host_accept_ab else [])
     for alpha in [float(x) for x in a.alphas.split(",")]:
-        for w in widths:
+        for w, stepper in runs:
             d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens)
-            res = generate(step, prompt, a.new, draft=d, spec_width=w)
+            res = generate(stepper, prompt, a.new, draft=d, spec_width=5 if w == "5 host" else w)
             diff = next((i for i, (x, y) in enumerate(zip(res.tokens, ar.tokens)) if x != y), None)
             sp = res.speculative
             row = {"mode": "spec", "alpha": alpha, "width": w, "tok_s": res.decode_tokens_per_s,
@@ -103,11 +120,12 @@ def main() -> int:
         print(f"rollback q={w}: verify {c['verify_ms']:.3f} ms, rollback {c['rollback_ms'] * 1e3:.1f} us "
               f"({100 * c['ratio']:.1f}% of the verify)", flush=True)
     # the table
-    print("\n| ALPHA | " + " | ".join(f"q={w}" if w != "auto" else "auto" for w in widths) + " |")
-    print("|---|" + "---|" * len(widths))
+    cols = [w for w, _ in runs]
+    print("\n| ALPHA | " + " | ".join(f"q={w}" if w != "auto" else "auto" for w in cols) + " |")
+    print("|---|" + "---|" * len(cols))
     for alpha in [float(x) for x in a.alphas.split(",")]:
         cells = []
-        for w in widths:
+        for w in cols:
             r = next(r for r in rows if r["alpha"] == alpha and r["width"] == w)
             cells.append(f"{r['tok_s']:.0f} ({r['speedup']:.2f}x)")
         print(f"| {alpha:.1f} | " + " | ".join(cells) + " |")
