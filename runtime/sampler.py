@@ -31,6 +31,28 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def argmax_chunk(vocab: int) -> int | None:
+    """The chunk length :func:`argmax_rows` splits a row of ``vocab`` logits into: the largest divisor of
+    ``vocab`` in 64..2048 that leaves at least 32 chunks, or None (then a plain argmax)."""
+    for c in range(min(2048, vocab // 32), 63, -1):
+        if vocab % c == 0:
+            return c
+    return None
+
+
+def argmax_rows(x: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Per-row argmax of ``x`` (fp32 [R, V]; ties to the lower id, as ``torch.argmax``) in two levels: the max
+    of each ``chunk`` of a row, then the first chunk holding the row's max. One torch reduction over [R, V]
+    runs few blocks for small R (38 us for 5 x 129280 on the H200, measured); the chunked form spreads
+    R * V / chunk reductions over the GPU. Returns int64 [R] (on x's device)."""
+    r, v = x.shape
+    if chunk is None or v % chunk:
+        return x.argmax(dim=-1)
+    best, at = x.view(r, v // chunk, chunk).max(dim=-1)  # [R, n]: each chunk's max and its first index
+    j = best.argmax(dim=-1, keepdim=True)  # the first chunk with the row's max: the lowest id among ties
+    return (j * chunk + at.gather(1, j)).squeeze(1)
+
+
 def exp_noise(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise ``-log(u)`` with ``u`` uniform in (0, 1) from a hash of (seed, counter, id).
 

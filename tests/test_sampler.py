@@ -94,3 +94,22 @@ def test_noise_is_exp1_and_independent_across_ids_and_draws():
     corr = float(torch.corrcoef(torch.stack([e, e2]))[0, 1])
     assert abs(corr) < 0.01 and not torch.equal(e, e2)
     assert math.isclose(float(exp_noise(torch.tensor([7]), torch.tensor([3]), ids[:5])[2]), float(e[2]))
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties():
+    """The chunked two-level argmax the verify acceptance uses (runtime/sampler.py argmax_rows) returns
+    torch.argmax's ids, ties to the lower id, for vocabularies with and without a usable chunk."""
+    from ds4c.runtime.sampler import argmax_chunk, argmax_rows
+
+    g = torch.Generator().manual_seed(5)
+    assert argmax_chunk(129280) == 2020 and argmax_chunk(513) is None
+    for v in (129280, 4096, 513):
+        c = argmax_chunk(v)
+        for _ in range(5):
+            x = torch.randn(5, v, generator=g)
+            x[1, 3] = x[1, v - 2] = 1e4  # a tie across chunks: the lower id
+            x[2, :] = 0.5  # a whole row tied: id 0
+            x[3, v // 2] = x[3, v // 2 + 1] = 1e4  # a tie inside one chunk
+            want = x.argmax(dim=-1)
+            assert want[1] == 3 and want[2] == 0
+            assert torch.equal(argmax_rows(x, c), want), v

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Where a speculative step's time goes on the compiled step (issue: speculative decoding): greedy verify steps
+of q rows with the device-side acceptance (``verify_greedy``) after a prompt, timed three ways in one run:
+
+* wall time per ``verify_greedy`` call (what the loop sees);
+* GPU time of the same calls, CUDA events recorded on the stream before and after each call (idle gaps
+  inside a call count; gaps between calls do not);
+* the kernels' own time per call from torch.profiler (sum of device kernel durations), and the verify
+  graph's replay time alone (``time_replays``).
+
+    python tools/spec_profile.py [MODEL] [--prompt 512] [--q 5] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="synthetic:flash-l4")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--q", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args()
+    import torch
+
+    from ds4c.engine import open_engine
+    from ds4c.gguf_file import open_model
+
+    mf = open_model(a.model)
+    V = mf.config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(V) for _ in range(a.prompt)]
+    step = open_engine(mf, device="cuda", max_ctx=a.prompt + 4 * a.steps * a.q + 16, progress=False)
+
+    def prefill():
+        step.reset()
+        for s in range(0, len(prompt), 5):
+            step.step(prompt[s:s + 5], s)
+
+    def run(n, fill=True):
+        if fill:
+            prefill()
+        pos, tok = len(prompt), prompt[-1]
+        walls, gpus = [], []
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for i in range(n):
+            drafts = [rng.randrange(V) for _ in range(a.q - 1)]  # wrong: one token per step
+            t0 = time.perf_counter()
+            evs[i][0].record()
+            new = step.verify_greedy([tok] + drafts, pos)
+            evs[i][1].record()
+            walls.append(time.perf_counter() - t0)
+            pos, tok = pos + len(new), new[-1]
+        torch.cuda.synchronize()
+        gpus = [x.elapsed_time(y) for x, y in evs]
+        return walls, gpus, pos
+
+    run(5)
+    walls, gpus, end = run(a.steps)
+    med = lambda xs: statistics.median(xs)
+    print(f"verify_greedy q={a.q} after {a.prompt} tokens, {a.steps} steps: wall {1e3 * med(walls):.3f} ms, "
+          f"GPU span {med(gpus):.3f} ms (median per call)")
+    prefill()
+    rep = step.time_replays([prompt[-1]] + [1] * (a.q - 1), len(prompt), 30)
+    print(f"verify graph replay alone (time_replays): {rep:.3f} ms")
+    # kernel time per call from the profiler
+    from torch.profiler import ProfilerActivity, profile
+
+    prefill()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(10, fill=False)
+    ka = prof.key_averages()
+    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+    print(f"profiler: device self time {dev_us / 1e3 / 10:.3f} ms per call over 10 calls")
+    print(ka.table(sort_by="self_device_time_total" if hasattr(ka[0], "self_device_time_total")
+                   else "self_cuda_time_total", row_limit=25))
+    # per-call host phases without the GPU: enqueue cost of one call while the GPU is busy
+    prefill()
+    pos, tok = len(prompt), prompt[-1]
+    t = []
+    for i in range(10):
+        drafts = [rng.randrange(V) for _ in range(a.q - 1)]
+        t0 = time.perf_counter()
+        step.arm_undo([tok] + drafts, pos)
+        t1 = time.perf_counter()
+        step._upload([tok] + drafts, pos)
+        t2 = time.perf_counter()
+        t.append((t1 - t0, t2 - t1))
+        step._undo = None
+    print(f"host: arm_undo {1e6 * med([x for x, _ in t]):.1f} us, _upload {1e6 * med([y for _, y in t]):.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
