@@ -28,8 +28,10 @@ confidence head (the oracle's); the widths chosen are counted in the stats.
 Greedy acceptance compares draft ids with the argmax of each verify row, taken on the verify step's device
 (only ``q`` ids cross to the host); on a stepper with ``verify_greedy`` (the compiled step) the comparison, the
 accepted count and the rollback run on the device too, enqueued behind the verify graph with one wait per step
-(:meth:`ds4c.runtime.executor.CompiledStep.verify_greedy`). Sampling brings the rows' logits to the CPU for the
-exact rule.
+(:meth:`ds4c.runtime.executor.CompiledStep.verify_greedy`). With a host-only drafter (``Drafter.host_only``,
+the oracle) the compiled step also queues each verify step, graph launch included, before the previous step's
+ids are back, and starts it with one store to a host flag once its drafts are made
+(:mod:`ds4c.runtime.spec_pipeline`). Sampling brings the rows' logits to the CPU for the exact rule.
 
 Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
 autoregressive pass before the request, with each draft token replaced by a wrong one with probability
@@ -55,7 +57,12 @@ from ds4c.errors import StepError
 
 
 class Drafter(Protocol):
-    """What the loop needs of a drafter."""
+    """What the loop needs of a drafter.
+
+    Optional attribute ``host_only`` (default False): True when :meth:`propose` does no GPU work. A greedy
+    request on the compiled step then queues each verify step before the previous one's result is back
+    (:mod:`ds4c.runtime.spec_pipeline`). GPU work in ``propose`` would wait behind the queued step, so it is
+    only allowed for drafters that say so."""
 
     name: str
 
@@ -78,6 +85,9 @@ class OracleDrafter:
     With greedy decoding the target follows that continuation, so ``alpha`` is the per-token acceptance; with
     sampling the output leaves it after the first sampled difference and the drafts are then mostly rejected.
     """
+
+    host_only = True
+    """Its proposals are list lookups on the host (the pipelined loop may run it while a step is queued)."""
 
     def __init__(self, alpha: float, vocab_size: int, seed: int = 0, continuation: list[int] | None = None):
         if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
@@ -342,6 +352,12 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     id`` samples a plain decode step (used when no draft fits or the policy drafts none). Yields ids in order;
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
+    if temperature == 0 and getattr(drafter, "host_only", False):
+        make = getattr(stepper, "greedy_pipeline", None)
+        pipe = make() if callable(make) else None
+        if pipe is not None:  # the compiled step: the next verify queued while this one runs
+            yield from _pipelined_tokens(pipe, drafter, prompt, first, n, policy, stats)
+            return
     # greedy on a stepper that accepts and rolls back on its device (the compiled step): one call per step
     fused = getattr(stepper, "verify_greedy", None) if temperature == 0 else None
     configure = getattr(drafter, "configure_sampling", None)
@@ -385,3 +401,50 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             out.append(t)
             produced += 1
             yield t
+
+
+def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int, n: int, policy: WidthPolicy,
+                      stats: SpecStats) -> Iterator[int]:
+    """:func:`speculative_tokens` for a greedy request with a host-only drafter on a
+    :class:`~ds4c.runtime.spec_pipeline.GreedyPipeline`. Each step N+1 is queued (its width chosen by the policy
+    from the steps before N, its bucket for the furthest position N can reach) before step N's ids are awaited;
+    then the drafts of N+1 are made and released into it. The output is the synchronous loop's: the same
+    acceptance on the same rows. On closing, a queued step still held runs with no drafts (the state may then
+    hold one step more than was consumed; the stepper's ``pos`` says how far it went)."""
+    out = [int(first)]
+    pos, last, produced = len(prompt), int(first), 0
+
+    def drafts_for(k: int) -> list[int]:
+        if not k:
+            return []
+        t0 = time.perf_counter()
+        d = [int(t) for t in drafter.propose(prompt + out, k)[0]][:k]
+        stats.host_s["draft"] += time.perf_counter() - t0
+        return d + [0] * (k - len(d))  # a drafter with fewer: the rows still run, their drafts rejected
+
+    k = policy.choose(n - 1)
+    pipe.enqueue(k + 1, pos)
+    try:
+        pipe.release([last] + drafts_for(k), pos)
+        while True:
+            k_next = policy.choose(max(0, n - produced - 2))
+            pipe.enqueue(k_next + 1, pos + k + 1)
+            t1 = time.perf_counter()
+            new = pipe.result()
+            stats.host_s["verify+accept"] += time.perf_counter() - t1
+            if k:
+                stats.record(k, len(new) - 1)
+                policy.update(k, len(new) - 1)
+            else:
+                stats.record(0, 0)
+            pos, last = pos + len(new), new[-1]
+            for t in new[:n - produced]:
+                out.append(t)
+                produced += 1
+                yield t
+            if produced >= n:
+                return
+            k = k_next
+            pipe.release([last] + drafts_for(k), pos)
+    finally:
+        pipe.close(last, pos)

@@ -168,7 +168,8 @@ class CompiledStep:
         self._off["positions"] = 1 + len(self._ratios)
         self._off["tokens"] = self._off["positions"] + maxq
         self._off["accepted"] = self._off["tokens"] + maxq  # a rollback's accepted rows (undo family)
-        n_step = self._off["accepted"] + 1
+        self._off["keep"] = self._off["accepted"] + 1  # the most rows a device-side acceptance keeps
+        n_step = self._off["keep"] + 1
         self._step_hosts = [torch.zeros(n_step, dtype=torch.int64).pin_memory() for _ in range(2)]
         # numpy views of the same pinned memory: the per-step scalars are written through them (a torch
         # element assignment costs microseconds: ~110 us per q=5 upload, measured on the H200)
@@ -210,6 +211,7 @@ class CompiledStep:
         self._undo: tuple | None = None
         self._accept_host: tuple[torch.Tensor, Any] | None = None  # verify_greedy's pinned result and its event
         self._argmax_chunk = argmax_chunk(self.cfg.vocab_size)
+        self._greedy_pipeline = None  # ds4c.runtime.spec_pipeline.pipeline's, made on first use
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -319,22 +321,39 @@ class CompiledStep:
             new = accept_greedy(argmax_rows(logits, self._argmax_chunk).tolist(), list(tokens[1:]))
             self.rollback(len(new))
             return new
-        d, t0, acc = self._step_dev, self._off["tokens"], self._off["accepted"]
-        top = argmax_rows(logits, self._argmax_chunk)  # [q] int64
-        n = torch.cumprod((top[:q - 1] == d[t0 + 1:t0 + q]).to(torch.int64), 0).sum(0, keepdim=True) + 1
-        d[acc:acc + 1].copy_(n)
-        self._rollback_kernel(held)
         if self._accept_host is None:  # pinned once: pinning costs milliseconds
             self._accept_host = (torch.zeros(max(self.buckets.widths), dtype=torch.int64).pin_memory(),
                                  torch.cuda.Event())
         h, done = self._accept_host
-        h[:q].copy_(top, non_blocking=True)
+        self.accept_on_device(held, h)
         done.record()
         done.synchronize()
         self._undo = None
         new = accept_greedy(h[:q].tolist(), list(tokens[1:]))  # the count the device computed, from the same ids
         self.pos = pos + len(new)
         return new
+
+    def greedy_pipeline(self) -> Any:
+        """The pipelined greedy verifier of this step (:mod:`ds4c.runtime.spec_pipeline`), or None when it
+        cannot run one (graphs not all captured, a shard of a split, no stream memory operations)."""
+        from ds4c.runtime.spec_pipeline import pipeline
+
+        return pipeline(self)
+
+    def accept_on_device(self, sg: _StepGraph, host_ids: torch.Tensor) -> None:
+        """Enqueue, behind ``sg``'s step on the current stream, its greedy acceptance: the rows' argmax, the
+        accepted count (1 + the leading drafts, the step buffer's tokens 1.., equal to their row's argmax; at
+        most the step buffer's ``keep``) into its ``accepted`` slot, ``sg``'s rollback kernel (when it has one:
+        a q = 1 step keeps its row) and a copy of the ids into ``host_ids`` (pinned int64, >= q). Nothing
+        waits."""
+        q, d = sg.width, self._step_dev
+        t0, acc, keep = self._off["tokens"], self._off["accepted"], self._off["keep"]
+        top = argmax_rows(self._logits[:q], self._argmax_chunk)  # [q] int64
+        if sg.rollback is not None:
+            n = torch.cumprod((top[:q - 1] == d[t0 + 1:t0 + q]).to(torch.int64), 0).sum(0, keepdim=True) + 1
+            d[acc:acc + 1].copy_(torch.minimum(n, d[keep:keep + 1]))
+            self._rollback_kernel(sg)
+        host_ids[:q].copy_(top, non_blocking=True)
 
     def _launch_rollback(self, sg: _StepGraph, accepted: int) -> None:
         """The rollback kernel of ``sg`` for ``accepted`` rows: the count uploaded into the step buffer's
@@ -642,14 +661,27 @@ class CompiledStep:
         self._host_turn ^= 1
         h, done = self._step_hosts[self._host_turn], self._host_done[self._host_turn]
         done.synchronize()
-        a, off = self._step_np[self._host_turn], self._off
+        self.fill_scalars(self._step_np[self._host_turn], tokens, pos)
+        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
+        done.record()
+
+    def fill_scalars(self, a: np.ndarray, tokens: list[int], pos: int, keep: int | None = None) -> None:
+        """Write a step's scalars (``pos``, ``live_r`` = (pos + q) // r, the rows' positions and tokens, and
+        ``keep``, the most rows :meth:`accept_on_device` may keep: default all) into ``a``, an int64 numpy view
+        of a host copy of the step buffer (layout :attr:`step_offsets`)."""
+        q, off = len(tokens), self._off
         a[off["pos"]] = pos
+        a[off["keep"]] = q if keep is None else keep
         for r in self._ratios:
             a[off[f"live_r{r}"]] = (pos + q) // r
         a[off["positions"]:off["positions"] + q] = range(pos, pos + q)
         a[off["tokens"]:off["tokens"] + q] = tokens
-        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
-        done.record()
+
+    @property
+    def step_offsets(self) -> dict[str, int]:
+        """Where each scalar sits in the int64 step buffer the kernels read (``pos``, ``live_r{r}``,
+        ``positions``, ``tokens``, ``accepted``, ``keep``)."""
+        return dict(self._off)
 
     @_on_device
     def step(self, tokens: list[int], pos: int) -> torch.Tensor:

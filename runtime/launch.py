@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Sequence
 
+import numpy as np
+
 from ds4c.errors import Ds4cError
 
 
@@ -132,3 +134,42 @@ def programmatic_config(grid: Sequence[int], block: Sequence[int], smem: int, st
     cfg.attrs = [attr]
     cfg.numAttrs = 1
     return cfg
+
+
+class HostFlag:
+    """A 32-bit counter in pinned, device-mapped host memory that a stream can wait on
+    (``cuStreamWaitValue32``): work enqueued after :meth:`wait` runs only once the host has :meth:`release`\\ d
+    a value at least the one waited for (cyclic comparison). Lets the host enqueue a launch ahead of the data
+    it needs and start it later with one store, no driver call (the speculative loop's pipelined submission,
+    ``ds4c.runtime.spec_pipeline``).
+
+    Raises:
+        LaunchError: the device cannot map the host page or has no stream memory operations.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        drv = _driver()
+        torch.empty(1, device="cuda")  # torch's primary context current for the driver calls
+        self.value = 0
+        self._host = torch.zeros(16, dtype=torch.int32).pin_memory()  # one word used; 64 bytes of the page
+        self._np: np.ndarray = self._host.numpy()
+        self._dptr = _check(drv.cuMemHostGetDevicePointer(self._host.data_ptr(), 0), "cuMemHostGetDevicePointer")
+        self.wait(0)  # already satisfied: raises at once where stream memory operations are not supported
+        torch.cuda.current_stream().synchronize()
+
+    def wait(self, value: int) -> None:
+        """Make torch's current stream wait until the counter reaches ``value`` (before the work enqueued next)."""
+        import torch
+
+        drv = _driver()
+        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+        _check(drv.cuStreamWaitValue32(stream, self._dptr, value & 0xFFFFFFFF,
+                                       drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def release(self, value: int) -> None:
+        """Store ``value`` (after every store the host made before it: x86 keeps store order, and the pinned
+        page is coherent with the device's reads)."""
+        self.value = int(value)
+        self._np.view(np.uint32)[0] = self.value & 0xFFFFFFFF

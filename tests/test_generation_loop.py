@@ -152,3 +152,71 @@ def test_speculative_greedy_on_the_compiled_step(ready):
         assert float(top[0] - top[1]) < 1e-2 * float(top[0].abs()) + 1e-3, (first, top)
     assert first is None or first >= 10, first
 
+
+
+class _Synchronous:
+    """The compiled step without ``greedy_pipeline``: the speculative loop then runs ``verify_greedy`` step by
+    step (acceptance on the device, one wait per step, nothing queued ahead)."""
+
+    def __init__(self, ex):
+        self.ex = ex
+
+    def __getattr__(self, name):
+        if name == "greedy_pipeline":
+            raise AttributeError(name)
+        return getattr(self.ex, name)
+
+
+@pytest.mark.parametrize("width", [2, 5, "auto"])
+def test_pipelined_speculative_decoding_equals_the_synchronous_loop(ready, width):
+    """The pipelined loop (runtime/spec_pipeline.py: step N+1 queued behind a host flag before step N's ids are
+    back) gives the synchronous loop's tokens and steps, captures nothing, and leaves a valid state: the
+    held last step runs as a decode of the token at the next position, so greedy decoding continued from
+    ``ex.pos`` follows the autoregressive run. Prompt 20 + 60 new tokens cross the 32 and 64 buckets, where
+    the queued step's bucket is chosen ahead."""
+    from ds4c.generate import generate
+    from ds4c.speculative import OracleDrafter
+
+    ex, _ = ready
+    prompt = list(range(7, 27))
+    ar = generate(_HostSampled(ex), prompt, 72).tokens
+    assert ex.greedy_pipeline() is not None
+    sync = generate(_Synchronous(ex), prompt, 60, draft=OracleDrafter(0.7, 512, seed=4, continuation=ar),
+                    spec_width=width)
+    before = ex.captures
+    piped = generate(ex, prompt, 60, draft=OracleDrafter(0.7, 512, seed=4, continuation=ar), spec_width=width)
+    assert ex.captures == before
+    assert piped.tokens == sync.tokens
+    if width != "auto":  # auto's choices follow measured timings, so its step counts may differ; the last
+        a, b = piped.speculative["widths"], sync.speculative["widths"]  # step's width is chosen ahead
+        assert sum(a.values()) == sum(b.values())
+        assert sum(abs(a.get(w, 0) - b.get(w, 0)) for w in set(a) | set(b)) <= 2, (a, b)
+    end = ex.pos
+    assert len(prompt) + 60 <= end <= len(prompt) + 60 + 5, end
+    seq = prompt + ar
+    if piped.tokens == ar[:60]:  # continue greedily from where the state is: the AR run's tokens
+        for p in range(end, end + 4):
+            tok = int(ex.step([seq[p]], p)[0].argmax())
+            assert tok == seq[p + 1], p
+    ex.reset()
+
+
+def test_a_pipelined_request_stopped_early_leaves_a_valid_state(ready):
+    """Closing a pipelined speculative generation after a few tokens (a stop, EOS) releases the queued step
+    without waiting for it; the next request runs normally and gives the same tokens as a fresh run."""
+    from ds4c.generate import stream
+    from ds4c.generate import generate
+    from ds4c.speculative import OracleDrafter
+
+    ex, _ = ready
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ar = generate(_HostSampled(ex), prompt, 40).tokens
+    ts = stream(ex, prompt, 40, draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4)
+    got = [next(ts) for _ in range(7)]
+    ts.stop()
+    assert got == ar[:7]
+    assert ex._greedy_pipeline is not None and not ex._greedy_pipeline._queue
+    again = generate(ex, prompt, 40, draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4)
+    assert again.tokens == generate(_Synchronous(ex), prompt, 40,
+                                    draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4).tokens
+    ex.reset()

@@ -240,3 +240,74 @@ def test_the_device_loop_is_closed_when_generation_ends(tiny_weights):
         assert generate(Reference(tiny_weights, max_ctx=128), [5, 17, 301], 12).tokens == res.tokens
     finally:
         gc.enable()
+
+
+class _QueuedOnTheReference:
+    """What the pipelined loop needs of ``ds4c.runtime.spec_pipeline.GreedyPipeline``, on the reference: steps
+    are queued (width and bucket bound recorded), released with tokens, run at release (verify, greedy accept,
+    rollback) and awaited in order; ``close`` runs a held step as a decode kept to one row. Checks the order
+    the loop keeps: at most two queued, release before result, widths as queued."""
+
+    def __init__(self, ref):
+        self.ref, self.queue, self.log = ref, [], []
+
+    def enqueue(self, width, pos_bound):
+        assert len(self.queue) < 2
+        self.queue.append({"width": width, "bound": pos_bound, "new": None})
+
+    def release(self, tokens, pos, keep=None):
+        q = next(x for x in self.queue if x["new"] is None)
+        assert len(tokens) == q["width"] and pos <= q["bound"] and pos == self.ref.state.pos
+        top = self.ref.verify(tokens, pos).argmax(dim=-1).tolist()
+        new = accept_greedy(top, tokens[1:])[: keep or None]
+        self.ref.rollback(len(new))
+        q["new"] = new
+        self.log.append((q["width"], pos))
+
+    def result(self):
+        assert self.queue and self.queue[0]["new"] is not None
+        return self.queue.pop(0)["new"]
+
+    def close(self, token, pos):
+        while self.queue and self.queue[0]["new"] is not None:
+            new = self.result()
+            token, pos = new[-1], pos + len(new)
+        for q in list(self.queue):
+            self.release([token] * q["width"], pos, keep=1)
+            pos += 1
+        self.queue.clear()
+
+
+@pytest.mark.parametrize("width", [3, 5])
+def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
+    """ds4c.speculative's pipelined loop (each step queued before the previous one's result, as on the compiled
+    step) gives the synchronous loop's tokens and steps on the reference, ends with nothing queued and a
+    state one decode past the output at most, also when the consumer stops early."""
+    from ds4c.speculative import _pipelined_tokens
+
+    sync = generate(ref, PROMPTS[0], 120, draft=OracleDrafter(0.7, 512, seed=2, continuation=ar[0]),
+                    spec_width=width)
+    for n in (120, 9):
+        prompt = PROMPTS[0]
+        ref.reset()
+        logits = None
+        for s in range(0, len(prompt), 5):
+            logits = ref.verify(prompt[s:s + 5], s)
+        first = int(logits[-1].argmax())
+        pipe = _QueuedOnTheReference(ref)
+        stats = SpecStats("oracle", width)
+        d = OracleDrafter(0.7, 512, seed=2, continuation=ar[0])
+        d.prepare(ref, prompt, 120)
+        gen = _pipelined_tokens(pipe, d, prompt, first, n - 1 if n == 120 else 119, WidthPolicy(width), stats)
+        got = [first] + [t for _, t in zip(range(n - 1), gen)]
+        gen.close()
+        assert got == sync.tokens[:n]
+        assert not pipe.queue and 0 <= ref.state.pos - (len(prompt) + n - 1) <= width
+        if n == 120:  # the same steps, but for the last one's width: chosen before the tokens left were known
+            a, b = stats.as_dict()["widths"], sync.speculative["widths"]
+            assert sum(a.values()) == sum(b.values())
+            assert sum(abs(a.get(w, 0) - b.get(w, 0)) for w in set(a) | set(b)) <= 2, (a, b)
+        # the state is valid where it stopped: the next decode there gives the AR run's token
+        p = ref.state.pos
+        seq = prompt + ar[0]
+        assert int(ref.decode(seq[p], p)[0].argmax()) == seq[p + 1]

@@ -9,7 +9,7 @@ M=${2:-synthetic:flash-l4}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DS4C_CACHE=${DS4C_CACHE:-/tmp/ds4c-kcache}
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_compiled_step.py tests/test_generation_loop.py \
-    -k "verify_greedy or rollback or speculative or teacher" > "$OUT/pytest-spec.log" 2>&1
+    -k "verify_greedy or rollback or speculative or teacher or pipelined" > "$OUT/pytest-spec.log" 2>&1
 echo "pytest rc $?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest-spec.log" | tail -8
 timeout ${SPEC_TIMEOUT:-330} python3 tools/spec_table.py "$M" --prompt 512 --new 256 --alphas 0.5,0.7,0.8,0.9 \
     --host-accept-ab --json "$OUT/spec-table.json" > "$OUT/spec-table.log" 2>&1

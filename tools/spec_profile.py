@@ -84,6 +84,21 @@ def main() -> int:
     print(f"profiler: device self time {dev_us / 1e3 / 10:.3f} ms per call over 10 calls")
     print(ka.table(sort_by="self_device_time_total" if hasattr(ka[0], "self_device_time_total")
                    else "self_cuda_time_total", row_limit=25))
+    # the device timeline of the profiled calls: kernels and copies in start order, the idle gaps between them
+    evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start),
+                 key=lambda t: t[0])
+    if evs:
+        busy = sum(b - a for a, b, _ in evs)
+        span = evs[-1][1] - evs[0][0]
+        gaps = sorted(((evs[i + 1][0] - evs[i][1], evs[i][2], evs[i + 1][2]) for i in range(len(evs) - 1)),
+                      reverse=True)
+        print(f"device timeline: {len(evs)} events, span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms, "
+              f"idle {(span - busy) / 1e3:.3f} ms over 10 calls; largest gaps (us, after -> before):")
+        for g, x, y in gaps[:24]:
+            print(f"  {g:8.1f}  {x[:40]} -> {y[:40]}")
+        small = [g for g, _, _ in gaps if 0 < g < 20]
+        print(f"gaps < 20 us: {len(small)}, {sum(small) / 1e3:.3f} ms in all")
     # per-call host phases without the GPU: enqueue cost of one call while the GPU is busy
     prefill()
     pos, tok = len(prompt), prompt[-1]

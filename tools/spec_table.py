@@ -53,15 +53,16 @@ def rollback_costs(step, prompt: list[int], repeats: int = 30) -> dict[int, dict
     return out
 
 
-class _HostAccept:
-    """The compiled step without ``verify_greedy``: the loop then verifies, brings the rows' argmax to the host,
-    accepts there and calls ``rollback`` (the A/B of ``--host-accept-ab``)."""
+class _Without:
+    """The compiled step without some of its speculative paths (the A/B columns of ``--host-accept-ab``): without
+    ``greedy_pipeline`` the loop runs ``verify_greedy`` step by step (``5 sync``); without both it verifies,
+    brings the rows' argmax to the host, accepts there and calls ``rollback`` (``5 host``)."""
 
-    def __init__(self, step):
-        self._step = step
+    def __init__(self, step, *hidden):
+        self._step, self._hidden = step, hidden
 
     def __getattr__(self, name):
-        if name == "verify_greedy":
+        if name in self._hidden:
             raise AttributeError(name)
         return getattr(self._step, name)
 
@@ -75,8 +76,8 @@ def main() -> int:
     ap.add_argument("--widths", default="2,3,4,5,auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-accept-ab", action="store_true",
-                    help="also run q=5 at each ALPHA with the acceptance and rollback on the host (verify, then the "
-                         "argmax to the host, then rollback: the loop before verify_greedy), for an A/B in one run")
+                    help="also run q=5 at each ALPHA unpipelined (verify_greedy step by step) and with the acceptance "
+                         "and rollback on the host (the loop before verify_greedy), for an A/B in one run")
     a = ap.parse_args()
 
     from ds4c.engine import open_engine
@@ -96,11 +97,13 @@ def main() -> int:
     print(f"AR: {ar.decode_tokens_per_s:.1f} tokens/s ({a.new} new tokens after a {a.prompt}-token prompt)",
           flush=True)
     widths = [w if w == "auto" else int(w) for w in a.widths.split(",")]
-    runs = [(w, step) for w in widths] + ([("5 host", _HostAccept(step))] if a.host_accept_ab else [])
+    runs = [(w, step) for w in widths] + ([("5 sync", _Without(step, "greedy_pipeline")),
+                                           ("5 host", _Without(step, "greedy_pipeline", "verify_greedy"))]
+                                          if a.host_accept_ab else [])
     for alpha in [float(x) for x in a.alphas.split(",")]:
         for w, stepper in runs:
             d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens)
-            res = generate(stepper, prompt, a.new, draft=d, spec_width=5 if w == "5 host" else w)
+            res = generate(stepper, prompt, a.new, draft=d, spec_width=5 if str(w).startswith("5 ") else w)
             diff = next((i for i, (x, y) in enumerate(zip(res.tokens, ar.tokens)) if x != y), None)
             sp = res.speculative
             row = {"mode": "spec", "alpha": alpha, "width": w, "tok_s": res.decode_tokens_per_s,
