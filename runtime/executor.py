@@ -212,6 +212,9 @@ class CompiledStep:
         self._accept_host: tuple[torch.Tensor, Any] | None = None  # verify_greedy's pinned result and its event
         self._argmax_chunk = argmax_chunk(self.cfg.vocab_size)
         self._greedy_pipeline = None  # ds4c.runtime.spec_pipeline.pipeline's, made on first use
+        # the greedy acceptance's argmax ids (device, int64 [max width])
+        self._accept_ids = torch.zeros(maxq, dtype=torch.int64, device=self.dev)
+        self._accept_graphs: dict[tuple[int, int], Any] = {}  # its captured graphs per (width, context)
         self.reset()
 
     # ------------------------------------------------------------------------------------------ state
@@ -341,19 +344,40 @@ class CompiledStep:
         return pipeline(self)
 
     def accept_on_device(self, sg: _StepGraph, host_ids: torch.Tensor) -> None:
-        """Enqueue, behind ``sg``'s step on the current stream, its greedy acceptance: the rows' argmax, the
-        accepted count (1 + the leading drafts, the step buffer's tokens 1.., equal to their row's argmax; at
-        most the step buffer's ``keep``) into its ``accepted`` slot, ``sg``'s rollback kernel (when it has one:
-        a q = 1 step keeps its row) and a copy of the ids into ``host_ids`` (pinned int64, >= q). Nothing
-        waits."""
+        """Enqueue, behind ``sg``'s step on the current stream, its greedy acceptance (:meth:`_accept_body`) and
+        a copy of the rows' argmax ids into ``host_ids`` (pinned int64, >= q). Nothing waits. The acceptance
+        replays the CUDA graph :meth:`prepare_all` captured for ``sg`` when there is one (it allocates
+        nothing: a stream queued behind a host flag must not reach the allocator, whose cudaMalloc can wait for
+        that stream), else runs eagerly."""
+        g = self._accept_graphs.get((sg.width, sg.context))
+        if g is not None:
+            g.replay()
+        else:
+            self._accept_body(sg)
+        host_ids[:sg.width].copy_(self._accept_ids[:sg.width], non_blocking=True)
+
+    def _accept_body(self, sg: _StepGraph) -> None:
+        """The greedy acceptance of ``sg``'s step: the rows' argmax into :attr:`_accept_ids`, the accepted count
+        (1 + the leading drafts, the step buffer's tokens 1.., equal to their row's argmax; at most the step
+        buffer's ``keep``) into its ``accepted`` slot, then ``sg``'s rollback kernel (when it has one: a q = 1
+        step keeps its row)."""
         q, d = sg.width, self._step_dev
         t0, acc, keep = self._off["tokens"], self._off["accepted"], self._off["keep"]
         top = argmax_rows(self._logits[:q], self._argmax_chunk)  # [q] int64
+        self._accept_ids[:q].copy_(top)
         if sg.rollback is not None:
             n = torch.cumprod((top[:q - 1] == d[t0 + 1:t0 + q]).to(torch.int64), 0).sum(0, keepdim=True) + 1
             d[acc:acc + 1].copy_(torch.minimum(n, d[keep:keep + 1]))
             self._rollback_kernel(sg)
-        host_ids[:q].copy_(top, non_blocking=True)
+
+    def _capture_accept(self, sg: _StepGraph) -> None:
+        """Capture :meth:`_accept_body` of ``sg`` as a CUDA graph (recorded, not run: the state is untouched)."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._accept_body(sg)
+        torch.cuda.synchronize()
+        self._accept_graphs[(sg.width, sg.context)] = g
+        self.captures += 1
 
     def _launch_rollback(self, sg: _StepGraph, accepted: int) -> None:
         """The rollback kernel of ``sg`` for ``accepted`` rows: the count uploaded into the step buffer's
@@ -521,6 +545,9 @@ class CompiledStep:
         t3 = time.perf_counter()
         for k in keys:
             self._capture(self._graphs[k])
+        if self.is_last and self.use_graphs:  # the greedy acceptance behind each step (speculative decoding)
+            for k in keys:
+                self._capture_accept(self._graphs[k])
         if 1 in widths:  # the decode loop's graphs: the q=1 step + the sampler, per bucket (a shard before
             for (w, c) in keys:  # the last of a split: the step + advancing its scalars)
                 if w == 1:

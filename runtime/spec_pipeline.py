@@ -24,8 +24,11 @@ Rules:
   :meth:`close` with valid scalars (the last accepted token at the next position, no drafts). So, as with the
   decode loop's lag, the state can hold one step more than was consumed; :attr:`CompiledStep.pos` says how far
   it went.
-* Every (width, bucket) graph used must have been captured by ``prepare_all``. Capturing runs the graph eagerly,
-  which must not happen behind a queued step. :func:`pipeline` returns None otherwise.
+* Every (width, bucket) graph used, and the acceptance behind it, must have been captured by ``prepare_all``.
+  Capturing runs the step eagerly, which must not happen behind a queued step. Nothing enqueued behind the flag
+  may allocate either: a cudaMalloc may wait for the blocked stream, and that deadlocks. The first flash-l4 run
+  hung, probably there, when the eager acceptance's temporaries met a cold allocator. The captured acceptance
+  allocates nothing. :func:`pipeline` returns None when a graph is missing.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def pipeline(step: Any) -> GreedyPipeline | None:
     by one)."""
     if not getattr(step, "use_graphs", False) or getattr(step, "_split", True) or not step._graphs:
         return None
-    if any(sg.cuda_graph is None for sg in step._graphs.values()):
+    if any(sg.cuda_graph is None or (sg.width, sg.context) not in step._accept_graphs
+           for sg in step._graphs.values()):
         return None
     pipe = getattr(step, "_greedy_pipeline", None)
     if pipe is None:

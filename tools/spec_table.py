@@ -14,6 +14,7 @@ replaced by a wrong one with probability 1 - ALPHA; greedy acceptance, so its to
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import random
 import statistics
@@ -103,7 +104,9 @@ def main() -> int:
     for alpha in [float(x) for x in a.alphas.split(",")]:
         for w, stepper in runs:
             d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens)
+            faulthandler.dump_traceback_later(120, exit=True)  # a hung run: its stacks, then the exit
             res = generate(stepper, prompt, a.new, draft=d, spec_width=5 if str(w).startswith("5 ") else w)
+            faulthandler.cancel_dump_traceback_later()
             diff = next((i for i, (x, y) in enumerate(zip(res.tokens, ar.tokens)) if x != y), None)
             sp = res.speculative
             row = {"mode": "spec", "alpha": alpha, "width": w, "tok_s": res.decode_tokens_per_s,
