@@ -371,3 +371,17 @@ def test_hc_head_streams_compiles_without_spills(arch, tmp_path):
     for src in (mix, norm):
         c = compile_kernel(src, tmp_path)
         assert not c.usage.get("spills"), c.usage
+
+
+def test_the_gpu_check_covers_the_family():
+    """tools/gpu_checks/tap.py (run by tools/gpu_kernel_check.py on a GPU): its cases render here, cover q = 1 and 5,
+    a one-slot shard and a window wrap, and match their references' shapes."""
+    from tools import gpu_kernel_check
+    from tools.gpu_checks import tap as G
+
+    assert "tap" in gpu_kernel_check.FAMILIES
+    specs = [spec for _, spec, _ in G.CASES]
+    assert {s.q for s in specs} == {1, 5} and any(len(s.slots) < s.n_taps for s in specs)
+    assert any(pos + s.q > s.window for _, s, pos in G.CASES)
+    for i, s in enumerate(specs):
+        assert TP.render_tap(s, target("sm_90"), f"tap_{i}").entry == f"tap_{i}"
