@@ -972,7 +972,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             a += n
         click.echo(f"split:    layer split {','.join(map(str, split))}: {', '.join(ranges)} (graphs s<k>_q<w>_c<ctx>)")
     if man.get("taps"):
-        click.echo(f"taps:     DSpark taps of layers {','.join(map(str, man['taps']))} (every graph writes the tap ring)")
+        click.echo(f"taps:     DSpark taps of layers {','.join(map(str, man['taps']))} "
+                   f"(every graph writes the tap ring)")
     b = man.get("build", {})
     if b:
         click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "

@@ -81,7 +81,8 @@ def test_build_step_adds_one_tap_op_and_the_tap_ring(q):
     assert g.inputs[TAP_RING].type == tap_ring_type(TINY, 3) and g.outputs[TAP_RING] is taps[0].outputs[0]
     assert g.meta["taps"] == list(TAPS)
     # without taps nothing changes: the same text as a graph built without the argument
-    assert print_graph(build_step(TINY, q, max_ctx=MAX_CTX, taps=())) == print_graph(build_step(TINY, q, max_ctx=MAX_CTX))
+    plain = build_step(TINY, q, max_ctx=MAX_CTX)
+    assert print_graph(build_step(TINY, q, max_ctx=MAX_CTX, taps=())) == print_graph(plain)
     assert TAP_RING not in build_step(TINY, q, max_ctx=MAX_CTX).inputs
     # the taps' order is main_hidden's: slots follow it, not the layer order
     g2 = build_step(TINY, q, max_ctx=MAX_CTX, taps=(5, 1))
@@ -99,7 +100,7 @@ def test_a_shard_records_only_its_tap_layers():
     assert print_graph(g) == print_graph(build_step(TINY, 2, max_ctx=MAX_CTX, layers=(0, 3)))
 
 
-@pytest.mark.parametrize("bad", [(3, 3), (6,), (-1,), (True,), ("3",), 5])
+@pytest.mark.parametrize("bad", [(3, 3), (6,), (-1,), (True,), ("3",), 5, ([3],)])
 def test_bad_taps_are_one_line_errors(bad):
     with pytest.raises(StepError, match=r"taps: expected distinct layer ids in 0\.\.5, found"):
         build_step(TINY, 1, max_ctx=MAX_CTX, taps=bad)

@@ -44,8 +44,8 @@ def check_taps(cfg: Ds4Config, taps: Any) -> tuple[int, ...]:
         out = tuple(taps)
     except TypeError:
         out = None
-    if out is None or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < cfg.n_layers for t in out) \
-            or len(set(out)) != len(out):
+    if out is None or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < cfg.n_layers
+                          for t in out) or len(set(out)) != len(out):
         raise StepError(f"taps: expected distinct layer ids in 0..{cfg.n_layers - 1}, found {taps!r}")
     return tuple(int(t) for t in out)
 

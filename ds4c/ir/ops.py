@@ -458,7 +458,8 @@ class DsparkTap:
         slots = tuple(a["slots"])
         xs = ins[2:2 + len(slots)]
         rest = ins[2 + len(slots):]
-        if not slots or len(xs) != len(slots) or len(rest) > 1 or rest and (rest[0].shape, rest[0].dtype) != ((), "i64"):
+        bad_valid = bool(rest) and (rest[0].shape, rest[0].dtype) != ((), "i64")
+        if not slots or len(xs) != len(slots) or len(rest) > 1 or bad_valid:
             raise ValueError(f"dspark_tap: expected ring, positions, {len(slots)} HC states (one per slot) and an "
                              f"optional i64 n_valid, found {', '.join(map(str, ins))}")
         if ring.dtype != "bf16" or len(ring.shape) != 2 or ring.shape[0] != a["window"]:
