@@ -588,9 +588,11 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--all", "print_all", is_flag=True, help="Print the IR after every pass.")
 @click.option("--layers", default=None, help="Only print these layers' ops, e.g. 0,1 (-1 = embedding/head).")
 @click.option("--dot", "dot", type=click.Path(dir_okay=False), default=None, help="Write Graphviz dot here.")
+@click.option("--taps", "taps", default=None, metavar="L,L,...",
+              help="Build the graph with the DSpark taps of these layers (e.g. 40,41,42): the dspark_tap op.")
 def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
                    context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
-                   dot: str | None) -> None:
+                   dot: str | None, taps: str | None) -> None:
     """Print the step IR (or a prefill chunk's, --prefill C) after the chosen passes and a per-layer
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
@@ -627,7 +629,9 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     if after is not None and after not in names:
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
     cap = buckets.contexts[-1]  # state capacity: the largest bucket (>= max_ctx), as compiled artifacts hold
-    g0 = build_step(cfg, prefill, cap, prefill=True) if prefill is not None else build_step(cfg, width, cap)
+    tap_layers = _compile_taps(cfg, taps, None)
+    g0 = build_step(cfg, prefill, cap, prefill=True, taps=tap_layers) if prefill is not None else \
+        build_step(cfg, width, cap, taps=tap_layers)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(_parse_ints(layers, "--layers")) if layers else None
@@ -707,13 +711,21 @@ def _parse_ints(text: str, hint: str) -> list[int]:
 @click.option("--layer-split", "layer_split", default=None, metavar="N,N,...",
               help="Compile the graphs of this layer split (layers per shard, e.g. 22,21) instead of the unsplit "
                    "step: the artifact then serves generate/bench with the same --layer-split.")
+@click.option("--taps", "taps", default=None, metavar="L,L,...",
+              help="Record the DSpark taps of these layers (0-based, in the drafter's order, e.g. 40,41,42) in "
+                   "every graph: the artifact then serves a compiled step with exactly these taps.")
+@click.option("--draft", "draft", default=None, metavar="FILE",
+              help="Take --taps from this DSpark drafter file (its target layers, dflash.target_layers), checked "
+                   "against the model (make one with make-model --drafter dspark).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
-                contexts: str | None, jobs: int | None, layer_split: str | None, output: str) -> None:
+                contexts: str | None, jobs: int | None, layer_split: str | None, taps: str | None,
+                draft: str | None, output: str) -> None:
     """Compile every (width, context) step graph for the given archs into an artifact folder (no GPU needed).
 
     The config comes from FILE, or --preset, or the built-in default model. Kernels come from (and go to) the
-    kernel cache; the artifact is replaced atomically.
+    kernel cache; the artifact is replaced atomically. With --taps (or --draft) every graph also records the
+    DSpark taps (spec 5.2(q)) for the compiled drafter; an artifact serves only a step with its own taps.
     """
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
@@ -741,8 +753,10 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
 
         n = len(layer_split.split(","))
         split = parse_plan(["cuda"] * n, layer_split, cfg.n_layers).layers
+    tap_layers = _compile_taps(cfg, taps, draft)
     cache = KernelCache()
-    out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types, layer_split=split)
+    out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types, layer_split=split,
+                         taps=tap_layers)
     man = load_manifest(out, verify=False)
     b = man["build"]
     tinfo = man["targets"]
@@ -752,9 +766,30 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     click.echo(f"graphs:    {len(man['graphs'])} per target (widths {','.join(map(str, buckets.widths))} x contexts "
                f"{','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx}"
                + (f"; layer split {','.join(map(str, split))}: one graph per shard" if split else "") + ")")
+    if tap_layers:
+        click.echo(f"taps:      DSpark taps of layers {','.join(map(str, tap_layers))}")
     click.echo(f"kernels:   {b['plan_kernels']} plan kernels, {b['launches']} launches")
     click.echo(f"binaries:  {b['unique_binaries']} unique: compiled {b['compiled']}, cached {b['cached']}")
     click.echo(f"seconds:   {b['seconds']:.1f}")
+
+
+def _compile_taps(cfg, taps: str | None, draft: str | None) -> tuple[int, ...]:
+    """The tap layers of ``compile --taps`` / ``--draft`` (one of them, or neither: none), checked against ``cfg``."""
+    from ds4c.ir.builder import check_taps
+
+    if taps is not None and draft is not None:
+        raise click.UsageError("give --taps or --draft (whose target layers are the taps), not both")
+    if draft is not None:
+        from ds4c.drafters.dspark_file import open_dspark
+
+        return tuple(open_dspark(Path(draft), cfg).taps)
+    if taps is None:
+        return ()
+    layers = _parse_ints(taps, "--taps")
+    if any(not 0 <= t < cfg.n_layers for t in layers) or len(set(layers)) != len(layers):
+        raise click.BadParameter(f"expected distinct layer ids in 0..{cfg.n_layers - 1}, found {layers}",
+                                 param_hint="--taps")
+    return check_taps(cfg, layers)
 
 
 def _layer_name(layer: int) -> str:
@@ -867,7 +902,7 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}
-        check_serves(man, artifact, mf.config, types, layer_split=man.get("layer_split"))
+        check_serves(man, artifact, mf.config, types, layer_split=man.get("layer_split"), taps=man.get("taps", ()))
         n_launch = check_lowering(man, artifact, mf.config, types)
         n_bin = sum(len(t["binaries"]) for t in man["targets"].values())
         click.echo(f"artifact {Path(artifact).absolute()} serves {mf.path}: config {man['config_hash'][:12]}, "
@@ -936,6 +971,9 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             ranges.append(f"s{k} [{a},{a + n})")
             a += n
         click.echo(f"split:    layer split {','.join(map(str, split))}: {', '.join(ranges)} (graphs s<k>_q<w>_c<ctx>)")
+    if man.get("taps"):
+        click.echo(f"taps:     DSpark taps of layers {','.join(map(str, man['taps']))} "
+                   f"(every graph writes the tap ring)")
     b = man.get("build", {})
     if b:
         click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "

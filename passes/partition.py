@@ -28,7 +28,7 @@ FAMILIES = {
     "multi_gemv": "gemv", "linear": "gemv",
     "compressor": "compressor", "compress": "compressor",
     "indexer_topk": "indexer", "sparse_attention": "attention", "grouped_linear": "wo_a",
-    "route": "router", "moe_experts": "experts",
+    "route": "router", "moe_experts": "experts", "dspark_tap": "tap",
 }
 
 

@@ -18,6 +18,8 @@ kernel that many layers (or graphs) share is stored once.
     config, config_hash                  Ds4Config.model_dict() and Ds4Config.hash()
     buckets, buckets_hash                BucketSpec.as_dict() and BucketSpec.hash()
     weight_types, weight_types_hash      {tensor name: GGML type name} the kernels read (default: official)
+    taps                                 (only when compiled with taps) the DSpark tap layers every graph records
+                                         (spec 5.2(q); ``build_step(..., taps=...)``), in main_hidden order
     graphs:  {"q<w>_c<context>": {width, context, graph_hash, arena_bytes, memory}}
              (target-independent: the pipelined graph's printer hash and its memory plan, meta["memory"])
     targets: {"<vendor>-<arch>": {vendor, arch, wave, toolchain: {name, version},
@@ -33,7 +35,8 @@ A binary's ``weights`` lists the format each weight argument of its launches is 
 the stored GGML type for weights the kernel decodes itself, F32/BF16/I64 for weights converted on upload), so a
 binary rendered for BF16 weights can never be paired with a model that stores MXFP4.
 
-An artifact serves a model only when the config hash, the bucket spec and the weight-format table all match and
+An artifact serves a model only when the config hash, the bucket spec, the taps and the weight-format table all
+match and
 every binary's recorded formats are those its launches read in the model (:func:`check_serves`, which
 ``ds4c inspect DIR --model FILE`` runs without a GPU, and the runtime before it loads anything). The manifest
 is checked unchanged on every load (:func:`load_manifest`): each top-level field against its digest, the text
@@ -177,7 +180,8 @@ def _say(progress: bool, msg: str) -> None:
 
 def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, out_dir: str | os.PathLike,
                    cache: KernelCache, jobs: int | None = None, progress: bool = True,
-                   weight_types: dict | None = None, layer_split: Iterable[int] | None = None) -> Path:
+                   weight_types: dict | None = None, layer_split: Iterable[int] | None = None,
+                   taps: Iterable[int] = ()) -> Path:
     """Compile every step graph of ``buckets`` for every target in ``targets`` and publish the artifact at
     ``out_dir`` (layout and manifest: module docstring). Returns ``out_dir`` as an absolute path.
 
@@ -188,9 +192,12 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     stderr). ``weight_types`` (``{tensor name: GGMLType}``, e.g. of a GGUF file; default: the official
     formats) picks the weight formats the kernels read; the manifest records them. ``layer_split`` (layers
     per shard, ``ds4c.shard_plan``) compiles every shard's graphs instead (keys ``s{k}_q{w}_c{c}``; the
-    manifest's ``layer_split``), so the artifact serves that split only. Never queries a device.
+    manifest's ``layer_split``), so the artifact serves that split only. ``taps`` (DSpark tap layers, spec 5.2(q))
+    builds every graph with the tap kernel (``build_step(..., taps=...)``; the manifest's ``taps``), so the
+    artifact serves a step with those taps only. Never queries a device.
 
     Raises:
+        StepError: taps that are not distinct layer ids of ``cfg``.
         ConfigError: ``buckets`` does not fit ``cfg``.
         ArtifactError: no target, or ``out_dir`` exists and is not a ds4c artifact (nor an empty folder).
         ToolchainError, CompileError: no compiler for a target, or a kernel failed to compile (the previous
@@ -201,10 +208,13 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     from ds4c.passes.manager import run_pipeline
     from ds4c.runtime.lower import describe
 
+    from ds4c.ir.builder import check_taps
+
     t0 = time.perf_counter()
     if not targets:
         raise ArtifactError("expected at least one target, e.g. --arch sm_90,gfx1151")
     buckets.validate(cfg)
+    taps = check_taps(cfg, taps)
     out = Path(out_dir).expanduser().absolute()
     _check_replaceable(out)
     try:
@@ -234,7 +244,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     lowered: dict[tuple[str, str], list] = {}  # (slug, graph key) -> [LoweredKernel]
     for shard, layers, width, context in keys:
         gk = graph_key(width, context, shard)
-        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1], layers), "default", context=context).graph
+        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1], layers, taps=taps), "default",
+                         context=context).graph
         mem = dict(g.meta.get("memory", {}))
         graphs[gk] = {"width": width, "context": context, "graph_hash": graph_hash(g),
                       "arena_bytes": int(mem.get("arena_bytes", 0)), "memory": mem}
@@ -307,6 +318,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             "buckets": buckets.as_dict(), "buckets_hash": buckets.hash(),
             "weight_types": wtypes, "weight_types_hash": weight_types_hash(wtypes),
             **({"layer_split": split} if split is not None else {}),
+            **({"taps": list(taps)} if taps else {}),
             "graphs": graphs,
             "targets": tinfo,
             "build": {"seconds": round(time.perf_counter() - t0, 3), "plan_kernels": n_plan, "launches": n_launch,
@@ -628,6 +640,10 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
         for k, n in enumerate(counts):
             ranges[k] = [a, a + n]
             a += n
+    if "taps" in man:
+        taps = c.integers(man["taps"], "taps", lo=0, hi=man["config"]["n_layers"] - 1)
+        if not taps or len(set(taps)) != len(taps):
+            c.fail("taps", "a non-empty list of distinct layer ids", taps)
     keys = manifest_keys(man)
     graphs = c.obj(man["graphs"], "graphs")
     if list(graphs) != keys:
@@ -755,17 +771,20 @@ def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
 
 
 def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict,
-                 buckets: BucketSpec | None = None, layer_split: Iterable[int] | None = None) -> None:
+                 buckets: BucketSpec | None = None, layer_split: Iterable[int] | None = None,
+                 taps: Iterable[int] = ()) -> None:
     """Check that the artifact ``man`` (:func:`load_manifest` of ``artifact``) serves a model: its config hash,
     its bucket spec (when ``buckets`` is given) and its weight-format table all equal the model's, and every
     binary was rendered for the formats its launches read in this model. ``weight_types`` is the model's
     ``{tensor name: GGMLType}`` (e.g. ``{n: mf.ggml_type(n) for n in mf.specs}``). ``layer_split``: the layers
-    per shard the caller runs (None or one count: unsplit) must be the artifact's. Needs no GPU.
+    per shard the caller runs (None or one count: unsplit) must be the artifact's. ``taps``: the DSpark tap layers
+    the caller's step records (empty: none) must be the artifact's (manifest ``taps``; none when absent): the tap
+    kernel is part of every graph. Needs no GPU.
 
     Raises:
         ArtifactError: the first mismatch, in one line: another config (both hashes), another bucket spec
-            (both), or the first tensor whose format differs (the artifact's type vs the model's, and how
-            many tensors differ).
+            (both), another layer split, other taps (both, and the compile option that builds them), or the
+            first tensor whose format differs (the artifact's type vs the model's, and how many tensors differ).
     """
     where = f"artifact {artifact} does not serve this model"
     if man["config_hash"] != cfg.hash():
@@ -786,6 +805,14 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
         how = "without --layer-split" if want is None else f"with --layer-split {','.join(map(str, want))}"
         raise ArtifactError(f"artifact {artifact} was compiled for {split_name(have)}, asked to serve "
                             f"{split_name(want)}; compile one {how} (`ds4c compile`)")
+    want_taps, have_taps = [int(t) for t in taps], list(man.get("taps", ()))
+    if want_taps != have_taps:
+        def taps_name(x: list) -> str:
+            return f"the DSpark taps {','.join(map(str, x))}" if x else "no DSpark taps"
+
+        how = f"with --taps {','.join(map(str, want_taps))}" if want_taps else "without --taps / --draft"
+        raise ArtifactError(f"artifact {artifact} was compiled with {taps_name(have_taps)}, asked to serve a step "
+                            f"with {taps_name(want_taps)}; compile one {how} (`ds4c compile`)")
     types = effective_weight_types(cfg, weight_types)
     diff = first_format_difference(man["weight_types"], types)
     if diff is not None:
@@ -814,9 +841,11 @@ def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Con
 
     b = manifest_buckets(man)
     n = 0
+    taps = tuple(man.get("taps", ()))
     for shard, layers in split_ranges(cfg, man.get("layer_split")):
         for width, context in b.keys():
-            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers), "default", context=context).graph
+            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers, taps=taps), "default",
+                             context=context).graph
             for slug, t in man["targets"].items():
                 tgt = Target(t["vendor"], t["arch"], t["wave"])
                 n += len(launch_binaries(man, artifact, slug, width, context,

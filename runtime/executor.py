@@ -11,6 +11,7 @@ file; nothing upstream imports it.
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.quant import GGMLType
 from ds4c.ir import build_step
-from ds4c.ir.builder import check_layers
+from ds4c.ir.builder import TAP_RING, check_layers, check_taps, tap_ring_type
 from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
@@ -104,16 +105,24 @@ class CompiledStep:
             step); one before the last writes its outgoing HC state to :attr:`hc_out` and has no logits and no
             sampler. None: the whole model on the current CUDA device. Every entry point selects the step's
             device, so shards on several GPUs each run on their own.
+        taps: the DSpark tap layers (spec 5.2(q); the drafter file's target layers, in its order, e.g. the official
+            ``(40, 41, 42)``; ``ds4c.ir.builder.check_taps``). Every step graph (each width and bucket, verify and
+            decode, the decode-loop graphs) then writes, for each of its rows at position t, ``main_hidden(t)``
+            (bf16 ``[len(taps) * hidden]``) into row ``t % window`` of :attr:`tap_ring`; :meth:`main_hidden` reads
+            the committed ones. A shard writes the columns of the tap layers it holds (a shard holding none has no
+            ring). Empty (the default): no tap kernel, the graphs are those of a step without taps.
 
     Raises:
-        StepError: no CUDA device.
+        StepError: no CUDA device; taps that are not distinct layer ids.
         ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
-            format differs is named).
+            format differs is named), or was compiled with other taps.
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
                  use_graphs: bool = True, artifact: str | None = None, plan: ShardPlan | None = None,
-                 shard: int = 0):
+                 shard: int = 0, taps: tuple[int, ...] = ()):
+        self.taps: tuple[int, ...] = check_taps(mf.config, taps)
+        """The DSpark tap layers every step records (empty: none), in ``main_hidden`` order."""
         if not torch.cuda.is_available():
             raise StepError("the compiled step needs a CUDA device (torch.cuda.is_available() is False)")
         self.mf, self.cfg, self.buckets = mf, mf.config, buckets
@@ -125,6 +134,8 @@ class CompiledStep:
         self.layers = check_layers(mf.config, None if self.plan is None else self.plan.ranges[self.shard])
         self.is_first, self.is_last = self.layers[0] == 0, self.layers[1] == mf.config.n_layers
         self._split = not (self.is_first and self.is_last)
+        self.local_taps = tuple(l for l in self.taps if self.layers[0] <= l < self.layers[1])
+        """The tap layers this step's graphs write (of a shard: those in its layer range)."""
         self.dev = torch.device(device)
         if self.dev.type != "cuda":
             raise StepError(f"the compiled step runs on a CUDA device, found device {device!r}")
@@ -153,7 +164,7 @@ class CompiledStep:
 
             self._manifest = load_manifest(artifact)
             check_serves(self._manifest, artifact, self.cfg, self._types, buckets,
-                         None if self.plan is None else self.plan.layers)
+                         None if self.plan is None else self.plan.layers, taps=self.taps)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
@@ -208,6 +219,7 @@ class CompiledStep:
         """What the last :meth:`prepare_all` returned (empty before one)."""
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
+        self._tap_end = 0  # one past the highest position any step wrote into the tap ring
         self._undo: tuple | None = None
         self._accept_host: tuple[torch.Tensor, Any] | None = None  # verify_greedy's pinned result and its event
         self._argmax_chunk = argmax_chunk(self.cfg.vocab_size)
@@ -223,17 +235,74 @@ class CompiledStep:
         """A new sequence: every state buffer back to its initial value (KV 0, compressor scores -inf)."""
         from ds4c.ir.builder import state_inputs
 
-        for name, t in state_inputs(self.cfg, self.capacity, self.layers).items():
+        bufs = state_inputs(self.cfg, self.capacity, self.layers)
+        if self.local_taps:  # the tap ring is state too: bound by name, in snapshots, reset with the sequence
+            bufs[TAP_RING] = tap_ring_type(self.cfg, len(self.taps))
+        for name, t in bufs.items():
             buf = self.state.get(name)
             if buf is None:
                 buf = self.state[name] = torch.empty(tuple(t.shape), dtype=_DT[t.dtype], device=self.dev)
             buf.fill_(float("-inf") if name.endswith("_score") else 0)
         self.pos = 0
+        self._tap_end = 0
+
+    @property
+    def tap_ring(self) -> torch.Tensor | None:
+        """The DSpark tap ring (spec 5.2(q)): bf16 ``[window, len(taps) * hidden]`` on the step's device; row
+        ``t % window`` holds ``main_hidden(t)`` of the last position t a step wrote there (columns ``j * hidden ..``
+        of tap j; of a shard, only its tap layers' columns are written). None without local taps. The same tensor
+        for the step's life (the captured graphs write it): poison it, read it, but do not replace it."""
+        return self.state.get(TAP_RING)
+
+    def main_hidden(self, start: int, stop: int) -> torch.Tensor:
+        """``main_hidden`` of the committed positions ``start .. stop - 1`` (spec 5.2(q)): the taps concatenated in
+        :attr:`taps` order, bf16 ``[stop - start, len(taps) * hidden]``, a device tensor (a copy of the
+        :attr:`tap_ring` rows, safe to keep across steps).
+
+        Raises:
+            StepError: no taps; a shard that does not hold every tap layer (read a split through
+                ``ShardedStep.main_hidden``); positions that are not committed or no longer in the ring (only
+                the last ``window`` positions any step wrote are).
+        """
+        if self.local_taps != self.taps or not self.taps:
+            raise StepError(self._no_taps_reason())
+        return self.tap_rows(start, stop)
+
+    def _no_taps_reason(self) -> str:
+        if not self.taps:
+            return "main_hidden: this compiled step records no taps (CompiledStep(..., taps=...))"
+        return (f"main_hidden: shard {self.shard} (layers {list(self.layers)}) holds the taps {list(self.local_taps)} "
+                f"of {list(self.taps)}; read the split's taps with ShardedStep.main_hidden")
+
+    @_on_device
+    def tap_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The :attr:`tap_ring` rows of positions ``start .. stop - 1`` (bf16 ``[stop - start, len(taps) *
+        hidden]``, a copy; of a shard only its tap layers' columns are meaningful): :meth:`main_hidden` without
+        the check that every tap is local.
+
+        Raises:
+            StepError: no tap ring (no local taps); the range is not inside the committed positions the ring still
+                holds: ``max(0, end - window) <= start <= stop <= pos`` with ``end`` one past the highest position
+                written (a rejected verify row overwrites the slot of the position ``window`` before it).
+        """
+        ring = self.tap_ring
+        if ring is None:
+            raise StepError(self._no_taps_reason())
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (start, stop)):
+            raise StepError(f"main_hidden: expected int positions, found {start!r}, {stop!r}")
+        start, stop = int(start), int(stop)
+        lo = max(0, self._tap_end - self.cfg.window)
+        if not lo <= start <= stop <= self.pos:
+            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not committed positions held by the tap "
+                            f"ring: expected a range inside {lo}..{self.pos - 1} (the sequence is at position "
+                            f"{self.pos}; the ring keeps the last {self.cfg.window} positions written)")
+        idx = torch.arange(start, stop, device=self.dev) % self.cfg.window
+        return ring.index_select(0, idx)
 
     @_on_device
     def snapshot(self) -> dict[str, Any]:
         """A device copy of the sequence state (all buffers) and the position."""
-        return {"pos": self.pos, "state": {k: v.clone() for k, v in self.state.items()}}
+        return {"pos": self.pos, "tap_end": self._tap_end, "state": {k: v.clone() for k, v in self.state.items()}}
 
     @_on_device
     def restore(self, snap: dict[str, Any]) -> None:
@@ -241,6 +310,7 @@ class CompiledStep:
         for k, v in snap["state"].items():
             self.state[k].copy_(v)
         self.pos = snap["pos"]
+        self._tap_end = snap.get("tap_end", self._tap_end)
 
     @_on_device
     def verify(self, tokens: list[int], pos: int) -> torch.Tensor:
@@ -569,8 +639,8 @@ class CompiledStep:
         if width not in self.buckets.widths or context not in self.buckets.contexts:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
-        g = run_pipeline(build_step(self.cfg, width, self.capacity, self.layers if self._split else None), "default",
-                         context=context).graph
+        g = run_pipeline(build_step(self.cfg, width, self.capacity, self.layers if self._split else None,
+                                    taps=self.taps), "default", context=context).graph
         return g, lower_graph(g, self.cfg, self.target, self._types)
 
     def _binaries(self, graphs: list[tuple[tuple[int, int], list[LoweredKernel]]],
@@ -730,6 +800,7 @@ class CompiledStep:
         else:
             self._run(sg)
         self.pos = pos + len(tokens)
+        self._tap_end = max(self._tap_end, self.pos)
         return sg.values["logits"] if self.is_last else sg.values["hc_out"]
 
     # the stepper interface of ds4c.generate.generate
@@ -794,6 +865,7 @@ class CompiledStep:
                 yield int(host[slot])
         finally:
             self.pos = pos + launched
+            self._tap_end = max(self._tap_end, self.pos)
 
     def _device_sampler(self):
         from ds4c.runtime.sampler import DeviceSampler

@@ -94,6 +94,7 @@ from ds4c.runtime.families import hc as _hc  # noqa: E402
 from ds4c.runtime.families import indexer as _idx  # noqa: E402
 from ds4c.runtime.families import router as _rt  # noqa: E402
 from ds4c.runtime.families import rowchain as _rc  # noqa: E402
+from ds4c.runtime.families import tap as _tap  # noqa: E402
 from ds4c.runtime.families import undo as _undo  # noqa: E402
 from ds4c.runtime.render import RenderError  # noqa: E402
 from ds4c.runtime.targets import Target  # noqa: E402
@@ -134,7 +135,7 @@ class _Ctx:
             if leaf.kind == "compress":
                 for k in range(3):
                     self.alias[leaf.outputs[k]] = leaf.inputs[4 + k]
-            elif leaf.kind == "ring_write":
+            elif leaf.kind in ("ring_write", "dspark_tap"):
                 self.alias[leaf.outputs[0]] = leaf.inputs[0]
         self.inputs = {v: k for k, v in g.inputs.items()}
 
@@ -331,9 +332,12 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
         return [_launch(src, la.grid, la.block, la.smem, [args[n] for n in _hc.arg_names(spec)["mix"]])]
     mix = next(b for b in body if b.kind == "hc_mix")
     norm = next(b for b in body if b.kind == "rms_norm")
+    post = next((x for x in body if x.kind == "hc_post"), None)
+    # the head's new streams are written only when a later kernel reads them (the DSpark tap of the last layer)
+    streams = variant == "post_head" and post is not None and post.outputs[0] in op.outputs
     spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
-                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps)
-    srcs = _hc.render_hc(spec, c.target, c.name(op, variant))
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, streams=streams)
+    srcs = _hc.render_hc(spec, c.target, c.name(op, variant + ("_streams" if streams else "")))
     gate = next(b for b in body if b.kind in ("sinkhorn", "hc_head_gate"))
     b: dict[str, Arg] = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
                          "norm_w": c.arg(norm.inputs[1]), "y": Arg("value", c.names[norm.outputs[0]]),
@@ -491,18 +495,38 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
             for s, la in zip(srcs, _exp.launch_shapes(spec, c.target))]
 
 
+def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
+    """The DSpark taps (spec 5.2(q)): one launch of the tap family writing every tapped layer of the graph into the
+    tap ring (in place: the op's output is the ring it updates)."""
+    t = next(b for b in (op.body or [op]) if b.kind == "dspark_tap")
+    slots = tuple(t.attrs["slots"])
+    xs = t.inputs[2:2 + len(slots)]
+    if len(t.inputs) > 2 + len(slots):
+        raise LoweringError("dspark_tap: a masked (prefill chunk) tap has no kernel")
+    ring = t.inputs[0]
+    d = int(xs[0].type.shape[-1])
+    layers = tuple(c.prod[x].layer if x in c.prod else -1 for x in xs)
+    spec = _tap.TapSpec(c.q, d, int(xs[0].type.shape[1]), int(ring.type.shape[0]), int(ring.type.shape[1]) // d,
+                        slots, layers)
+    src = _tap.render_tap(spec, c.target, c.name(op, "dspark_tap"))
+    la = _tap.launch_shape(spec)
+    b = {"pos": Arg("step", "pos"), "ring": c.arg(ring), **{f"x{k}": c.arg(x) for k, x in enumerate(xs)}}
+    return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _tap.arg_names(spec)])]
+
+
 _PATTERNS = {
     "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
     "hc_post_out": _lower_hc,
     "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
+    "dspark_tap": _lower_tap,
 }
 
 FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
              "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
              "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
-             "moe_experts": "experts"}
+             "moe_experts": "experts", "dspark_tap": "tap"}
 
 
 EXPERT_FORMATS = tuple(_EXPERT_FMT)

@@ -51,20 +51,26 @@ class ShardedStep:
             (every shard serves the same widths and context buckets).
         plan: the layer split (validated against the model); its devices are CUDA devices, a device may
             repeat (a virtual split).
+        taps: the DSpark tap layers (spec 5.2(q)), as :class:`~ds4c.runtime.executor.CompiledStep`: each shard's
+            graphs write the taps of its layers into its own ``tap_ring`` (full width; its columns only);
+            :meth:`main_hidden` gathers them.
 
     Raises:
         StepError: a non-CUDA plan or a device this machine lacks; ShardPlanError: a plan not matching the model.
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, plan: ShardPlan, arch: str = "sm_90",
-                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None):
+                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None,
+                 taps: tuple[int, ...] = ()):
         plan = validate(plan, mf.config.n_layers)
         if plan.kind != "cuda":
             raise StepError(f"the compiled step runs on CUDA devices, found the plan {plan.describe()}")
         self.mf, self.cfg, self.buckets, self.plan = mf, mf.config, buckets, plan
         cache = cache or KernelCache()
-        self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k)
+        self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps)
                        for k in range(plan.n_shards)]
+        self.taps: tuple[int, ...] = self.shards[0].taps
+        """The DSpark tap layers every step records (empty: none), in ``main_hidden`` order."""
         self.use_graphs = use_graphs
         # the boundary copies: inside the graphs on one device, else after each shard with an event
         self._cross: list[bool] = []
@@ -115,6 +121,28 @@ class ShardedStep:
         for s in self.shards:
             s.reset()
         self._undo = None
+
+    def main_hidden(self, start: int, stop: int) -> torch.Tensor:
+        """``main_hidden`` of the committed positions ``start .. stop - 1`` (spec 5.2(q)), gathered from the shards
+        that hold the tap layers (tap j's columns from the shard of layer ``taps[j]``): bf16 ``[stop - start,
+        len(taps) * hidden]`` on the last shard's device (where the logits are), a copy.
+
+        Raises:
+            StepError: no taps, or the range is not committed positions the rings still hold
+                (:meth:`~ds4c.runtime.executor.CompiledStep.tap_rows`).
+        """
+        if not self.taps:
+            raise StepError("main_hidden: this compiled step records no taps (ShardedStep(..., taps=...))")
+        D = self.cfg.hidden_size
+        dev = self.shards[-1].dev
+        rows = {}
+        parts = []
+        for j, layer in enumerate(self.taps):
+            s = next(s for s in self.shards if s.layers[0] <= layer < s.layers[1])
+            if s.shard not in rows:
+                rows[s.shard] = s.tap_rows(start, stop)
+            parts.append(rows[s.shard][:, j * D:(j + 1) * D].to(dev))
+        return torch.cat(parts, dim=1)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every shard's :meth:`~ds4c.runtime.executor.CompiledStep.snapshot`, in shard order."""

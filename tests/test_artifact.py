@@ -603,3 +603,72 @@ def test_real_compile_of_a_split(tmp_path, cache_dir):
     bad = run("compile", "--preset", "tiny", "--arch", "sm_90", "--layer-split", "2,x", "-o", tmp_path / "b",
               env=env)
     assert_error_line(bad, "--layer-split '2,x'")
+
+
+# ------------------------------------------------------------------------------------ DSpark taps (issue 13)
+@needs_compilers
+def test_taps_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
+    """``taps`` builds every graph with the dspark_tap kernel and records them; the artifact serves a step with
+    exactly those taps (in that order), and an artifact without taps refuses a request for taps, in one line."""
+    from ds4c.runtime.artifact import check_lowering, check_serves
+    from ds4c.tensors import FORMATS, tensor_specs
+
+    b = tiny_buckets((1, 2))
+    out = build_artifact(TINY, parse_targets("sm_90"), b, tmp_path / "taps", KernelCache(cache_dir), progress=False,
+                         taps=(3, 4, 5))
+    man = load_manifest(out)
+    assert man["taps"] == [3, 4, 5]
+    names = [k["name"] for k in man["targets"]["cuda-sm_90"]["graphs"]["q2_c64"]["kernels"]]
+    assert "l5.dspark_tap" in names
+    check_serves(man, out, TINY, {}, b, taps=(3, 4, 5))
+    official = {t.name: FORMATS["official"][t.role] for t in tensor_specs(TINY)}
+    assert check_lowering(man, out, TINY, official) > 0
+    for asked, says in (((), "with no DSpark taps; compile one without --taps / --draft"),
+                        ((4, 3, 5), "with the DSpark taps 4,3,5; compile one with --taps 4,3,5")):
+        with pytest.raises(ArtifactError, match=f"compiled with the DSpark taps 3,4,5, asked to serve a step {says}"):
+            check_serves(man, out, TINY, {}, b, taps=asked)
+    plain = build_artifact(TINY, parse_targets("sm_90"), b, tmp_path / "plain", KernelCache(cache_dir), progress=False)
+    man_p = load_manifest(plain)
+    assert "taps" not in man_p and man_p["graphs"]["q1_c64"]["graph_hash"] != man["graphs"]["q1_c64"]["graph_hash"]
+    with pytest.raises(ArtifactError, match="compiled with no DSpark taps, asked to serve a step with the DSpark "
+                                            "taps 3,4,5; compile one with --taps 3,4,5") as ei:
+        check_serves(man_p, plain, TINY, {}, b, taps=(3, 4, 5))
+    assert "\n" not in str(ei.value)
+    # a manifest whose taps were edited (digests recomputed, so only the schema can catch it) fails closed
+    mpath = out / "manifest.json"
+    bad = json.loads(mpath.read_text())
+    bad["taps"] = [3, 3]
+    bad["integrity"] = art._integrity({k: v for k, v in bad.items() if k != "integrity"})
+    mpath.write_text(art._manifest_text(bad))
+    with pytest.raises(ArtifactError, match=r"taps: expected a non-empty list of distinct layer ids, found \[3, 3\]"):
+        load_manifest(out)
+    with pytest.raises(Exception, match="taps: expected distinct layer ids in 0..5"):
+        build_artifact(TINY, parse_targets("sm_90"), b, tmp_path / "bad", KernelCache(cache_dir), progress=False,
+                       taps=(6,))
+
+
+@needs_compilers
+def test_cli_compile_taps_and_draft(tmp_path, cache_env, fake_lower, tiny_path):
+    """``ds4c compile --taps L,..`` and ``--draft FILE`` (the drafter's target layers) record the taps; ``inspect``
+    shows them; bad values are one-line errors."""
+    from ds4c.drafters.dspark_synth import make_dspark
+
+    out = tmp_path / "art"
+    r = run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "1", "--max-ctx", "64", "--taps", "3,4,5",
+            "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "taps:      DSpark taps of layers 3,4,5" in r.stdout and load_manifest(out)["taps"] == [3, 4, 5]
+    r = run("inspect", out)
+    assert r.exit_code == 0 and "taps:     DSpark taps of layers 3,4,5" in r.stdout, r.output
+    draft = make_dspark(tiny_path, tmp_path / "d.gguf", seed=0, taps=(5, 2))
+    r = run("compile", tiny_path, "--arch", "sm_90", "--widths", "1", "--max-ctx", "64", "--draft", draft, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert load_manifest(out)["taps"] == [5, 2]
+    r = run("inspect", out, "--model", tiny_path)
+    assert r.exit_code == 0 and "serves" in r.stdout, r.output
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--taps", "3,9", "-o", out),
+                      "--taps", "expected distinct layer ids in 0..5, found [3, 9]")
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--taps", "3", "--draft", draft, "-o", out),
+                      "give --taps or --draft")
+    assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--draft", tmp_path / "none.gguf",
+                          "-o", out), "no such drafter file")

@@ -12,6 +12,7 @@ The width is the symbol ``q`` until the ``fix_verify_width`` pass specialises it
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from ds4c.config import MAX_PREFILL_ROWS, MAX_WIDTH, Ds4Config
@@ -26,6 +27,33 @@ Q = Sym("q")
 def span_sym(ratio: int) -> str:
     """Name of the live compressed-row span of a ratio: ``n_r4``, ``n_r128``."""
     return f"n_r{ratio}"
+
+
+TAP_RING = "tap_ring"
+"""The graph input and output name of the DSpark tap ring (spec 5.2(q); :func:`build_step` ``taps``)."""
+
+
+def check_taps(cfg: Ds4Config, taps: Any) -> tuple[int, ...]:
+    """``taps`` as a tuple of layer ids: the layers after which the DSpark taps are recorded (spec 5.2(q);
+    official ``(40, 41, 42)``, in the drafter file's order: ``main_hidden`` concatenates them in this order).
+
+    Raises:
+        StepError: not distinct ints in ``0..n_layers-1``.
+    """
+    try:
+        out = tuple(taps)
+    except TypeError:
+        out = None
+    if out is None or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < cfg.n_layers
+                          for t in out) or len(set(out)) != len(out):
+        raise StepError(f"taps: expected distinct layer ids in 0..{cfg.n_layers - 1}, found {taps!r}")
+    return tuple(int(t) for t in out)
+
+
+def tap_ring_type(cfg: Ds4Config, n_taps: int) -> TensorType:
+    """The DSpark tap ring: bf16 ``[window, n_taps * hidden]``; row ``t mod window`` holds ``main_hidden(t)``
+    (spec 5.2(q)) of the last position t written there."""
+    return TensorType((cfg.window, n_taps * cfg.hidden_size), "bf16")
 
 
 def state_inputs(cfg: Ds4Config, max_ctx: int, layers: tuple[int, int] | None = None) -> dict[str, TensorType]:
@@ -87,7 +115,7 @@ def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, i
 
 
 def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None,
-               prefill: bool = False, all_logits: bool = False) -> Graph:
+               prefill: bool = False, all_logits: bool = False, taps: tuple[int, ...] = ()) -> Graph:
     """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify; with ``prefill`` a chunk of a prompt)
     for ``cfg``.
 
@@ -109,10 +137,17 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             ``meta["prefill"]``.
         all_logits: with ``prefill``, the head reads every row instead: ``logits`` [C, vocab] (rows past
             ``n_valid`` meaningless).
+        taps: the DSpark tap layers (spec 5.2(q); :func:`check_taps`), all of them in ``main_hidden`` order, also
+            for a shard. When some are in the graph's layers, the graph has the input and output
+            :data:`TAP_RING` (:func:`tap_ring_type`, updated in place like the state buffers) and one
+            ``dspark_tap`` op after the last of them, writing for each step row at position t the bf16 mean
+            over the HC streams of each local tap layer's output into ring row ``t mod window``, columns of
+            its index in ``taps``; recorded in ``meta["taps"]``. Empty (the default): no tap op, the graph is
+            unchanged.
 
     Raises:
         StepError: width outside 1..5 (1..MAX_PREFILL_ROWS with ``prefill``), max_ctx < 1, a layer range
-            outside the model, or ``all_logits`` without ``prefill``.
+            outside the model, ``all_logits`` without ``prefill``, or taps that are not distinct layer ids.
     """
     limit = MAX_PREFILL_ROWS if prefill else MAX_WIDTH
     if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= limit:
@@ -122,6 +157,8 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
     if max_ctx < 1:
         raise StepError(f"max_ctx must be >= 1, found {max_ctx}")
     start, stop = check_layers(cfg, layers)
+    taps = check_taps(cfg, taps)
+    local = {l: j for j, l in enumerate(taps) if start <= l < stop}  # tap layer -> its slot in main_hidden
     b = GraphBuilder()
     shapes = {s.name: s.shape for s in tensor_specs(cfg)}
 
@@ -137,6 +174,9 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
     valid: tuple[Value, ...] = ()  # the padded chunk's n_valid, passed to every op that writes state
     if prefill:
         valid = (inputs.setdefault("n_valid", Value(TensorType((), "i64"), "n_valid")),)
+    if local:
+        inputs[TAP_RING] = Value(tap_ring_type(cfg, len(taps)), TAP_RING)
+    tapped: list[Value] = []  # the outputs of the local tap layers, in layer order
     emu, eps, hc = cfg.quant_emulation, cfg.norm_eps, cfg.hc_mult
     positions = b.op("row_positions", tok, pos, name="positions")
     freq_attrs = dict(rope_dim=cfg.rope_dim, factor=cfg.rope_factor, orig_len=cfg.original_seq_len,
@@ -238,6 +278,12 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         ys = b.op("linear", sh, W(p + "ffn_down_shexp.weight"), mode="fp8act", act_quant=emu, name=f"{L}.shared")
         ffn = b.op("moe_sum", routed, ys, name=f"{L}.ffn_out")
         x = b.op("hc_post", ffn, x, post, comb, name="hc_out" if i == stop - 1 < cfg.n_layers - 1 else f"{L}.x")
+        if i in local:  # (q): after the last local tap layer, one op records every local tap
+            tapped.append(x)
+            if len(tapped) == len(local):
+                outputs[TAP_RING] = b.op("dspark_tap", inputs[TAP_RING], positions, *tapped, *valid,
+                                         slots=tuple(local[l] for l in sorted(local)), window=cfg.window,
+                                         name="taps")
     meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
     if prefill:
         meta["prefill"] = True
@@ -245,6 +291,8 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             meta["all_logits"] = True
     if (start, stop) != (0, cfg.n_layers):
         meta["layers"] = [start, stop]
+    if local:
+        meta["taps"] = list(taps)
     if stop < cfg.n_layers:  # a shard before the last: its output is the HC state
         outputs["hc_out"] = x
         return Graph(inputs, b.ops, outputs, meta)

@@ -134,15 +134,20 @@ def live_length(pos: int, n: int, ratio: int, device: torch.device | str = "cpu"
     return torch.tensor((pos + n) // ratio, dtype=torch.int64, device=device)
 
 
-def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: int) -> torch.Tensor:
+def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: int,
+             tap_ring: torch.Tensor | None = None) -> torch.Tensor:
     """One step through the interpreter on a reference state: runs, writes the updated buffers back into
     ``state`` and advances ``state.pos`` by ``len(tokens)``. Returns fp32 logits [q, vocab]; of a prefill chunk
     graph (``build_step(prefill=True)``, 1..C tokens, padded), the next token's logits [1, vocab] (every row's,
     [C, vocab], with ``all_logits``).
 
+    ``tap_ring``: the DSpark tap ring (bf16 ``[window, n_taps * hidden]``, ``ds4c.ir.builder.tap_ring_type``) of a
+    graph built with ``taps``, updated in place (row ``t mod window`` = ``main_hidden(t)`` of each step row t);
+    required exactly when the graph has the ``tap_ring`` input.
+
     Raises:
         StepError: ``pos`` is not the state's next position, or the token count is not the graph's width (a
-            prefill chunk graph: not in 1..C).
+            prefill chunk graph: not in 1..C); a graph with taps and no ``tap_ring`` or the reverse.
     """
     width = interp.graph.meta.get("width")
     if pos != state.pos:
@@ -158,20 +163,33 @@ def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: 
     bad = [t for t in tokens if not 0 <= int(t) < vocab]
     if bad:
         raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
-    return run_split_step([interp], state, tokens, pos)
+    return run_split_step([interp], state, tokens, pos, tap_ring)
 
 
-def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: list[int], pos: int) -> torch.Tensor:
+def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: list[int], pos: int,
+                   tap_ring: torch.Tensor | None = None) -> torch.Tensor:
     """One step through the graphs of a layer split's shards (``build_step(..., layers=...)``, in layer
     order) on a whole-model reference state: shard k's ``hc_out`` is shard k+1's ``hc_in``, each shard's
     updated state buffers are written back. With one unsplit graph this is :func:`run_step` (which checks
-    the arguments). Returns the last shard's fp32 logits [q, vocab].
+    the arguments). Returns the last shard's fp32 logits [q, vocab]. ``tap_ring``: as :func:`run_step`, shared by
+    the shards (each writes the columns of its tap layers).
 
     Raises:
         InterpreterError: a shard graph whose inputs the previous shard does not provide.
+        StepError: ``tap_ring`` missing for a graph with taps, given when no graph has taps, or of the wrong type.
     """
+    from ds4c.ir.builder import TAP_RING
+
+    want = [ip.graph.inputs[TAP_RING].type for ip in interps if TAP_RING in ip.graph.inputs]
+    if want and tap_ring is None:
+        raise StepError(f"the graph records the DSpark taps (meta taps {interps[0].graph.meta.get('taps')}): "
+                        f"expected a tap_ring {want[0]}, found none")
+    if tap_ring is not None and not want:
+        raise StepError("a tap_ring was given, but no graph records the DSpark taps (build_step(..., taps=...))")
     ins = step_inputs(interps[0].graph, state, tokens, pos)
     buffers = state_to_inputs(state)
+    if tap_ring is not None:
+        ins[TAP_RING] = buffers[TAP_RING] = tap_ring
     out: dict[str, torch.Tensor] = {}
     for ip in interps:
         if "hc_in" in ip.graph.inputs:

@@ -443,6 +443,54 @@ class RingWrite:
         return [out]
 
 
+@register("dspark_tap", ("ring", "positions", "x*"), ("ring_new",), ("slots", "window"))
+class DsparkTap:
+    """5.2(q): the DSpark taps of the step's rows. Inputs: the tap ring bf16 ``[window, n_taps * D]``, the row
+    positions, then one HC state bf16 ``[q, hc, D]`` per entry of ``slots`` (the output of a tapped layer), then
+    optionally ``n_valid`` (a padded prefill chunk). For each x with slot j, each row i at position p: ring row
+    ``p mod window``, columns ``j*D .. (j+1)*D``, = the bf16 mean of x[i] over the hc streams (``x.mean(-2)``,
+    as the reference records ``tap_rows``), rows written in order (only rows ``0 .. n_valid-1`` with
+    ``n_valid``); other columns and rows kept. A ring row is so ``main_hidden(p)`` once every slot is written."""
+
+    @staticmethod
+    def infer(ins, a):
+        ring, positions = ins[0], ins[1]
+        slots = tuple(a["slots"])
+        xs = ins[2:2 + len(slots)]
+        rest = ins[2 + len(slots):]
+        bad_valid = bool(rest) and (rest[0].shape, rest[0].dtype) != ((), "i64")
+        if not slots or len(xs) != len(slots) or len(rest) > 1 or bad_valid:
+            raise ValueError(f"dspark_tap: expected ring, positions, {len(slots)} HC states (one per slot) and an "
+                             f"optional i64 n_valid, found {', '.join(map(str, ins))}")
+        if ring.dtype != "bf16" or len(ring.shape) != 2 or ring.shape[0] != a["window"]:
+            raise ValueError(f"dspark_tap: ring must be bf16 [{a['window']}, n_taps*D], found {ring}")
+        d = xs[0].shape[-1]
+        if any(x.dtype != "bf16" or len(x.shape) != 3 or x.shape[-1] != d or x.shape[0] != positions.shape[0]
+               for x in xs):
+            raise ValueError(f"dspark_tap: HC states must be bf16 [q, hc, D] of one D, found "
+                             f"{', '.join(map(str, xs))}")
+        width = ring.shape[1]
+        if not isinstance(d, int) or not isinstance(width, int) or width % d:
+            raise ValueError(f"dspark_tap: ring width {width} is not a multiple of D = {d}")
+        if len(set(slots)) != len(slots) or any(not 0 <= s < width // d for s in slots):
+            raise ValueError(f"dspark_tap: slots {list(slots)} must be distinct in 0..{width // d - 1}")
+        return [ring]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        ring, positions = ins[0], ins[1]
+        slots = tuple(a["slots"])
+        out = ring.clone()
+        n = _valid_rows(ins, 2 + len(slots), positions.shape[0])
+        rows = [p % a["window"] for p in positions.tolist()[:n]]
+        for s, x in zip(slots, ins[2:2 + len(slots)]):
+            d = x.shape[-1]
+            m = x.mean(dim=-2)  # as Reference._step records tap_rows
+            for i, r in enumerate(rows):
+                out[r, s * d:(s + 1) * d] = m[i]
+        return [out]
+
+
 @register("compress", ("v", "g", "ape", "norm", "kv_state", "score_state", "rows", "positions", "freqs", "n_valid*"),
           ("kv_state_new", "score_state_new", "rows_new"), ("ratio", "d", "indexer", "emulate", "nope", "eps"))
 class Compress:

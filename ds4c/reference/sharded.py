@@ -8,7 +8,9 @@ What a shard owns, on its own device (``plan.devices[k]``), shared with no other
   the token embedding (5.1), the last shard the HC head, output norm and LM head (5.4);
 * the sequence state of its layers (section 4: window ring, compressed rows, compressor and indexer state),
   its position and its undo journal (section 6, Rollback);
-* its RoPE tables.
+* its RoPE tables;
+* the DSpark taps (spec 5.2(q)) of the tap layers it holds (:meth:`ShardedReference.set_taps`), gathered across the
+  shards by :meth:`ShardedReference.main_hidden`.
 
 The boundary between shard k and k + 1 is the HC state of the step's rows after layer ``stop - 1``: act
 dtype (bf16 in the spec's dataflow, fp32 in the fp32 one) ``[q, hc_mult, hidden]``, copied to the next
@@ -78,6 +80,8 @@ class ShardedReference:
         self.plan: ShardPlan = validate(ShardPlan(tuple(str(s.device) for s in shards),
                                                   tuple(s.layer_range[1] - s.layer_range[0] for s in shards)),
                                         cfg.n_layers)
+        self.taps: tuple[int, ...] = ()
+        """The DSpark tap layers recorded (:meth:`set_taps`), in ``main_hidden`` order."""
 
     @classmethod
     def load(cls, mf: ModelFile, plan: ShardPlan, max_ctx: int = 4096, dataflow: str = "bf16",
@@ -152,6 +156,40 @@ class ShardedReference:
         devices; not copies) in layer order, at :attr:`pos`. For inspection and comparisons
         (:meth:`SequenceState.equal` with an unsplit state on the same device); steps go through this object."""
         return SequenceState(self.cfg, self.max_ctx, [ls for s in self.shards for ls in s.state.layers], self.pos)
+
+    def set_taps(self, layers: Sequence[int]) -> None:
+        """Record the DSpark taps of ``layers`` from now on (spec 5.2(q); :meth:`Reference.set_taps`): each shard
+        records those of its layer range; :meth:`main_hidden` concatenates them in ``layers`` order. Empty: none.
+
+        Raises:
+            StepError: a layer that is not an int in 0..n_layers-1, or a repeated one.
+        """
+        from ds4c.ir.builder import check_taps
+
+        taps = check_taps(self.cfg, layers)
+        for s in self.shards:
+            a, b = s.layer_range
+            s.set_taps([l for l in taps if a <= l < b])
+        self.taps = taps
+
+    def main_hidden(self, start: int, stop: int) -> torch.Tensor:
+        """``main_hidden`` of the committed positions ``start .. stop - 1`` (spec 5.2(q)): tap j from the shard holding
+        layer ``taps[j]``, concatenated in ``taps`` order: act dtype ``[stop - start, len(taps) * hidden]`` on the last
+        shard's device (a new tensor), equal to the unsplit :meth:`Reference.main_hidden` bit for bit.
+
+        Raises:
+            StepError: no taps are recorded, or the range is not inside ``0 .. pos``.
+        """
+        if not self.taps:
+            raise StepError("main_hidden: this reference records no taps (ShardedReference.set_taps)")
+        if not 0 <= start <= stop <= self.pos:
+            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
+                            f"position {self.pos})")
+        parts = []
+        for layer in self.taps:
+            s = next(s for s in self.shards if s.layer_range[0] <= layer < s.layer_range[1])
+            parts.append(s.tap_rows[start:stop, s.taps.index(layer)].to(self.device))
+        return torch.cat(parts, dim=1)
 
     def reset(self) -> None:
         """Start a new sequence on every shard (state buffers at their initial values, pos = 0)."""

@@ -10,7 +10,8 @@ Variants (spec ds4-flash.md 5.1, 5.2(a),(b),(l),(m),(n),(p), 5.4.1, P1, P8):
 * ``embed_pre``: embedding row of each token copied into the hc streams (``x``), then HC pre + RMSNorm.
   Outputs ``x``, ``y``, ``post_new``, ``comb_new``.
 * ``post_head``: the last HC post, the HC head (sigmoid gate over hc logits, no Sinkhorn) and the final
-  RMSNorm. Output ``y`` only.
+  RMSNorm. Output ``y`` only; with ``streams`` also ``x_new`` (the last layer's new streams, written by stage
+  mix as in ``post_pre``: for a reader outside the boundary, the DSpark tap of spec 5.2(q)).
 * ``pre`` (a layer-split shard's first boundary): HC pre + RMSNorm on the incoming HC state ``x``. Outputs
   ``y``, ``post_new``, ``comb_new``.
 * ``post_out`` (a shard's last boundary): the HC post alone, one launch (stage mix without mixing sums).
@@ -35,7 +36,8 @@ aligned; ``n_vocab`` is a 32-bit int:
   ``fn`` f32 [n_mix, hc*D], ``x_new`` bf16 [q, hc, D], ``ws``.
 * mix, ``embed_pre``: ``tokens`` int64 [q], ``table`` bf16 [n_vocab, D], ``n_vocab``, ``fn``, ``x`` bf16
   [q, hc, D] (output), ``ws``.
-* mix, ``post_head``: ``out``, ``x``, ``post``, ``comb``, ``fn`` f32 [hc, hc*D], ``ws``.
+* mix, ``post_head``: ``out``, ``x``, ``post``, ``comb``, ``fn`` f32 [hc, hc*D], ``ws``; with ``streams``
+  ``x_new`` before ``ws``.
 * mix, ``pre``: ``x`` bf16 [q, hc, D] (input), ``fn``, ``ws``; norm: as ``embed_pre``.
 * mix, ``post_out``: ``out``, ``x``, ``post``, ``comb``, ``x_new`` (no norm stage).
 * norm, ``post_pre``: ``x_new``, ``ws``, ``scale`` f32 [3], ``base`` f32 [n_mix], ``norm_w`` f32 [D], ``y`` bf16
@@ -89,6 +91,8 @@ class HcSpec:
         eps: epsilon of the trailing RMSNorm (P1; ``norm_eps`` of the config).
         norm_eps: epsilon of the mixing-logit rsqrt (``rsqrt(mean(xf^2) + norm_eps)``).
         hc_eps: epsilon of the Sinkhorn split / head gate (``hc_eps``).
+        streams: ``post_head`` only: stage mix also writes the new streams ``x_new`` (the HC state after the
+            last layer, which the head otherwise only recomputes), for a DSpark tap of that layer.
     """
 
     variant: str
@@ -100,9 +104,13 @@ class HcSpec:
     eps: float = 1e-6
     norm_eps: float = 1e-6
     hc_eps: float = 1e-6
+    streams: bool = False
 
     def __post_init__(self) -> None:
         bad = []
+        if self.streams and self.variant != "post_head":
+            bad.append(f"streams with variant {self.variant!r} (only post_head has the choice: post_pre / embed_pre "
+                       f"always write their streams, pre / post_out have fixed outputs)")
         if self.variant not in VARIANTS:
             bad.append(f"variant {self.variant!r} (expected one of {', '.join(VARIANTS)})")
         if self.q < 1:
@@ -161,7 +169,8 @@ class HcSpec:
         return {"variant": self.variant, "stage": stage, "q": self.q, "hidden": self.hidden, "hc": self.hc,
                 "n_mix": self.n_mix, "npad": self.npad, "iters": self.iters, "threads_mix": MIX_THREADS,
                 "vec_mix": MIX_VEC, "threads_norm": nt, "vec_norm": vec, "eps_lit": _float_literal(self.eps),
-                "norm_eps_lit": _float_literal(self.norm_eps), "hc_eps_lit": _float_literal(self.hc_eps)}
+                "norm_eps_lit": _float_literal(self.norm_eps), "hc_eps_lit": _float_literal(self.hc_eps),
+                "streams": self.streams}
 
 
 def _float_literal(x: float) -> str:
@@ -215,14 +224,15 @@ def arg_names(spec: HcSpec) -> dict[str, list[str]]:
         return {"mix": ["x", "fn", "ws"], "norm": ["x", "ws", "scale", "base", "norm_w", "y", "post_new", "comb_new"]}
     if v == "post_out":
         return {"mix": ["out", "x", "post", "comb", "x_new"]}
-    return {"mix": ["out", "x", "post", "comb", "fn", "ws"],
+    return {"mix": ["out", "x", "post", "comb", "fn"] + (["x_new"] if spec.streams else []) + ["ws"],
             "norm": ["out", "x", "post", "comb", "ws", "scale", "base", "norm_w", "y"]}
 
 
 def output_names(spec: HcSpec) -> list[str]:
     """Names of the outputs, as :func:`reference` returns them."""
     return {"embed_pre": ["x", "y", "post_new", "comb_new"], "post_pre": ["x_new", "y", "post_new", "comb_new"],
-            "post_head": ["y"], "pre": ["y", "post_new", "comb_new"], "post_out": ["x_new"]}[spec.variant]
+            "post_head": ["x_new", "y"] if spec.streams else ["y"], "pre": ["y", "post_new", "comb_new"],
+            "post_out": ["x_new"]}[spec.variant]
 
 
 def workspace_floats(spec: HcSpec) -> int:
@@ -286,7 +296,7 @@ def reference(spec: HcSpec, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         x = P.hc_post(inputs["out"], inputs["x"], inputs["post"], inputs["comb"])
     if spec.variant == "post_head":
         y = P.hc_head(x, fn, scale, base, spec.hc_eps, spec.norm_eps)
-        return {"y": P.rms_norm(y, norm_w, spec.eps)}
+        return {**({"x_new": x} if spec.streams else {}), "y": P.rms_norm(y, norm_w, spec.eps)}
     y, post, comb = P.hc_pre(x, fn, scale, base, spec.iters, spec.hc_eps, spec.norm_eps)
     out = {} if spec.variant == "pre" else {"x" if spec.variant == "embed_pre" else "x_new": x}
     return {**out, "y": P.rms_norm(y, norm_w, spec.eps), "post_new": post, "comb_new": comb}

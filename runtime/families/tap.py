@@ -1,0 +1,131 @@
+"""The tap family: the DSpark taps of one step (spec ds4-flash.md 5.2(q); issue 13, speculative decoding) as one
+small kernel, the lowering of the IR op ``dspark_tap`` (``ds4c.ir.builder.build_step(..., taps=...)``). Template:
+``templates/tap/dspark_tap.cu.j2`` (its header gives the block layout and the numerics).
+
+For each step row r (position t = pos + r) and each tapped layer k of the graph, with its HC state ``x_k`` (bf16
+``[q, hc, D]``, the layer's output streams, an activation of the step), the kernel writes the bf16 mean over the
+``hc`` streams into the tap ring (bf16 ``[window, n_taps * D]``, a state buffer the step updates in place): row
+``t % window``, columns of the layer's slot ``[slot * D, (slot + 1) * D)``. A row holds ``main_hidden(t)`` (the taps
+concatenated in the drafter's order) once every slot is written; a shard of a layer split writes the slots of its
+layers only.
+
+Cost: it reads ``q * n_x * hc * D`` bf16 (q = 5, 3 taps, D = 4096: 480 KiB, L2-resident: the streams were just
+written) and writes ``q * n_x * D`` bf16, in one launch of ``q * n_x * ceil(D / 512)`` blocks of 64 threads: a
+microsecond-scale kernel, once per step.
+
+Numerics: bit for bit the reference's ``x.mean(dim=-2)`` (torch: the fp32 sum of the streams in order, divided by
+``hc``, rounded to bf16 once), checked against it and against the IR op on the CPU emulation of the kernel
+(tests/test_taps.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4c.runtime.families import Launch
+from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.targets import Target
+
+TEMPLATE = "tap/dspark_tap.cu.j2"
+FAMILY = "tap"
+THREADS = 64  # one wave on wave-64 targets, two on wave-32 ones
+VECS = (8, 4, 2, 1)  # bf16 per thread, widest first (8 = 16-byte loads)
+
+
+@dataclass(frozen=True)
+class TapSpec:
+    """One tap launch (all render-time).
+
+    Attributes:
+        q: rows of the step (1..window). hidden: D. hc: HC streams (a power of two). window: ring rows.
+        n_taps: taps of ``main_hidden`` (ring width ``n_taps * D``).
+        slots: the ring slot of each HC state the launch reads, in argument order (distinct, < n_taps).
+        layers: the layer of each (for the source's comments only; default the slots).
+    """
+
+    q: int
+    hidden: int
+    hc: int
+    window: int
+    n_taps: int
+    slots: tuple[int, ...]
+    layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not 1 <= self.q <= self.window:
+            bad.append(f"q {self.q} (expected 1..window {self.window}: the step's ring rows must be distinct)")
+        if self.hidden < 1:
+            bad.append(f"hidden {self.hidden} (expected >= 1)")
+        if self.hc < 1 or self.hc & (self.hc - 1):
+            bad.append(f"hc {self.hc} (expected a power of two: the mean's 1/hc must be exact)")
+        if not self.slots or len(set(self.slots)) != len(self.slots) or \
+                any(not 0 <= s < self.n_taps for s in self.slots):
+            bad.append(f"slots {list(self.slots)} (expected distinct slots in 0..n_taps-1 = {self.n_taps - 1})")
+        if self.layers and len(self.layers) != len(self.slots):
+            bad.append(f"layers {list(self.layers)} (expected one per slot {list(self.slots)})")
+        if bad:
+            raise RenderError(f"TapSpec: bad {'; '.join(bad)}")
+
+    @property
+    def vec(self) -> int:
+        """bf16 per thread: the widest of 8, 4, 2, 1 dividing D."""
+        return next(v for v in VECS if self.hidden % v == 0)
+
+    @property
+    def chunks(self) -> int:
+        """Blocks per (row, tap): ceil(D / (THREADS * vec))."""
+        return -(-self.hidden // (THREADS * self.vec))
+
+    def params(self) -> dict:
+        return {"q": self.q, "hc": self.hc, "hidden": self.hidden, "n_x": len(self.slots),
+                "ring_width": self.n_taps * self.hidden, "window": self.window, "threads": THREADS, "vec": self.vec,
+                "slots": list(self.slots), "layers": list(self.layers or self.slots),
+                "inv_hc_lit": float(1.0 / self.hc).hex() + "f"}
+
+
+def render_tap(spec: TapSpec, target: Target, name: str) -> KernelSource:
+    """The tap kernel of ``spec`` for ``target``.
+
+    Raises:
+        RenderError: the block size is not a multiple of the target's wave.
+    """
+    if THREADS % target.wave:
+        raise RenderError(f"tap {name}: block size {THREADS} is not a multiple of {target.slug}'s wave {target.wave}")
+    return render(TEMPLATE, name, FAMILY, target, spec.params())
+
+
+def launch_shape(spec: TapSpec) -> Launch:
+    """One block of 64 threads per (row, tap, chunk of ``64 * vec`` dims): grid ``q * len(slots) * chunks``."""
+    return Launch((spec.q * len(spec.slots) * spec.chunks, 1, 1), (THREADS, 1, 1), 0)
+
+
+def arg_names(spec: TapSpec) -> list[str]:
+    """``pos``, ``x0 .. x{n-1}`` (one per slot), ``ring``."""
+    return ["pos"] + [f"x{k}" for k in range(len(spec.slots))] + ["ring"]
+
+
+def reference(spec: TapSpec, pos: int, xs: list[torch.Tensor], ring: torch.Tensor) -> torch.Tensor:
+    """What the kernel leaves in ``ring`` (bf16 ``[window, n_taps * D]``, not modified): for each row r and each
+    ``xs[k]`` (bf16 ``[q, hc, D]``), row ``(pos + r) % window``, slot ``slots[k]``, = ``xs[k][r].mean(-2)``, as
+    the reference model records its taps (``ds4c.reference.model.Reference._step``).
+
+    Raises:
+        ValueError: ``xs`` not one bf16 ``[q, hc, D]`` tensor per slot, or ``ring`` not bf16 ``[window, n_taps * D]``.
+    """
+    want = (spec.q, spec.hc, spec.hidden)
+    if len(xs) != len(spec.slots) or any(x.dtype != torch.bfloat16 or tuple(x.shape) != want for x in xs):
+        raise ValueError(f"tap reference: expected {len(spec.slots)} bf16 {list(want)} HC states, found "
+                         f"{[(str(x.dtype), list(x.shape)) for x in xs]}")
+    if ring.dtype != torch.bfloat16 or tuple(ring.shape) != (spec.window, spec.n_taps * spec.hidden):
+        raise ValueError(f"tap reference: expected a bf16 ring [{spec.window}, {spec.n_taps * spec.hidden}], found "
+                         f"{ring.dtype} {list(ring.shape)}")
+    out = ring.clone()
+    D = spec.hidden
+    for s, x in zip(spec.slots, xs):
+        m = x.mean(dim=-2)
+        for r in range(spec.q):
+            out[(pos + r) % spec.window, s * D:(s + 1) * D] = m[r]
+    return out
