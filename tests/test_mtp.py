@@ -433,6 +433,10 @@ def test_the_targets_own_block_and_one_line_errors(mtp_path, tiny_path, target, 
     assert spec.tokens == m.generate(PROMPT, 6).result.tokens and spec.speculative["drafter"] == "mtp"
     ok = make_drafter(f"mtp:{mtp_path}", 512, config=TINY, target_file=target)
     assert ok.name == "mtp:tiny-mtp.gguf" and ok.source.mtp_only
+    synthetic = open_model("synthetic:tiny")  # the same model without a file: its rows are generated, not read
+    assert torch.equal(synthetic.rows("output.weight", 7, 9), target.tensor("output.weight")[7:9])
+    assert torch.equal(target.rows("token_embd.weight", 511, 512), target.tensor("token_embd.weight")[511:])
+    assert make_drafter(f"mtp:{mtp_path}", 512, config=synthetic.config, target_file=synthetic).source.mtp_only
     cases = [
         (lambda: make_drafter("mtp", 512, config=TINY, target_file=target), ModelFileError,
          r"--draft mtp: .* holds no MTP \(nextn\) block .*give --draft mtp:PATH"),
@@ -445,6 +449,7 @@ def test_the_targets_own_block_and_one_line_errors(mtp_path, tiny_path, target, 
         (lambda: open_mtp(make_mtp(preset("tiny-128"), tmp_path / "t128.gguf"), TINY), ModelFileError,
          r"does not fit the target 'tiny': expected index_n_heads = 4 \(the target's\), found 16"),
         (lambda: open_mtp(mtp_path, TINY.replace(window=32)), ModelFileError, "expected window = 32"),
+        (lambda: target.rows("output.weight", 510, 513), ModelFileError, r"rows of a 2-D tensor 'output.weight'"),
         (lambda: open_mtp(make_mtp(TINY, tmp_path / "s1.gguf", seed=1), TINY, target), ModelFileError,
          r"token_embd.weight differs from the target's"),
     ]

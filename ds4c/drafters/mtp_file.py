@@ -39,7 +39,6 @@ from ds4c.gguf_file import ModelFile, open_model
 EH_PROJ, ENORM, HNORM, HEAD_NORM = "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", \
     "nextn.shared_head_norm.weight"
 EMBED_TOKENS, SHARED_HEAD = "nextn.embed_tokens.weight", "nextn.shared_head_head.weight"
-HC_HEAD_NAMES = ("output_hc_fn.weight", "output_hc_scale.weight", "output_hc_base.weight")  # fn, scale, base
 SHARED_ROOTS = ("token_embd.weight", "output.weight")
 """Root tensors an MTP-only file holds as copies of the trunk's (the drafter uses the target's)."""
 
@@ -91,8 +90,8 @@ class MTPSource:
         for name in SHARED_ROOTS:
             if name not in self.file.specs:
                 continue
-            a = self.file.tensor(name)[rows]
-            b = target_file.tensor(name)[rows].to(a.device)
+            a = torch.cat([self.file.rows(name, r, r + 1) for r in rows])
+            b = torch.cat([target_file.rows(name, r, r + 1) for r in rows])
             if not torch.equal(a, b):
                 raise ModelFileError(f"{self.file.path}: {name} differs from the target's {target_file.path} (rows "
                                      f"{rows} compared): expected the MTP file of the target's checkpoint (an MTP "

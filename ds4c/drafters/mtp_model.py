@@ -18,10 +18,10 @@ llama.cpp starts a sequence):
 The block's KV row of position ``t`` depends on ``(x_t, h)`` only (it is computed before the attention), so committing
 positions needs no attention and no MoE: :meth:`MTPModel.commit` writes the KV rows of positions whose token and
 ``X_main(t - 1)`` are final (only the newest ``window`` are computed; older ones would be overwritten).
-:meth:`MTPModel.chain` runs the full block for a row and its continuation: row 0 (committed when asked) and up to
-``k - 1`` speculative rows at ``t + j``, each pairing the token drafted at ``j - 1`` with the block's own output
-state ``H_{t + j - 1}`` (llama.cpp's draft loop); the speculative rows' KV stay in a side buffer dropped when the chain
-ends, so the ring only ever holds rows of committed positions.
+:meth:`MTPModel.chain` runs the full block from the newest committed position ``t``: row 0 is that position's row
+(its KV row already in the ring), rows ``t + j`` (j = 1 .. k-1) are speculative, each pairing the token drafted by
+row j - 1 with row j - 1's output state ``H_{t + j - 1}`` (llama.cpp's draft loop); their KV rows stay in a side buffer
+dropped when the chain ends, so the ring only ever holds rows of committed positions.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from typing import Callable
 
 import torch
 
-from ds4c.drafters.mtp_file import (EH_PROJ, EMBED_TOKENS, ENORM, HC_HEAD_NAMES, HEAD_NORM, HNORM, SHARED_HEAD,
-                                    MTPSource, block_config)
+from ds4c.drafters.mtp_file import EH_PROJ, EMBED_TOKENS, ENORM, HEAD_NORM, HNORM, SHARED_HEAD, MTPSource, block_config
 from ds4c.errors import StepError
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
 from ds4c.reference.weights import LayerWeights
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32 = torch.float32
 
 
 class _BlockTensors:

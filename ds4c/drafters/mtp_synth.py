@@ -68,7 +68,7 @@ def mtp_producer(cfg: Ds4Config, seed: int, merged: bool = False
     trunk, own = producer(cfg, seed), producer(cfg, mtp_seed(seed))
 
     def produce(spec: TensorSpec, t: GGMLType) -> Iterator[np.ndarray]:
-        mine = spec.layer == cfg.n_layers or (not merged and spec.name.startswith("output_hc_"))
+        mine = spec.layer == cfg.n_layers or (not merged and spec.layer < 0 and spec.name not in TRUNK_ROOTS)
         yield from (own if mine else trunk)(spec, t)
 
     return produce
