@@ -321,8 +321,10 @@ class Model:
             stop: stop strings: generation ends when the text contains one; the text stops before it.
             ignore_eos: do not stop at the eos token.
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
-            draft: speculative decoding with this drafter (``"oracle:ALPHA"`` or a
-                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance.
+            draft: speculative decoding with this drafter (``"oracle:ALPHA"``, ``"dspark:PATH"``, ``"mtp"`` (this
+                file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.speculative.make_drafter`, or a
+                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance. The DSpark
+                and MTP drafters need the reference engine (a one-line StepError otherwise).
             spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
 
@@ -349,7 +351,7 @@ class Model:
         if isinstance(draft, str):
             from ds4c.speculative import make_drafter
 
-            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config)
+            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
         ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                            top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width)
         holder: dict[str, Any] = {}

@@ -112,9 +112,10 @@ def _split_options(fn):
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
                    "F32 (the same model, for exact comparisons with other engines, docs/interop.md); q2_k .. iq4_xs: "
                    "official with the routed experts in that llama.cpp type (Q8_0 for rows not a multiple of 256).")
-@click.option("--drafter", type=click.Choice(["dspark"]), default=None,
-              help="Write instead the synthetic DSpark drafter (spec section 7, llama.cpp's dflash layout) of the model "
-                   "this preset and seed make: give it to generate --draft FILE.")
+@click.option("--drafter", type=click.Choice(["dspark", "mtp"]), default=None,
+              help="Write instead a synthetic drafter of the model this preset and seed make: dspark, the DSpark "
+                   "drafter (spec section 7, llama.cpp's dflash layout; generate --draft FILE), or mtp, its MTP block "
+                   "(spec 7.5, llama.cpp's convert --mtp layout; generate --draft mtp:FILE).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
 def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | None, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
@@ -131,6 +132,13 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
 
         path = make_dspark(cfg, output, seed=seed, formats=formats)
         click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, DSpark drafter of preset {preset_name} seed "
+                   f"{seed}, formats {formats})")
+        return
+    if drafter == "mtp":
+        from ds4c.drafters.mtp_synth import make_mtp
+
+        path = make_mtp(cfg, output, seed=seed, formats=formats)
+        click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, MTP-only file of preset {preset_name} seed "
                    f"{seed}, formats {formats})")
         return
     types = storage_types(cfg, formats)
@@ -428,7 +436,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
 @click.option("--draft", default=None, metavar="DRAFTER",
               help="Speculative decoding: oracle:ALPHA drafts the target's own greedy continuation with each "
-                   "token wrong with probability 1-ALPHA (a benchmark of the loop).")
+                   "token wrong with probability 1-ALPHA (a benchmark of the loop); dspark:PATH or PATH.gguf a DSpark "
+                   "drafter file; mtp the model file's own MTP (nextn) block, mtp:PATH an MTP file (convert --mtp, "
+                   "make-model --drafter mtp). DSpark and MTP run on the reference engine.")
 @click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto",
               help="With --draft: verify rows per step (the last token and up to 4 drafts), or auto: per step from "
                    "the acceptance so far and each width's measured step cost.")
@@ -501,12 +511,13 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     if draft is not None:  # checked before the (possibly long) engine start
         from ds4c.speculative import make_drafter
 
-        drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config)
+        drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
         if not hasattr(drafter, "alpha") and (resolve_engine(device, engine, dataflow) != "reference"
                                               or devices is not None or layer_split is not None):
-            raise Ds4cError(f"--draft {draft}: the DSpark drafter reads the target's taps, which the unsplit "
-                            f"reference engine records (--engine reference, no --devices / --layer-split); the "
-                            f"compiled drafter is not written yet")
+            reads = "final HC state" if draft.startswith("mtp") else "taps"
+            raise Ds4cError(f"--draft {draft}: the drafter reads the target's {reads}, which the unsplit reference "
+                            f"engine records (--engine reference, no --devices / --layer-split); the compiled "
+                            f"drafter is not written yet")
     spec_width = _spec_width(spec_width)
     if drafter is not None:
         from ds4c.speculative import no_speculation

@@ -289,6 +289,16 @@ class ModelFile:
             t = torch.from_numpy(raw)
         return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0 .. r1 - 1`` of the 2-D tensor ``name`` dequantized: fp32 ``[r1 - r0, cols]`` on the host (only
+        those rows' bytes are read). Raises ModelFileError for an unknown or not 2-D name, or rows out of range."""
+        spec = self.specs.get(name) or self.mtp_specs.get(name)
+        if spec is None or len(spec.shape) != 2 or not 0 <= r0 <= r1 <= spec.shape[0]:
+            raise ModelFileError(f"{self.path}: expected rows of a 2-D tensor {name!r} within its shape, found "
+                                 f"{r0}..{r1 - 1} of {list(spec.shape) if spec else 'no such tensor'}")
+        raw = np.ascontiguousarray(np.asarray(self.raw(name))[r0:r1]).reshape(-1).view(np.uint8)
+        return dequantize(raw, self.ggml_type(name), (r1 - r0, spec.shape[1]))
+
     def tensor(self, name: str, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> torch.Tensor:
         """Tensor ``name`` dequantized to ``dtype`` (shape = its spec shape, torch order), on ``device`` (default

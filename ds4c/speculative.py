@@ -38,6 +38,8 @@ autoregressive pass before the request, with each draft token replaced by a wron
 ``1 - ALPHA`` (seeded): a benchmark of the loop at a chosen acceptance rate, since synthetic weights make any
 trained-style drafter's acceptance near zero. ``dspark:PATH`` (or a ``PATH.gguf``) is the DeepSeek-V4-Flash-0731
 DSpark drafter of that file on the reference engine (:class:`ds4c.drafters.dspark.DSparkDrafter`; spec section 7).
+``mtp`` / ``mtp:PATH`` is the MTP (nextn) block of the target file or of a separate file, on the reference engine
+(:class:`ds4c.drafters.mtp.MTPDrafter`; spec 7.5).
 A drafter with a ``configure_sampling(temperature, top_k, top_p, generator)`` method is told the request's sampling
 before its first proposal (the DSpark drafter then samples its drafts from the ``q`` it returns, as the exact rule
 needs).
@@ -123,15 +125,19 @@ class OracleDrafter:
         return out, None
 
 
-def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None) -> Drafter:
-    """The drafter a ``--draft`` value names: ``oracle:ALPHA``, or ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
+def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, target_file: Any = None) -> Drafter:
+    """The drafter a ``--draft`` value names: ``oracle:ALPHA``; ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
     file, :class:`ds4c.drafters.dspark.DSparkDrafter`, checked against ``config``, the target's
-    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``).
+    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``); ``mtp`` (the MTP block of the target file
+    ``target_file`` itself) or ``mtp:PATH`` (a separate file holding one, llama.cpp's ``convert --mtp`` export or
+    ``ds4c make-model --drafter mtp``; checked against ``config`` and the target file's embedding and head):
+    :class:`ds4c.drafters.mtp.MTPDrafter`, spec 7.5.
 
     Raises:
-        StepError: an unknown drafter or a bad ALPHA (one line, naming what was expected).
-        ModelFileError: a DSpark file that is missing, invalid, or does not fit the target (its vocabulary not
-            ``vocab_size``).
+        StepError: an unknown drafter, a bad ALPHA, ``mtp`` without ``target_file`` (one line, naming what was
+            expected).
+        ModelFileError: a DSpark or MTP file that is missing, invalid, or does not fit the target (its vocabulary not
+            ``vocab_size``); ``mtp`` with a target that holds no MTP block.
     """
     text = str(spec)
     kind, _, arg = text.partition(":")
@@ -141,6 +147,17 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None) 
         except ValueError:
             raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {arg!r}") from None
         return OracleDrafter(alpha, vocab_size, seed)
+    if kind == "mtp":
+        from ds4c.drafters.mtp import MTPDrafter
+
+        if arg:
+            return MTPDrafter(arg, seed=seed, target=config, target_file=target_file)
+        if text != "mtp":
+            raise StepError(f"--draft {text!r}: expected mtp (the target's own MTP block) or mtp:PATH")
+        if target_file is None:
+            raise StepError("--draft mtp uses the target file's own MTP block: expected the target's model file "
+                            "(make_drafter(..., target_file=...)), found none")
+        return MTPDrafter.of_target(target_file, seed=seed)
     path = arg if kind == "dspark" and arg else text if text.endswith(".gguf") else None
     if path is not None:
         from ds4c.drafters.dspark import DSparkDrafter
@@ -152,7 +169,7 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None) 
                                  f"target's {vocab_size}")
         return d
     raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA, dspark:PATH or PATH.gguf (a DSpark drafter "
-                    f"file; the MTP drafter is not available yet)")
+                    f"file), mtp (the target's own MTP block) or mtp:PATH (an MTP file)")
 
 
 class WidthPolicy:

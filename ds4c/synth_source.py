@@ -190,6 +190,15 @@ class SyntheticModel(ModelFile):
             off += n
         return out
 
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0 .. r1 - 1`` of the 2-D tensor ``name`` dequantized (only those rows generated): fp32
+        ``[r1 - r0, cols]`` on the host (as :meth:`ModelFile.rows`)."""
+        spec = self._spec(name)
+        if len(spec.shape) != 2 or not 0 <= r0 <= r1 <= spec.shape[0]:
+            raise ModelFileError(f"{self.path}: expected rows of a 2-D tensor {name!r} within its shape, found "
+                                 f"{r0}..{r1 - 1} of {list(spec.shape)}")
+        return dequantize(self._rows(spec, r0, r1, torch.device("cpu")), self.types[name], (r1 - r0, spec.shape[1]))
+
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes/values of ``name`` on the host as numpy, shaped as a GGUF reader gives them (F32 /
         F16 / I32 values in the tensor's shape; other types uint8 ``[..., row bytes]``). Generated per call."""

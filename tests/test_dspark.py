@@ -245,7 +245,7 @@ def test_damaged_files_and_wrong_targets(tmp_path, dspark5, tiny_path):
     with pytest.raises(ModelFileError, match="the drafter's vocabulary has 512 tokens, the target's 1024") as ei:
         make_drafter(str(dspark5), 1024)
     _one_line(ei)
-    for spec in ("dspark", "dspark:", "mtp:x"):
+    for spec in ("dspark", "dspark:", "mtpx"):
         with pytest.raises(StepError, match=f"unknown drafter '{spec}': expected oracle:ALPHA, dspark:PATH") as ei:
             make_drafter(spec, 512)
         _one_line(ei)

@@ -498,6 +498,8 @@ class CompiledReference(Reference):
 
     records_taps = False
     """Its compiled step records no DSpark taps (the drafter refuses it)."""
+    records_final_hc = False
+    """Nor the final HC state the MTP drafter reads (the drafter refuses it)."""
 
     def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, mode: str = "default",
                  dynamic: bool | None = None, backend: str = "inductor", span_bucket: int = 64,

@@ -62,6 +62,8 @@ class Reference:
 
     records_taps = True
     """:meth:`set_taps` makes its steps record the target taps a DSpark drafter reads (spec 5.2(q))."""
+    records_final_hc = True
+    """:meth:`record_final_hc` makes its steps record the final HC state an MTP drafter reads (spec 7.5)."""
 
     def __init__(self, weights: ReferenceWeights, max_ctx: int = 4096, dataflow: str | None = None,
                  taps: tuple[int, ...] = ()):
@@ -86,6 +88,9 @@ class Reference:
         }
         self.state = self._new_state()
         self.set_taps(taps)
+        self.final_hc_rows: torch.Tensor | None = None
+        """With :meth:`record_final_hc` on: act dtype ``[window + MAX_WIDTH, hc_mult, hidden]``, the HC state
+        after the last layer (before ``hc_head``) of position t at row ``t mod (window + MAX_WIDTH)``."""
 
     @property
     def is_whole(self) -> bool:
@@ -217,6 +222,47 @@ class Reference:
                             f"position {self.state.pos})")
         return self.tap_rows[start:stop].flatten(1)
 
+    def record_final_hc(self, on: bool = True) -> None:
+        """Record from now on (``on``) or not the final HC state ``X`` of every step row: the 4 streams after the
+        last layer, before the HC head (spec 5.4.1's input; ``X_main`` of spec 7.5, the MTP drafter's input), act
+        dtype, into a ring of ``window + MAX_WIDTH`` rows (the newest committed ``window`` positions stay readable
+        after any rollback, :meth:`final_hc`). Off (the default) costs the step nothing; turning it on again
+        keeps no earlier rows.
+
+        Raises:
+            StepError: this reference is a shard that does not end at the last layer.
+        """
+        if not on:
+            self.final_hc_rows = None
+            return
+        if not self.is_last:
+            a, b = self.layer_range
+            raise StepError(f"record_final_hc: the shard of layers [{a},{b}) does not run the last layer "
+                            f"({self.cfg.n_layers - 1}), whose output the final HC state is")
+        self.final_hc_rows = torch.zeros(self.cfg.window + MAX_WIDTH, self.cfg.hc_mult, self.cfg.hidden_size,
+                                         dtype=P.DATAFLOWS[self.dataflow], device=self.device)
+
+    def final_hc(self, start: int, stop: int) -> torch.Tensor:
+        """The final HC states of the committed positions ``start .. stop - 1`` (see :meth:`record_final_hc`): act
+        dtype ``[stop - start, hc_mult, hidden]`` (a copy). Rows of rolled-back positions are overwritten when the
+        position is computed again; a verify step writes at most ``MAX_WIDTH`` rows past the committed ones, so the
+        ring of ``window + MAX_WIDTH`` rows always holds the newest ``window`` committed positions.
+
+        Raises:
+            StepError: recording is off, or the range is not inside the newest ``window`` committed positions
+                ``max(0, pos - window) .. pos - 1``.
+        """
+        rows = self.final_hc_rows
+        if rows is None:
+            raise StepError("final_hc: this reference records no final HC state (record_final_hc(True) first)")
+        pos = self.state.pos
+        lo = max(0, pos - self.cfg.window)
+        if not lo <= start <= stop <= pos:
+            raise StepError(f"final_hc: expected positions inside the newest committed {lo}..{pos - 1}, found "
+                            f"{start}..{stop - 1}")
+        idx = torch.arange(start, stop, device=rows.device) % rows.shape[0]
+        return rows[idx]
+
     def rollback(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
         self.state.rollback(accepted)
@@ -275,6 +321,10 @@ class Reference:
         if not self.is_last:  # the boundary of a layer split: the HC state of the step's rows
             st.pos = p0 + q
             return x
+        if self.final_hc_rows is not None:  # spec 7.5's X_main, for an MTP drafter
+            n = self.final_hc_rows.shape[0]
+            for r in range(q):
+                self.final_hc_rows[(p0 + r) % n] = x[r]
         y = P.hc_head(x, *w.hc_head, cfg.hc_eps, cfg.norm_eps)  # 5.4
         y = P.rms_norm(y, w.out_norm, cfg.norm_eps)
         logits = P.linear_f32(y, w.head)
