@@ -425,7 +425,8 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
     """:func:`speculative_tokens` for a greedy request with a host-only drafter on a
     :class:`~ds4c.runtime.spec_pipeline.GreedyPipeline`. Each step N+1 is queued (its width chosen by the policy
     from the steps before N, its bucket for the furthest position N can reach) before step N's ids are awaited;
-    then the drafts of N+1 are made and released into it. The output is the synchronous loop's: the same
+    then the drafts of N+1 are made and released into it, before N's tokens are yielded (the consumer's time
+    per token overlaps the GPU's next step). The output is the synchronous loop's: the same
     acceptance on the same rows. On closing, a queued step still held runs with no drafts (the state may then
     hold one step more than was consumed; the stepper's ``pos`` says how far it went)."""
     out = [int(first)]
@@ -449,19 +450,22 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
             t1 = time.perf_counter()
             new = pipe.result()
             stats.host_s["verify+accept"] += time.perf_counter() - t1
+            pos, last = pos + len(new), new[-1]
+            take = new[:n - produced]
+            out.extend(take)
+            ending = produced + len(take) >= n
+            if not ending:  # the next step starts before this one's tokens go to the consumer
+                pipe.release([last] + drafts_for(k_next), pos)
             if k:
                 stats.record(k, len(new) - 1)
                 policy.update(k, len(new) - 1)
             else:
                 stats.record(0, 0)
-            pos, last = pos + len(new), new[-1]
-            for t in new[:n - produced]:
-                out.append(t)
+            for t in take:
                 produced += 1
                 yield t
-            if produced >= n:
+            if ending:
                 return
             k = k_next
-            pipe.release([last] + drafts_for(k), pos)
     finally:
         pipe.close(last, pos)
