@@ -427,8 +427,9 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
     from the steps before N, its bucket for the furthest position N can reach) before step N's ids are awaited;
     then the drafts of N+1 are made and released into it, before N's tokens are yielded (the consumer's time
     per token overlaps the GPU's next step). The output is the synchronous loop's: the same
-    acceptance on the same rows. On closing, a queued step still held runs with no drafts (the state may then
-    hold one step more than was consumed; the stepper's ``pos`` says how far it went)."""
+    acceptance on the same rows. On closing, the released step completes and a held one runs as a plain
+    decode (the state may then hold up to two steps more than were consumed; the stepper's ``pos`` says how
+    far it went)."""
     out = [int(first)]
     pos, last, produced = len(prompt), int(first), 0
 

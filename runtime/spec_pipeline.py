@@ -22,7 +22,7 @@ Rules:
   chosen for the furthest position step N can reach. A larger bucket is always valid; it only pads more.
 * Every enqueued step must be released. A step not needed any more (the generation ended) is released by
   :meth:`close` with valid scalars (the last accepted token at the next position, no drafts). So, as with the
-  decode loop's lag, the state can hold one step more than was consumed; :attr:`CompiledStep.pos` says how far
+  decode loop's lag, the state can hold up to two steps more than were consumed; :attr:`CompiledStep.pos` says how far
   it went.
 * Every (width, bucket) graph used, and the acceptance behind it, must have been captured by ``prepare_all``.
   Capturing runs the step eagerly, which must not happen behind a queued step. Nothing enqueued behind the flag

@@ -282,7 +282,8 @@ class _QueuedOnTheReference:
 def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
     """ds4c.speculative's pipelined loop (each step queued before the previous one's result, as on the compiled
     step) gives the synchronous loop's tokens and steps on the reference, ends with nothing queued and a
-    state one decode past the output at most, also when the consumer stops early."""
+    state at most two steps past the output (the step released before the consumer stopped), also when the
+    consumer stops early."""
     from ds4c.speculative import _pipelined_tokens
 
     sync = generate(ref, PROMPTS[0], 120, draft=OracleDrafter(0.7, 512, seed=2, continuation=ar[0]),
@@ -302,7 +303,7 @@ def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
         got = [first] + [t for _, t in zip(range(n - 1), gen)]
         gen.close()
         assert got == sync.tokens[:n]
-        assert not pipe.queue and 0 <= ref.state.pos - (len(prompt) + n - 1) <= width
+        assert not pipe.queue and 0 <= ref.state.pos - (len(prompt) + n - 1) <= 2 * width
         if n == 120:  # the same steps, but for the last one's width: chosen before the tokens left were known
             a, b = stats.as_dict()["widths"], sync.speculative["widths"]
             assert sum(a.values()) == sum(b.values())
