@@ -67,6 +67,8 @@ class DSparkDrafter:
         self.confidence: list[float] | None = None
         self.last_draft: Draft | None = None
         self.last_written: list[int] = []
+        self.compiled: Any = None
+        """The :class:`~ds4c.runtime.dspark_exec.CompiledDSpark` when the stepper is a compiled step."""
 
     @property
     def block_size(self) -> int:
@@ -91,6 +93,13 @@ class DSparkDrafter:
             StepError: a stepper that records no taps (the compiled step, a layer split: use the reference engine).
             ModelFileError: the drafter does not fit the target.
         """
+        self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.confidence, self.last_draft, self.last_written = None, None, []
+        if callable(getattr(stepper, "shared_weight", None)):  # the compiled step: the compiled drafter
+            self._prepare_compiled(stepper)
+            return
+        self.compiled = None
         if not getattr(stepper, "records_taps", False) or not callable(getattr(stepper, "main_hidden", None)):
             raise StepError(f"the DSpark drafter needs the target's taps (spec 5.2(q)), which only the unsplit "
                             f"reference engine records (--engine reference, no layer split); found a "
@@ -102,9 +111,26 @@ class DSparkDrafter:
             stepper.set_taps(self.file.taps)
         self.model.reset()
         self._stepper = stepper
-        self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.confidence, self.last_draft, self.last_written = None, None, []
+
+    def _prepare_compiled(self, stepper: Any) -> None:
+        """:meth:`prepare` on a :class:`~ds4c.runtime.executor.CompiledStep`: the compiled drafter
+        (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, built and captured once per step), its rings reset. The
+        step must record the drafter's taps: a device ``tap_ring`` (bf16 [window, len(taps) * D], row ``t % window``
+        = ``main_hidden(t)``) or a ``main_hidden(start, stop)`` method, with ``taps`` equal to the file's."""
+        from ds4c.runtime.dspark_exec import CompiledDSpark
+
+        taps = tuple(getattr(stepper, "taps", None) or ())
+        has_rows = getattr(stepper, "tap_ring", None) is not None or callable(getattr(stepper, "main_hidden", None))
+        if taps != self.file.taps or not has_rows:
+            raise StepError(f"the compiled DSpark drafter reads the target's taps of layers {list(self.file.taps)} "
+                            f"(spec 5.2(q)) from the compiled step's tap_ring; found a {type(stepper).__name__} "
+                            f"recording taps {list(taps)}{'' if has_rows else ' and no tap_ring'} (build the step "
+                            f"with taps={tuple(self.file.taps)}, or use --engine reference)")
+        if self.compiled is None or self.compiled.step is not stepper:
+            self.compiled = CompiledDSpark(self.file, stepper)
+            self.compiled.prepare(progress=False)
+        self.compiled.reset()
+        self._stepper = stepper
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """``k`` drafts after ``context`` (prompt + tokens so far; ``context[-1]`` is the anchor, not yet run by the
@@ -115,16 +141,19 @@ class DSparkDrafter:
             StepError: before :meth:`prepare`; ``k`` outside 0..block_size; the target not at ``len(context) - 1`` or
                 behind the rings (a context that went back).
         """
-        st, m = self._stepper, self.model
+        st, m = self._stepper, (self.compiled or self.model)
         if st is None or m is None:
             raise StepError("DSparkDrafter.propose before prepare(stepper, prompt, max_new_tokens)")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.block_size:
             raise StepError(f"the DSpark drafter drafts 0..{self.block_size} tokens per step (block_size), asked for "
                             f"{k!r}: use a speculative width of at most {self.block_size + 1}")
         n = len(context) - 1  # committed positions 0 .. n-1; context[-1] sits at n
-        if st.state.pos != n:
-            raise StepError(f"DSpark drafter: the target is at position {st.state.pos}, the context asks for {n} "
+        at = st.pos if self.compiled is not None else st.state.pos
+        if at != n:
+            raise StepError(f"DSpark drafter: the target is at position {at}, the context asks for {n} "
                             f"(the anchor context[-1] is the next token the target runs)")
+        if self.compiled is not None:
+            return self._propose_compiled(context, k)
         start = m.ring_pos
         if n < start:
             raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
@@ -136,3 +165,64 @@ class DSparkDrafter:
         self.last_draft = d
         self.confidence = None if d.confidence is None else torch.sigmoid(d.confidence).tolist()
         return d.tokens[:k], None if d.q is None else d.q[:k]
+
+    def _propose_compiled(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """:meth:`propose` on the compiled drafter: commit the positions accepted since the last call (from the
+        step's tap ring, on the device), then one draft graph replay. Greedy: the graph's Markov argmax chain.
+        Sampling: the graph's head logits ``base`` and ``hx``, then the chain sampled as the reference does
+        (:meth:`~ds4c.drafters.dspark_model.DSparkModel.markov` on the device copies of ``markov_w1`` / ``w2``, the
+        draws on the CPU from the request's generator), ``q`` returned on the CPU."""
+        cd, st = self.compiled, self._stepper
+        assert cd is not None
+        n = len(context) - 1
+        start = cd.ring_pos
+        if n < start:
+            raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
+                            f"prepare() starts a new request")
+        self.last_written = list(range(max(start, n - cd.window), n))
+        if n > start:
+            ring = getattr(st, "tap_ring", None)
+            if ring is not None:
+                cd.commit_taps(start, n, ring)
+            else:
+                cd.commit(start, st.main_hidden(start, n))
+        d = cd.draft(int(context[-1]))
+        if self.temperature == 0:
+            self.last_draft = Draft(d.tokens, d.logits, None, d.confidence)  # device tensors, valid until the next
+        else:
+            self.last_draft = sample_chain(cd, d.base, cd.values()["head.y"], int(context[-1]), self.temperature,
+                                           self.top_k, self.top_p, self.generator)
+        dr = self.last_draft
+        self.confidence = None if dr.confidence is None else torch.sigmoid(dr.confidence).tolist()
+        return dr.tokens[:k], None if dr.q is None else dr.q[:k]
+
+
+def sample_chain(cd: Any, base: torch.Tensor, hx: torch.Tensor, t0: int, temperature: float, top_k: int,
+                 top_p: float, generator: torch.Generator | None) -> Draft:
+    """7.3.3-4 with sampling on the compiled drafter's outputs: for ``i = 0 .. B-1``: ``logits_i = base_i + w2 .
+    w1[out_i]`` (fp32, on the device, ``out_0 = t0``), ``q_i = softmax(filter(logits_i) / temperature)`` and
+    ``out_{i+1} ~ q_i`` drawn on the CPU with ``generator`` (as :meth:`DSparkModel.markov`), and the confidence
+    logits from ``hx`` (bf16 [B, D]). ``cd``: a :class:`~ds4c.runtime.dspark_exec.CompiledDSpark` (its bf16
+    ``markov_w1`` / ``markov_w2`` / ``conf_proj`` device copies). Returns a :class:`Draft` on the CPU."""
+    from ds4c.generate import filter_logits
+
+    w1 = cd._weight("markov_w1.weight", "f32")  # fp32 copies (the reference's arithmetic), made at the first use
+    w2 = cd._weight("markov_w2.weight", "f32")
+    proj = cd._weight("conf_proj.weight", "f32") if cd.file.has_confidence else None
+    bias = cd._weight("conf_proj.bias", "f32") if cd.file.has_conf_bias else None
+    out, rows, qs, conf = [], [], [], []
+    prev = int(t0)
+    with torch.no_grad():
+        for i in range(base.shape[0]):
+            emb = w1[prev]
+            li = base[i].float() + w2 @ emb
+            lc = li.cpu()
+            rows.append(lc)
+            if proj is not None:
+                c = proj.reshape(-1) @ torch.cat((hx[i].float(), emb))
+                conf.append((c + bias.reshape(())) if bias is not None else c)
+            qi = torch.softmax(filter_logits(lc.unsqueeze(0), temperature, top_k, top_p) / temperature, dim=-1)[0]
+            prev = int(torch.multinomial(qi, 1, generator=generator))
+            qs.append(qi)
+            out.append(prev)
+    return Draft(out, torch.stack(rows), torch.stack(qs), torch.stack(conf).float().cpu() if conf else None)
