@@ -506,7 +506,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                                               or devices is not None or layer_split is not None):
             raise Ds4cError(f"--draft {draft}: the DSpark drafter reads the target's taps, which the unsplit "
                             f"reference engine records (--engine reference, no --devices / --layer-split); the "
-                            f"compiled drafter is not written yet")
+                            f"compiled drafter (runtime/dspark_exec.py) waits for the compiled step to record them")
     spec_width = _spec_width(spec_width)
     if drafter is not None:
         from ds4c.speculative import no_speculation

@@ -66,6 +66,51 @@ class CompiledDraft:
     confidence: torch.Tensor | None
 
 
+GRAPH_KEYS = tuple(f"commit{n}" for n in range(1, MAX_COMMIT_ROWS + 1)) + ("draft",)
+"""The drafter's graphs: the commits of 1..5 rows and the draft."""
+STEP_SCALARS = ("pos", "positions", "tokens")
+"""The per-step scalars the drafter's step buffer holds (a kernel asking for another is an error)."""
+
+
+def build_graph(key: str, stage: Any, dfile: DSparkFile, target: Any, types: dict[str, GGMLType]
+                ) -> tuple[Graph, list[LoweredKernel]]:
+    """Graph ``key`` (:data:`GRAPH_KEYS`) of ``dfile``'s drafter for the stages' config ``stage``: built
+    (:mod:`ds4c.ir.dspark`), through its pipeline, and lowered for ``target`` with the weights' storage ``types``.
+
+    Raises:
+        StepError: an unknown key; LoweringError: a weight stored in a format no kernel reads.
+    """
+    if key == "draft":
+        g = run_pipeline(build_dspark_draft(stage, dfile.block_size, dfile.markov_rank, dfile.has_confidence,
+                                            dfile.has_conf_bias), DRAFT_PIPELINE, context=stage.window).graph
+    elif key in GRAPH_KEYS:
+        g = run_pipeline(build_dspark_commit(stage, len(dfile.taps), int(key[len("commit"):])), COMMIT_PIPELINE).graph
+    else:
+        raise StepError(f"no DSpark graph {key!r}: expected one of {list(GRAPH_KEYS)}")
+    return g, lower_graph(g, stage, target, types)
+
+
+def check_bindings(g: Graph, kernels: list[LoweredKernel], dfile: DSparkFile, state: set[str]) -> None:
+    """Check that every launch argument of a drafter graph has a buffer the runtime provides: a step scalar of
+    :data:`STEP_SCALARS`, a weight of the drafter file or a shared target tensor (:data:`SHARED`), a ring
+    (``state``), the commit input ``main_hidden``, a constant, or an activation (:func:`arena_layout`).
+
+    Raises:
+        StepError: naming the first argument with none (a lowering the drafter's runtime does not serve).
+    """
+    names = value_names(g)
+    known = set(state) | {"main_hidden"} | {names[op.outputs[0]] for op in g.ops if op.kind == "const"}
+    known |= set(arena_layout(g, kernels, known)[0])
+    for k in kernels:
+        for la in k.launches:
+            for a in la.args:
+                bad = (a.kind == "step" and a.name not in STEP_SCALARS) or (a.kind == "value" and a.name not in known) \
+                    or (a.kind == "weight" and a.name not in dfile.specs and a.name not in SHARED)
+                if bad:
+                    raise StepError(f"DSpark graph {g.meta.get('dspark')}: kernel {la.kernel.entry} ({k.name}) reads "
+                                    f"{a.kind} {a.name!r}, which the compiled drafter does not provide")
+
+
 class CompiledDSpark:
     """The DSpark drafter on the target step's GPU (module docstring).
 
@@ -80,8 +125,8 @@ class CompiledDSpark:
         StepError: the step is a layer-split shard, has an artifact (the drafter's kernels come from the kernel
             cache; an artifact carries none yet), or the block size is outside 1..5.
 
-    Attributes: ``cfg`` (the stages' config), ``block_size``, ``taps``, ``noise_id``, ``window``, ``ring_pos`` (positions
-    ``0 .. ring_pos-1`` committed), ``captures`` (CUDA graphs captured so far), ``rows_written``.
+    Attributes: ``cfg`` (the stages' config), ``block_size``, ``taps``, ``noise_id``, ``window``, ``ring_pos``
+    (positions ``0 .. ring_pos-1`` committed), ``captures`` (CUDA graphs captured so far), ``rows_written``.
     """
 
     def __init__(self, dfile: DSparkFile, step: CompiledStep, use_graphs: bool = True):
@@ -138,14 +183,9 @@ class CompiledDSpark:
 
     # ------------------------------------------------------------------------------------------ graphs
     def _build(self, key: str) -> tuple[Graph, list[LoweredKernel]]:
-        f = self.file
-        if key == "draft":
-            g = run_pipeline(build_dspark_draft(self.cfg, self.block_size, f.markov_rank, f.has_confidence,
-                                                f.has_conf_bias), DRAFT_PIPELINE, context=self.window).graph
-        else:
-            g = run_pipeline(build_dspark_commit(self.cfg, len(self.taps), int(key[len("commit"):])),
-                             COMMIT_PIPELINE).graph
-        return g, lower_graph(g, self.cfg, self.step.target, self._types)
+        g, kernels = build_graph(key, self.cfg, self.file, self.step.target, self._types)
+        check_bindings(g, kernels, self.file, set(self.state))
+        return g, kernels
 
     def prepare(self, progress: bool = True) -> dict[str, Any]:
         """Build, lower, compile (what the kernel cache lacks, one parallel batch), load, upload the weights, bind
@@ -157,8 +197,7 @@ class CompiledDSpark:
         Raises:
             CompileError: a kernel failed to compile; LoweringError: a weight format no kernel reads.
         """
-        keys = [f"commit{n}" for n in range(1, MAX_COMMIT_ROWS + 1)] + ["draft"]
-        todo = [k for k in keys if k not in self._graphs]
+        todo = [k for k in GRAPH_KEYS if k not in self._graphs]
         with torch.cuda.device(self.dev):
             t0 = time.perf_counter()
             built = {k: self._build(k) for k in todo}
@@ -229,10 +268,7 @@ class CompiledDSpark:
             return self._weight(a.name, a.form or "f32")
         if a.kind == "int":
             return int(a.value)
-        if a.kind == "step":
-            if a.name not in self._off:
-                raise StepError(f"the DSpark graphs read the step scalars pos, positions, tokens; a kernel asks for "
-                                f"{a.name!r}")
+        if a.kind == "step":  # names checked by check_bindings
             return self._step_dev[self._off[a.name]:]
         if a.kind == "workspace":
             t = self._workspaces.get(a.name)

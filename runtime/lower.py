@@ -506,7 +506,8 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _lower_markov(c: _Ctx, op: Op) -> list[Launch]:
-    """7.3.3: the greedy Markov chain, one ``depth`` launch per block row, then ``final`` (runtime/families/dspark.py)."""
+    """7.3.3: the greedy Markov chain, one ``depth`` launch per block row, then ``final``
+    (runtime/families/dspark.py)."""
     mc = next(b for b in (op.body or [op]) if b.kind == "markov_chain")
     base, _tok, w1, w2 = mc.inputs
     spec = _mk_spec(c, mc)

@@ -18,6 +18,11 @@ from ``q``, so returning softmax ``q`` with argmax drafts would bias the output.
 
 After each proposal, :attr:`DSparkDrafter.confidence` holds the sigmoid of the confidence logits per block depth
 (7.3.4), for a width policy (none uses it yet).
+
+On a compiled target (a :class:`~ds4c.runtime.executor.CompiledStep`, recognised by its ``shared_weight``) the same
+drafter runs compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, docs/drafter.md): the choice is made here,
+at :meth:`DSparkDrafter.prepare`, from the stepper the loop gives, so ``make_drafter`` and the engine need no
+second drafter kind.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ class DSparkDrafter:
         reset the rings and the sampling (greedy until :meth:`configure_sampling`).
 
         Raises:
-            StepError: a stepper that records no taps (the compiled step, a layer split: use the reference engine).
+            StepError: a stepper that records no taps (a layer split; a compiled step without the drafter's taps:
+                its ``taps`` / ``tap_ring``, see :meth:`_prepare_compiled`).
             ModelFileError: the drafter does not fit the target.
         """
         self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0

@@ -141,7 +141,7 @@ def build_dspark_draft(stage: Ds4Config, block_size: int, markov_rank: int, conf
     g.outputs.update(base=head, logits=logits, drafts=drafts)
     if confidence:
         bias = (b.param(CONF_BIAS, (1,)),) if conf_bias else ()
-        g.outputs["confidence"] = b.op("dspark_confidence", hx, tok, drafts, w1, b.param(CONF_PROJ, (1, D + markov_rank)),
-                                       *bias, name="confidence")
+        proj = b.param(CONF_PROJ, (1, D + markov_rank))
+        g.outputs["confidence"] = b.op("dspark_confidence", hx, tok, drafts, w1, proj, *bias, name="confidence")
     g.meta = {**g.meta, "dspark": "draft", "block_size": block_size}
     return g

@@ -247,7 +247,8 @@ def arg_shapes(spec: HcSpec, n_vocab: int = 0) -> dict[str, tuple[tuple[int, ...
             "x": ((q, hc, D), bf), "post": ((q, hc), f32), "comb": ((q, hc, hc), f32), "fn": ((n, hc * D), f32),
             "x_new": ((q, hc, D), bf), "ws": ((workspace_floats(spec),), f32),
             "scale": ((1 if spec.variant == "post_head" else 3,), f32), "base": ((n,), f32),
-            "norm_w": ((D,), f32), "y": ((q, D), bf), "y_pre": ((q, D), bf), "post_new": ((q, hc), f32), "comb_new": ((q, hc, hc), f32)}
+            "norm_w": ((D,), f32), "y": ((q, D), bf), "y_pre": ((q, D), bf), "post_new": ((q, hc), f32),
+            "comb_new": ((q, hc, hc), f32)}
 
 
 def bytes_read(spec: HcSpec) -> int:
