@@ -19,7 +19,8 @@ nothing in the drafter to undo.
 Launches per proposal on the official shapes: a commit (fc GEMV, its norm, the three stages' wkv GEMV and three
 row chains that also write the rings: 7 launches with the activation quantization kernels) and a draft (per stage
 the target's 9 kernels, 20 launches; the HC head, the head GEMV, B Markov depths, the final argmax and the
-confidence: 3 x 20 + 3 + B + 2 ~ 70). docs/drafter.md has the plan and its byte estimate.
+confidence: 3 x 20 + 3 + B + 2 ~ 70). A sampling request replays a third graph, the draft with the Markov chain drawn
+on the device (:meth:`CompiledDSpark.draft_sampled`). docs/drafter.md has the plan and its byte estimate.
 """
 
 from __future__ import annotations
@@ -52,18 +53,22 @@ class _Graph:
     launches: list[_Bound] = field(default_factory=list)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     cuda_graph: Any = None
+    runner: Any = None
+    """A run of the graph other than its launches in order (the sampling draft: launches and device draws)."""
 
 
 @dataclass
 class CompiledDraft:
     """One compiled proposal (7.3): ``tokens`` ``out_1 .. out_B`` (host ints); ``base`` / ``logits`` fp32 [B, V]
-    device tensors (the head's logits and the Markov-corrected ones; valid until the next draft); ``confidence``
-    fp32 [B] device tensor (raw logits) or None without the confidence head."""
+    device tensors (the head's logits and the Markov-corrected ones; valid until the drafter's next graph run);
+    ``confidence`` fp32 [B] device tensor (raw logits) or None without the confidence head; ``q`` fp32 [B, V] device
+    tensor, the distributions the tokens were drawn from (sampling; None when greedy)."""
 
     tokens: list[int]
     base: torch.Tensor
     logits: torch.Tensor
     confidence: torch.Tensor | None
+    q: torch.Tensor | None = None
 
 
 GRAPH_KEYS = tuple(f"commit{n}" for n in range(1, MAX_COMMIT_ROWS + 1)) + ("draft",)
@@ -88,6 +93,21 @@ def build_graph(key: str, stage: Any, dfile: DSparkFile, target: Any, types: dic
     else:
         raise StepError(f"no DSpark graph {key!r}: expected one of {list(GRAPH_KEYS)}")
     return g, lower_graph(g, stage, target, types)
+
+
+def sampling_sources(kernels: list[LoweredKernel], target: Any) -> list[Any]:
+    """The sampling chain's ``depth`` kernels of a lowered draft graph: for each greedy ``depth`` launch of its
+    ``markov_chain`` kernel, the same render with ``sampled`` (runtime/families/dspark.py; same arguments)."""
+    from ds4c.runtime.families import dspark as _dsp
+
+    mk = next(k for k in kernels if k.name == "markov_chain")
+    out = []
+    for la in mk.launches[:-1]:  # the depths (the last launch is ``final``)
+        p = la.kernel.params
+        spec = _dsp.MarkovSpec(p["rows"], p["vocab"], p["rank"], p["hidden"], bias=p["bias"], threads=p["threads"],
+                               rows_per_block=p["rows_per_block"], sampled=True)
+        out.append(_dsp.render_markov(spec, target, la.kernel.name[:-len("_depth")] + "_sampled")["depth"])
+    return out
 
 
 def check_bindings(g: Graph, kernels: list[LoweredKernel], dfile: DSparkFile, state: set[str]) -> None:
@@ -169,6 +189,9 @@ class CompiledDSpark:
             self._turn = 0
             self._step_dev = torch.zeros(n, dtype=torch.int64, device=self.dev)
             self._pool = torch.cuda.graph_pool_handle()
+        self.sampler: Any = None
+        """The :class:`~ds4c.runtime.sampler.DeviceSampler` of :meth:`draft_sampled` (made at :meth:`prepare`)."""
+        self._q: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -189,10 +212,10 @@ class CompiledDSpark:
 
     def prepare(self, progress: bool = True) -> dict[str, Any]:
         """Build, lower, compile (what the kernel cache lacks, one parallel batch), load, upload the weights, bind
-        and capture every graph: the commits of 1..5 rows and the draft. After this no proposal compiles, loads or
-        captures anything. The rings are reset. Returns (and keeps as :attr:`prepare_stats`) ``graphs``,
-        ``build_s``, ``compile_s``, ``load_s``, ``capture_s``, ``weight_bytes`` (the drafter's own; the target's
-        embedding and head are shared) and ``launches`` per graph.
+        and capture every graph: the commits of 1..5 rows, the draft and the sampling draft. After this no proposal
+        compiles, loads or captures anything. The rings are reset. Returns (and keeps as :attr:`prepare_stats`)
+        ``graphs``, ``build_s``, ``compile_s``, ``load_s``, ``capture_s``, ``weight_bytes`` (the drafter's own; the
+        target's embedding and head are shared) and ``launches`` per graph.
 
         Raises:
             CompileError: a kernel failed to compile; LoweringError: a weight format no kernel reads.
@@ -203,6 +226,8 @@ class CompiledDSpark:
             built = {k: self._build(k) for k in todo}
             t1 = time.perf_counter()
             srcs = {la.kernel.digest(): la.kernel for _g, ks in built.values() for k in ks for la in k.launches}
+            sampled = sampling_sources(built["draft"][1], self.step.target) if "draft" in built else []
+            srcs.update({s.digest(): s for s in sampled})
             compiled = dict(zip(srcs, self.step.cache.compile_many(list(srcs.values()), progress=progress)))
             t2 = time.perf_counter()
             mem0 = torch.cuda.memory_allocated(self.dev)
@@ -214,6 +239,9 @@ class CompiledDSpark:
                 self._arena = torch.zeros(max(need, 1), dtype=torch.uint8, device=self.dev)
             for k, (g, kernels) in built.items():
                 self._bind(k, g, kernels, compiled, layouts[k][0])
+            if sampled:
+                self._bind_sampling(sampled, compiled)
+                todo.append("draft_sample")
             mem1 = torch.cuda.memory_allocated(self.dev)
             t3 = time.perf_counter()
             if self.use_graphs:
@@ -226,6 +254,56 @@ class CompiledDSpark:
                               "capture_s": t4 - t3, "weight_bytes": int(mem1 - mem0),
                               "launches": {k: len(sg.launches) for k, sg in self._graphs.items()}}
         return self.prepare_stats
+
+    def _bind_sampling(self, sources: list[Any], compiled: dict[str, Any]) -> None:
+        """The sampling draft ``draft_sample``: the draft graph's launches up to the Markov chain, then per depth the
+        ``sampled`` depth kernel (the greedy launch's arguments) and a device draw from that depth's logits
+        (:meth:`DeviceSampler.sample_with_probs`: the id into ``drafts[i]``, the distribution into ``q[i]``), then
+        the confidence; one CUDA graph."""
+        from ds4c.runtime.sampler import DeviceSampler
+
+        sg = self._graphs["draft"]
+        counts = [len(k.launches) for k in sg.kernels]
+        names = [k.name for k in sg.kernels]
+        at = sum(counts[:names.index("markov_chain")])
+        pre, greedy = sg.launches[:at], sg.launches[at:at + self.block_size]
+        post = sg.launches[at + self.block_size + 1:]  # after ``final``: the confidence
+        depth = []
+        for b, src in zip(greedy, sources):
+            c = compiled[src.digest()]
+            fn = self.step.module(c.key, c.binary).function(src.entry, b.smem)
+            depth.append(_Bound(fn, b.grid, b.block, b.smem, b.args))
+        self.sampler = DeviceSampler(self.cfg.vocab_size, self.dev, ring=64)
+        self._q = torch.zeros(self.block_size, self.cfg.vocab_size, dtype=torch.float32, device=self.dev)
+        logits, drafts = sg.values["markov.logits"], sg.values["markov.drafts"]
+        sampler, q = self.sampler, self._q
+
+        def run() -> None:
+            for b in pre:
+                b.kernel(b.grid, b.block, b.args, smem=b.smem)
+            for i, b in enumerate(depth):
+                b.kernel(b.grid, b.block, b.args, smem=b.smem)
+                tok, qi = sampler.sample_with_probs(logits[i])
+                drafts[i:i + 1].copy_(tok)
+                q[i].copy_(qi)
+            for b in post:
+                b.kernel(b.grid, b.block, b.args, smem=b.smem)
+
+        self.sampler.configure(1.0, 0, 1.0, 0)  # any request's values: the graph reads them from device memory
+        self._graphs["draft_sample"] = _Graph("draft_sample", sg.graph, sg.kernels, pre + depth + post, sg.values,
+                                              runner=run)
+
+    def configure_sampling(self, temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> None:
+        """A sampling request's parameters for :meth:`draft_sampled` (device tensors the captured graph reads; the
+        draw counter restarts). Validation is :func:`ds4c.generate.check_sampling`'s.
+
+        Raises:
+            StepError: before :meth:`prepare`, or ``temperature`` <= 0 (greedy drafts are :meth:`draft`'s)."""
+        if self.sampler is None:
+            raise StepError("CompiledDSpark.configure_sampling before prepare()")
+        if not temperature > 0:
+            raise StepError(f"CompiledDSpark sampling needs temperature > 0, found {temperature!r} (greedy: draft())")
+        self.sampler.configure(temperature, top_k, top_p, seed)
 
     def _weight(self, name: str, form: str) -> torch.Tensor:
         if name in SHARED:
@@ -296,6 +374,9 @@ class CompiledDSpark:
         self.captures += 1
 
     def _run(self, sg: _Graph) -> None:
+        if sg.runner is not None:
+            sg.runner()
+            return
         for b in sg.launches:
             b.kernel(b.grid, b.block, b.args, smem=b.smem)
 
@@ -384,6 +465,24 @@ class CompiledDSpark:
             sg = self._replay("draft")
             tokens = sg.values["markov.drafts"].tolist()
         return CompiledDraft(tokens, sg.values["base"], sg.values["markov.logits"], sg.values.get("confidence"))
+
+    def draft_sampled(self, t0: int) -> CompiledDraft:
+        """:meth:`draft` with the Markov chain sampled on the device (7.3.3 with ``sample``): per depth the logits,
+        then a draw from ``softmax(filter(logits_i) / temperature)`` with the request's parameters
+        (:meth:`configure_sampling`; counter-based noise, runtime/sampler.py), the chain conditioned on the drawn ids.
+        ``q`` holds the distributions (fp32 [B, V], device). Reads the ids back (one synchronisation).
+
+        Raises:
+            StepError: ``t0`` outside the vocabulary, or before :meth:`prepare`.
+        """
+        if isinstance(t0, bool) or not 0 <= int(t0) < self.cfg.vocab_size:
+            raise StepError(f"DSpark anchor token must be in 0..{self.cfg.vocab_size - 1}, found {t0!r}")
+        with torch.cuda.device(self.dev):
+            self._upload(self.ring_pos, [int(t0)] + [self.noise_id] * (self.block_size - 1), rows=self.block_size)
+            sg = self._replay("draft_sample")
+            tokens = sg.values["markov.drafts"].tolist()
+        return CompiledDraft(tokens, sg.values["base"], sg.values["markov.logits"], sg.values.get("confidence"),
+                             self._q)
 
     def values(self, key: str = "draft") -> dict[str, torch.Tensor]:
         """The device tensors of graph ``key`` (``draft``, ``commit1`` .. ``commit5``) by IR value name (the arena is

@@ -188,6 +188,7 @@ def test_kernel_plan(tapped, arch):
 def _official_kernels(arch: str) -> list:
     t = target(arch)
     srcs = list(D.render_markov(D.MarkovSpec(5, 129280, 256, 4096, True, True), t, "dspark_markov").values())
+    srcs.append(D.render_markov(D.MarkovSpec(5, 129280, 256, 4096, sampled=True), t, "dspark_sampled")["depth"])
     srcs += A.render_attention(A.AttentionSpec("dspark", 5, 64, 512, 128), t, "dspark_attn")
     srcs += A.render_attention(A.AttentionSpec("dspark", 4, 4, 192, 16, splits=2), t, "dspark_attn_tiny")
     return srcs + H.render_hc(H.HcSpec("post_head", 5, 4096, 4, 4, head_out=True), t, "dspark_head")
@@ -234,6 +235,21 @@ def test_markov_head_emulated_matches_the_reference(tmp_path):
         assert bool(torch.isfinite(got["logits"]).all())  # every row written over the NaN poison
         assert float((got["logits"] - logits).norm() / logits.norm()) < 1e-6
         assert float((got["conf"] - conf).abs().max()) < 1e-5 * float(conf.abs().max() + 1)
+
+
+def test_sampled_markov_depths_emulated_read_the_drawn_ids(tmp_path):
+    """The sampling chain's depth kernel reads out_i from drafts[i-1] (drawn on the device between launches) and
+    writes each depth's logits: equal to the reference's logits for that chain."""
+    E = _emu()
+    spec = D.MarkovSpec(4, 1000, 64, 256, False, threads=64, rows_per_block=96, sampled=True)
+    ins = E.markov_inputs(spec, 5, seed=2)
+    ins["drafts"] = torch.tensor([811, 3, 640, 999], dtype=torch.int64)
+    got = E.run_markov(spec, ins, tmp_path)
+    w1, w2 = ins["w1"].float(), ins["w2"].float()
+    prev = [5, 811, 3, 640]
+    want = torch.stack([ins["base"][i] + w2 @ w1[p] for i, p in enumerate(prev)])
+    assert got["drafts"].tolist() == [811, 3, 640, 999]
+    assert bool(torch.isfinite(got["logits"]).all()) and float((got["logits"] - want).norm() / want.norm()) < 1e-6
 
 
 def test_dspark_attention_emulated_matches_the_reference(tmp_path):

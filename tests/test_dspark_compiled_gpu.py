@@ -60,7 +60,7 @@ def setup(tiny_path, tmp_path_factory):
 
 def test_compiled_drafter_matches_the_reference_drafter(setup):
     cd, m, mh = setup["cd"], setup["model"], setup["mh"]
-    assert setup["stats"]["graphs"] == 6 and cd.captures == 6  # commits of 1..5 rows and the draft
+    assert setup["stats"]["graphs"] == 7 and cd.captures == 7  # commits of 1..5 rows, the draft, the sampling draft
     # the embedding and the head are the target's tensors, not copies
     assert cd._weight("output.weight", "raw").data_ptr() == setup["ex"].shared_weight("output.weight", "raw").data_ptr()
     cd.reset()
@@ -88,6 +88,30 @@ def test_compiled_drafter_matches_the_reference_drafter(setup):
                 break
             assert rel(d.logits[i], li) < 3e-2
     print("greedy draft mismatches (anchor, depth, reference margin):", margins)
+
+
+def test_device_sampled_drafts_are_seeded_and_drawn_from_q(setup):
+    """draft_sampled: the chain drawn on the device; q rows are distributions, each draft has q > 0, the same seed
+    gives the same drafts, another seed other drafts (at temperature 2 over 512 tokens), the chain's logits follow
+    the drawn ids (logits_i = base_i + w2 . w1[out_i], checked on the host)."""
+    cd, mh = setup["cd"], setup["mh"]
+    cd.reset()
+    cd.commit(0, mh[:6])
+    runs = []
+    for seed in (5, 5, 6):
+        cd.configure_sampling(2.0, 0, 1.0, seed)
+        d = cd.draft_sampled(300)
+        q = d.q.float().cpu()
+        assert torch.allclose(q.sum(-1), torch.ones(4), atol=1e-4)
+        assert all(float(q[i, t]) > 0 for i, t in enumerate(d.tokens))
+        runs.append((d.tokens, q.clone(), d.base.float().cpu(), d.logits.float().cpu()))
+    assert runs[0][0] == runs[1][0] and runs[0][0] != runs[2][0]
+    w1, w2 = cd._weight("markov_w1.weight", "bf16").float().cpu(), cd._weight("markov_w2.weight", "bf16").float().cpu()
+    toks, _q, base, logits = runs[0]
+    for i, prev in enumerate([300] + toks[:-1]):
+        assert rel(logits[i], base[i] + w2 @ w1[prev]) < 1e-5, i
+    g = cd.draft(300)  # greedy after sampling: the greedy graph, unaffected
+    assert g.q is None and len(g.tokens) == 4
 
 
 def test_a_rejected_verify_changes_no_drafter_state(setup):
@@ -166,7 +190,7 @@ def test_greedy_speculative_with_the_compiled_drafter_follows_autoregressive(set
         ex, Reference(setup["weights"], max_ctx=128, taps=setup["file"].taps))
     spec = generate(stepper, prompt, 60, draft=d, spec_width=5)
     assert d.compiled is not None and len(spec.tokens) == 60 and spec.speculative["steps"] > 0
-    assert d.compiled.captures == 6  # nothing captured during the generation
+    assert d.compiled.captures == 7  # nothing captured during the generation
     first = next((i for i, (a, b) in enumerate(zip(ar, spec.tokens)) if a != b), None)
     print("first difference from AR:", first, "acceptance by depth:", spec.speculative["acceptance_by_depth"])
     assert first is None or first >= 10, first

@@ -47,6 +47,10 @@ def build_markov(spec: D.MarkovSpec, workdir: Path) -> Path:
                                   (const i64*)tok.data(), drafts.data(), cf.data());
   }});
   save(d, "conf", cf.data(), cf.size() * 4);"""
+    final = "" if spec.sampled else (f"  run_grid(1, 1, {spec.threads}, [&] {{ final_ns::{srcs['final'].entry}"
+                                      f"(part.data(), drafts.data()); }});")
+    given = ('  auto given = load(d, "drafts"); std::memcpy(drafts.data(), given.data(), drafts.size() * 8);'
+             if spec.sampled else "")
     main = f"""
 #include <limits>
 {parts}
@@ -56,12 +60,13 @@ int main(int argc, char** argv) {{
   std::vector<u32> part(2 * {B} * {spec.n_blocks}, 0x7fc00001u);
   std::vector<float> logits({B} * {V}, {NAN_F32});
   std::vector<i64> drafts({B}, -7);
+{given}
   for (int depth = 0; depth < {B}; ++depth)
     run_grid({la['depth'].grid[0]}, 1, {spec.threads}, [&] {{
       depth_ns::{srcs['depth'].entry}((const float*)base.data(), (const u16*)w1.data(), (const u16*)w2.data(),
                                       (const i64*)tok.data(), part.data(), logits.data(), drafts.data(), depth);
     }});
-  run_grid(1, 1, {spec.threads}, [&] {{ final_ns::{srcs['final'].entry}(part.data(), drafts.data()); }});
+{final}
 {conf}
   save(d, "logits", logits.data(), logits.size() * 4);
   save(d, "drafts", drafts.data(), drafts.size() * 8);
@@ -76,7 +81,8 @@ def run_markov(spec: D.MarkovSpec, inputs: dict[str, torch.Tensor], workdir: Pat
     """Emulate one draft's head on CPU ``inputs``: ``base`` f32 [B, V], ``w1`` / ``w2`` bf16 [V, R], ``tokens``
     i64 [B] (``tokens[0]`` the anchor); with the confidence head ``hx`` bf16 [B, D], ``proj`` f32 [D + R] and
     ``bias`` f32 [1]. Returns ``drafts`` i64 [B], ``logits`` f32 [B, V] (NaN-poisoned before the run) and ``conf``
-    f32 [B]."""
+    f32 [B]. With ``spec.sampled`` also ``drafts`` i64 [B] (the drawn ids the chain reads; returned unchanged).
+    """
     run_host(exe or build_markov(spec, workdir), workdir, inputs, "dspark_emu")
     rd = lambda n, dt: torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=dt).copy())  # noqa: E731
     out = {"drafts": rd("drafts", np.int64), "logits": rd("logits", np.float32).view(spec.rows, spec.vocab)}

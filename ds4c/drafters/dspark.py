@@ -74,6 +74,7 @@ class DSparkDrafter:
         self.last_written: list[int] = []
         self.compiled: Any = None
         """The :class:`~ds4c.runtime.dspark_exec.CompiledDSpark` when the stepper is a compiled step."""
+        self._device_sampling = False
 
     @property
     def block_size(self) -> int:
@@ -83,11 +84,20 @@ class DSparkDrafter:
     def configure_sampling(self, temperature: float, top_k: int = 0, top_p: float = 1.0,
                            generator: torch.Generator | None = None) -> None:
         """The request's sampling (the loop calls this before the first proposal): ``temperature == 0`` drafts the
-        argmax chain; else drafts are sampled (with ``generator``, default one seeded by ``seed``) and ``q``
-        returned."""
+        argmax chain; else drafts are sampled (with ``generator``, default one seeded by ``seed``; on the compiled
+        drafter on the device, the noise seeded by one draw from ``generator``) and ``q`` returned."""
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         if generator is not None:
             self.generator = generator
+        self._device_sampling = False
+        if self.compiled is not None and self.temperature > 0:
+            self._configure_device()
+
+    def _configure_device(self) -> None:
+        """The compiled drafter's device sampler for this request: its noise seeded from the request's generator."""
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self.generator))
+        self.compiled.configure_sampling(self.temperature, self.top_k, self.top_p, seed)
+        self._device_sampling = True
 
     def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
         """Attach to ``stepper`` for a request, before its prefill: check the file fits the target, build the
@@ -102,6 +112,7 @@ class DSparkDrafter:
         self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
         self.generator = torch.Generator().manual_seed(self.seed)
         self.confidence, self.last_draft, self.last_written = None, None, []
+        self._device_sampling = False
         if callable(getattr(stepper, "shared_weight", None)):  # the compiled step: the compiled drafter
             self._prepare_compiled(stepper)
             return
@@ -175,9 +186,9 @@ class DSparkDrafter:
     def _propose_compiled(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """:meth:`propose` on the compiled drafter: commit the positions accepted since the last call (from the
         step's tap ring, on the device), then one draft graph replay. Greedy: the graph's Markov argmax chain.
-        Sampling: the graph's head logits ``base`` and ``hx``, then the chain sampled as the reference does
-        (:meth:`~ds4c.drafters.dspark_model.DSparkModel.markov` on the device copies of ``markov_w1`` / ``w2``, the
-        draws on the CPU from the request's generator), ``q`` returned on the CPU."""
+        Sampling: the sampling draft graph (:meth:`CompiledDSpark.draft_sampled`: the chain drawn on the device with
+        the request's parameters, its noise seeded from the request's generator at :meth:`configure_sampling`), ``q``
+        copied to the CPU for the loop's acceptance rule."""
         cd, st = self.compiled, self._stepper
         assert cd is not None
         n = len(context) - 1
@@ -192,43 +203,16 @@ class DSparkDrafter:
                 cd.commit_taps(start, n, ring)
             else:
                 cd.commit(start, st.main_hidden(start, n))
-        d = cd.draft(int(context[-1]))
         if self.temperature == 0:
+            d = cd.draft(int(context[-1]))
             self.last_draft = Draft(d.tokens, d.logits, None, d.confidence)  # device tensors, valid until the next
         else:
-            self.last_draft = sample_chain(cd, d.base, cd.values()["head.y"], int(context[-1]), self.temperature,
-                                           self.top_k, self.top_p, self.generator)
+            if not self._device_sampling:
+                self._configure_device()
+            d = cd.draft_sampled(int(context[-1]))
+            assert d.q is not None
+            self.last_draft = Draft(d.tokens, d.logits, d.q.float().cpu(), d.confidence)  # the loop's rule: q on CPU
         dr = self.last_draft
         self.confidence = None if dr.confidence is None else torch.sigmoid(dr.confidence).tolist()
         return dr.tokens[:k], None if dr.q is None else dr.q[:k]
 
-
-def sample_chain(cd: Any, base: torch.Tensor, hx: torch.Tensor, t0: int, temperature: float, top_k: int,
-                 top_p: float, generator: torch.Generator | None) -> Draft:
-    """7.3.3-4 with sampling on the compiled drafter's outputs: for ``i = 0 .. B-1``: ``logits_i = base_i + w2 .
-    w1[out_i]`` (fp32, on the device, ``out_0 = t0``), ``q_i = softmax(filter(logits_i) / temperature)`` and
-    ``out_{i+1} ~ q_i`` drawn on the CPU with ``generator`` (as :meth:`DSparkModel.markov`), and the confidence
-    logits from ``hx`` (bf16 [B, D]). ``cd``: a :class:`~ds4c.runtime.dspark_exec.CompiledDSpark` (its bf16
-    ``markov_w1`` / ``markov_w2`` / ``conf_proj`` device copies). Returns a :class:`Draft` on the CPU."""
-    from ds4c.generate import filter_logits
-
-    w1 = cd._weight("markov_w1.weight", "f32")  # fp32 copies (the reference's arithmetic), made at the first use
-    w2 = cd._weight("markov_w2.weight", "f32")
-    proj = cd._weight("conf_proj.weight", "f32") if cd.file.has_confidence else None
-    bias = cd._weight("conf_proj.bias", "f32") if cd.file.has_conf_bias else None
-    out, rows, qs, conf = [], [], [], []
-    prev = int(t0)
-    with torch.no_grad():
-        for i in range(base.shape[0]):
-            emb = w1[prev]
-            li = base[i].float() + w2 @ emb
-            lc = li.cpu()
-            rows.append(lc)
-            if proj is not None:
-                c = proj.reshape(-1) @ torch.cat((hx[i].float(), emb))
-                conf.append((c + bias.reshape(())) if bias is not None else c)
-            qi = torch.softmax(filter_logits(lc.unsqueeze(0), temperature, top_k, top_p) / temperature, dim=-1)[0]
-            prev = int(torch.multinomial(qi, 1, generator=generator))
-            qs.append(qi)
-            out.append(prev)
-    return Draft(out, torch.stack(rows), torch.stack(qs), torch.stack(conf).float().cpu() if conf else None)

@@ -13,6 +13,11 @@ Launches of one draft, in order (:func:`launch_shapes`):
 * ``final``: one block: the last depth's argmax -> ``drafts[B-1]``.
 * ``conf`` (with the confidence head): grid B: ``conf[i] = proj . [hx_i ; w1[prev_i]] (+ bias)``.
 
+Sampling (``MarkovSpec.sampled``): the ``depth`` kernel reads ``out_i`` from ``drafts[i-1]`` instead of reducing
+partials; between two depths the runtime draws ``out_{i+1}`` from ``logits[i]`` on the device
+(:meth:`ds4c.runtime.sampler.DeviceSampler.sample_with_probs`, captured in the same CUDA graph) and keeps the
+distribution ``q_i``.
+
 Kernel arguments (:func:`arg_names`): ``base`` f32 [B, V]; ``w1`` / ``w2`` bf16 [V, R] (the stored BF16 bits);
 ``tokens`` i64 (device, ``tokens[0]`` = the anchor); ``part`` the workspace (:func:`workspace_bytes`); ``logits`` f32
 [B, V]; ``drafts`` i64 [B]; ``depth`` int; ``hx`` bf16 [B, D]; ``proj`` f32 [D + R]; ``bias`` f32 [1]; ``conf`` f32
@@ -48,6 +53,8 @@ class MarkovSpec:
         confidence: render the ``conf`` kernel; bias: it adds ``conf_proj.bias``.
         threads: block size (a multiple of 64: suits waves of 32 and 64). rows_per_block: vocabulary rows per
             ``depth`` block (0 = 256).
+        sampled: the sampling chain's ``depth`` kernel: ``out_i`` is read from ``drafts[i-1]`` (drawn on the device
+            between the launches, ``tokens[0]`` at depth 0) and only the logits are written (no partials).
     """
 
     rows: int
@@ -58,6 +65,7 @@ class MarkovSpec:
     bias: bool = False
     threads: int = 256
     rows_per_block: int = 0
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -85,7 +93,8 @@ class MarkovSpec:
 
     def params(self, part: str) -> dict[str, Any]:
         return {"part": part, "rows": self.rows, "vocab": self.vocab, "rank": self.rank, "hidden": self.hidden,
-                "threads": self.threads, "rows_per_block": self.rpb, "bias": bool(self.bias)}
+                "threads": self.threads, "rows_per_block": self.rpb, "bias": bool(self.bias),
+                "sampled": bool(self.sampled)}
 
 
 def render_markov(spec: MarkovSpec, target: Target, name: str) -> dict[str, KernelSource]:
