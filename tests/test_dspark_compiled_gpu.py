@@ -69,7 +69,8 @@ def test_compiled_drafter_matches_the_reference_drafter(setup):
         assert cd.commit(start, mh[start:stop]) == m.extend(start, mh[start:stop])
         for s in range(3):
             e = rel(cd.ring(s), m.ring(s))
-            assert e < 1e-2, (start, s, e)  # bf16 rows: FP8 act quant + fp32 sums in another order
+            print(f"ring {s} after commit {start}..{stop - 1}: relative error {e:.2e}")
+            assert e < 2e-2, (start, s, e)  # bf16 rows after P3: FP8 act quant + fp32 sums in another order
     print("ring rows bit-equal:", [float((cd.ring(s) == m.ring(s)).all(-1).float().mean()) for s in range(3)])
     margins = []
     for t0 in (300, 7, 0, 511):
@@ -77,8 +78,10 @@ def test_compiled_drafter_matches_the_reference_drafter(setup):
         d, r = cd.draft(t0), m.draft(t0)
         base, _hx = m.block(t0)
         assert all(torch.equal(cd.ring(s), before[s]) for s in range(3))  # a draft writes no state
-        assert rel(d.base, base) < 3e-2, rel(d.base, base)
-        assert rel(d.confidence, r.confidence) < 3e-2
+        print(f"t0 {t0}: base relative error {rel(d.base, base):.2e}, confidence "
+              f"{rel(d.confidence, r.confidence):.2e}")
+        assert rel(d.base, base) < 5e-2, rel(d.base, base)  # three stages of bf16 / FP8-emulating kernels
+        assert rel(d.confidence, r.confidence) < 5e-2
         for i, (a, b) in enumerate(zip(d.tokens, r.tokens)):  # equal up to the first near-tie
             li = r.logits[i].float().cpu()
             if a != b:
@@ -86,7 +89,7 @@ def test_compiled_drafter_matches_the_reference_drafter(setup):
                 margins.append((t0, i, margin))
                 assert margin < 3e-2 * float(li.abs().max()) + 1e-3, (t0, i, margin)
                 break
-            assert rel(d.logits[i], li) < 3e-2
+            assert rel(d.logits[i], li) < 5e-2
     print("greedy draft mismatches (anchor, depth, reference margin):", margins)
 
 
@@ -204,7 +207,7 @@ def test_greedy_speculative_with_the_compiled_drafter_follows_autoregressive(set
     fresh = DSparkModel(setup["file"], setup["weights"])
     fresh.extend(0, stepper.main_hidden(0, n))
     for s in range(3):
-        assert rel(d.compiled.ring(s), fresh.ring(s)) < 1e-2, s
+        assert rel(d.compiled.ring(s), fresh.ring(s)) < 2e-2, s
 
 
 def test_sampling_with_the_compiled_drafter_is_seeded_and_drafts_from_q(setup):
