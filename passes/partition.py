@@ -4,7 +4,8 @@ After this pass every top-level op is either *free* (weights, constants, row pos
 span views: no launch, they are addresses and scalars) or a ``fused`` op that is one kernel. Singles are
 wrapped (pattern = their kind); span masks join their reader; the main and indexer compressor updates of
 a layer form one ``compressor`` kernel; the ring write joins the inverse-RoPE + grouped ``wo_a`` kernel
-(it must follow the attention, which reads the old ring rows).
+(it must follow the attention, which reads the old ring rows), or, in a graph with no attention in that layer
+(the DSpark drafter's commit graph), the GEMV kernel whose epilogue computes the row.
 
 :func:`kernel_plan` reads the plan off a partitioned graph: per kernel its name, family, layer, leaf ops,
 inputs, outputs, the weight bytes it streams, and a launch description.
@@ -28,7 +29,8 @@ FAMILIES = {
     "multi_gemv": "gemv", "linear": "gemv",
     "compressor": "compressor", "compress": "compressor",
     "indexer_topk": "indexer", "sparse_attention": "attention", "grouped_linear": "wo_a",
-    "route": "router", "moe_experts": "experts", "dspark_tap": "tap",
+    "route": "router", "moe_experts": "experts", "dspark_tap": "tap", "markov_chain": "dspark",
+    "dspark_confidence": "dspark",
 }
 
 
@@ -55,6 +57,13 @@ def partition(g: Graph, ctx: Any = None) -> Graph:
         target = next((op for op in g.ops if op.layer == ring.layer and _pattern(op) == "grouped_linear"), None)
         if target is not None:
             fuse(g, [target, ring], "grouped_linear", layer=ring.layer, ring_write=True)
+            continue
+        # no attention after it (the DSpark drafter's commit graph, ds4c.ir.dspark): the ring write joins the
+        # GEMV kernel whose epilogue computes the row (the row chain then also stores the row into the ring)
+        src = producers(g).get(ring.inputs[1])
+        if src is not None and src.kind == "fused" and src.attrs.get("pattern") in ("multi_gemv", "linear"):
+            fuse(g, [src, ring], src.attrs["pattern"], layer=src.layer,
+                 **{k: v for k, v in src.attrs.items() if k != "pattern"})
     for op in list(g.ops):
         if not _free(op) and op.kind != "fused":
             fuse(g, [op], op.kind)

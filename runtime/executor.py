@@ -86,6 +86,30 @@ class _StepGraph:
     capture_s: float = 0.0
 
 
+def arena_layout(g: Graph, kernels: list[LoweredKernel], external: set[str]
+                 ) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
+    """The activation arena layout of one lowered graph: ``name -> (byte offset, bytes, shape, dtype)`` for every
+    graph value a launch argument names, except ``external`` names (buffers bound elsewhere) and constants, and
+    the bytes it needs (256-byte aligned slots, in first-use order)."""
+    names = value_names(g)
+    by_name = {names[v]: v for v in names}
+    consts = {names[op.outputs[0]] for op in g.ops if op.kind == "const"}
+    layout: dict[str, tuple[int, int, tuple, Any]] = {}
+    off = 0
+    for k in kernels:
+        for la in k.launches:
+            for a in la.args:
+                if a.kind != "value" or a.name in external or a.name in consts or a.name in layout \
+                        or a.name not in by_name:
+                    continue
+                v = by_name[a.name]
+                shape, dt = tuple(int(d) for d in v.type.shape), _DT[v.type.dtype]
+                n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+                layout[a.name] = (off, n, shape, dt)
+                off += (n + 255) // 256 * 256
+    return layout, off
+
+
 class CompiledStep:
     """The compiled decode/verify step of one model on one CUDA GPU.
 
@@ -664,26 +688,27 @@ class CompiledStep:
                  for k in ks for la in k.launches] for _k, ks in graphs]
 
     def _layout(self, g: Graph, kernels: list[LoweredKernel]) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
-        """The activation arena layout of one graph: ``name -> (byte offset, bytes, shape, dtype)`` and the
-        bytes it needs (256-byte aligned slots; state, constants and the logits live elsewhere)."""
-        names = value_names(g)
-        by_name = {names[v]: v for v in names}
-        consts = {names[op.outputs[0]] for op in g.ops if op.kind == "const"}
-        layout: dict[str, tuple[int, tuple, Any]] = {}
-        off = 0
-        for k in kernels:
-            for la in k.launches:
-                for a in la.args:
-                    if a.kind != "value" or a.name in self.state or a.name in consts \
-                            or a.name in ("logits", "hc_in", "hc_out") \
-                            or a.name in layout or a.name not in by_name:
-                        continue
-                    v = by_name[a.name]
-                    shape, dt = tuple(int(d) for d in v.type.shape), _DT[v.type.dtype]
-                    n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
-                    layout[a.name] = (off, n, shape, dt)
-                    off += (n + 255) // 256 * 256
-        return layout, off
+        """The activation arena layout of one graph (:func:`arena_layout`; state, constants, the logits and the
+        HC hand-over buffers live elsewhere)."""
+        return arena_layout(g, kernels, set(self.state) | {"logits", "hc_in", "hc_out"})
+
+    # -- what another compiled graph set on this device shares with the step (the DSpark drafter:
+    #    runtime/dspark_exec.py)
+    def shared_weight(self, name: str, form: str) -> torch.Tensor:
+        """The device tensor of weight ``name`` in ``form`` as the step's kernels read it (uploaded now if no graph
+        of the step read it yet): one copy for the step and whatever else reads it (the DSpark drafter reads the
+        target's embedding and head)."""
+        with torch.cuda.device(self.dev):
+            return self._weight(name, form)
+
+    def module(self, key: str, image: Any) -> CudaModule:
+        """The loaded binary of kernel-cache ``key`` (``image()`` returns its bytes), loaded once per step and
+        shared by every graph bound here."""
+        mod = self._modules.get(key)
+        if mod is None:
+            with torch.cuda.device(self.dev):
+                mod = self._modules[key] = CudaModule(image())
+        return mod
 
     def _bind(self, width: int, context: int, g: Graph, kernels: list[LoweredKernel],
               binaries: list[tuple[str, Any]], layout: tuple[dict, int] | None = None) -> _StepGraph:
@@ -704,10 +729,7 @@ class CompiledStep:
                 sg.values[name] = buf[:width]
         pairs = [(k.name, la) for k in kernels for la in k.launches]
         for (kname, la), (mkey, image) in zip(pairs, binaries):
-            mod = self._modules.get(mkey)
-            if mod is None:
-                mod = self._modules[mkey] = CudaModule(image())
-            fn = mod.function(la.kernel.entry, la.smem)
+            fn = self.module(mkey, image).function(la.kernel.entry, la.smem)
             args = [self._resolve(a, sg, consts) for a in la.args]
             bound = _Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch)
             if kname == ROLLBACK_KERNEL:

@@ -88,6 +88,7 @@ from ds4c.ir.printer import value_names  # noqa: E402
 from ds4c.quant import GGMLType  # noqa: E402
 from ds4c.runtime.families import attention as _att  # noqa: E402
 from ds4c.runtime.families import compressor as _cmp  # noqa: E402
+from ds4c.runtime.families import dspark as _dsp  # noqa: E402
 from ds4c.runtime.families import experts as _exp  # noqa: E402
 from ds4c.runtime.families import gemv as _gv  # noqa: E402
 from ds4c.runtime.families import hc as _hc  # noqa: E402
@@ -259,17 +260,21 @@ def _chain_op(c: _Ctx, op: Op) -> _rc.ChainOp | None:
     raise LoweringError(f"no row-chain op for {k}")
 
 
-def _rowchain(c: _Ctx, name: str, x: Value, chain: list[Op]) -> Launch:
-    """A row-chain launch applying ``chain`` (elementwise leaf ops, reshapes skipped) to ``x``."""
+def _rowchain(c: _Ctx, name: str, x: Value, chain: list[Op], ring: Op | None = None) -> Launch:
+    """A row-chain launch applying ``chain`` (elementwise leaf ops, reshapes skipped) to ``x``; with ``ring`` (a
+    ``ring_write`` of the chain's result) the kernel also stores each row into its ring slot."""
     ops = [o for o in chain if o.kind != "reshape"]
     last = chain[-1].outputs[0]
     shape = last.type.shape
     groups, width = (int(shape[1]), int(shape[2])) if len(shape) == 3 else (1, int(shape[-1]))
     cops = [(_chain_op(c, o), o) for o in ops]
-    spec = _rc.RowChainSpec(groups, width, tuple(co for co, _ in cops if co is not None), pos_dtype="i64")
+    spec = _rc.RowChainSpec(groups, width, tuple(co for co, _ in cops if co is not None), pos_dtype="i64",
+                            ring_window=0 if ring is None else int(ring.attrs["window"]))
     src = _rc.render_rowchain(spec, c.target, name)
     la = _rc.rowchain_launch(spec, c.q)
     binding: dict[str, Arg] = {"x": c.arg(x), "out": Arg("value", c.names[last]), "pos": Arg("step", "pos")}
+    if ring is not None:
+        binding["ring"] = c.arg(ring.inputs[0])
     kept = [o for co, o in cops if co is not None]
     for i, o in enumerate(kept):
         if o.kind == "rms_norm":
@@ -308,9 +313,14 @@ def _lower_gemv_group(c: _Ctx, op: Op) -> list[Launch]:
         launches.append(_rowchain(c, c.name(op, "qnorm"), pre.inputs[0], [pre]))
     act = all(l.attrs.get("act_quant", True) for l in linears if l.attrs["mode"] == "fp8act")
     launches += _gemv(c, c.name(op, "gemv"), x, linears, act)
+    rings = {b.inputs[1]: b for b in body if b.kind == "ring_write"}  # fused by partition (no attention after)
     for j, lin in enumerate(linears):
         for k, chain in enumerate(_chains_from(c, body, lin.outputs[0])):
-            launches.append(_rowchain(c, c.name(op, f"epi{j}_{k}"), lin.outputs[0], chain))
+            launches.append(_rowchain(c, c.name(op, f"epi{j}_{k}"), lin.outputs[0], chain,
+                                      rings.pop(chain[-1].outputs[0], None)))
+    if rings:
+        raise LoweringError(f"{op.attrs.get('pattern')} (layer {op.layer}): a ring write of a value no epilogue "
+                            f"chain of this GEMV computes")
     return launches
 
 
@@ -335,13 +345,17 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     post = next((x for x in body if x.kind == "hc_post"), None)
     # the head's new streams are written only when a later kernel reads them (the DSpark tap of the last layer)
     streams = variant == "post_head" and post is not None and post.outputs[0] in op.outputs
+    premix = next((b for b in body if b.kind == "hc_premix"), None)
+    head_out = variant == "post_head" and premix is not None and premix.outputs[0] in op.outputs  # 7.3.4's input
     spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
-                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, streams=streams)
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, streams=streams, head_out=head_out)
     srcs = _hc.render_hc(spec, c.target, c.name(op, variant + ("_streams" if streams else "")))
     gate = next(b for b in body if b.kind in ("sinkhorn", "hc_head_gate"))
     b: dict[str, Arg] = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
                          "norm_w": c.arg(norm.inputs[1]), "y": Arg("value", c.names[norm.outputs[0]]),
                          "ws": Arg("workspace", c.name(op, "hc_ws"), nbytes=4 * max(_hc.workspace_floats(spec), 1))}
+    if head_out:
+        b["y_pre"] = Arg("value", c.names[premix.outputs[0]])
     if variant == "embed_pre":
         emb = next(x for x in body if x.kind == "embed")
         b.update(tokens=Arg("step", "tokens"), table=c.arg(emb.inputs[1]), n_vocab=Arg("int", "n_vocab", value=cfg.vocab_size),
@@ -400,7 +414,7 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
     sa = next(b for b in (op.body or [op]) if b.kind == "sparse_attention")
     a = sa.attrs
     kind = a["kind"]
-    cap = int(sa.inputs[5].type.shape[0]) if kind != "swa" else 0
+    cap = int(sa.inputs[5].type.shape[0]) if kind in ("csa", "hca") else 0
     topk = int(sa.inputs[6].type.shape[1]) if kind == "csa" else 0
     ratio = 0
     if kind == "hca":
@@ -411,7 +425,7 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
     b = {"q": c.arg(sa.inputs[0]), "ring": c.arg(sa.inputs[1]), "kv_new": c.arg(sa.inputs[2]),
          "sink": c.arg(sa.inputs[4]), "out": Arg("value", c.names[sa.outputs[0]]), "pos": Arg("step", "pos"),
          "ws": Arg("workspace", c.name(op, "attn_ws"), nbytes=4 * max(_att.workspace_floats(spec), 1))}
-    if kind != "swa":
+    if kind in ("csa", "hca"):
         b["comp"] = c.arg(sa.inputs[5])
     if kind == "csa":
         b["sel"] = c.arg(sa.inputs[6])
@@ -514,19 +528,72 @@ def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
     return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _tap.arg_names(spec)])]
 
 
+def _lower_markov(c: _Ctx, op: Op) -> list[Launch]:
+    """7.3.3: the greedy Markov chain, one ``depth`` launch per block row, then ``final``
+    (runtime/families/dspark.py)."""
+    mc = next(b for b in (op.body or [op]) if b.kind == "markov_chain")
+    base, _tok, w1, w2 = mc.inputs
+    spec = _mk_spec(c, mc)
+    srcs = _dsp.render_markov(spec, c.target, c.name(op, "markov"))
+    shapes = _dsp.launch_shapes(spec)
+    b = {"base": c.arg(base), "w1": _bf16_weight(c, w1), "w2": _bf16_weight(c, w2), "tokens": Arg("step", "tokens"),
+         "part": Arg("workspace", c.name(op, "markov_part"), nbytes=_dsp.workspace_bytes(spec)),
+         "logits": Arg("value", c.names[mc.outputs[1]]), "drafts": Arg("value", c.names[mc.outputs[0]])}
+    names = _dsp.arg_names(spec)
+    out = []
+    for i in range(spec.rows):
+        la = shapes["depth"]
+        out.append(_launch(srcs["depth"], la.grid, la.block, la.smem,
+                           [Arg("int", "depth", value=i) if n == "depth" else b[n] for n in names["depth"]]))
+    la = shapes["final"]
+    out.append(_launch(srcs["final"], la.grid, la.block, la.smem, [b[n] for n in names["final"]]))
+    return out
+
+
+def _mk_spec(c: _Ctx, mc: Op, conf: Op | None = None) -> _dsp.MarkovSpec:
+    base, w1 = mc.inputs[0], mc.inputs[2]
+    hidden = int(conf.inputs[0].type.shape[1]) if conf is not None else c.cfg.hidden_size
+    return _dsp.MarkovSpec(int(base.type.shape[0]), int(base.type.shape[1]), int(w1.type.shape[1]), hidden,
+                           confidence=conf is not None, bias=conf is not None and len(conf.inputs) > 5)
+
+
+def _bf16_weight(c: _Ctx, v: Value) -> Arg:
+    name = c.weight_name(v)
+    if name is None:
+        raise LoweringError("the DSpark head reads model tensors only")
+    return Arg("weight", name, form="bf16")
+
+
+def _lower_confidence(c: _Ctx, op: Op) -> list[Launch]:
+    """7.3.4: the confidence logits, one block per block row (runtime/families/dspark.py)."""
+    conf = next(b for b in (op.body or [op]) if b.kind == "dspark_confidence")
+    hx, _tok, drafts, w1, proj = conf.inputs[:5]
+    mc = c.prod.get(drafts)
+    if mc is None or mc.kind != "markov_chain":
+        raise LoweringError("dspark_confidence: its drafts are not a markov_chain's")
+    spec = _mk_spec(c, mc, conf)
+    src = _dsp.render_markov(spec, c.target, c.name(op, "markov"))["conf"]
+    la = _dsp.launch_shapes(spec)["conf"]
+    b = {"hx": c.arg(hx), "w1": _bf16_weight(c, w1), "proj": c.arg(proj), "tokens": Arg("step", "tokens"),
+         "drafts": c.arg(drafts), "conf": Arg("value", c.names[conf.outputs[0]])}
+    if spec.bias:
+        b["bias"] = c.arg(conf.inputs[5])
+    return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _dsp.arg_names(spec)["conf"]])]
+
+
 _PATTERNS = {
     "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
     "hc_post_out": _lower_hc,
     "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
-    "dspark_tap": _lower_tap,
+    "dspark_tap": _lower_tap, "markov_chain": _lower_markov, "dspark_confidence": _lower_confidence,
 }
 
 FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
              "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
              "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
-             "moe_experts": "experts", "dspark_tap": "tap"}
+             "moe_experts": "experts", "dspark_tap": "tap", "markov_chain": "dspark", "dspark_confidence": "dspark"}
 
 
 EXPERT_FORMATS = tuple(_EXPERT_FMT)
@@ -584,7 +651,7 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}.{seen[base]}"
         out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
-    if c.q > 1:
+    if c.q > 1 and not g.meta.get("dspark"):  # the drafter's graphs are never rolled back (ds4c.ir.dspark)
         out.append(_lower_rollback(c))
     return out
 

@@ -110,6 +110,17 @@ class DeviceSampler:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """A draw from ``logits`` [V] with the configured temperature (> 0), top-k and top-p, recorded in the
         ring. Returns int64 [1]. Fixed shapes and no host synchronisation: capturable."""
+        return self._draw(logits)[0]
+
+    def sample_with_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample`, and the distribution the id was drawn from: fp32 [V] in vocabulary order (zero outside
+        the top-k / top-p set). What a drafter returns as ``q`` for the exact acceptance rule (the DSpark drafter's
+        device sampling, runtime/dspark_exec.py). Capturable."""
+        tok, p, order = self._draw(logits)
+        return tok, torch.zeros_like(p).scatter_(0, order, p)
+
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draw of :meth:`sample`: ``(id int64 [1], p fp32 [V] in sorted order, order int64 [V])``."""
         x = logits.to(torch.float32) / self.temperature
         sx, order = torch.sort(x, descending=True, stable=True)
         k = torch.where(self.top_k > 0, torch.clamp(self.top_k, max=self.vocab), self.vocab)
@@ -123,7 +134,7 @@ class DeviceSampler:
         noise = exp_noise(self.seed, self.counter, order)         # noise per token id, wherever it sorts
         tok = torch.gather(order, 0, torch.argmax(p / noise).reshape(1))
         self._record(tok)
-        return tok
+        return tok, p, order
 
     def _record(self, tok: torch.Tensor) -> None:
         self.ring.index_copy_(0, self.counter % self.ring_size, tok)

@@ -18,6 +18,11 @@ from ``q``, so returning softmax ``q`` with argmax drafts would bias the output.
 
 After each proposal, :attr:`DSparkDrafter.confidence` holds the sigmoid of the confidence logits per block depth
 (7.3.4), for a width policy (none uses it yet).
+
+On a compiled target (a :class:`~ds4c.runtime.executor.CompiledStep`, recognised by its ``shared_weight``) the same
+drafter runs compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, docs/drafter.md): the choice is made here,
+at :meth:`DSparkDrafter.prepare`, from the stepper the loop gives, so ``make_drafter`` and the engine need no
+second drafter kind.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class DSparkDrafter:
         self.confidence: list[float] | None = None
         self.last_draft: Draft | None = None
         self.last_written: list[int] = []
+        self.compiled: Any = None
+        """The :class:`~ds4c.runtime.dspark_exec.CompiledDSpark` when the stepper is a compiled step."""
+        self._device_sampling = False
 
     @property
     def block_size(self) -> int:
@@ -76,11 +84,20 @@ class DSparkDrafter:
     def configure_sampling(self, temperature: float, top_k: int = 0, top_p: float = 1.0,
                            generator: torch.Generator | None = None) -> None:
         """The request's sampling (the loop calls this before the first proposal): ``temperature == 0`` drafts the
-        argmax chain; else drafts are sampled (with ``generator``, default one seeded by ``seed``) and ``q``
-        returned."""
+        argmax chain; else drafts are sampled (with ``generator``, default one seeded by ``seed``; on the compiled
+        drafter on the device, the noise seeded by one draw from ``generator``) and ``q`` returned."""
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         if generator is not None:
             self.generator = generator
+        self._device_sampling = False
+        if self.compiled is not None and self.temperature > 0:
+            self._configure_device()
+
+    def _configure_device(self) -> None:
+        """The compiled drafter's device sampler for this request: its noise seeded from the request's generator."""
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self.generator))
+        self.compiled.configure_sampling(self.temperature, self.top_k, self.top_p, seed)
+        self._device_sampling = True
 
     def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
         """Attach to ``stepper`` for a request, before its prefill: check the file fits the target, build the
@@ -88,9 +105,18 @@ class DSparkDrafter:
         reset the rings and the sampling (greedy until :meth:`configure_sampling`).
 
         Raises:
-            StepError: a stepper that records no taps (the compiled step, a layer split: use the reference engine).
+            StepError: a stepper that records no taps (a layer split; a compiled step without the drafter's taps:
+                its ``taps`` / ``tap_ring``, see :meth:`_prepare_compiled`).
             ModelFileError: the drafter does not fit the target.
         """
+        self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.confidence, self.last_draft, self.last_written = None, None, []
+        self._device_sampling = False
+        if callable(getattr(stepper, "shared_weight", None)):  # the compiled step: the compiled drafter
+            self._prepare_compiled(stepper)
+            return
+        self.compiled = None
         if not getattr(stepper, "records_taps", False) or not callable(getattr(stepper, "main_hidden", None)):
             raise StepError(f"the DSpark drafter needs the target's taps (spec 5.2(q)), which only the unsplit "
                             f"reference engine records (--engine reference, no layer split); found a "
@@ -102,9 +128,26 @@ class DSparkDrafter:
             stepper.set_taps(self.file.taps)
         self.model.reset()
         self._stepper = stepper
-        self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.confidence, self.last_draft, self.last_written = None, None, []
+
+    def _prepare_compiled(self, stepper: Any) -> None:
+        """:meth:`prepare` on a :class:`~ds4c.runtime.executor.CompiledStep`: the compiled drafter
+        (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, built and captured once per step), its rings reset. The
+        step must record the drafter's taps: a device ``tap_ring`` (bf16 [window, len(taps) * D], row ``t % window``
+        = ``main_hidden(t)``) or a ``main_hidden(start, stop)`` method, with ``taps`` equal to the file's."""
+        from ds4c.runtime.dspark_exec import CompiledDSpark
+
+        taps = tuple(getattr(stepper, "taps", None) or ())
+        has_rows = getattr(stepper, "tap_ring", None) is not None or callable(getattr(stepper, "main_hidden", None))
+        if taps != self.file.taps or not has_rows:
+            raise StepError(f"the compiled DSpark drafter reads the target's taps of layers {list(self.file.taps)} "
+                            f"(spec 5.2(q)) from the compiled step's tap_ring; found a {type(stepper).__name__} "
+                            f"recording taps {list(taps)}{'' if has_rows else ' and no tap_ring'} (build the step "
+                            f"with taps={tuple(self.file.taps)}, or use --engine reference)")
+        if self.compiled is None or self.compiled.step is not stepper:
+            self.compiled = CompiledDSpark(self.file, stepper)
+            self.compiled.prepare(progress=False)
+        self.compiled.reset()
+        self._stepper = stepper
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """``k`` drafts after ``context`` (prompt + tokens so far; ``context[-1]`` is the anchor, not yet run by the
@@ -115,16 +158,19 @@ class DSparkDrafter:
             StepError: before :meth:`prepare`; ``k`` outside 0..block_size; the target not at ``len(context) - 1`` or
                 behind the rings (a context that went back).
         """
-        st, m = self._stepper, self.model
+        st, m = self._stepper, (self.compiled or self.model)
         if st is None or m is None:
             raise StepError("DSparkDrafter.propose before prepare(stepper, prompt, max_new_tokens)")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.block_size:
             raise StepError(f"the DSpark drafter drafts 0..{self.block_size} tokens per step (block_size), asked for "
                             f"{k!r}: use a speculative width of at most {self.block_size + 1}")
         n = len(context) - 1  # committed positions 0 .. n-1; context[-1] sits at n
-        if st.state.pos != n:
-            raise StepError(f"DSpark drafter: the target is at position {st.state.pos}, the context asks for {n} "
+        at = st.pos if self.compiled is not None else st.state.pos
+        if at != n:
+            raise StepError(f"DSpark drafter: the target is at position {at}, the context asks for {n} "
                             f"(the anchor context[-1] is the next token the target runs)")
+        if self.compiled is not None:
+            return self._propose_compiled(context, k)
         start = m.ring_pos
         if n < start:
             raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
@@ -136,3 +182,37 @@ class DSparkDrafter:
         self.last_draft = d
         self.confidence = None if d.confidence is None else torch.sigmoid(d.confidence).tolist()
         return d.tokens[:k], None if d.q is None else d.q[:k]
+
+    def _propose_compiled(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """:meth:`propose` on the compiled drafter: commit the positions accepted since the last call (from the
+        step's tap ring, on the device), then one draft graph replay. Greedy: the graph's Markov argmax chain.
+        Sampling: the sampling draft graph (:meth:`CompiledDSpark.draft_sampled`: the chain drawn on the device with
+        the request's parameters, its noise seeded from the request's generator at :meth:`configure_sampling`), ``q``
+        copied to the CPU for the loop's acceptance rule."""
+        cd, st = self.compiled, self._stepper
+        assert cd is not None
+        n = len(context) - 1
+        start = cd.ring_pos
+        if n < start:
+            raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
+                            f"prepare() starts a new request")
+        self.last_written = list(range(max(start, n - cd.window), n))
+        if n > start:
+            ring = getattr(st, "tap_ring", None)
+            if ring is not None:
+                cd.commit_taps(start, n, ring)
+            else:
+                cd.commit(start, st.main_hidden(start, n))
+        if self.temperature == 0:
+            d = cd.draft(int(context[-1]))
+            self.last_draft = Draft(d.tokens, d.logits, None, d.confidence)  # device tensors, valid until the next
+        else:
+            if not self._device_sampling:
+                self._configure_device()
+            d = cd.draft_sampled(int(context[-1]))
+            assert d.q is not None
+            self.last_draft = Draft(d.tokens, d.logits, d.q.float().cpu(), d.confidence)  # the loop's rule: q on CPU
+        dr = self.last_draft
+        self.confidence = None if dr.confidence is None else torch.sigmoid(dr.confidence).tolist()
+        return dr.tokens[:k], None if dr.q is None else dr.q[:k]
+

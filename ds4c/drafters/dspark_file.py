@@ -282,6 +282,16 @@ class DSparkFile:
         shape = self.specs[name].shape if name in self.specs else tuple(int(x) for x in reversed(t.shape.tolist()))
         return dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
 
+    def stored(self, name: str) -> torch.Tensor:
+        """The stored bytes of ``name``: uint8 ``[nbytes]``, a zero-copy view of the memory map (read only). What
+        the compiled drafter uploads for the kernels that read a weight as stored (GEMV, experts)."""
+        import warnings
+
+        raw = np.ascontiguousarray(np.asarray(self._get(name).data)).reshape(-1).view(np.uint8)
+        with warnings.catch_warnings():  # the memory map is read-only; the bytes are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(raw)
+
     def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert ``e`` of the expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in]."""
         spec = self.specs.get(name)

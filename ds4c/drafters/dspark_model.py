@@ -136,6 +136,11 @@ class DSparkModel:
         self.markov_w2 = dfile.tensor(MARKOV_W2).to(target.device)
         self.conf_proj = dfile.tensor(CONF_PROJ).to(target.device) if dfile.has_confidence else None  # [1, D + r]
         self.conf_bias = dfile.tensor(CONF_BIAS).to(target.device) if dfile.has_conf_bias else None
+        t[MARKOV_W1], t[MARKOV_W2] = self.markov_w1, self.markov_w2  # the IR's params (ds4c.ir.dspark)
+        if self.conf_proj is not None:
+            t[CONF_PROJ] = self.conf_proj
+        if self.conf_bias is not None:
+            t[CONF_BIAS] = self.conf_bias
         self.ring_pos = 0
         self.rows_written = 0
         """Ring rows computed since :meth:`reset` (per stage)."""

@@ -582,15 +582,26 @@ class IndexerTopk:
         return [torch.stack([B.indexer_select(keys, mask[i], qi[i], hw[i], a["topk"]) for i in range(qi.shape[0])])]
 
 
+ATTENTION_KINDS = ("swa", "csa", "hca", "dspark")
+
+
 @register("sparse_attention", ("q", "ring", "kv", "positions", "sink", "comp*", "sel_or_mask*"), ("o",),
           ("kind", "window", "scale"))
 class SparseAttention:
     """5.2(e, i) with P9: per row, the window list (ring rows of earlier steps, this step's own KV rows)
     then the compressed list: none (``swa``), the selected rows ``comp[sel]`` (``csa``), or every visible
-    row of the span (``hca``, with its mask). bf16 [q, H, hd]."""
+    row of the span (``hca``, with its mask). bf16 [q, H, hd]. Kind ``dspark`` (7.2.3, the DSpark drafter's
+    block attention; no compressed inputs): every row attends the same list, the ring slots
+    ``0 .. min(window, pos)-1`` in slot order (``pos`` = ``positions[0]``, the block's first position = the
+    committed positions) then all ``q`` block rows ``kv``, non-causally."""
 
     @staticmethod
     def infer(ins, a):
+        if a["kind"] not in ATTENTION_KINDS:
+            raise ValueError(f"sparse_attention kind {a['kind']!r} not in {ATTENTION_KINDS}")
+        if a["kind"] in ("swa", "dspark") and len(ins) != 5:
+            raise ValueError(f"sparse_attention kind {a['kind']} takes 5 inputs (q, ring, kv, positions, sink), "
+                             f"found {len(ins)}")
         return [ins[0]]
 
     @staticmethod
@@ -598,6 +609,10 @@ class SparseAttention:
         q, ring, kv, positions, sink = ins[:5]
         p0 = int(positions[0])
         outs = []
+        if a["kind"] == "dspark":  # 7.2.3: ring slots 0 .. min(W, p0)-1 in slot order, then every block row
+            lst = torch.cat((ring[:min(a["window"], p0)], kv))
+            ok = torch.ones(lst.shape[0], dtype=torch.bool, device=lst.device)
+            return [torch.stack([P.sparse_attention(q[i], lst, ok, sink, a["scale"]) for i in range(q.shape[0])])]
         for i, p in enumerate(positions.tolist()):
             comp = ok = None
             if a["kind"] == "csa":
@@ -698,6 +713,79 @@ class MoeSum:
     @staticmethod
     def run(ctx, ins, a):
         return [(ins[0] + ins[1].to(F32)).to(BF16)]
+
+
+# ---------------------------------------------------------------------------------------------- DSpark head
+
+def _check_markov(base: TensorType, tokens: TensorType, w1: TensorType, w2: TensorType) -> None:
+    if len(base.shape) != 2 or base.dtype != "f32":
+        raise ValueError(f"expected base f32 [B, V], found {base}")
+    if tokens.dtype != "i64" or len(tokens.shape) != 1 or tokens.shape[0] != base.shape[0]:
+        raise ValueError(f"expected tokens i64 [{base.shape[0]}] (the block's ids, t0 first), found {tokens}")
+    for name, w in (("markov_w1", w1), ("markov_w2", w2)):
+        if len(w.shape) != 2 or w.shape[0] != base.shape[1] or w.dtype != "f32":
+            raise ValueError(f"expected {name} f32 [{base.shape[1]}, rank], found {w}")
+    if w1.shape[1] != w2.shape[1]:
+        raise ValueError(f"markov_w1 rank {w1.shape[1]} != markov_w2 rank {w2.shape[1]}")
+
+
+@register("markov_chain", ("base", "tokens", "w1", "w2"), ("drafts", "logits"))
+class MarkovChain:
+    """7.3.3, greedy: for depth ``i = 0 .. B-1``: ``emb_i = w1[out_i]`` (``out_0 = tokens[0]``, the anchor),
+    ``logits_i = base_i + w2 . emb_i`` (fp32), ``out_{i+1} = argmax(logits_i)`` (ties to the lower id).
+    base f32 [B, V]; tokens i64 [B]; w1, w2 f32 [V, rank] (bf16 values). Outputs ``drafts`` i64 [B]
+    (``out_1 .. out_B``) and ``logits`` f32 [B, V]."""
+
+    @staticmethod
+    def infer(ins, a):
+        base, tok, w1, w2 = ins
+        _check_markov(base, tok, w1, w2)
+        return [T((base.shape[0],), "i64"), T(base.shape, "f32")]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        base, tok, w1, w2 = ins
+        prev = int(tok[0])
+        out, rows = [], []
+        for i in range(base.shape[0]):
+            li = base[i] + P.linear_f32(w1[prev], w2)
+            rows.append(li)
+            prev = int(torch.argmax(li))
+            out.append(prev)
+        return [torch.tensor(out, dtype=torch.int64, device=base.device), torch.stack(rows)]
+
+
+@register("dspark_confidence", ("hx", "tokens", "drafts", "w1", "proj", "bias*"), ("conf",))
+class DsparkConfidence:
+    """7.3.4: ``conf_i = proj . [fp32(hx_i) ; w1[prev_i]] (+ bias)`` with ``prev_0 = tokens[0]`` (the anchor)
+    and ``prev_i = drafts[i-1]``: the raw confidence logit of each depth. hx bf16 [B, D] (the pre-norm HC-head
+    output); tokens, drafts i64 [B]; w1 f32 [V, rank]; proj f32 [1, D + rank]; bias f32 [1]. fp32 [B]."""
+
+    @staticmethod
+    def infer(ins, a):
+        hx, tok, drafts, w1, proj = ins[:5]
+        rows = hx.shape[0]
+        if len(hx.shape) != 2:
+            raise ValueError(f"expected hx [B, D], found {hx}")
+        for name, t in (("tokens", tok), ("drafts", drafts)):
+            if t.dtype != "i64" or t.shape != (rows,):
+                raise ValueError(f"expected {name} i64 [{rows}], found {t}")
+        if len(w1.shape) != 2 or proj.shape != (1, hx.shape[1] + w1.shape[1]):
+            raise ValueError(f"expected proj [1, {hx.shape[1]} + rank {w1.shape[1] if len(w1.shape) == 2 else '?'}]"
+                             f", found {proj}")
+        if len(ins) > 5 and ins[5].shape != (1,):
+            raise ValueError(f"expected the confidence bias [1], found {ins[5]}")
+        return [T((rows,), "f32")]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        hx, tok, drafts, w1, proj = ins[:5]
+        prev = [int(tok[0])] + [int(d) for d in drafts[:-1]]
+        out = []
+        for i, t in enumerate(prev):
+            c = P.linear_f32(torch.cat((hx[i].to(F32), w1[t])), proj)
+            out.append(c + ins[5] if len(ins) > 5 else c)
+        return [torch.cat(out)]
 
 
 def infer_op(kind: str, in_types: list[TensorType], attrs: dict[str, Any]) -> list[TensorType]:

@@ -10,7 +10,10 @@ per row ``i`` (position ``p = pos + i``) and head ``h``, P9 over the list
   ``kv_new[t - pos]`` otherwise), masked entries after them up to ``W`` entries when ``p < W - 1``;
 * the compressed part: ``csa``: ``comp[sel[i, c]]`` in ``sel`` order (``-1`` = masked); ``hca``: ``comp[c]``
   for ``c < cap``, masked from ``min((p+1) // ratio, live)`` on; ``swa``: none;
-* masked entries up to a multiple of 64,
+* masked entries up to a multiple of 64;
+
+kind ``dspark`` (spec 7.2.3, the DSpark drafter's block attention): every row's list is the ring slots ``0 ..
+min(W, pos)-1`` in slot order, then all ``q`` rows of ``kv_new`` (the block, non-causally), then masked entries,
 
 in chunks of 64 list entries; fully masked chunks are skipped.
 
@@ -48,7 +51,7 @@ from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.families import Launch
 from ds4c.runtime.targets import Target
 
-KINDS = ("swa", "csa", "hca")
+KINDS = ("swa", "csa", "hca", "dspark")
 CHUNK = 64  # list entries per P9 chunk (ds4c.reference.primitives.ATTN_CHUNK)
 TEMPLATE = "attention/sparse_attention.cu.j2"
 FAMILY = "attention"
@@ -121,7 +124,7 @@ class AttentionSpec:
     @property
     def comp_len(self) -> int:
         """List entries after the window at render time: 0 (swa), topk (csa), cap (hca)."""
-        return {"swa": 0, "csa": self.topk, "hca": self.cap}[self.kind]
+        return {"swa": 0, "csa": self.topk, "hca": self.cap, "dspark": self.q}[self.kind]
 
     @property
     def list_len(self) -> int:
@@ -171,7 +174,7 @@ class AttentionSpec:
         """Render parameters (without ``part``)."""
         return {"kind": self.kind, "rows": self.q, "heads": self.heads, "head_dim": self.head_dim,
                 "window": self.window, "topk": self.topk if self.kind == "csa" else 0,
-                "cap": self.cap if self.kind != "swa" else 0, "ratio": self.ratio if self.kind == "hca" else 1,
+                "cap": self.cap if self.kind in ("csa", "hca") else 0, "ratio": self.ratio if self.kind == "hca" else 1,
                 "splits": self.splits, "heads_per_block": self.heads_per_block, "threads": self.block_threads(),
                 "combine_threads": self.combine_threads(),
                 "scale": _float_literal(self.scale_value)}
@@ -219,7 +222,7 @@ def launch_shapes(spec: AttentionSpec) -> list[Launch]:
 def arg_names(spec: AttentionSpec) -> dict[str, list[str]]:
     """Kernel argument names in order, per kernel (``main``, and ``combine`` when split)."""
     main = ["q", "ring", "kv_new"]
-    if spec.kind != "swa":
+    if spec.kind in ("csa", "hca"):
         main.append("comp")
     if spec.kind == "csa":
         main.append("sel")
@@ -271,12 +274,24 @@ def reference(spec: AttentionSpec, q: torch.Tensor, ring: torch.Tensor, kv_new: 
     """
     from ds4c.reference import blocks as B
 
+    if spec.kind == "dspark":
+        return _dspark_reference(spec, q, ring, kv_new, sink, pos)
     outs = []
     for i in range(spec.q):
         p = pos + i
         c, ok = _comp_list(spec, comp, sel_or_none, i, p, live)
         outs.append(B.attention_row(q[i], ring, kv_new, p, pos, spec.window, c, ok, sink, spec.scale_value))
     return torch.stack(outs)
+
+
+def _dspark_reference(spec: AttentionSpec, q: torch.Tensor, ring: torch.Tensor, kv_new: torch.Tensor,
+                      sink: torch.Tensor, pos: int) -> torch.Tensor:
+    """Kind ``dspark`` by the reference's P9 (as :class:`ds4c.drafters.dspark_model.DSparkModel` calls it)."""
+    from ds4c.reference import primitives as P
+
+    lst = torch.cat((ring[:min(spec.window, pos)], kv_new))
+    ok = torch.ones(lst.shape[0], dtype=torch.bool, device=lst.device)
+    return torch.stack([P.sparse_attention(q[i], lst, ok, sink, spec.scale_value) for i in range(spec.q)])
 
 
 def kernel_model(spec: AttentionSpec, q: torch.Tensor, ring: torch.Tensor, kv_new: torch.Tensor,
@@ -292,12 +307,19 @@ def kernel_model(spec: AttentionSpec, q: torch.Tensor, ring: torch.Tensor, kv_ne
     outs = []
     for i in range(spec.q):
         p = pos + i
-        kv, ok = B.window_rows(ring, kv_new, p, pos, spec.window)
-        c, cok = _comp_list(spec, comp, sel_or_none, i, p, live)
-        if c is not None:
-            kv, ok = torch.cat((kv, c)), torch.cat((ok, cok))
+        if spec.kind == "dspark":
+            lim = min(spec.window, pos)
+            kv = torch.cat((ring[:lim], kv_new))
+            ok = torch.ones(kv.shape[0], dtype=torch.bool, device=kv.device)
+        else:
+            kv, ok = B.window_rows(ring, kv_new, p, pos, spec.window)
+            c, cok = _comp_list(spec, comp, sel_or_none, i, p, live)
+            if c is not None:
+                kv, ok = torch.cat((kv, c)), torch.cat((ok, cok))
         # the kernel's list end (masked entries past it are never visited)
-        if spec.kind == "csa":
+        if spec.kind == "dspark":
+            n_end = kv.shape[0]
+        elif spec.kind == "csa":
             n_end = spec.window + spec.topk
         elif spec.kind == "hca" and min((p + 1) // spec.ratio, live, spec.cap) > 0:
             n_end = spec.window + min((p + 1) // spec.ratio, live, spec.cap)

@@ -105,6 +105,10 @@ class HcSpec:
     norm_eps: float = 1e-6
     hc_eps: float = 1e-6
     streams: bool = False
+    """``post_head`` only: also write the last layer's HC streams to ``x_new`` (the DSpark taps of that layer)."""
+    head_out: bool = False
+    """``post_head`` only: also write the pre-mix before the RMSNorm to ``y_pre`` bf16 [q, D] (the DSpark
+    drafter's confidence input, spec 7.3.4)."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -124,6 +128,8 @@ class HcSpec:
             bad.append(f"n_mix {self.n_mix} (expected {want} for {self.variant} with hc {self.hc})")
         if self.iters < 1:
             bad.append(f"iters {self.iters} (expected >= 1)")
+        if self.head_out and self.variant != "post_head":
+            bad.append(f"head_out with variant {self.variant!r} (only post_head writes the pre-norm pre-mix)")
         if self.n_mix + 1 > 32:
             bad.append(f"n_mix {self.n_mix} (at most 31 so that n_mix + 1 sums fit one wave-32 reduce-scatter)")
         if bad:
@@ -170,7 +176,7 @@ class HcSpec:
                 "n_mix": self.n_mix, "npad": self.npad, "iters": self.iters, "threads_mix": MIX_THREADS,
                 "vec_mix": MIX_VEC, "threads_norm": nt, "vec_norm": vec, "eps_lit": _float_literal(self.eps),
                 "norm_eps_lit": _float_literal(self.norm_eps), "hc_eps_lit": _float_literal(self.hc_eps),
-                "streams": self.streams}
+                "streams": self.streams, **({"head_out": True} if self.head_out else {})}
 
 
 def _float_literal(x: float) -> str:
@@ -225,13 +231,15 @@ def arg_names(spec: HcSpec) -> dict[str, list[str]]:
     if v == "post_out":
         return {"mix": ["out", "x", "post", "comb", "x_new"]}
     return {"mix": ["out", "x", "post", "comb", "fn"] + (["x_new"] if spec.streams else []) + ["ws"],
-            "norm": ["out", "x", "post", "comb", "ws", "scale", "base", "norm_w", "y"]}
+            "norm": ["out", "x", "post", "comb", "ws", "scale", "base", "norm_w", "y"] + (["y_pre"] if spec.head_out
+                                                                                             else [])}
 
 
 def output_names(spec: HcSpec) -> list[str]:
     """Names of the outputs, as :func:`reference` returns them."""
     return {"embed_pre": ["x", "y", "post_new", "comb_new"], "post_pre": ["x_new", "y", "post_new", "comb_new"],
-            "post_head": ["x_new", "y"] if spec.streams else ["y"], "pre": ["y", "post_new", "comb_new"],
+            "post_head": (["x_new"] if spec.streams else []) + ["y"] + (["y_pre"] if spec.head_out else []),
+            "pre": ["y", "post_new", "comb_new"],
             "post_out": ["x_new"]}[spec.variant]
 
 
@@ -249,7 +257,8 @@ def arg_shapes(spec: HcSpec, n_vocab: int = 0) -> dict[str, tuple[tuple[int, ...
             "x": ((q, hc, D), bf), "post": ((q, hc), f32), "comb": ((q, hc, hc), f32), "fn": ((n, hc * D), f32),
             "x_new": ((q, hc, D), bf), "ws": ((workspace_floats(spec),), f32),
             "scale": ((1 if spec.variant == "post_head" else 3,), f32), "base": ((n,), f32),
-            "norm_w": ((D,), f32), "y": ((q, D), bf), "post_new": ((q, hc), f32), "comb_new": ((q, hc, hc), f32)}
+            "norm_w": ((D,), f32), "y": ((q, D), bf), "y_pre": ((q, D), bf), "post_new": ((q, hc), f32),
+            "comb_new": ((q, hc, hc), f32)}
 
 
 def bytes_read(spec: HcSpec) -> int:
@@ -296,7 +305,8 @@ def reference(spec: HcSpec, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         x = P.hc_post(inputs["out"], inputs["x"], inputs["post"], inputs["comb"])
     if spec.variant == "post_head":
         y = P.hc_head(x, fn, scale, base, spec.hc_eps, spec.norm_eps)
-        return {**({"x_new": x} if spec.streams else {}), "y": P.rms_norm(y, norm_w, spec.eps)}
+        return {**({"x_new": x} if spec.streams else {}), "y": P.rms_norm(y, norm_w, spec.eps),
+                **({"y_pre": y} if spec.head_out else {})}
     y, post, comb = P.hc_pre(x, fn, scale, base, spec.iters, spec.hc_eps, spec.norm_eps)
     out = {} if spec.variant == "pre" else {"x" if spec.variant == "embed_pre" else "x_new": x}
     return {**out, "y": P.rms_norm(y, norm_w, spec.eps), "post_new": post, "comb_new": comb}
