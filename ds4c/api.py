@@ -179,6 +179,9 @@ class Model:
             layers per shard such as ``[22, 21]``; :func:`ds4c.engine.shard_plan`): either engine runs shard by
             shard, the HC state handed between them. A device may repeat (a virtual split); ``layer_split``
             alone splits on ``device``; ``devices`` alone places layers from the memory plan.
+        taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``, e.g.
+            ``DSparkDrafter(path).file.taps``), so ``generate(draft=...)`` with that DSpark drafter runs it
+            compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -193,7 +196,8 @@ class Model:
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
-                 devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None):
+                 devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
+                 taps: Sequence[int] = ()):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -213,7 +217,7 @@ class Model:
             if has_tokenizer(mf.metadata) else None
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
-                                   devices=devices, layer_split=layer_split)
+                                   devices=devices, layer_split=layer_split, taps=tuple(taps))
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 

@@ -512,12 +512,18 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         from ds4c.speculative import make_drafter
 
         drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
-        if not hasattr(drafter, "alpha") and (resolve_engine(device, engine, dataflow) != "reference"
-                                              or devices is not None or layer_split is not None):
-            reads = "final HC state" if draft.startswith("mtp") else "taps"
-            raise Ds4cError(f"--draft {draft}: the drafter reads the target's {reads}, which the unsplit reference "
-                            f"engine records (--engine reference, no --devices / --layer-split); the compiled "
-                            f"drafter is not written yet")
+        taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
+        split = devices is not None or layer_split is not None
+        compiled = resolve_engine(device, engine, dataflow) != "reference"
+        if draft.startswith("mtp") and (compiled or split):
+            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which only the "
+                            f"unsplit reference engine records (--engine reference, no --devices / --layer-split)")
+        if taps and split:
+            raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
+                            f"--layer-split)")
+        if taps and compiled and artifact:
+            raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
+                            f"run without --artifact (the step then compiles with the drafter's taps)")
     spec_width = _spec_width(spec_width)
     if drafter is not None:
         from ds4c.speculative import no_speculation
@@ -534,7 +540,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         need = max_ctx
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
-                  layer_split=layer_split)
+                  layer_split=layer_split, taps=taps if drafter is not None and compiled else ())
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     plan = getattr(model.stepper, "plan", None)

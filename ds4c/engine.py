@@ -119,7 +119,8 @@ def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str,
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
-                devices: str | list[str] | None = None, layer_split: str | list[int] | None = None) -> Any:
+                devices: str | list[str] | None = None, layer_split: str | list[int] | None = None,
+                taps: tuple[int, ...] = ()) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -138,6 +139,9 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             (compiled, loaded, weights uploaded, captured: ``CompiledStep.prepare_all``; its timings are the
             step's ``prepare_stats``), so nothing is compiled or captured once generation starts.
         progress: print the compile line and progress bars of that preparation to stderr.
+        taps: compiled engine: the DSpark tap layers its graphs record (spec 5.2(q); a DSpark drafter file's
+            ``taps``), read by the compiled drafter (``CompiledStep(taps=...)``); the reference records them
+            on request.
         dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
         devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
@@ -191,9 +195,9 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 
-            step = ShardedStep(mf, buckets, plan, arch, artifact=art)
+            step = ShardedStep(mf, buckets, plan, arch, artifact=art, taps=tuple(taps))
         else:
-            step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan)
+            step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan, taps=tuple(taps))
         step.memory_plan = mplan
         if prepare:
             step.prepare_all(progress=progress)

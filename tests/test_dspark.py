@@ -499,4 +499,4 @@ def test_cli_make_info_and_generate_with_a_dspark_drafter(tmp_path):
     bad = run("generate", drafter, "--prompt-ids", "1,2")  # the drafter as the model
     assert bad.exit_code == 2 and "a DSpark drafter: give it to --draft" in bad.output
     bad = run(*base, "--draft", drafter, "--layer-split", "3,3")
-    assert bad.exit_code == 2 and "unsplit reference engine" in bad.output
+    assert bad.exit_code == 2 and "runs on an unsplit target" in bad.output
