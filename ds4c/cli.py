@@ -516,8 +516,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         split = devices is not None or layer_split is not None
         compiled = resolve_engine(device, engine, dataflow) != "reference"
         if draft.startswith("mtp") and (compiled or split):
-            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which only the "
-                            f"unsplit reference engine records (--engine reference, no --devices / --layer-split)")
+            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the unsplit "
+                            f"reference engine records (--engine reference, no --devices / --layer-split)")
         if taps and split:
             raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
                             f"--layer-split)")
