@@ -525,6 +525,10 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
             raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
                             f"run without --artifact (the step then compiles with the drafter's taps)")
     spec_width = _spec_width(spec_width)
+    if drafter is None and click.get_current_context().get_parameter_source("spec_width") \
+            is not click.core.ParameterSource.DEFAULT:
+        click.echo("ds4c: note: --spec-width sets the verify rows of speculative decoding; without --draft every "
+                   "step is a plain decode", err=True)
     if drafter is not None:
         from ds4c.speculative import no_speculation
 

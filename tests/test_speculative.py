@@ -208,6 +208,10 @@ def test_cli_draft(tmp_path, tiny_path):
     for w in ("6", "two", ""):
         bad = run(*base, "--draft", "oracle:0.8", "--spec-width", w)
         assert bad.exit_code == 2 and "--spec-width: expected 1..5 (verify rows per step) or auto" in bad.output
+    r = run(*base, "--spec-width", "3")  # no drafter: said once, the run is the plain one
+    assert r.exit_code == 0 and "note: --spec-width" in r.output and "without --draft" in r.output
+    assert json.loads(r.output.strip().splitlines()[-1])["tokens"] == plain["tokens"]
+    assert "without --draft" not in run(*base).output
 
 
 def test_the_device_loop_is_closed_when_generation_ends(tiny_weights):
