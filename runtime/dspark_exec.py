@@ -38,7 +38,7 @@ from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.quant import GGMLType
-from ds4c.runtime.executor import CompiledStep, _Bound, arena_layout
+from ds4c.runtime.executor import CompiledStep, _Bound, arena_layout, resolve_arg
 from ds4c.runtime.lower import LoweredKernel, lower_graph
 
 SHARED = ("token_embd.weight", "output.weight")
@@ -342,25 +342,9 @@ class CompiledDSpark:
         self._graphs[key] = sg
 
     def _resolve(self, a: Any, sg: _Graph, consts: dict[str, torch.Tensor]) -> Any:
-        if a.kind == "weight":
-            return self._weight(a.name, a.form or "f32")
-        if a.kind == "int":
-            return int(a.value)
-        if a.kind == "step":  # names checked by check_bindings
-            return self._step_dev[self._off[a.name]:]
-        if a.kind == "workspace":
-            t = self._workspaces.get(a.name)
-            if t is None or t.numel() < a.nbytes:
-                t = self._workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=self.dev)
-            return t
-        if a.name in self.state:
-            return self.state[a.name]
-        if a.name in consts:
-            t = sg.values.get(a.name)
-            if t is None:
-                t = sg.values[a.name] = consts[a.name].to(self.dev).contiguous()
-            return t
-        return sg.values[a.name]
+        # step scalar names were checked by check_bindings
+        return resolve_arg(a, sg.values, consts, self.state, self._step_dev, self._off, self._workspaces,
+                           self._weight, self.dev)
 
     def _capture(self, sg: _Graph) -> None:
         """Run ``sg`` once eagerly (module loads, lazy attributes), then capture it (the state is reset after
@@ -458,13 +442,18 @@ class CompiledDSpark:
         Raises:
             StepError: ``t0`` outside the vocabulary, or before :meth:`prepare`.
         """
+        sg, tokens = self._run_block(t0, "draft")
+        return CompiledDraft(tokens, sg.values["base"], sg.values["markov.logits"], sg.values.get("confidence"))
+
+    def _run_block(self, t0: int, key: str) -> tuple[Any, list[int]]:
+        """Upload the block ``[t0, noise x (B-1)]`` at ``ring_pos`` and replay the draft graph ``key``; returns the
+        graph and its drafted ids (one synchronisation). Raises StepError for ``t0`` outside the vocabulary."""
         if isinstance(t0, bool) or not 0 <= int(t0) < self.cfg.vocab_size:
             raise StepError(f"DSpark anchor token must be in 0..{self.cfg.vocab_size - 1}, found {t0!r}")
         with torch.cuda.device(self.dev):
             self._upload(self.ring_pos, [int(t0)] + [self.noise_id] * (self.block_size - 1), rows=self.block_size)
-            sg = self._replay("draft")
-            tokens = sg.values["markov.drafts"].tolist()
-        return CompiledDraft(tokens, sg.values["base"], sg.values["markov.logits"], sg.values.get("confidence"))
+            sg = self._replay(key)
+            return sg, sg.values["markov.drafts"].tolist()
 
     def draft_sampled(self, t0: int) -> CompiledDraft:
         """:meth:`draft` with the Markov chain sampled on the device (7.3.3 with ``sample``): per depth the logits,
@@ -475,12 +464,7 @@ class CompiledDSpark:
         Raises:
             StepError: ``t0`` outside the vocabulary, or before :meth:`prepare`.
         """
-        if isinstance(t0, bool) or not 0 <= int(t0) < self.cfg.vocab_size:
-            raise StepError(f"DSpark anchor token must be in 0..{self.cfg.vocab_size - 1}, found {t0!r}")
-        with torch.cuda.device(self.dev):
-            self._upload(self.ring_pos, [int(t0)] + [self.noise_id] * (self.block_size - 1), rows=self.block_size)
-            sg = self._replay("draft_sample")
-            tokens = sg.values["markov.drafts"].tolist()
+        sg, tokens = self._run_block(t0, "draft_sample")
         return CompiledDraft(tokens, sg.values["base"], sg.values["markov.logits"], sg.values.get("confidence"),
                              self._q)
 

@@ -110,6 +110,34 @@ def arena_layout(g: Graph, kernels: list[LoweredKernel], external: set[str]
     return layout, off
 
 
+def resolve_arg(a: Arg, values: dict[str, torch.Tensor], consts: dict[str, torch.Tensor],
+                state: dict[str, torch.Tensor], step_buf: torch.Tensor, offsets: dict[str, int],
+                workspaces: dict[str, torch.Tensor], weight: Any, dev: torch.device) -> Any:
+    """The bound value of one kernel argument of a lowered graph (the compiled step's and the compiled drafter's):
+    a weight (``weight(name, form)``), an int, the step buffer from a scalar's offset, a workspace (grown on
+    demand, shared by name), a state buffer, a constant (uploaded once into ``values``), or an activation of the
+    graph (an arena slot or the logits buffer, already in ``values``)."""
+    if a.kind == "weight":
+        return weight(a.name, a.form or "f32")
+    if a.kind == "int":
+        return int(a.value)
+    if a.kind == "step":
+        return step_buf[offsets[a.name]:]
+    if a.kind == "workspace":
+        t = workspaces.get(a.name)
+        if t is None or t.numel() < a.nbytes:
+            t = workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=dev)
+        return t
+    if a.name in state:
+        return state[a.name]
+    if a.name in consts:
+        t = values.get(a.name)
+        if t is None:
+            t = values[a.name] = consts[a.name].to(dev).contiguous()
+        return t
+    return values[a.name]
+
+
 class CompiledStep:
     """The compiled decode/verify step of one model on one CUDA GPU.
 
@@ -740,28 +768,8 @@ class CompiledStep:
         return sg
 
     def _resolve(self, a: Arg, sg: _StepGraph, consts: dict[str, torch.Tensor]) -> Any:
-        if a.kind == "weight":
-            return self._weight(a.name, a.form or "f32")
-        if a.kind == "int":
-            return int(a.value)
-        if a.kind == "step":
-            off = self._off[a.name]
-            return self._step_dev[off:]
-        if a.kind == "workspace":
-            t = self._workspaces.get(a.name)
-            if t is None or t.numel() < a.nbytes:
-                t = self._workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=self.dev)
-            return t
-        # a graph value: a state buffer, a constant, or an activation of this graph (an arena slot or the
-        # logits buffer, bound by _bind before any argument is resolved)
-        if a.name in self.state:
-            return self.state[a.name]
-        if a.name in consts:
-            t = sg.values.get(a.name)
-            if t is None:
-                t = sg.values[a.name] = consts[a.name].to(self.dev).contiguous()
-            return t
-        return sg.values[a.name]
+        return resolve_arg(a, sg.values, consts, self.state, self._step_dev, self._off, self._workspaces,
+                           self._weight, self.dev)
 
     # ------------------------------------------------------------------------------------------ steps
     def _begin(self, tokens: list[int], pos: int) -> _StepGraph:
