@@ -171,17 +171,24 @@ class DSparkDrafter:
                             f"(the anchor context[-1] is the next token the target runs)")
         if self.compiled is not None:
             return self._propose_compiled(context, k)
-        start = m.ring_pos
-        if n < start:
-            raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
-                            f"prepare() starts a new request")
-        self.last_written = list(range(max(start, n - m.window), n))
+        start = self._to_commit(n, m.ring_pos, m.window)
         if n > start:
             m.extend(start, st.main_hidden(start, n))
         d = m.draft(int(context[-1]), self.temperature, self.top_k, self.top_p, self.generator)
         self.last_draft = d
         self.confidence = None if d.confidence is None else torch.sigmoid(d.confidence).tolist()
         return d.tokens[:k], None if d.q is None else d.q[:k]
+
+    def _to_commit(self, n: int, start: int, window: int) -> int:
+        """The rings hold positions ``0 .. start - 1`` and the context ``n`` committed positions: record in
+        :attr:`last_written` the ring rows the coming commit writes (the newest ``window`` of ``start .. n - 1``)
+        and return ``start``. Raises StepError when the context is behind the rings (a new request without
+        :meth:`prepare`)."""
+        if n < start:
+            raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
+                            f"prepare() starts a new request")
+        self.last_written = list(range(max(start, n - window), n))
+        return start
 
     def _propose_compiled(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """:meth:`propose` on the compiled drafter: commit the positions accepted since the last call (from the
@@ -192,11 +199,7 @@ class DSparkDrafter:
         cd, st = self.compiled, self._stepper
         assert cd is not None
         n = len(context) - 1
-        start = cd.ring_pos
-        if n < start:
-            raise StepError(f"DSpark drafter: the context ({n} committed positions) is behind the rings ({start}); "
-                            f"prepare() starts a new request")
-        self.last_written = list(range(max(start, n - cd.window), n))
+        start = self._to_commit(n, cd.ring_pos, cd.window)
         if n > start:
             ring = getattr(st, "tap_ring", None)
             if ring is not None:
