@@ -64,7 +64,30 @@ def main() -> int:
         gpus = [x.elapsed_time(y) for x, y in evs]
         return walls, gpus, pos
 
+    def run_pipelined(n):
+        """The pipelined loop's pattern (runtime/spec_pipeline.py): queue N+1, await N, release N+1; per step
+        the wall time between consecutive results."""
+        prefill()
+        pipe = step.greedy_pipeline()
+        pos, tok = len(prompt), prompt[-1]
+        pipe.enqueue(a.q, pos)
+        pipe.release([tok] + [rng.randrange(V) for _ in range(a.q - 1)], pos)
+        stamps = []
+        for _ in range(n):
+            pipe.enqueue(a.q, pos + a.q)
+            new = pipe.result()
+            stamps.append(time.perf_counter())
+            pos, tok = pos + len(new), new[-1]
+            pipe.release([tok] + [rng.randrange(V) for _ in range(a.q - 1)], pos)
+        pipe.close(tok, pos)
+        torch.cuda.synchronize()
+        return [y - x for x, y in zip(stamps, stamps[1:])]
+
     run(5)
+    if step.greedy_pipeline() is not None:
+        run_pipelined(5)
+        per = run_pipelined(a.steps)
+        print(f"pipelined q={a.q}: {1e3 * statistics.median(per):.3f} ms per step (median wall between results)")
     walls, gpus, end = run(a.steps)
     med = lambda xs: statistics.median(xs)
     print(f"verify_greedy q={a.q} after {a.prompt} tokens, {a.steps} steps: wall {1e3 * med(walls):.3f} ms, "
