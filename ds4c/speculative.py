@@ -441,12 +441,14 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
         stats.host_s["draft"] += time.perf_counter() - t0
         return d + [0] * (k - len(d))  # a drafter with fewer: the rows still run, their drafts rejected
 
+    me = pipe.owner = object()  # another call on the step ends this request (check_owner then raises)
     k = policy.choose(n - 1)
     pipe.enqueue(k + 1, pos)
     try:
         pipe.release([last] + drafts_for(k), pos)
         while True:
             k_next = policy.choose(max(0, n - produced - 2))
+            pipe.check_owner(me)
             pipe.enqueue(k_next + 1, pos + k + 1)
             t1 = time.perf_counter()
             new = pipe.result()
@@ -465,8 +467,11 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
             for t in take:
                 produced += 1
                 yield t
+                pipe.check_owner(me)
             if ending:
                 return
             k = k_next
     finally:
-        pipe.close(last, pos)
+        if pipe.owner is me:
+            pipe.close(last, pos)
+            pipe.owner = None

@@ -40,11 +40,16 @@ from ds4c.shard_plan import ShardPlan, validate
 
 def _on_device(fn: Any) -> Any:
     """Run a :class:`CompiledStep` method with the step's device current (its launches, allocations, events
-    and graph captures belong to that device)."""
+    and graph captures belong to that device). A pipelined speculative request that still has steps queued
+    (one left unfinished and not closed, e.g. a token stream no longer read) is ended first: its queued step
+    waits on a host flag, and anything enqueued behind it would wait forever."""
     import functools
 
     @functools.wraps(fn)
     def wrapped(self: "CompiledStep", *args: Any, **kwargs: Any) -> Any:
+        pipe = getattr(self, "_greedy_pipeline", None)
+        if pipe is not None and pipe.busy:
+            pipe.abandon()
         with torch.cuda.device(self.dev):
             return fn(self, *args, **kwargs)
 

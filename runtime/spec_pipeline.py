@@ -80,6 +80,28 @@ class GreedyPipeline:
         self._queue: deque[_Queued] = deque()
         self._seq = self.flag.value
         self._slot = 0
+        self._next: tuple[int, int] | None = None  # (the sequence's next token, its position), once known
+        self.owner: object | None = None
+        """The request using the pipeline (set by its loop); None once ended by :meth:`abandon`."""
+
+    @property
+    def busy(self) -> bool:
+        """Steps are queued (a request is running, or was left without :meth:`close`)."""
+        return bool(self._queue)
+
+    def abandon(self) -> None:
+        """End a request left with queued steps (another call on the step needs its stream): :meth:`close` at the
+        newest known position, and no owner, so the request's loop gets a one-line StepError if it goes on
+        (:meth:`check_owner`)."""
+        if self._queue:
+            token, pos = self._next if self._next is not None else (0, self.step.pos)
+            self.close(token, pos)
+        self.owner = None
+
+    def check_owner(self, me: object) -> None:
+        """Raises StepError when the request ``me`` no longer owns the pipeline (another call ended it)."""
+        if self.owner is not me:
+            raise StepError("pipelined verify: this request was ended by another call on the compiled step")
 
     def _graph(self, width: int, pos_bound: int) -> Any:
         st = self.step
@@ -116,6 +138,8 @@ class GreedyPipeline:
         q = next((x for x in self._queue if x.tokens is None), None)
         if q is None:
             raise StepError("pipelined verify: no queued step to release")
+        if self._next is None:
+            self._next = (int(tokens[0]), int(pos))
         a = self._np[q.slot]
         bad = None
         if len(tokens) != q.sg.width:
@@ -141,6 +165,7 @@ class GreedyPipeline:
         self._done[q.slot].synchronize()
         new = accept_greedy(self._ids[q.slot][:q.sg.width].tolist(), q.tokens[1:])
         self.step.pos = q.pos + len(new)
+        self._next = (new[-1], self.step.pos)
         return new
 
     def close(self, token: int, pos: int) -> None:
@@ -157,6 +182,7 @@ class GreedyPipeline:
             pos += 1
         self._queue.clear()
         self.step.pos = pos
+        self._next = None
 
 
 def pipeline(step: Any) -> GreedyPipeline | None:
@@ -177,6 +203,5 @@ def pipeline(step: Any) -> GreedyPipeline | None:
             pipe = step._greedy_pipeline = GreedyPipeline(step)
         except LaunchError:  # no mapped host memory or no stream memory ops: the synchronous loop
             return None
-    if pipe._queue:
-        raise StepError("pipelined verify: the last request left steps queued")
+    pipe.abandon()  # a request left unclosed: end it (nothing queued: no-op)
     return pipe

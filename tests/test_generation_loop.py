@@ -220,3 +220,25 @@ def test_a_pipelined_request_stopped_early_leaves_a_valid_state(ready):
     assert again.tokens == generate(_Synchronous(ex), prompt, 40,
                                     draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4).tokens
     ex.reset()
+
+
+def test_a_pipelined_request_left_unread_is_ended_by_the_next_call(ready):
+    """A pipelined speculative stream read for a few tokens and then left (neither read on nor stopped) holds a
+    queued step behind the host flag; the next call on the step ends that request first instead of waiting
+    forever behind it, and the stream then says so in one line."""
+    from ds4c.errors import StepError
+    from ds4c.generate import generate, stream
+    from ds4c.speculative import OracleDrafter
+
+    ex, _ = ready
+    prompt = [2, 7, 1, 8, 2, 8]
+    ar = generate(_HostSampled(ex), prompt, 30).tokens
+    ts = stream(ex, prompt, 30, draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=5)
+    assert [next(ts) for _ in range(4)] == ar[:4]
+    assert ex._greedy_pipeline.busy
+    again = generate(ex, prompt, 30)  # would hang behind the queued step without the drain
+    assert again.tokens == ar and not ex._greedy_pipeline.busy
+    with pytest.raises(StepError, match="ended by another call"):
+        for _ in range(30):
+            next(ts)
+    ex.reset()

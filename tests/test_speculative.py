@@ -254,6 +254,11 @@ class _QueuedOnTheReference:
 
     def __init__(self, ref):
         self.ref, self.queue, self.log = ref, [], []
+        self.owner = None
+
+    def check_owner(self, me):
+        if self.owner is not me:
+            raise StepError("ended by another call")
 
     def enqueue(self, width, pos_bound):
         assert len(self.queue) < 2
