@@ -211,3 +211,51 @@ def test_cuda_bytes_equal_cpu_bytes():
         g = s.stored(n, "cuda")
         assert g.device.type == "cuda" and torch.equal(g.cpu(), s.stored(n, "cpu")), n
     assert s.tensor("fc.weight", device="cuda").device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled drafter)")
+def test_compiled_drafter_on_the_source_equals_it_on_the_file_and_generates_on_the_device(tiny_path, files,
+                                                                                         tmp_path):
+    """CompiledDSpark on ``synthetic:tiny:official:3[...]`` and on the make_dspark file: the same weights bit for bit
+    (every one the graphs bind), the same rings and drafts bit for bit (same kernels, same bytes); every tensor the
+    source is asked for is made on the GPU (no host generation, nothing uploaded)."""
+    from ds4c.buckets import BucketSpec
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.dspark_exec import CompiledDSpark
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    mf = open_model(tiny_path)
+    f = open_dspark(files[("official", 3, True)], mf.config)
+    s = SyntheticDSpark("tiny", seed=3, **OPTS)
+    asked: list[str] = []
+    for meth in ("stored", "tensor", "expert"):
+        orig = getattr(s, meth)
+
+        def spy(*a, _orig=orig, **k):
+            out = _orig(*a, **k)
+            asked.append(out.device.type)
+            return out
+
+        setattr(s, meth, spy)
+    ex = CompiledStep(mf, BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128)), device_arch(),
+                      KernelCache(tmp_path / "kcache"), taps=f.taps)
+    ex.prepare_all(progress=False)
+    cf, cs = CompiledDSpark(f, ex), CompiledDSpark(s, ex)
+    cf.prepare(progress=False)
+    cs.prepare(progress=False)
+    assert asked and set(asked) == {"cuda"}, asked
+    assert set(cf._weights) == set(cs._weights)
+    for key, w in cf._weights.items():
+        assert torch.equal(cs._weights[key], w), key
+    g = torch.Generator().manual_seed(1)
+    mh = (torch.randn(19, len(f.taps) * mf.config.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    for cd in (cf, cs):
+        cd.reset()
+        cd.commit(0, mh)
+    for st in range(3):
+        assert torch.equal(cs.ring(st), cf.ring(st)), st
+    for t0 in (300, 7):
+        a, b = cf.draft(t0), cs.draft(t0)
+        assert a.tokens == b.tokens and torch.equal(a.logits, b.logits) and torch.equal(a.confidence, b.confidence)
