@@ -741,7 +741,8 @@ def _parse_ints(text: str, hint: str) -> list[int]:
                    "every graph: the artifact then serves a compiled step with exactly these taps.")
 @click.option("--draft", "draft", default=None, metavar="FILE",
               help="Take --taps from this DSpark drafter file (its target layers, dflash.target_layers), checked "
-                   "against the model (make one with make-model --drafter dspark).")
+                   "against the model (make one with make-model --drafter dspark), or from the synthetic drafter "
+                   "dspark:synthetic:PRESET[:FORMATS[:SEED]].")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
                 contexts: str | None, jobs: int | None, layer_split: str | None, taps: str | None,

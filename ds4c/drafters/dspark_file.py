@@ -332,8 +332,9 @@ def open_dspark(path: str | os.PathLike[str], target: Ds4Config | None = None,
 
     ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.drafters.dspark_source.SyntheticDSpark`
     of the drafter ``make-model --preset PRESET --drafter dspark`` writes, its tensors generated on demand (by
-    default on ``device``); a bad spec is one line naming the presets and formats (docs/synthetic.md)."""
-    if str(path).startswith("synthetic:"):
+    default on ``device``; ``dspark:synthetic:...``, as ``--draft`` spells it, too); a bad spec is one line naming the
+    presets and formats (docs/synthetic.md)."""
+    if str(path).startswith(("synthetic:", "dspark:synthetic:")):
         from ds4c.drafters.dspark_source import open_synthetic_dspark  # stands where this reader stands
 
         f: DSparkFile = open_synthetic_dspark(str(path), device)
