@@ -173,9 +173,12 @@ def _finite_gib(ctx: click.Context, param: click.Parameter, value: float | None)
 def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, free_gib: float | None, arch: str,
              devices: str | None, layer_split: str | None) -> None:
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
-    its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]]."""
+    its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
+    dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
     from ds4c.gguf_file import ArchitectureError, open_model
 
+    if file and file.startswith("dspark:synthetic:"):
+        return _info_dspark(file[len("dspark:"):], as_json)
     try:
         mf = open_model(_model_path(file), allow_mtp_only=True)
     except ArchitectureError as e:
@@ -276,11 +279,12 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
     mp.check()
 
 
-def _info_dspark(path: Path, as_json: bool) -> None:
-    """``ds4c info`` of a DSpark drafter file (spec section 7)."""
+def _info_dspark(path: Path | str, as_json: bool) -> None:
+    """``ds4c info`` of a DSpark drafter file or synthetic drafter spec (spec section 7)."""
     from ds4c.drafters.dspark_file import open_dspark
 
     f = open_dspark(path)
+    path = f.path
     cfg = f.config
     rec = {"file": str(path), "kind": "dspark drafter", "stages": cfg.n_layers, "taps": list(f.taps),
            "block_size": f.block_size, "noise_id": f.noise_id, "markov_rank": f.markov_rank,
@@ -737,7 +741,8 @@ def _parse_ints(text: str, hint: str) -> list[int]:
                    "every graph: the artifact then serves a compiled step with exactly these taps.")
 @click.option("--draft", "draft", default=None, metavar="FILE",
               help="Take --taps from this DSpark drafter file (its target layers, dflash.target_layers), checked "
-                   "against the model (make one with make-model --drafter dspark).")
+                   "against the model (make one with make-model --drafter dspark), or from the synthetic drafter "
+                   "dspark:synthetic:PRESET[:FORMATS[:SEED]].")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
                 contexts: str | None, jobs: int | None, layer_split: str | None, taps: str | None,

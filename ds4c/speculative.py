@@ -128,7 +128,8 @@ class OracleDrafter:
 def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, target_file: Any = None) -> Drafter:
     """The drafter a ``--draft`` value names: ``oracle:ALPHA``; ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
     file, :class:`ds4c.drafters.dspark.DSparkDrafter`, checked against ``config``, the target's
-    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``); ``mtp`` (the MTP block of the target file
+    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``); ``dspark:synthetic:PRESET[:FORMATS[:SEED]]``
+    (the same drafter with no file, :class:`ds4c.drafters.dspark_source.SyntheticDSpark`, checked likewise); ``mtp`` (the MTP block of the target file
     ``target_file`` itself) or ``mtp:PATH`` (a separate file holding one, llama.cpp's ``convert --mtp`` export or
     ``ds4c make-model --drafter mtp``; checked against ``config`` and the target file's embedding and head):
     :class:`ds4c.drafters.mtp.MTPDrafter`, spec 7.5.
@@ -169,7 +170,7 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
                                  f"target's {vocab_size}")
         return d
     raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA, dspark:PATH or PATH.gguf (a DSpark drafter "
-                    f"file), mtp (the target's own MTP block) or mtp:PATH (an MTP file)")
+                    f"file), dspark:synthetic:PRESET[:FORMATS[:SEED]] (the synthetic DSpark drafter, no file), mtp (the target's own MTP block) or mtp:PATH (an MTP file)")
 
 
 class WidthPolicy:

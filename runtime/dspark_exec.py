@@ -135,7 +135,9 @@ class CompiledDSpark:
     """The DSpark drafter on the target step's GPU (module docstring).
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`).
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`), or the synthetic source
+            (``synthetic:PRESET``, :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`): its weights are then
+            generated in device memory, nothing uploaded from the host.
         step: the target's :class:`CompiledStep` (whole model, no layer split): its device, kernel cache,
             embedding and head are used.
         use_graphs: capture each graph at :meth:`prepare` and replay it (else launch the kernels one by one).
@@ -312,14 +314,15 @@ class CompiledDSpark:
         t = self._weights.get(key)
         if t is None:
             f = self.file
+            dev = self.dev if getattr(f, "generates_on_device", False) else None  # synthetic: made on the device
             if form == "raw" or (form == "bf16" and self._types.get(name) == GGMLType.BF16):
-                h = f.stored(name)
+                h = f.stored(name, dev)
                 if form == "bf16":
                     h = h.view(torch.bfloat16).reshape(f.specs[name].shape)
             elif form == "bf16":
-                h = f.tensor(name).to(torch.bfloat16)
+                h = f.tensor(name, device=dev).to(torch.bfloat16)
             else:
-                h = f.tensor(name)
+                h = f.tensor(name, device=dev)
             t = self._weights[key] = h.to(self.dev).contiguous()
         return t
 

@@ -4,11 +4,18 @@ draft, each timed as back-to-back CUDA-graph replays (``CompiledDSpark.time_prop
 step at width B + 1 (``CompiledStep.time_replays``), with every draft launch timed on its own per kernel family.
 Usage (the lead, on the H200):
 
+    python tools/dspark_time.py --gguf synthetic:flash-l4 --drafter dspark:synthetic:flash-l4 [--pos 200] [--commit 1,3,5]
+
+(no files: the target and the drafter are the synthetic sources, every weight generated in GPU memory,
+docs/synthetic.md), or with files:
+
     ds4c make-model --preset flash-l4 -o /tmp/l4.gguf
     ds4c make-model --preset flash-l4 --drafter dspark -o /tmp/l4-dspark.gguf
     python tools/dspark_time.py --gguf /tmp/l4.gguf --drafter /tmp/l4-dspark.gguf [--pos 200] [--commit 1,3,5]
 
-Without ``--gguf`` / ``--drafter`` it makes the ``--model`` preset's pair (seed 0) in a temporary folder. The rings
+``--drafter`` takes a file or ``[dspark:]synthetic:PRESET[:FORMATS[:SEED]]``; with a synthetic ``--gguf`` and no
+``--drafter`` the drafter is the synthetic one of the same preset and seed. Without ``--gguf`` it makes the
+``--model`` preset's pair of files (seed 0) in a temporary folder (and the drafter file too when none is given). The rings
 are filled by commits of random ``main_hidden`` rows (timing does not depend on their values); the draft's
 prediction in docs/drafter.md is what this measures.
 """
@@ -39,8 +46,9 @@ from ds4c.synth import make_model  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--gguf", default=None)
-    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--gguf", default=None, help="target model file or synthetic:PRESET[:FORMATS[:SEED]]")
+    ap.add_argument("--drafter", default=None,
+                    help="DSpark drafter file or [dspark:]synthetic:PRESET[:FORMATS[:SEED]] (no file)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--pos", type=int, default=200, help="committed positions before the timed propose")
     ap.add_argument("--commit", default="1,3,5", help="commit sizes to time (accepted rows per step)")
@@ -48,10 +56,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=50)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    gguf = Path(a.gguf) if a.gguf else make_model(preset(a.model), tmp / f"{a.model}.gguf", seed=0)
-    dpath = Path(a.drafter) if a.drafter else make_dspark(gguf, tmp / f"{a.model}-dspark.gguf", seed=0)
+    gguf: Path | str = (a.gguf if a.gguf.startswith("synthetic:") else Path(a.gguf)) if a.gguf else \
+        make_model(preset(a.model), tmp / f"{a.model}.gguf", seed=0)
     mf = open_model(gguf)
-    f = open_dspark(dpath, mf.config)
+    dspec = a.drafter[len("dspark:"):] if a.drafter and a.drafter.startswith("dspark:") else a.drafter
+    if dspec is None and getattr(mf, "generates_on_device", False):  # the synthetic target's synthetic drafter
+        dspec = f"synthetic:{mf.preset}:official:{mf.seed}"
+    dpath: Path | str = (dspec if dspec.startswith("synthetic:") else Path(dspec)) if dspec else \
+        make_dspark(gguf, tmp / f"{a.model}-dspark.gguf", seed=0)
+    f = open_dspark(dpath, mf.config, device="cuda")
+    print(f"target {mf.path}, drafter {f.path}"
+          f"{' (the drafter generated on the device, no file)' if getattr(f, 'generates_on_device', False) else ''}")
     B = f.block_size
     widths = tuple(sorted({1, min(5, B + 1)}))
     ex = CompiledStep(mf, BucketSpec.build(mf.config, widths, a.max_ctx), a.arch, KernelCache(tmp / "kcache"))

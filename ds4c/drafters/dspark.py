@@ -43,7 +43,9 @@ class DSparkDrafter:
     """A DSpark drafter file driving speculative decoding on the reference (module docstring).
 
     Args:
-        path: the drafter GGUF (arch ``dflash``; :mod:`ds4c.drafters.dspark_file`).
+        path: the drafter GGUF (arch ``dflash``; :mod:`ds4c.drafters.dspark_file`), or
+            ``synthetic:PRESET[:FORMATS[:SEED]]``, the synthetic drafter with no file
+            (:mod:`ds4c.drafters.dspark_source`).
         seed: seeds the drafter's sampling when the loop gives no generator.
         target: the target's config, to check the file against at once (else at :meth:`prepare`).
         cache_experts: the stages' routed experts kept dequantized (default as the reference).
@@ -62,7 +64,7 @@ class DSparkDrafter:
     def __init__(self, path: str | os.PathLike[str], seed: int = 0, target: Ds4Config | None = None,
                  cache_experts: int | None = None):
         self.file: DSparkFile = open_dspark(path, target)
-        self.name = f"dspark:{Path(path).name}"
+        self.name = f"dspark:{getattr(self.file, 'identity', None) or Path(path).name}"
         self.seed, self._cache = int(seed), cache_experts
         self.model: DSparkModel | None = None
         self._weights: Any = None

@@ -275,32 +275,43 @@ class DSparkFile:
         """The GGUF storage type of tensor ``name``."""
         return GGMLType(int(self._get(name).tensor_type))
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Tensor ``name`` dequantized to ``dtype``, its spec shape (torch order). Raises ModelFileError for an
-        unknown name."""
+    generates_on_device = False
+    """A file's tensors are read on the host (``device`` arguments copy there after); the synthetic source
+    (:class:`ds4c.drafters.dspark_source.SyntheticDSpark`) has True: it makes them on the device asked for."""
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Tensor ``name`` dequantized to ``dtype``, its spec shape (torch order), on the host (copied to ``device``
+        when given). Raises ModelFileError for an unknown name."""
         t = self._get(name)
         shape = self.specs[name].shape if name in self.specs else tuple(int(x) for x in reversed(t.shape.tolist()))
-        return dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
+        out = dequantize(np.asarray(t.data), GGMLType(int(t.tensor_type)), shape, dtype=dtype)
+        return out if device is None else out.to(device)
 
-    def stored(self, name: str) -> torch.Tensor:
-        """The stored bytes of ``name``: uint8 ``[nbytes]``, a zero-copy view of the memory map (read only). What
-        the compiled drafter uploads for the kernels that read a weight as stored (GEMV, experts)."""
+    def stored(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The stored bytes of ``name``: uint8 ``[nbytes]``, a zero-copy view of the memory map (read only; copied
+        to ``device`` when given). What the compiled drafter uploads for the kernels that read a weight as stored
+        (GEMV, experts)."""
         import warnings
 
         raw = np.ascontiguousarray(np.asarray(self._get(name).data)).reshape(-1).view(np.uint8)
         with warnings.catch_warnings():  # the memory map is read-only; the bytes are only read
             warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(raw)
+            out = torch.from_numpy(raw)
+        return out if device is None else out.to(device)
 
-    def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Expert ``e`` of the expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in]."""
+    def expert(self, name: str, e: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Expert ``e`` of the expert tensor ``name`` ([n_expert, out, in]) dequantized: [out, in] (copied to
+        ``device`` when given)."""
         spec = self.specs.get(name)
         if spec is None or len(spec.shape) != 3:
             raise ModelFileError(f"{self.path}: {name!r} is not an expert tensor of this drafter")
         if not 0 <= e < spec.shape[0]:
             raise ModelFileError(f"{name}: expert index {e} out of range 0..{spec.shape[0] - 1}")
         t = self._get(name)
-        return dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), spec.shape[1:], dtype=dtype)
+        out = dequantize(np.asarray(t.data[e]), GGMLType(int(t.tensor_type)), spec.shape[1:], dtype=dtype)
+        return out if device is None else out.to(device)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -314,10 +325,21 @@ class DSparkFile:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
 
 
-def open_dspark(path: str | os.PathLike[str], target: Ds4Config | None = None) -> DSparkFile:
+def open_dspark(path: str | os.PathLike[str], target: Ds4Config | None = None,
+                device: torch.device | str = "cpu") -> DSparkFile:
     """Open and validate a DSpark drafter file (:class:`DSparkFile`); with ``target``, also check it serves that
-    model (:meth:`DSparkFile.check_target`). Raises ModelFileError (one line)."""
-    f = DSparkFile(path)
+    model (:meth:`DSparkFile.check_target`). Raises ModelFileError (one line).
+
+    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.drafters.dspark_source.SyntheticDSpark`
+    of the drafter ``make-model --preset PRESET --drafter dspark`` writes, its tensors generated on demand (by
+    default on ``device``; ``dspark:synthetic:...``, as ``--draft`` spells it, too); a bad spec is one line naming the
+    presets and formats (docs/synthetic.md)."""
+    if str(path).startswith(("synthetic:", "dspark:synthetic:")):
+        from ds4c.drafters.dspark_source import open_synthetic_dspark  # stands where this reader stands
+
+        f: DSparkFile = open_synthetic_dspark(str(path), device)
+    else:
+        f = DSparkFile(path)
     if target is not None:
         f.check_target(target)
     return f

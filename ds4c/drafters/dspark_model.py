@@ -42,12 +42,13 @@ class _StageTensors:
         self._f, self._shared = dfile, {"token_embd.weight": target.embed, "output.weight": target.head}
 
     def tensor(self, name: str, dtype: torch.dtype = F32, device: torch.device | str | None = None) -> torch.Tensor:
-        t = self._shared[name] if name in self._shared else self._f.tensor(name, dtype)
-        return t if device is None else t.to(device)
+        if name in self._shared:
+            t = self._shared[name]
+            return t if device is None else t.to(device)
+        return self._f.tensor(name, dtype, device=device)  # a synthetic source makes it on ``device``
 
     def expert(self, name: str, e: int, dtype: torch.dtype = F32, device: torch.device | str | None = None) -> torch.Tensor:
-        t = self._f.expert(name, e, dtype)
-        return t if device is None else t.to(device)
+        return self._f.expert(name, e, dtype, device=device)
 
 
 class _Stages(Reference):
@@ -101,7 +102,8 @@ class DSparkModel:
     """The DSpark drafter of spec section 7 for one sequence, on the reference's arithmetic and device.
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`).
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`; or the synthetic source
+            :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`, whose tensors are made on the target's device).
         target: the target's weights (the whole model: its embedding and head are the drafter's); the drafter runs
             on their device, dataflow and quantization emulation.
         cache_experts: routed experts kept dequantized (default as :meth:`ReferenceWeights.load`).
@@ -130,12 +132,13 @@ class DSparkModel:
         self.block_size, self.taps, self.noise_id = dfile.block_size, dfile.taps, dfile.noise_id
         self.window = self.cfg.window
         t = weights.by_name
-        self.main_proj = t[FC] = dfile.tensor(FC).to(target.device)
-        self.main_norm = t[MAIN_NORM] = dfile.tensor(MAIN_NORM).to(target.device)
-        self.markov_w1 = dfile.tensor(MARKOV_W1).to(target.device)  # fp32 of bf16 values [V, r]
-        self.markov_w2 = dfile.tensor(MARKOV_W2).to(target.device)
-        self.conf_proj = dfile.tensor(CONF_PROJ).to(target.device) if dfile.has_confidence else None  # [1, D + r]
-        self.conf_bias = dfile.tensor(CONF_BIAS).to(target.device) if dfile.has_conf_bias else None
+        dev = target.device
+        self.main_proj = t[FC] = dfile.tensor(FC, device=dev)
+        self.main_norm = t[MAIN_NORM] = dfile.tensor(MAIN_NORM, device=dev)
+        self.markov_w1 = dfile.tensor(MARKOV_W1, device=dev)  # fp32 of bf16 values [V, r]
+        self.markov_w2 = dfile.tensor(MARKOV_W2, device=dev)
+        self.conf_proj = dfile.tensor(CONF_PROJ, device=dev) if dfile.has_confidence else None  # [1, D + r]
+        self.conf_bias = dfile.tensor(CONF_BIAS, device=dev) if dfile.has_conf_bias else None
         t[MARKOV_W1], t[MARKOV_W2] = self.markov_w1, self.markov_w2  # the IR's params (ds4c.ir.dspark)
         if self.conf_proj is not None:
             t[CONF_PROJ] = self.conf_proj
