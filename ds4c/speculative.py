@@ -73,7 +73,9 @@ class Drafter(Protocol):
         ``q`` (fp32 ``[k, V]``, the drafts drawn from them) or None for a deterministic drafter.
 
         Optional: ``configure_sampling(temperature, top_k, top_p, generator)``, called by the loop once per request
-        before the first proposal."""
+        before the first proposal; a ``confidence`` attribute, set by each proposal to one probability per draft
+        (that the draft is accepted given the ones before it are), read by the ``auto`` width in greedy requests
+        (:mod:`ds4c.width_policy`)."""
 
 
 class OracleDrafter:
@@ -307,7 +309,10 @@ def no_speculation(width: Any) -> str | None:
 class SpecStats:
     """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
     (index 0 = the first draft of a step; a draft counts as accepted when it and every draft before it in its
-    step were), ``widths`` (verify rows per step, counted; 1 = a plain decode), tokens produced."""
+    step were), ``widths`` (verify rows per step, counted; 1 = a plain decode, or a verify of no draft), tokens
+    produced; :meth:`as_dict` adds the width policy's report (``policy``: fixed / acceptance-cost / confidence;
+    with the confidence policy ``discarded_drafts``, ``verified_drafts`` and ``calibration``,
+    :meth:`ds4c.width_policy.ConfidencePolicy.as_dict`)."""
 
     drafter: str
     width: int | str

@@ -288,9 +288,9 @@ def test_oracle_confidence_head():
 def test_greedy_confidence_policy_on_the_reference_equals_autoregressive(tiny_weights):
     ref = Reference(tiny_weights, max_ctx=256)
     prompt = [5, 17, 301, 42, 7, 99]
-    ar = generate(ref, prompt, 100).tokens
+    ar = generate(ref, prompt, 64).tokens
     d = OracleDrafter(0.7, 512, seed=2, continuation=ar, sep=3.0)
-    res = generate(ref, prompt, 100, draft=d, spec_width=WidthPolicy(costs=H200))
+    res = generate(ref, prompt, 64, draft=d, spec_width=WidthPolicy(costs=H200))
     assert res.tokens == ar
     sp = res.speculative
     assert sp["policy"] == "confidence" and sp["discarded_drafts"] > 0 and len(sp["widths"]) >= 3, sp
@@ -314,7 +314,7 @@ def test_dspark_drafter_confidence_drives_auto(tiny_path, tiny_weights, tmp_path
 def test_cli_auto_with_a_confidence_head(tmp_path, tiny_path):
     from ds4c.cli import main
 
-    base = ["generate", str(tiny_path), "--prompt-ids", "5,17,301", "--max-new-tokens", "24", "--ignore-eos",
+    base = ["generate", str(tiny_path), "--prompt-ids", "5,17,301", "--max-new-tokens", "16", "--ignore-eos",
             "--json"]
     env = {"DS4C_HOME": str(tmp_path)}
     plain = json.loads(CliRunner().invoke(main, base, env=env).output.strip().splitlines()[-1])
