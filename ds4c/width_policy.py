@@ -36,7 +36,8 @@ confidence far from the ones seen so far is not trusted to the extreme.
 Costs of drafting the maximum: the drafts beyond ``k`` are discarded (counted in the stats as
 ``discarded_drafts``). The DSpark drafter drafts its whole block in one pass whatever ``k`` is, so they cost it
 nothing; an autoregressive drafter (MTP) pays one drafter step per discarded draft; the oracle pays nothing. A
-step that verifies no draft still paid for the proposal: after :attr:`ConfidencePolicy.GATE` drafted steps in a
+step that verifies no draft runs the last token as a 1-row verify (a decode, ``cost(1)``) and still paid for the
+proposal: after :attr:`ConfidencePolicy.GATE` drafted steps in a
 row with no accepted draft (none verified, or all rejected) the policy stops drafting (plain decode steps) and
 drafts again every :attr:`ConfidencePolicy.PROBE_EVERY` steps, verifying at least one draft then so the
 calibration keeps learning; an accepted draft ends the gate.
