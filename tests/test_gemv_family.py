@@ -81,18 +81,50 @@ SPECS.update(KQ_SPECS)
 
 
 # --------------------------------------------------------------------------------------------- compiling
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_render_and_compile(name: str, arch: str, tmp_path: Path) -> None:
-    spec = SPECS[name]
+def _render_or_skip(name: str, arch: str) -> KernelSource:
     t = target(arch)
     try:
-        ks = G.render_gemv(spec, t, f"gemv_{name}")
+        return G.render_gemv(SPECS[name], t, f"gemv_{name}")
     except RenderError as e:  # only HIP may refuse, and only for shared memory
         assert t.vendor == "hip" and "shared memory" in str(e), e
         pytest.skip(f"{name} does not fit {arch}: {e}")
+
+
+@pytest.fixture(scope="module")
+def compiled_ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The compiles of the selected ``test_render_and_compile`` cases, run two at a time (a compiler process
+    per kernel, as alone; the machine's second core would otherwise idle): ``{(name, arch): future}``, each
+    future's result or exception taken by its own test. Cases whose arch has no compiler are left out (their
+    test compiles alone, and skips)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernel_compile import compiler_missing
+
+    wanted = [(it.callspec.params["name"], it.callspec.params["arch"]) for it in request.session.items
+              if getattr(it, "originalname", "") == "test_render_and_compile" and hasattr(it, "callspec")]
+    pool = ThreadPoolExecutor(2)
+    out = {}
+    for name, arch in wanted:
+        if compiler_missing(arch):
+            continue
+        try:
+            ks = G.render_gemv(SPECS[name], target(arch), f"gemv_{name}")
+        except RenderError:
+            continue
+        out[name, arch] = pool.submit(compile_kernel, ks, tmp_path_factory.mktemp(f"gemv-{arch}"))
+    yield out
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_render_and_compile(name: str, arch: str, tmp_path: Path, compiled_ahead: dict) -> None:
+    """Every spec renders (HIP may refuse only for shared memory) and compiles without spills (the compile
+    itself from :func:`compiled_ahead` when it ran it)."""
+    ks = _render_or_skip(name, arch)
     assert not re.search(r"^\s*#include", ks.source, re.M)
-    c = compile_kernel(ks, tmp_path)
+    fut = compiled_ahead.get((name, arch))
+    c = fut.result() if fut is not None else compile_kernel(ks, tmp_path)
     assert_no_spills(c.usage, ks, c.log)
     print(f"{name} {arch}: {c.usage.get('registers')} registers, {c.seconds:.2f} s")
 
