@@ -449,8 +449,9 @@ def test_argmax_reference_ties_and_nan() -> None:
 # --------------------------------------------------------------------------------------------- CPU execution
 # The rendered kernel body, unchanged, run on the CPU: a test-only prelude maps every GPU thread of a block to
 # a fiber (tools/experts_emu.py's FIBERS: one OS thread, a fiber runs until it waits at a barrier), ds4c_sync to
-# a barrier of the block, and ds4c_shfl_xor to an exchange through a per-warp buffer between two warp barriers; blocks of the (persistent) grid run one after the other with shared memory
-# refilled with 0xff bytes (NaN) before each. Wave 32 (the CUDA plan) and wave 64 (the gfx942 plan) are both
+# a barrier of the block, and ds4c_shfl_xor to an exchange through a per-warp buffer between two warp barriers;
+# blocks of the (persistent) grid run one after the other with shared memory refilled with 0xff bytes (NaN)
+# before each. Wave 32 (the CUDA plan) and wave 64 (the gfx942 plan) are both
 # run, so the HIP build's reductions and tiling are executed too. Arithmetic is IEEE fp32 without contraction,
 # so results match the GPU's to fp32 rounding (the GPU fuses multiply-adds), not bit for bit.
 _CPU_PRELUDE = r"""// ---- test-only CPU prelude (tests/test_gemv_family.py)
