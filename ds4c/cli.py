@@ -440,12 +440,16 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
 @click.option("--draft", default=None, metavar="DRAFTER",
               help="Speculative decoding: oracle:ALPHA drafts the target's own greedy continuation with each "
-                   "token wrong with probability 1-ALPHA (a benchmark of the loop); dspark:PATH or PATH.gguf a DSpark "
-                   "drafter file; mtp the model file's own MTP (nextn) block, mtp:PATH an MTP file (convert --mtp, "
-                   "make-model --drafter mtp). DSpark and MTP run on the reference engine.")
+                   "token wrong with probability 1-ALPHA (a benchmark of the loop); oracle:ALPHA:SEP adds an "
+                   "emulated confidence head (logits N(+-SEP/2, 1) for right/wrong drafts; 0 = useless); "
+                   "dspark:PATH or PATH.gguf a DSpark drafter file (dspark:synthetic:PRESET one made on demand); mtp "
+                   "the model file's own MTP (nextn) block, mtp:PATH an MTP file (convert --mtp, make-model --drafter "
+                   "mtp). DSpark runs on both engines (compiled: the step records its taps), MTP on the reference.")
 @click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto",
               help="With --draft: verify rows per step (the last token and up to 4 drafts), or auto: per step from "
-                   "the acceptance so far and each width's measured step cost.")
+                   "the acceptance so far and each width's measured step cost; with a drafter's confidence head "
+                   "(greedy), the most drafts are proposed and the verified count picked from their calibrated "
+                   "confidences.")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,

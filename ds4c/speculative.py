@@ -22,8 +22,14 @@ Width (:class:`WidthPolicy`): fixed (2..5 rows per verify step), or ``"auto"``: 
 ``k`` that maximises the expected tokens per second, ``E(k) / cost(k + 1)`` with ``E(k) = 1 + sum_{i<=k}
 prod_{j<=i} a_j`` from the acceptance per draft depth ``a_j`` observed so far in the request (a Beta(1, 1)
 prior: 1/2 before any evidence) and ``cost(w)`` the stepper's verify-step time at width ``w``, measured once
-before the request (:func:`measure_width_costs`). This is the acceptance-and-cost policy for drafters without a
-confidence head (the oracle's); the widths chosen are counted in the stats.
+before the request (:func:`measure_width_costs`). This is the acceptance-and-cost policy, for drafters without a
+confidence head and for sampling requests. When the drafter reports a confidence per draft depth after its
+proposal (``drafter.confidence``: the DSpark head, 7.3.4, or the oracle's emulated head ``oracle:ALPHA:SEP``) a
+greedy ``auto`` request drafts the most it may and verifies the first ``k`` drafts, ``k`` maximising the same
+objective with each draft's acceptance predicted from its confidence by a per-depth calibration fitted online
+against the target's accept/reject outcomes (:mod:`ds4c.width_policy`); the drafts beyond ``k`` are discarded.
+The stats report the policy that ran, the widths chosen and, for the confidence policy, the discarded drafts and
+the calibration's final parameters per depth.
 
 Greedy acceptance compares draft ids with the argmax of each verify row, taken on the verify step's device
 (only ``q`` ids cross to the host); on a stepper with ``verify_greedy`` (the compiled step) the comparison, the
@@ -47,6 +53,7 @@ needs).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -56,6 +63,7 @@ from typing import Any, Protocol
 import torch
 
 from ds4c.errors import StepError
+from ds4c.width_policy import ConfidenceCalibration, ConfidencePolicy, best_draft_count  # noqa: F401 (re-exported)
 
 
 class Drafter(Protocol):
@@ -64,7 +72,9 @@ class Drafter(Protocol):
     Optional attribute ``host_only`` (default False): True when :meth:`propose` does no GPU work. A greedy
     request on the compiled step then queues each verify step before the previous one's result is back
     (:mod:`ds4c.runtime.spec_pipeline`). GPU work in ``propose`` would wait behind the queued step, so it is
-    only allowed for drafters that say so."""
+    only allowed for drafters that say so. Optional ``has_confidence``: it sets ``confidence`` per proposal; an
+    adaptive request then trims each step's drafts by it, which the pipelined loop (widths fixed ahead) cannot
+    do, so such a request runs its steps one by one."""
 
     name: str
 
@@ -77,7 +87,9 @@ class Drafter(Protocol):
         ``q`` (fp32 ``[k, V]``, the drafts drawn from them) or None for a deterministic drafter.
 
         Optional: ``configure_sampling(temperature, top_k, top_p, generator)``, called by the loop once per request
-        before the first proposal."""
+        before the first proposal; a ``confidence`` attribute, set by each proposal to one probability per draft
+        (that the draft is accepted given the ones before it are), read by the ``auto`` width in greedy requests
+        (:mod:`ds4c.width_policy`)."""
 
 
 class OracleDrafter:
@@ -86,20 +98,41 @@ class OracleDrafter:
 
     With greedy decoding the target follows that continuation, so ``alpha`` is the per-token acceptance; with
     sampling the output leaves it after the first sampled difference and the drafts are then mostly rejected.
+
+    ``sep`` (>= 0, optional) emulates a confidence head of known informativeness: after each proposal
+    :attr:`confidence` holds, per draft, ``sigmoid(z)`` with ``z`` drawn from ``N(+sep/2, 1)`` when the draft is the
+    continuation's token and from ``N(-sep/2, 1)`` when it is not (its own ``random.Random``, seeded from
+    ``seed``), so ``logit(alpha) + sep * z`` is the exact log-odds of a right draft (``sep = 0``: a useless head).
+    Without ``sep``, :attr:`confidence` stays None (a drafter without a head).
+
+    Raises:
+        StepError: ``alpha`` not in [0, 1], ``sep`` not a finite number >= 0 (one line).
     """
 
     host_only = True
     """Its proposals are list lookups on the host (the pipelined loop may run it while a step is queued)."""
 
-    def __init__(self, alpha: float, vocab_size: int, seed: int = 0, continuation: list[int] | None = None):
+    def __init__(self, alpha: float, vocab_size: int, seed: int = 0, continuation: list[int] | None = None,
+                 sep: float | None = None):
         if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
             raise StepError(f"oracle drafter: ALPHA must be a number in [0, 1], found {alpha!r}")
+        if sep is not None and (isinstance(sep, bool) or not isinstance(sep, (int, float))
+                                or not 0.0 <= float(sep) < float("inf")):
+            raise StepError(f"oracle drafter: SEP (confidence separation) must be a finite number >= 0, found {sep!r}")
         self.alpha, self.vocab_size, self.seed = float(alpha), int(vocab_size), int(seed)
-        self.name = f"oracle:{self.alpha:g}"
+        self.sep = None if sep is None else float(sep)
+        self.name = f"oracle:{self.alpha:g}" + ("" if self.sep is None else f":{self.sep:g}")
         self._given = None if continuation is None else [int(t) for t in continuation]
         self._continuation: list[int] = []
         self._prompt_len = 0
         self._rng = random.Random(seed)
+        self._conf_rng = random.Random(f"{seed}:confidence")
+        self.confidence: list[float] | None = None
+
+    @property
+    def has_confidence(self) -> bool:
+        """It reports a confidence per draft (made with ``sep``)."""
+        return self.sep is not None
 
     def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
         """The target's greedy continuation of ``prompt`` (an autoregressive pass on ``stepper``), unless the
@@ -112,21 +145,29 @@ class OracleDrafter:
             self._continuation = generate(stepper, prompt, max_new_tokens).tokens if max_new_tokens else []
         self._prompt_len = len(prompt)
         self._rng = random.Random(self.seed)
+        self._conf_rng = random.Random(f"{self.seed}:confidence")
+        self.confidence = None
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
         at = len(context) - self._prompt_len
-        out = []
+        out, conf = [], []
         for i in range(k):
             j = at + i
             t = self._continuation[j] if j < len(self._continuation) else 0
-            if self._rng.random() >= self.alpha:
+            right = self._rng.random() < self.alpha
+            if not right:
                 t = (t + 1 + self._rng.randrange(self.vocab_size - 1)) % self.vocab_size
             out.append(t)
+            if self.sep is not None:
+                z = self._conf_rng.gauss(self.sep / 2 if right else -self.sep / 2, 1.0)
+                conf.append(1.0 / (1.0 + math.exp(-z)))
+        self.confidence = conf if self.sep is not None else None
         return out, None
 
 
 def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, target_file: Any = None) -> Drafter:
-    """The drafter a ``--draft`` value names: ``oracle:ALPHA``; ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
+    """The drafter a ``--draft`` value names: ``oracle:ALPHA`` (``oracle:ALPHA:SEP``: with an emulated confidence
+    head of separation SEP, :class:`OracleDrafter`); ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
     file, :class:`ds4c.drafters.dspark.DSparkDrafter`, checked against ``config``, the target's
     :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``); ``dspark:synthetic:PRESET[:FORMATS[:SEED]]``
     (the same drafter with no file, :class:`ds4c.drafters.dspark_source.SyntheticDSpark`, checked likewise); ``mtp`` (the MTP block of the target file
@@ -135,19 +176,29 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
     :class:`ds4c.drafters.mtp.MTPDrafter`, spec 7.5.
 
     Raises:
-        StepError: an unknown drafter, a bad ALPHA, ``mtp`` without ``target_file`` (one line, naming what was
-            expected).
+        StepError: an unknown drafter, a bad ALPHA or SEP, ``mtp`` without ``target_file`` (one line, naming what
+            was expected).
         ModelFileError: a DSpark or MTP file that is missing, invalid, or does not fit the target (its vocabulary not
             ``vocab_size``); ``mtp`` with a target that holds no MTP block.
     """
     text = str(spec)
     kind, _, arg = text.partition(":")
     if kind == "oracle":
+        fields = arg.split(":")
+        if len(fields) > 2:
+            raise StepError(f"--draft oracle:ALPHA[:SEP]: expected at most two numbers after 'oracle:', found {arg!r}")
         try:
-            alpha = float(arg)
+            alpha = float(fields[0])
         except ValueError:
-            raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {arg!r}") from None
-        return OracleDrafter(alpha, vocab_size, seed)
+            raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {fields[0]!r}") from None
+        sep = None
+        if len(fields) == 2:
+            try:
+                sep = float(fields[1])
+            except ValueError:
+                raise StepError(f"--draft oracle:ALPHA:SEP: expected SEP a finite number >= 0, found "
+                                f"{fields[1]!r}") from None
+        return OracleDrafter(alpha, vocab_size, seed, sep=sep)
     if kind == "mtp":
         from ds4c.drafters.mtp import MTPDrafter
 
@@ -179,7 +230,11 @@ class WidthPolicy:
     Args:
         width: verify rows per step (1..5) when fixed; ignored when ``costs`` is given.
         costs: ``{width: seconds}`` of one verify step per width (1..5, from :func:`measure_width_costs`):
-            the adaptive policy.
+            the adaptive policy (acceptance-and-cost; with a drafter's confidence, :meth:`trim` hands the choice to
+            :class:`ds4c.width_policy.ConfidencePolicy`).
+
+    Raises:
+        StepError: ``costs`` lacking a width in ``1..max(costs)``.
     """
 
     EXPLORE_STEPS = 4
@@ -194,10 +249,31 @@ class WidthPolicy:
         self.reached = [0] * self.width  # steps in which draft depth i was judged (all before it accepted)
         self.ok = [0] * self.width  # ... and accepted
         self._since_draft = 0
+        self.by_confidence = ConfidencePolicy(self.costs, self.width - 1) if self.costs and self.width > 1 else None
+        self.confident = False  # the last proposal came with a per-depth confidence (auto only)
 
     @property
     def adaptive(self) -> bool:
         return self.costs is not None
+
+    @property
+    def name(self) -> str:
+        """``fixed``, ``acceptance-cost`` (auto, no confidence) or ``confidence`` (auto, from the drafter's)."""
+        return "fixed" if not self.adaptive else "confidence" if self.confident else "acceptance-cost"
+
+    def trim(self, k: int, confidence: Any) -> int:
+        """Drafts to verify of the ``k`` just proposed: ``k`` unless the policy is adaptive and the drafter gave
+        ``confidence`` (a probability per draft, e.g. ``drafter.confidence``; None: no head, or a sampling request),
+        then :meth:`ds4c.width_policy.ConfidencePolicy.choose` (``0..k``; the rest are discarded)."""
+        if self.by_confidence is None or k <= 0:
+            return k
+        self.confident = confidence is not None
+        return self.by_confidence.choose(list(confidence), k) if self.confident else k
+
+    def report(self) -> dict[str, Any]:
+        """For the request's stats: ``policy`` (:attr:`name`) and, with the confidence policy,
+        :meth:`ds4c.width_policy.ConfidencePolicy.as_dict` (discarded drafts, calibration per depth)."""
+        return {"policy": self.name, **(self.by_confidence.as_dict() if self.confident else {})}
 
     POOL = 8.0
     """Pseudo-counts by which a depth's acceptance is shrunk toward the acceptance pooled over all depths:
@@ -214,15 +290,11 @@ class WidthPolicy:
         top = max(0, min(self.width - 1, limit))
         if not self.adaptive or top == 0:
             return top
+        if self.by_confidence is not None and self.confident:  # draft the most; trim() picks k
+            return top if self.by_confidence.wants_drafts() else 0
         if self.reached[0] < self.EXPLORE_STEPS:
             return top
-        best, best_rate, e, run = 0, 1.0 / self.costs[1], 1.0, 1.0
-        for k in range(1, top + 1):
-            run *= self.acceptance(k - 1)
-            e += run
-            rate = e / self.costs[k + 1]
-            if rate > best_rate:
-                best, best_rate = k, rate
+        best = best_draft_count([self.acceptance(i) for i in range(top)], self.costs)
         self._since_draft = 0 if best else self._since_draft + 1
         if not best and self._since_draft >= self.PROBE_EVERY:
             self._since_draft = 0
@@ -234,6 +306,8 @@ class WidthPolicy:
         for i in range(min(k, n_accepted + 1)):
             self.reached[i] += 1
             self.ok[i] += int(i < n_accepted)
+        if self.confident:
+            self.by_confidence.update(k, n_accepted)
 
 
 def measure_width_costs(stepper: Any, widths: tuple[int, ...] = (1, 2, 3, 4, 5), repeats: int = 3) -> dict[int, float]:
@@ -273,7 +347,10 @@ def no_speculation(width: Any) -> str | None:
 class SpecStats:
     """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
     (index 0 = the first draft of a step; a draft counts as accepted when it and every draft before it in its
-    step were), ``widths`` (verify rows per step, counted; 1 = a plain decode), tokens produced."""
+    step were), ``widths`` (verify rows per step, counted; 1 = a plain decode, or a verify of no draft), tokens
+    produced; :meth:`as_dict` adds the width policy's report (``policy``: fixed / acceptance-cost / confidence;
+    with the confidence policy ``discarded_drafts``, ``verified_drafts`` and ``calibration``,
+    :meth:`ds4c.width_policy.ConfidencePolicy.as_dict`)."""
 
     drafter: str
     width: int | str
@@ -300,10 +377,14 @@ class SpecStats:
     """Wall seconds per phase of the verify steps: drafting, the verify (submit, wait for its rows' argmax or
     logits, accept) and the rollback call."""
 
+    policy: Any = None
+    """The request's :class:`WidthPolicy` (set by :func:`speculative_tokens`): its ``report()`` is merged in."""
+
     def as_dict(self) -> dict[str, Any]:
         note = no_speculation(self.width)
         return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
                 **({"note": note} if note else {}),
+                **(self.policy.report() if self.policy is not None else {}),
                 **({"verify_ms_by_width": {str(w): round(t, 4) for w, t in self.costs_ms.items()}}
                    if self.costs_ms else {}),
                 "tokens_per_step": self.tokens / self.steps if self.steps else None,
@@ -370,7 +451,10 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     id`` samples a plain decode step (used when no draft fits or the policy drafts none). Yields ids in order;
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
-    if temperature == 0 and getattr(drafter, "host_only", False):
+    stats.policy = policy
+    # the pipelined loop fixes each step's width before its drafts exist, so it cannot trim them by confidence
+    by_confidence = policy.adaptive and getattr(drafter, "has_confidence", False)
+    if temperature == 0 and getattr(drafter, "host_only", False) and not by_confidence:
         make = getattr(stepper, "greedy_pipeline", None)
         pipe = make() if callable(make) else None
         if pipe is not None:  # the compiled step: the next verify queued while this one runs
@@ -396,6 +480,8 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
         else:
             t0 = time.perf_counter()
             drafts, q = drafter.propose(prompt + out, k)
+            k = policy.trim(k, getattr(drafter, "confidence", None) if temperature == 0 else None)  # greedy only
+            drafts, q = list(drafts)[:k], None if q is None else q[:k]  # k == 0: a 1-row verify
             t1 = time.perf_counter()
             if fused is not None:  # verify, acceptance and rollback enqueued together, one wait
                 new = fused([out[-1]] + list(drafts), pos)

@@ -3,7 +3,7 @@ at the official and tiny shapes; device compiles for sm_90 (no spills, registers
 gfx942 and gfx1151 (skipped with a reason when a compiler is missing); the CPU reference the GPU check compares
 against, checked bit for bit against the IR's ``compress`` op and against the reference model's own
 compressor path (tiny model, real weights and state); and the kernel body itself, run on the CPU through a
-thread-per-GPU-thread emulation of the vendor prelude (g++ >= 12), against that reference with the GPU check's
+fiber-per-GPU-thread emulation of the vendor prelude (g++, C++20), against that reference with the GPU check's
 own comparison."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ds4c.runtime.families import compressor as C
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel, toolchain_or_skip
+from tools.experts_emu import FIBERS
 from tools.gpu_checks import compressor as G
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -169,17 +170,17 @@ def test_check_positions_cover_flush_counts() -> None:
 
 
 # --------------------------------------------------------------------------------------- CPU emulation
-# A CPU stand-in for the vendor prelude: one std::thread per GPU thread (blocks one after another), barriers
-# for ds4c_sync, a per-wave exchange buffer for the shuffles, shared arrays as statics. The kernel body (after
-# the vendor prelude of the rendered CUDA source) is compiled unchanged.
+# A CPU stand-in for the vendor prelude: one fiber per GPU thread on one OS thread (tools/experts_emu.py's
+# FIBERS; blocks one after another), barriers for ds4c_sync, a per-wave exchange buffer for the shuffles, shared
+# arrays as statics. The kernel body (after the vendor prelude of the rendered CUDA source) is compiled unchanged.
 EMU_PRELUDE = r"""
-#include <atomic>
-#include <barrier>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
+""" + FIBERS + r"""
 #define DS4C_EMU 1
 #define DS4C_WAVE @WAVE@
 #define DS4C_GLOBAL extern "C"
@@ -196,10 +197,11 @@ typedef unsigned int u32;
 typedef int i32;
 typedef long long i64;
 typedef unsigned long long u64;
-static thread_local int emu_tid, emu_bid;
+#define emu_tid emu_cur
+static int emu_bid;
 static int emu_nblk;
-static std::barrier<>* emu_bar;
-static std::vector<std::unique_ptr<std::barrier<>>> emu_wbar;
+static EmuBarrier* emu_bar;
+static std::vector<EmuBarrier> emu_wbar;
 static float emu_xch[1024];
 DS4C_DEVICE int ds4c_tid() { return emu_tid; }
 DS4C_DEVICE int ds4c_bid_x() { return emu_bid; }
@@ -212,9 +214,9 @@ DS4C_DEVICE u32 ds4c_as_u32(float f) { u32 b; std::memcpy(&b, &f, 4); return b; 
 DS4C_DEVICE float ds4c_shfl_xor(float v, int mask) {
   const int w = emu_tid / DS4C_WAVE;
   emu_xch[emu_tid] = v;
-  emu_wbar[w]->arrive_and_wait();
+  emu_wbar[w].arrive_and_wait();
   const float r = emu_xch[w * DS4C_WAVE + ((emu_tid & (DS4C_WAVE - 1)) ^ mask)];
-  emu_wbar[w]->arrive_and_wait();
+  emu_wbar[w].arrive_and_wait();
   return r;
 }
 DS4C_DEVICE int ds4c_shfl_xor_i(int v, int mask) {
@@ -227,7 +229,11 @@ DS4C_DEVICE float ds4c_sqrt(float x) { return std::sqrt(x); }
 DS4C_DEVICE float ds4c_rsqrt(float x) { return 1.0f / std::sqrt(x); }
 DS4C_DEVICE float ds4c_cos(float x) { return std::cos(x); }
 DS4C_DEVICE float ds4c_sin(float x) { return std::sin(x); }
-DS4C_DEVICE float ds4c_atomic_add(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+DS4C_DEVICE float ds4c_atomic_add(float* p, float v) {  // one fiber runs at a time: a plain update is atomic
+  const float o = *p;
+  *p = o + v;
+  return o;
+}
 """
 _COMMON_MARK = "// ---- ds4c common device helpers"
 _CAST = {"pos": "const i64*", "v": "const float*", "g": "const float*", "ape": "const float*",
@@ -241,7 +247,7 @@ def emulate_kernel(src, arg_names: list[str], casts: dict[str, str], grid: int, 
     (``casts[name without digits]``). Returns launch(args: list of CPU tensors), running ``grid`` blocks of
     ``block`` threads one block after another."""
     if shutil.which("g++") is None:
-        pytest.skip("g++ not found (the CPU emulation of the kernel needs g++ >= 12 for <barrier>)")
+        pytest.skip("g++ not found (the CPU emulation of the kernel needs g++ with C++20 and <ucontext.h>)")
     if _COMMON_MARK not in src.source:
         pytest.skip("the rendered source has no common-helpers marker to cut the vendor prelude at")
     body = _COMMON_MARK + src.source.split(_COMMON_MARK, 1)[1]
@@ -250,13 +256,12 @@ def emulate_kernel(src, arg_names: list[str], casts: dict[str, str], grid: int, 
 extern "C" void emu_launch(int nblk, int nthr, void** a) {{
   emu_nblk = nblk;
   for (int b = 0; b < nblk; ++b) {{
-    std::barrier<> bar(nthr);
+    EmuBarrier bar(nthr);
     emu_bar = &bar;
-    emu_wbar.clear();
-    for (int w = 0; w < nthr / DS4C_WAVE; ++w) emu_wbar.emplace_back(new std::barrier<>(DS4C_WAVE));
-    std::vector<std::thread> ts;
-    for (int t = 0; t < nthr; ++t) ts.emplace_back([=] {{ emu_tid = t; emu_bid = b; {src.entry}({cast}); }});
-    for (auto& t : ts) t.join();
+    emu_wbar.assign(nthr / DS4C_WAVE, EmuBarrier(DS4C_WAVE));
+    emu_bid = b;
+    auto body = [&](int) {{ {src.entry}({cast}); }};
+    emu_run_fibers(nthr, body);
   }}
 }}
 """
@@ -264,13 +269,13 @@ extern "C" void emu_launch(int nblk, int nthr, void** a) {{
     cpp = workdir / f"{src.name}.cpp"
     so = workdir / f"{src.name}_{hashlib.sha1(text.encode()).hexdigest()[:10]}.so"
     cpp.write_text(text)
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-pthread", "-w",
+    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-w",
                            "-o", str(so), str(cpp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode:
         missing = sorted(set(re.findall(r"'(ds4c_\w+)' was not declared", proc.stdout.replace("‘", "'")
                                         .replace("’", "'"))))
-        if missing or "barrier" in proc.stdout:
-            pytest.skip(f"CPU emulation prelude lacks {missing or '<barrier>'} (vendor prelude grew?)")
+        if missing or "ucontext" in proc.stdout:
+            pytest.skip(f"CPU emulation prelude lacks {missing or '<ucontext.h>'} (vendor prelude grew?)")
         raise AssertionError(proc.stdout[-4000:])
     lib = ctypes.CDLL(str(so))
 

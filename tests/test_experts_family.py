@@ -3,7 +3,7 @@ F 2048, E 256, k 6) and tiny (D 256, F 128, E 16, k 4) shapes, q = 1 and 5; devi
 engines, no spills), gfx942 and gfx1151 (the vendor-neutral SIMT body; skipped with a reason when a compiler
 is missing); the CPU reference the GPU check compares against, checked against ds4c.reference / the IR's ops
 and against the synthetic tiny model's GGUF bytes; and the kernels' own logic run on the CPU
-(tools/experts_emu.py: every GPU thread an OS thread, mma.sync emulated from its fragment layouts)."""
+(tools/experts_emu.py: every GPU thread a fiber, mma.sync emulated from its fragment layouts)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,9 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
     kq = [("mma", "q2_k", "q6_k"), ("simt", "q6_k", "q2_k")] if t.vendor == "cuda" else [("simt", "q6_k", "q2_k")]
     srcs += [k for eng, rf, sf in kq
              for k in X.render_experts(X.ExpertsSpec(q=5, engine=eng, routed_fmt=rf, shared_fmt=sf, **OFFICIAL), t)]
+    # longest first (official before tiny, q 5 before q 1; a q = 5 official compile takes ~5x a tiny one), so the
+    # pool does not end on one long compile while the other workers idle
+    srcs.sort(key=lambda k: ("_d4096_" not in k.entry, not k.entry.startswith("experts_q5_")))
 
     def job(k):
         d = tmp_path / k.entry

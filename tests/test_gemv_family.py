@@ -21,6 +21,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,12 @@ from ds4c.runtime.families import gemv as G
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import assert_no_spills, compile_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:
+    from tools.experts_emu import FIBERS as _FIBERS
+finally:
+    sys.path.pop(0)
 
 O = G.GemvOutput
 ARCHS = ("sm_90", "gfx942", "gfx1151")
@@ -74,18 +81,50 @@ SPECS.update(KQ_SPECS)
 
 
 # --------------------------------------------------------------------------------------------- compiling
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_render_and_compile(name: str, arch: str, tmp_path: Path) -> None:
-    spec = SPECS[name]
+def _render_or_skip(name: str, arch: str) -> KernelSource:
     t = target(arch)
     try:
-        ks = G.render_gemv(spec, t, f"gemv_{name}")
+        return G.render_gemv(SPECS[name], t, f"gemv_{name}")
     except RenderError as e:  # only HIP may refuse, and only for shared memory
         assert t.vendor == "hip" and "shared memory" in str(e), e
         pytest.skip(f"{name} does not fit {arch}: {e}")
+
+
+@pytest.fixture(scope="module")
+def compiled_ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The compiles of the selected ``test_render_and_compile`` cases, run two at a time (a compiler process
+    per kernel, as alone; the machine's second core would otherwise idle): ``{(name, arch): future}``, each
+    future's result or exception taken by its own test. Cases whose arch has no compiler are left out (their
+    test compiles alone, and skips)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernel_compile import compiler_missing
+
+    wanted = [(it.callspec.params["name"], it.callspec.params["arch"]) for it in request.session.items
+              if getattr(it, "originalname", "") == "test_render_and_compile" and hasattr(it, "callspec")]
+    pool = ThreadPoolExecutor(2)
+    out = {}
+    for name, arch in wanted:
+        if compiler_missing(arch):
+            continue
+        try:
+            ks = G.render_gemv(SPECS[name], target(arch), f"gemv_{name}")
+        except RenderError:
+            continue
+        out[name, arch] = pool.submit(compile_kernel, ks, tmp_path_factory.mktemp(f"gemv-{arch}"))
+    yield out
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_render_and_compile(name: str, arch: str, tmp_path: Path, compiled_ahead: dict) -> None:
+    """Every spec renders (HIP may refuse only for shared memory) and compiles without spills (the compile
+    itself from :func:`compiled_ahead` when it ran it)."""
+    ks = _render_or_skip(name, arch)
     assert not re.search(r"^\s*#include", ks.source, re.M)
-    c = compile_kernel(ks, tmp_path)
+    fut = compiled_ahead.get((name, arch))
+    c = fut.result() if fut is not None else compile_kernel(ks, tmp_path)
     assert_no_spills(c.usage, ks, c.log)
     print(f"{name} {arch}: {c.usage.get('registers')} registers, {c.seconds:.2f} s")
 
@@ -409,17 +448,20 @@ def test_argmax_reference_ties_and_nan() -> None:
 
 # --------------------------------------------------------------------------------------------- CPU execution
 # The rendered kernel body, unchanged, run on the CPU: a test-only prelude maps every GPU thread of a block to
-# an OS thread, ds4c_sync to a std::barrier of the block, and ds4c_shfl_xor to an exchange through a per-warp
-# buffer between two warp barriers; blocks of the (persistent) grid run one after the other with shared memory
-# refilled with 0xff bytes (NaN) before each. Wave 32 (the CUDA plan) and wave 64 (the gfx942 plan) are both
+# a fiber (tools/experts_emu.py's FIBERS: one OS thread, a fiber runs until it waits at a barrier), ds4c_sync to
+# a barrier of the block, and ds4c_shfl_xor to an exchange through a per-warp buffer between two warp barriers;
+# blocks of the (persistent) grid run one after the other with shared memory refilled with 0xff bytes (NaN)
+# before each. Wave 32 (the CUDA plan) and wave 64 (the gfx942 plan) are both
 # run, so the HIP build's reductions and tiling are executed too. Arithmetic is IEEE fp32 without contraction,
 # so results match the GPU's to fp32 rounding (the GPU fuses multiply-adds), not bit for bit.
 _CPU_PRELUDE = r"""// ---- test-only CPU prelude (tests/test_gemv_family.py)
-#include <barrier>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
+{% raw %}""" + _FIBERS + r"""{% endraw %}
 #define DS4C_CPU 1
 #define DS4C_WAVE {{ wave }}
 #define DS4C_GLOBAL extern "C"
@@ -443,9 +485,10 @@ static inline u32 ds4c_byte_perm(u32 a, u32 b, u32 sel) {
   for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
   return r;
 }
-struct ds4c_emu_state { int nblk; std::barrier<>* block; std::barrier<>* warp[64]; u32 xbuf[64][64]; };
+struct ds4c_emu_state { int nblk; EmuBarrier* block; EmuBarrier* warp[64]; u32 xbuf[64][64]; };
 static ds4c_emu_state ds4c_emu;
-static thread_local int ds4c_emu_tid, ds4c_emu_bid;
+static int ds4c_emu_bid;
+#define ds4c_emu_tid emu_cur
 alignas(16) static unsigned char ds4c_emu_smem[{{ emu_smem }}];
 DS4C_DEVICE int ds4c_tid() { return ds4c_emu_tid; }
 DS4C_DEVICE int ds4c_bid_x() { return ds4c_emu_bid; }
@@ -483,18 +526,16 @@ def _emu_source(ks_text: str, entry: str, argtypes: list[str], wave: int) -> str
     return body + f"""
 extern "C" void emu_launch(int grid, int threads, void** a) {{
   ds4c_emu.nblk = grid;
-  std::barrier<> bb(threads);
+  EmuBarrier bb(threads);
   ds4c_emu.block = &bb;
-  std::vector<std::barrier<>*> wb;
-  for (int w = 0; w < threads / DS4C_WAVE; ++w) wb.push_back(ds4c_emu.warp[w] = new std::barrier<>(DS4C_WAVE));
+  std::vector<EmuBarrier> wb(threads / DS4C_WAVE, EmuBarrier(DS4C_WAVE));
+  for (int w = 0; w < threads / DS4C_WAVE; ++w) ds4c_emu.warp[w] = &wb[w];
   for (int b = 0; b < grid; ++b) {{
     std::memset(ds4c_emu_smem, 0xff, sizeof ds4c_emu_smem);
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t)
-      ts.emplace_back([=] {{ ds4c_emu_tid = t; ds4c_emu_bid = b; {entry}({call}); }});
-    for (auto& th : ts) th.join();
+    ds4c_emu_bid = b;
+    auto body = [&](int) {{ {entry}({call}); }};
+    emu_run_fibers(threads, body);
   }}
-  for (auto* p : wb) delete p;
 }}
 """
 
@@ -519,10 +560,11 @@ def _emu_build(src: str, workdir: Path) -> "ctypes.CDLL":
     if cxx is None:
         pytest.skip("no host C++20 compiler (g++ / clang++) for the CPU execution of the kernel")
     (workdir / "emu.cpp").write_text(src)
-    p = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-ffp-contract=off", "-w",
+    # -Og: half the compile time of -O1 and about its speed for these 3-block grids (the compile is most of a case)
+    p = subprocess.run([cxx, "-std=c++20", "-Og", "-shared", "-fPIC", "-ffp-contract=off", "-w",
                         "-o", "emu.so", "emu.cpp"], cwd=workdir, capture_output=True, text=True)
-    if p.returncode and "barrier" in p.stderr and "No such file" in p.stderr:
-        pytest.skip(f"{cxx} has no <barrier> (C++20)")
+    if p.returncode and "ucontext" in p.stderr and "No such file" in p.stderr:
+        pytest.skip(f"no <ucontext.h> for {cxx} (the CPU execution's fibers)")
     assert p.returncode == 0, p.stderr[-4000:]
     return ctypes.CDLL(str(workdir / "emu.so"))
 

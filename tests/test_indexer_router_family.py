@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,12 @@ from ds4c.runtime.families import router as R
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel, toolchain_or_skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:
+    from tools.experts_emu import FIBERS as _FIBERS
+finally:
+    sys.path.pop(0)
 
 BF16 = torch.bfloat16
 ARCHS = ["sm_90", "gfx942", "gfx1151"]
@@ -339,18 +346,18 @@ def test_router_hand_ties() -> None:
 
 # ------------------------------------------------------------------------------------- CPU emulation of the kernels
 # The rendered kernels themselves, run on the CPU: the vendor prelude is swapped for one where a block's threads
-# are std::threads, ds4c_sync is a std::barrier and a shuffle is an exchange through memory between two barriers
-# (valid because every sync and shuffle in these kernels is reached by the whole block). This runs the kernel
+# are fibers on one OS thread (tools/experts_emu.py's FIBERS), ds4c_sync is a barrier that parks a fiber until the
+# whole block arrives and a shuffle is an exchange through memory between two barriers (valid because every sync
+# and shuffle in these kernels is reached by the whole block). This runs the kernel
 # bodies as written, at wave 32 and wave 64, before any GPU sees them.
 _EMU_PRELUDE = r"""
 #include <cstring>
 #include <cmath>
-#include <barrier>
-#include <thread>
 #include <vector>
-#include <mutex>
 #include <cstdio>
 #include <cstdlib>
+#include <ucontext.h>
+""" + _FIBERS.replace("{", "{{").replace("}", "}}") + r"""
 #define DS4C_CPU_EMU 1
 #define DS4C_WAVE {wave}
 #define DS4C_GLOBAL extern "C"
@@ -361,11 +368,10 @@ _EMU_PRELUDE = r"""
 #define DS4C_LAUNCH_BOUNDS(n)
 typedef unsigned char u8; typedef signed char i8; typedef unsigned short u16; typedef short i16;
 typedef unsigned int u32; typedef int i32; typedef long long i64; typedef unsigned long long u64;
-thread_local int g_tid;
+#define g_tid emu_cur
 int g_bx, g_by, g_nbx;
-std::barrier<>* g_bar;
+EmuBarrier* g_bar;
 u32 g_shfl[1024];
-std::mutex g_mu;
 DS4C_DEVICE int ds4c_tid() {{ return g_tid; }}
 DS4C_DEVICE int ds4c_bid_x() {{ return g_bx; }}
 DS4C_DEVICE int ds4c_bid_y() {{ return g_by; }}
@@ -386,8 +392,8 @@ DS4C_DEVICE float ds4c_sqrt(float x) {{ return sqrtf(x); }}
 DS4C_DEVICE float ds4c_rsqrt(float x) {{ return 1.0f / sqrtf(x); }}
 DS4C_DEVICE float ds4c_cos(float x) {{ return cosf(x); }}
 DS4C_DEVICE float ds4c_sin(float x) {{ return sinf(x); }}
-DS4C_DEVICE float ds4c_atomic_add(float* p, float v) {{
-  std::lock_guard<std::mutex> l(g_mu); float o = *p; *p = o + v; return o; }}
+DS4C_DEVICE float ds4c_atomic_add(float* p, float v) {{  /* one fiber runs at a time: a plain update is atomic */
+  float o = *p; *p = o + v; return o; }}
 """
 
 _EMU_DRIVER = r"""
@@ -404,10 +410,9 @@ int main(int argc, char** argv) {{
   g_nbx = gx;
   for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {{
     g_bx = bx; g_by = by;
-    std::barrier<> bar(nt); g_bar = &bar;
-    std::vector<std::thread> th;
-    for (int t = 0; t < nt; ++t) th.emplace_back([=] {{ g_tid = t; fn({call}); }});
-    for (auto& x : th) x.join();
+    EmuBarrier bar(nt); g_bar = &bar;
+    auto body = [&](int) {{ fn({call}); }};
+    emu_run_fibers(nt, body);
   }}
   for (int i = 0; i < nargs; ++i) {{ FILE* f = fopen(argv[4 + i], "wb"); fwrite(bufs[i], 1, sizes[i], f); fclose(f); }}
   return 0;
@@ -429,7 +434,7 @@ def _emu_build(src, workdir: Path) -> Path:
     d = workdir / f"emu_{src.entry}_{src.target.arch}"
     d.mkdir()
     (d / "k.cpp").write_text(text)
-    p = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w", "-o", "k", "k.cpp"],
+    p = subprocess.run(["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-w", "-o", "k", "k.cpp"],
                        cwd=d, capture_output=True, text=True)
     if p.returncode and re.search(r"'?ds4c_\w+'? was not declared", p.stderr):
         pytest.skip("the vendor prelude grew a helper the CPU emulation prelude lacks: "

@@ -1,7 +1,8 @@
 """Run the experts family's rendered kernel bodies on the CPU (no GPU): the CUDA source of both phases is
-compiled as host C++20 with a host prelude in which every GPU thread of a block is an OS thread
-(``__syncthreads`` / ``__syncwarp`` are ``std::barrier``s, shuffles go through a per-warp exchange buffer,
-``mma.sync`` is computed from the PTX fragment layouts), and the grid's blocks run one after another.
+compiled as host C++20 with a host prelude in which every GPU thread of a block is a fiber on one OS thread
+(:data:`FIBERS`: ``__syncthreads`` / ``__syncwarp`` are barriers that park a fiber until the last of their
+threads arrives, shuffles go through a per-warp exchange buffer, ``mma.sync`` is computed from the PTX fragment
+layouts), and the grid's blocks run one after another.
 
 It checks the kernel's own logic (job table, expert dedup, chunk streaming, fragment ownership, activation
 quant, epilogues, the ordered sum) on shapes small enough for a CPU; not the compiler, the hardware MMA's
@@ -29,16 +30,87 @@ if __package__ in (None, ""):
 from ds4c.runtime.families import experts as X  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
 
+FIBERS = r"""
+// ---- GPU threads as fibers (ucontext) on one OS thread: a fiber runs until it waits at a barrier, which parks it
+// until the barrier's last arrival makes every waiter ready again; ready fibers run in FIFO order. (OS threads
+// meeting at std::barriers spent their time in the kernel's scheduler, ~10x slower on a busy 2-core machine.)
+// Needs <cstdio> <cstdlib> <vector> <ucontext.h>; no <thread> / <functional> / <memory>, which cost ~1 s each
+// of every emulator's compile.
+static int emu_cur = 0;  // the running fiber: its GPU thread index in the block
+static int emu_nfib = 0, emu_live = 0;
+static ucontext_t* emu_ctx = nullptr;
+static ucontext_t emu_main_ctx;
+static int* emu_ready = nullptr;  // ring of ready fibers (each fiber is in it at most once)
+static unsigned long long emu_rhead = 0, emu_rtail = 0;
+static void (*emu_body)(void*, int) = nullptr;
+static void* emu_body_arg = nullptr;
+static void emu_push(int f) { emu_ready[emu_rtail++ % emu_nfib] = f; }
+static int emu_pop() {
+  if (emu_rhead == emu_rtail) {
+    if (emu_live == 0) return -1;
+    fprintf(stderr, "emulator deadlock: %d GPU threads wait at barriers no other thread will reach\n", emu_live);
+    abort();
+  }
+  return emu_ready[emu_rhead++ % emu_nfib];
+}
+static void emu_park() {  // the running fiber waits (it is in a barrier's list): run the next ready one
+  const int me = emu_cur, nx = emu_pop();
+  emu_cur = nx;
+  swapcontext(&emu_ctx[me], &emu_ctx[nx]);
+  emu_cur = me;
+}
+static void emu_entry() {
+  emu_body(emu_body_arg, emu_cur);
+  --emu_live;
+  const int nx = emu_pop();
+  if (nx < 0) setcontext(&emu_main_ctx);
+  emu_cur = nx;
+  setcontext(&emu_ctx[nx]);
+}
+struct EmuBarrier {  // std::barrier's arrive_and_wait, between fibers
+  int n, count = 0;
+  std::vector<int> wait;
+  explicit EmuBarrier(int n) : n(n) { wait.reserve(n); }
+  void arrive_and_wait() {
+    if (++count < n) { wait.push_back(emu_cur); emu_park(); return; }
+    count = 0;
+    for (int f : wait) emu_push(f);
+    wait.clear();
+  }
+};
+static void emu_run_fibers(int n, void (*body)(void*, int), void* arg) {  // body(arg, t), t < n; returns when all end
+  const size_t stack = 512 * 1024;
+  std::vector<ucontext_t> ctx(n);
+  std::vector<int> ready(n);
+  char* stacks = (char*)malloc(stack * n);  // untouched pages stay unmapped
+  if (!stacks) { fprintf(stderr, "emulator: no memory for %d fiber stacks\n", n); abort(); }
+  emu_ctx = ctx.data(); emu_ready = ready.data(); emu_nfib = emu_live = n; emu_rhead = emu_rtail = 0;
+  emu_body = body; emu_body_arg = arg;
+  for (int t = 0; t < n; ++t) {
+    getcontext(&ctx[t]);
+    ctx[t].uc_stack.ss_sp = stacks + stack * t;
+    ctx[t].uc_stack.ss_size = stack;
+    ctx[t].uc_link = nullptr;
+    makecontext(&ctx[t], emu_entry, 0);
+    emu_push(t);
+  }
+  emu_cur = emu_pop();
+  swapcontext(&emu_main_ctx, &ctx[emu_cur]);
+  free(stacks);
+}
+template <class F>
+static void emu_run_fibers(int n, F& f) { emu_run_fibers(n, [](void* p, int t) { (*(F*)p)(t); }, &f); }
+"""
+
 HOST_PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <barrier>
-#include <thread>
 #include <vector>
-#include <functional>
+#include <ucontext.h>
+""" + FIBERS + r"""
 #define DS4C_CUDA 1
 #define DS4C_WAVE 32
 #define DS4C_GLOBAL extern "C"
@@ -65,13 +137,14 @@ static inline u32 ds4c_byte_perm(u32 a, u32 b, u32 sel) {
 }
 
 struct EmuBlock {
-  std::barrier<>* bar;
-  std::vector<std::barrier<>*> wbar;
+  EmuBarrier* bar;
+  EmuBarrier* wbar[32];
   float fx[1024];
-  u32 ux[1024 * 8];
+  float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
 };
 static EmuBlock* g_blk;
-static thread_local int t_tid, t_bx, t_by, t_nbx;
+static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
+#define t_tid emu_cur
 
 DS4C_DEVICE int ds4c_tid() { return t_tid; }
 DS4C_DEVICE int ds4c_bid_x() { return t_bx; }
@@ -99,15 +172,17 @@ DS4C_DEVICE float ds4c_cos(float x) { return cosf(x); }
 DS4C_DEVICE float ds4c_sin(float x) { return sinf(x); }
 
 // ---- mma.sync / cvt emulation from the PTX fragment layouts (groupID g = lane>>2, threadID_in_group t = lane&3)
+// (exponent and mantissa placed in fp32 bits: (1 + m / 8) 2^(e - 7) and (1 + m / 1024) 2^(e - 15), the top
+// exponent code included, as ldexp gives them; subnormals m 2^-9 and m 2^-24, exact)
 static inline float emu_e4m3(u32 b) {
   const u32 e = (b >> 3) & 15u, m = b & 7u;
-  float v = e ? std::ldexp(1.0f + m / 8.0f, (int)e - 7) : std::ldexp(m / 8.0f, -6);
+  const float v = e ? ds4c_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
   return (b & 0x80u) ? -v : v;
 }
 static inline float emu_bf16(u32 h) { return ds4c_as_float((h & 0xffffu) << 16); }
 static inline float emu_f16(u32 h) {
   const u32 e = (h >> 10) & 31u, m = h & 1023u;
-  float v = e ? std::ldexp(1.0f + m / 1024.0f, (int)e - 15) : std::ldexp(m / 1024.0f, -14);
+  const float v = e ? ds4c_as_float(((e + 112u) << 23) | (m << 13)) : (float)m * (1.0f / 16777216.0f);
   return (h & 0x8000u) ? -v : v;
 }
 static inline u32 emu_f16_bits(float f) {  // exact values only (e4m3 values are)
@@ -132,32 +207,27 @@ DS4C_DEVICE void xp_i8x4_f16(u32 w, u32& lo, u32& hi) {
   hi = h[2] | (h[3] << 16);
 }
 DS4C_DEVICE float xp_h2f(u32 h) { return emu_f16(h & 0xffffu); }
-// m16n8k16 with 16-bit A/B elements (conv: bits -> float)
+// m16n8k16 with 16-bit A/B elements (conv: bits -> float): each lane places its own fragment's elements in the
+// warp's A [16][16] / B [16][8], then computes its 4 outputs (fp64 sums over k in order, + c, to fp32)
 template <float (*conv)(u32)>
 static inline void emu_mma16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
                              float c2, float c3) {
-  u32* X = g_blk->ux + (t_tid & ~31) * 8;
-  const int lane = t_tid & 31;
-  u32* me = X + lane * 8;
-  me[0] = a0; me[1] = a1; me[2] = a2; me[3] = a3; me[4] = b0; me[5] = b1;
-  __syncwarp();
-  float A[16][16], B[16][8];
-  for (int L = 0; L < 32; ++L) {
-    const int g = L >> 2, t = L & 3;
-    const u32* r = X + L * 8;
-    for (int i = 0; i < 8; ++i) {
-      const u32 h = (r[i / 2] >> (16 * (i % 2))) & 0xffffu;
-      const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
-      const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
-      A[row][col] = conv(h);
-    }
-    for (int i = 0; i < 4; ++i) {
-      const u32 h = (r[4 + i / 2] >> (16 * (i % 2))) & 0xffffu;
-      const int k = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
-      B[k][g] = conv(h);
-    }
+  const int lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  float (*A)[16] = g_blk->mA[t_tid >> 5];
+  float (*B)[8] = g_blk->mB[t_tid >> 5];
+  const u32 ar[4] = {a0, a1, a2, a3}, br[2] = {b0, b1};
+  for (int i = 0; i < 8; ++i) {
+    const u32 h = (ar[i / 2] >> (16 * (i % 2))) & 0xffffu;
+    const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+    const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+    A[row][col] = conv(h);
   }
-  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const u32 h = (br[i / 2] >> (16 * (i % 2))) & 0xffffu;
+    const int k = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+    B[k][g] = conv(h);
+  }
+  __syncwarp();
   const float c[4] = {c0, c1, c2, c3};
   float out[4];
   for (int i = 0; i < 4; ++i) {
@@ -178,30 +248,30 @@ DS4C_DEVICE void xp_mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 
   emu_mma16<emu_bf16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
 }
 
-static void run_grid(int gx, int gy, int nt, const std::function<void()>& kernel) {
+template <class K>
+static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's blocks one after another
   EmuBlock blk;
-  std::barrier<> bar(nt);
+  EmuBarrier bar(nt);
   blk.bar = &bar;
-  std::vector<std::unique_ptr<std::barrier<>>> wb;
-  for (int w = 0; w < nt / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); blk.wbar.push_back(wb.back().get()); }
+  std::vector<EmuBarrier> wb(nt / 32, EmuBarrier(32));
+  for (int w = 0; w < nt / 32; ++w) blk.wbar[w] = &wb[w];
   g_blk = &blk;
-  std::vector<std::thread> th;
-  for (int t = 0; t < nt; ++t)
-    th.emplace_back([&, t] {
-      t_tid = t; t_nbx = gx;
-      for (int by = 0; by < gy; ++by)
-        for (int bx = 0; bx < gx; ++bx) {
-          t_bx = bx; t_by = by;
-          kernel();
-          bar.arrive_and_wait();
-        }
-    });
-  for (auto& x : th) x.join();
+  t_nbx = gx;
+  auto body = [&](int) {
+    for (int by = 0; by < gy; ++by)
+      for (int bx = 0; bx < gx; ++bx) {
+        t_bx = bx; t_by = by;
+        kernel();
+        bar.arrive_and_wait();
+      }
+  };
+  emu_run_fibers(nt, body);
 }
 static std::vector<u8> load(const char* dir, const char* name) {
-  std::string p = std::string(dir) + "/" + name;
-  FILE* f = fopen(p.c_str(), "rb");
-  if (!f) { fprintf(stderr, "cannot open %s\n", p.c_str()); exit(2); }
+  char p[4096];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE* f = fopen(p, "rb");
+  if (!f) { fprintf(stderr, "cannot open %s\n", p); exit(2); }
   fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
   std::vector<u8> b(n + 64);
   if (fread(b.data(), 1, n, f) != (size_t)n) exit(3);
@@ -209,8 +279,9 @@ static std::vector<u8> load(const char* dir, const char* name) {
   return b;
 }
 static void save(const char* dir, const char* name, const void* p, size_t n) {
-  std::string s = std::string(dir) + "/" + name;
-  FILE* f = fopen(s.c_str(), "wb");
+  char s[4096];
+  snprintf(s, sizeof s, "%s/%s", dir, name);
+  FILE* f = fopen(s, "wb");
   fwrite(p, 1, n, f);
   fclose(f);
 }
@@ -274,14 +345,14 @@ def host_cxx() -> str | None:
 
 
 def host_unavailable() -> str | None:
-    """Why the emulators cannot run here (no host C++ compiler, or one without C++20 ``<barrier>``), or None:
-    the skip reason of the tests that emulate kernels."""
+    """Why the emulators cannot run here (no host C++ compiler, or no C++20 mode or ``<ucontext.h>``, which the
+    fibers need), or None: the skip reason of the tests that emulate kernels."""
     cxx = host_cxx()
     if not cxx:
         return "no host C++ compiler"
-    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <ucontext.h>\n",
                        capture_output=True, text=True)
-    return None if p.returncode == 0 else f"{cxx} lacks C++20 <barrier>"
+    return None if p.returncode == 0 else f"{cxx} lacks C++20 or <ucontext.h> (the emulators' fibers)"
 
 
 def compile_host(main: str, workdir: Path, who: str) -> Path:
@@ -295,7 +366,7 @@ def compile_host(main: str, workdir: Path, who: str) -> Path:
     cxx = host_cxx()
     if not cxx:
         raise RuntimeError(f"{who}: no host C++ compiler (g++ / clang++)")
-    p = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
+    p = subprocess.run([cxx, "-std=c++20", "-O1", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
                        capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{who}: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")

@@ -1,7 +1,7 @@
 """Run the GEMM family's rendered kernel body on the CPU (no GPU), through the experts emulator's host prelude
-(tools/experts_emu.py: every GPU thread of a block is an OS thread, barriers and shuffles through
-``std::barrier`` and an exchange buffer, ``mma.sync`` / ``cvt`` computed from the PTX fragment layouts; the
-grid's blocks run one after another).
+(tools/experts_emu.py: every GPU thread of a block is a fiber on one OS thread, barriers park a fiber until the
+last of their threads arrives, shuffles go through an exchange buffer, ``mma.sync`` / ``cvt`` computed from the
+PTX fragment layouts; the grid's blocks run one after another).
 
 It checks the kernel's own logic (staging, fragment ownership, the in-kernel activation quant, the per-block
 scaling, the epilogue and its row / column guards) on small shapes; not the compiler, the hardware MMA's

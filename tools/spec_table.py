@@ -4,11 +4,14 @@
 beside autoregressive decoding (the host-free device-sampling loop), from one run on one GPU; and the cost of
 rolling a rejected verify back (the undo family's kernel) against the verify step itself.
 
-    python tools/spec_table.py MODEL.gguf [--prompt 512] [--new 256] [--alphas 0.5,0.7,0.8,0.9] [--json out.json]
+    python tools/spec_table.py MODEL.gguf [--prompt 512] [--new 256] [--alphas 0.5,0.7,0.8,0.9] [--seps 0,2,4]
+        [--json out.json]
 
 Each speculative run drafts the target's own greedy continuation (the AR run's tokens), each draft token
 replaced by a wrong one with probability 1 - ALPHA; greedy acceptance, so its tokens must equal the AR run's
 (the first divergence, if any, is reported: the compiled verify rows and decode steps round differently).
+``--seps`` adds, per SEP, a column ``auto:SEP``: the adaptive width with the oracle's emulated confidence head of
+that separation (``oracle:ALPHA:SEP``), i.e. the confidence-adaptive policy of ``ds4c.width_policy``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--alphas", default="0.5,0.7,0.8,0.9")
     ap.add_argument("--widths", default="2,3,4,5,auto")
+    ap.add_argument("--seps", default="", help="emulated confidence separations for auto:SEP columns, e.g. 0,2,4")
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-accept-ab", action="store_true",
                     help="also run q=5 at each ALPHA unpipelined (verify_greedy step by step) and with the acceptance "
@@ -98,36 +102,41 @@ def main() -> int:
     print(f"AR: {ar.decode_tokens_per_s:.1f} tokens/s ({a.new} new tokens after a {a.prompt}-token prompt)",
           flush=True)
     widths = [w if w == "auto" else int(w) for w in a.widths.split(",")]
+    widths += [f"auto:{float(x):g}" for x in a.seps.split(",") if x.strip()]
     runs = [(w, step) for w in widths] + ([("5 sync", _Without(step, "greedy_pipeline")),
                                            ("5 host", _Without(step, "greedy_pipeline", "verify_greedy"))]
                                           if a.host_accept_ab else [])
     for alpha in [float(x) for x in a.alphas.split(",")]:
         for w, stepper in runs:
-            d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens)
+            sep = float(w.split(":")[1]) if isinstance(w, str) and w.startswith("auto:") else None
+            d = OracleDrafter(alpha, V, seed=1, continuation=ar.tokens, sep=sep)
+            sw = 5 if str(w).startswith("5 ") else "auto" if sep is not None else w
             faulthandler.dump_traceback_later(120, exit=True)  # a hung run: its stacks, then the exit
-            res = generate(stepper, prompt, a.new, draft=d, spec_width=5 if str(w).startswith("5 ") else w)
+            res = generate(stepper, prompt, a.new, draft=d, spec_width=sw)
             faulthandler.cancel_dump_traceback_later()
             diff = next((i for i, (x, y) in enumerate(zip(res.tokens, ar.tokens)) if x != y), None)
             sp = res.speculative
             row = {"mode": "spec", "alpha": alpha, "width": w, "tok_s": res.decode_tokens_per_s,
                    "tokens_per_step": sp["tokens_per_step"], "acceptance": sp["acceptance_by_depth"],
                    "widths": sp["widths"], "same_as_ar": diff is None, "first_diff": diff,
-                   "speedup": res.decode_tokens_per_s / ar.decode_tokens_per_s}
+                   "speedup": res.decode_tokens_per_s / ar.decode_tokens_per_s, "policy": sp.get("policy"),
+                   "discarded_drafts": sp.get("discarded_drafts"), "calibration": sp.get("calibration")}
             rows.append(row)
             row["host_ms_per_step"] = sp["ms_per_verify_step"]
             row["verify_ms_by_width"] = sp.get("verify_ms_by_width")
             host = ", ".join(f"{k} {v:.3f}" for k, v in sp["ms_per_verify_step"].items())
-            print(f"alpha {alpha:.1f} width {w!s:>4s}: {row['tok_s']:7.1f} tokens/s ({row['speedup']:.2f}x AR), "
+            print(f"alpha {alpha:.1f} width {w!s:>6s}: {row['tok_s']:7.1f} tokens/s ({row['speedup']:.2f}x AR), "
                   f"{row['tokens_per_step']:.2f} tokens/step, widths {sp['widths']}, same as AR: {diff is None}"
                   f"{'' if diff is None else f' (first difference at {diff})'}; ms per step: {host}"
-                  + (f"; measured verify ms {sp['verify_ms_by_width']}" if w == "auto" else ""), flush=True)
+                  + (f"; measured verify ms {sp['verify_ms_by_width']}" if str(w).startswith("auto") else ""),
+                  flush=True)
     costs = rollback_costs(step, prompt)
     for w, c in costs.items():
         print(f"rollback q={w}: verify {c['verify_ms']:.3f} ms, rollback {c['rollback_ms'] * 1e3:.1f} us "
               f"({100 * c['ratio']:.1f}% of the verify)", flush=True)
     # the table
     cols = [w for w, _ in runs]
-    print("\n| ALPHA | " + " | ".join(f"q={w}" if w != "auto" else "auto" for w in cols) + " |")
+    print("\n| ALPHA | " + " | ".join(f"q={w}" if isinstance(w, int) else str(w) for w in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for alpha in [float(x) for x in a.alphas.split(",")]:
         cells = []

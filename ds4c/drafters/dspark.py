@@ -17,7 +17,9 @@ on the sampled tokens, and return those distributions as ``q``: the exact accept
 from ``q``, so returning softmax ``q`` with argmax drafts would bias the output.
 
 After each proposal, :attr:`DSparkDrafter.confidence` holds the sigmoid of the confidence logits per block depth
-(7.3.4), for a width policy (none uses it yet).
+(7.3.4): a greedy ``--spec-width auto`` request picks how many drafts to verify from it
+(:mod:`ds4c.width_policy`). ``confidence[i]`` is computed from ``emb_i`` of the token before draft ``i``, so it
+depends on the drafts before ``i`` only.
 
 On a compiled target (a :class:`~ds4c.runtime.executor.CompiledStep`, recognised by its ``shared_weight``) the same
 drafter runs compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, docs/drafter.md): the choice is made here,
