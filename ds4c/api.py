@@ -67,6 +67,8 @@ class Completion:
             ``"length"`` (``max_new_tokens``).
         timings: :class:`Timings`.
         result: the underlying :class:`~ds4c.generate.GenerationResult` (per-step times in ``step_s``).
+        speculative: with a drafter, the speculative-decoding report (:meth:`ds4c.speculative.SpecStats.as_dict`:
+            steps, tokens, tokens per step, acceptance by depth, widths, policy); None without one.
     """
 
     text: str | None
@@ -76,9 +78,13 @@ class Completion:
     timings: Timings
     result: GenerationResult = field(repr=False)
 
+    @property
+    def speculative(self) -> dict | None:
+        return self.result.speculative
+
     def as_dict(self) -> dict:
         return {"text": self.text, "ids": self.ids, "prompt_ids": self.prompt_ids, "stop_reason": self.stop_reason,
-                **self.timings.as_dict()}
+                **self.timings.as_dict(), **({"speculative": self.speculative} if self.speculative else {})}
 
 
 class CompletionStream:
@@ -352,6 +358,8 @@ class Model:
             raise Ds4cError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_ctx "
                             f"{self.max_ctx}; open the Model with a larger max_ctx")
         stop_ids = () if ignore_eos else (self.eos_id,)
+        if isinstance(draft, os.PathLike):  # a drafter file given as a path
+            draft = os.fspath(draft)
         if isinstance(draft, str):
             from ds4c.speculative import make_drafter
 

@@ -15,6 +15,7 @@ stop the run); :func:`stream` returns a :class:`TokenStream`, an iterator of the
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,12 +110,35 @@ def check_seed(seed: Any) -> None:
         raise StepError(f"seed must be an int in 0..2^63-1, found {seed!r}")
 
 
+_ACTIVE: "weakref.WeakKeyDictionary[Any, TokenStream]" = weakref.WeakKeyDictionary()
+"""Per stepper, the generation running on it: a generation that starts ends the one before it (module docstring
+of :class:`TokenStream`), so an unfinished stream never shares the sequence state with another."""
+
+
+def _claim(ref: Any, ts: "TokenStream") -> None:
+    """Make ``ts`` the generation running on ``ref``, ending (closing) an unfinished one before it."""
+    try:
+        old = _ACTIVE.get(ref)
+    except TypeError:  # a stepper that cannot be weakly referenced: not tracked
+        return
+    if old is not None and old is not ts and old.result is None:
+        if old._gen.gi_running:  # started inside old's run (the oracle drafter's AR pass): old goes on after it
+            ts._outer = old
+        else:
+            old._superseded = True
+            old._gen.close()  # its run's finally (e.g. the device loop recording its position) runs now, not later
+    _ACTIVE[ref] = ts
+
+
 class TokenStream:
     """Iterator over the new token ids of one generation (see :func:`stream`).
 
     Iterate it to run the model step by step; :meth:`stop` ends the run early (``stop_reason == "stop"``);
     :attr:`result` is the :class:`GenerationResult` once the run has ended, None before. Time the consumer
     spends between tokens is not counted in ``decode_s``.
+
+    One generation runs on a stepper at a time (they share its sequence state): a generation that starts on the
+    same stepper while this one is unfinished ends it, and reading this one on raises a one-line StepError.
     """
 
     def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
@@ -129,12 +153,17 @@ class TokenStream:
         self._steps: list[float] = []
         self._prefill_s = self._decode_s = 0.0
         self._gen = self._run()
+        self._superseded = False
+        self._outer: TokenStream | None = None  # the generation this one runs inside of (see _claim)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[int]:
         return self
 
     def __next__(self) -> int:
+        if self._superseded:
+            raise StepError("this generation was ended by another generation on the same model (one runs at a "
+                            "time: they share the sequence state); finish or stop() a stream before starting another")
         if self.result is not None:
             # close the run now: its device loop (decode_tokens) records how far it went on closing, which
             # must not wait for garbage collection (it would move a later request's position)
@@ -161,20 +190,38 @@ class TokenStream:
         return int(sample(logits, self._temp, self._rng)[0])
 
     def _finish(self, reason: str) -> GenerationResult:
+        if self._outer is not None:  # the generation this one ran inside of is the running one again
+            try:
+                _ACTIVE[self._ref] = self._outer
+            except TypeError:
+                pass
+        if self._spec is not None:  # the tokens kept after the prefill's (a step may accept past the end)
+            self._spec.delivered = max(0, len(self._out) - 1)
         return GenerationResult(self._prompt, self._out, self._prefill_s, self._decode_s, self._steps, reason,
                                 None if self._spec is None else self._spec.as_dict())
 
     def _run(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
+        _claim(ref, self)
         self._rng = torch.Generator().manual_seed(self._seed)
         self._policy = None
-        if self._draft is not None:  # e.g. the oracle's autoregressive pass, before this request's prefill
-            self._draft.prepare(ref, prompt, self._n)
-            from ds4c.speculative import WidthPolicy, measure_width_costs
+        if self._draft is not None:
+            from ds4c.speculative import SpecStats, WidthPolicy, measure_width_costs
 
-            sw = self._spec_width  # auto: each verify width's cost on this stepper; or a caller's own policy
-            self._policy = WidthPolicy(costs=measure_width_costs(ref)) if sw == "auto" else \
-                sw if isinstance(sw, WidthPolicy) else WidthPolicy(sw)
+            sw = self._spec_width
+            if self._n > 1:  # something to speculate: e.g. the oracle's autoregressive pass, before the prefill
+                self._draft.prepare(ref, prompt, self._n)
+                # auto: each verify width's cost on this stepper; or a caller's own policy
+                self._policy = WidthPolicy(costs=measure_width_costs(ref)) if sw == "auto" else \
+                    sw if isinstance(sw, WidthPolicy) else WidthPolicy(sw)
+            pol = self._policy
+            if pol is not None:
+                sw = "auto" if pol.adaptive else pol.width
+            elif isinstance(sw, WidthPolicy):
+                sw = "auto" if sw.adaptive else sw.width
+            # the request's report, also when no step speculates (max_new_tokens <= 1, EOS first)
+            self._spec = SpecStats(self._draft.name, sw, costs_ms={w: t * 1e3 for w, t in pol.costs.items()}
+                                   if pol is not None and pol.adaptive else None)
         ref.reset()
         t0 = time.perf_counter()
         logits = None
@@ -193,13 +240,10 @@ class TokenStream:
         on_device = getattr(ref, "decode_tokens", None)
         more = None
         if self._draft is not None and self._n > 1 and tok not in self._stop_ids:
-            from ds4c.speculative import SpecStats, speculative_tokens
+            from ds4c.speculative import speculative_tokens
 
-            pol = self._policy
-            self._spec = SpecStats(self._draft.name, "auto" if pol.adaptive else pol.width,
-                                   costs_ms={w: t * 1e3 for w, t in pol.costs.items()} if pol.adaptive else None)
-            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, pol, self._temp, self._top_k,
-                                      self._top_p, self._rng, self._spec, self._sample)
+            more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._policy, self._temp,
+                                      self._top_k, self._top_p, self._rng, self._spec, self._sample)
         elif on_device is not None and self._n > 1 and tok not in self._stop_ids:
             more = on_device(tok, len(prompt), self._n - 1, self._temp, self._top_k, self._top_p, self._seed)
         try:
@@ -245,6 +289,11 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
             isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH):
         raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step) or 'auto', "
                         f"found {spec_width!r}")
+    if draft is not None and not (callable(getattr(draft, "prepare", None))
+                                  and callable(getattr(draft, "propose", None))):
+        raise StepError(f"draft: expected a drafter spelling (a str such as 'oracle:0.8', 'dspark:PATH', 'mtp', "
+                        f"'mtp:PATH'; ds4c.Model.generate and the CLI take those) or a drafter object with prepare() "
+                        f"and propose() (ds4c.speculative.Drafter), found {type(draft).__name__} {draft!r:.60}")
     return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
                        frozenset(int(t) for t in stop_ids), draft, spec_width)
 

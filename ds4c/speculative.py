@@ -190,7 +190,7 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
         try:
             alpha = float(fields[0])
         except ValueError:
-            raise StepError(f"--draft oracle:ALPHA: expected ALPHA a number in [0, 1], found {fields[0]!r}") from None
+            raise StepError(f"oracle drafter: ALPHA must be a number in [0, 1], found {fields[0]!r}") from None
         sep = None
         if len(fields) == 2:
             try:
@@ -210,7 +210,10 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
             raise StepError("--draft mtp uses the target file's own MTP block: expected the target's model file "
                             "(make_drafter(..., target_file=...)), found none")
         return MTPDrafter.of_target(target_file, seed=seed)
-    path = arg if kind == "dspark" and arg else text if text.endswith(".gguf") else None
+    if kind == "dspark" and not arg:
+        raise StepError(f"--draft {text!r}: expected dspark:PATH (a DSpark drafter file) or "
+                        f"dspark:synthetic:PRESET, found an empty path")
+    path = arg if kind == "dspark" else text if text.endswith(".gguf") else None
     if path is not None:
         from ds4c.drafters.dspark import DSparkDrafter
         from ds4c.errors import ModelFileError
@@ -348,7 +351,8 @@ class SpecStats:
     """Per-request speculative decoding report: verify ``steps``, ``drafted`` / ``accepted`` per draft depth
     (index 0 = the first draft of a step; a draft counts as accepted when it and every draft before it in its
     step were), ``widths`` (verify rows per step, counted; 1 = a plain decode, or a verify of no draft), tokens
-    produced; :meth:`as_dict` adds the width policy's report (``policy``: fixed / acceptance-cost / confidence;
+    produced (``tokens_verified`` in :meth:`as_dict`, which ``tokens_per_step`` divides; ``tokens`` there is what
+    the request kept, :attr:`delivered`, once it ended); :meth:`as_dict` adds the width policy's report (``policy``: fixed / acceptance-cost / confidence;
     with the confidence policy ``discarded_drafts``, ``verified_drafts`` and ``calibration``,
     :meth:`ds4c.width_policy.ConfidencePolicy.as_dict`)."""
 
@@ -379,10 +383,14 @@ class SpecStats:
 
     policy: Any = None
     """The request's :class:`WidthPolicy` (set by :func:`speculative_tokens`): its ``report()`` is merged in."""
+    delivered: int | None = None
+    """Tokens the request kept of those the steps produced (set when it ends: an EOS, a stop string or the
+    length limit can end it inside a step's accepted tokens); None while it runs."""
 
     def as_dict(self) -> dict[str, Any]:
         note = no_speculation(self.width)
-        return {"drafter": self.drafter, "width": self.width, "steps": self.steps, "tokens": self.tokens,
+        return {"drafter": self.drafter, "width": self.width, "steps": self.steps,
+                "tokens": self.tokens if self.delivered is None else self.delivered, "tokens_verified": self.tokens,
                 **({"note": note} if note else {}),
                 **(self.policy.report() if self.policy is not None else {}),
                 **({"verify_ms_by_width": {str(w): round(t, 4) for w, t in self.costs_ms.items()}}
@@ -432,6 +440,22 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temp
     return out + [int(torch.multinomial(p[k], 1, generator=generator))]
 
 
+def check_proposal(drafter: Any, drafts: Any, k: int, vocab: int | None) -> list[int]:
+    """A drafter's proposal as a list of at most ``k`` token ids (ints in ``0..vocab-1`` when ``vocab`` is
+    known). Raises a one-line StepError naming the drafter otherwise (a custom drafter's bug would else surface as
+    the target step's error about its own arguments)."""
+    name = getattr(drafter, "name", type(drafter).__name__)
+    try:
+        ids = [int(t) for t in drafts]
+    except (TypeError, ValueError):
+        raise StepError(f"drafter {name}: expected a list of token ids from propose(), found {drafts!r:.80}") from None
+    if len(ids) > k:
+        raise StepError(f"drafter {name}: asked for {k} drafts, proposed {len(ids)}")
+    if vocab is not None and any(not 0 <= t < vocab for t in ids):
+        raise StepError(f"drafter {name}: proposed token ids outside 0..{vocab - 1}: {ids}")
+    return ids
+
+
 def accept_greedy(top: list[int], drafts: list[int]) -> list[int]:
     """Greedy acceptance from each verify row's argmax ``top`` (``k + 1`` ids): the drafts up to the first that
     differs from its row's argmax, then that row's argmax (or, all kept, the last row's)."""
@@ -452,6 +476,7 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
     stats.policy = policy
+    vocab = getattr(getattr(stepper, "cfg", None), "vocab_size", None)
     # the pipelined loop fixes each step's width before its drafts exist, so it cannot trim them by confidence
     by_confidence = policy.adaptive and getattr(drafter, "has_confidence", False)
     if temperature == 0 and getattr(drafter, "host_only", False) and not by_confidence:
@@ -480,8 +505,9 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
         else:
             t0 = time.perf_counter()
             drafts, q = drafter.propose(prompt + out, k)
-            k = policy.trim(k, getattr(drafter, "confidence", None) if temperature == 0 else None)  # greedy only
-            drafts, q = list(drafts)[:k], None if q is None else q[:k]  # k == 0: a 1-row verify
+            drafts = check_proposal(drafter, drafts, k, vocab)
+            k = policy.trim(len(drafts), getattr(drafter, "confidence", None) if temperature == 0 else None)
+            drafts, q = drafts[:k], None if q is None else q[:k]  # greedy only trims; k == 0: a 1-row verify
             t1 = time.perf_counter()
             if fused is not None:  # verify, acceptance and rollback enqueued together, one wait
                 new = fused([out[-1]] + list(drafts), pos)
@@ -519,12 +545,13 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
     far it went)."""
     out = [int(first)]
     pos, last, produced = len(prompt), int(first), 0
+    vocab = getattr(getattr(pipe.step, "cfg", None), "vocab_size", None)
 
     def drafts_for(k: int) -> list[int]:
         if not k:
             return []
         t0 = time.perf_counter()
-        d = [int(t) for t in drafter.propose(prompt + out, k)[0]][:k]
+        d = check_proposal(drafter, drafter.propose(prompt + out, k)[0], k, vocab)
         stats.host_s["draft"] += time.perf_counter() - t0
         return d + [0] * (k - len(d))  # a drafter with fewer: the rows still run, their drafts rejected
 

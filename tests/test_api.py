@@ -507,3 +507,21 @@ def test_reasoning_effort_is_checked_against_the_template(tiny_path):
                                         r"found 'hihg'") as e:
         model.apply_chat_template(msgs, thinking=True, reasoning_effort="hihg")
     assert "\n" not in str(e.value)
+
+
+def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
+    """Model.generate(draft=...) takes a drafter spelling, a path to a drafter file (os.PathLike) or a drafter
+    object; the completion carries the speculative report (``speculative``, also in ``as_dict``), and greedy
+    speculative output equals plain greedy output."""
+    from ds4c.drafters.dspark_synth import make_dspark
+    from ds4c.speculative import OracleDrafter
+
+    ids = [5, 17, 301, 42]
+    plain = model.generate(ids, max_new_tokens=8, ignore_eos=True)
+    assert plain.speculative is None and "speculative" not in plain.as_dict()
+    path = make_dspark(model.file, tmp_path / "d.gguf", seed=1)
+    for draft in ("oracle:0.7", path, OracleDrafter(0.5, model.vocab_size)):
+        c = model.generate(ids, max_new_tokens=8, ignore_eos=True, draft=draft, spec_width=3)
+        assert c.ids == plain.ids and c.speculative["steps"] > 0 and c.as_dict()["speculative"] == c.speculative
+    with pytest.raises(Ds4cError, match="draft: expected a drafter spelling"):
+        model.generate(ids, max_new_tokens=4, draft=0.7)

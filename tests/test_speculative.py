@@ -321,3 +321,73 @@ def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
         p = ref.state.pos
         seq = prompt + ar[0]
         assert int(ref.decode(seq[p], p)[0].argmax()) == seq[p + 1]
+
+
+def test_a_new_generation_ends_an_unfinished_stream_on_the_same_stepper(ref, ar):
+    """Two generations share a stepper's sequence state: one started while a stream is unfinished ends that
+    stream (its next read is a one-line StepError) instead of both silently reading the mixed state; the new
+    one's tokens are right."""
+    from ds4c.generate import stream
+
+    ts = stream(ref, PROMPTS[0], 12, draft=OracleDrafter(0.8, 512, continuation=ar[0]), spec_width=3)
+    assert [next(ts) for _ in range(2)] == ar[0][:2]
+    assert generate(ref, [9] * 5, 2).tokens == generate(ref, [9] * 5, 2).tokens
+    with pytest.raises(StepError, match="ended by another generation on the same model") as ei:
+        next(ts)
+    assert "\n" not in str(ei.value)
+    plain = stream(ref, PROMPTS[0], 6)  # also without a drafter
+    next(plain)
+    generate(ref, PROMPTS[0], 3)
+    with pytest.raises(StepError, match="ended by another generation"):
+        next(plain)
+    assert generate(ref, PROMPTS[0], 12).tokens == ar[0][:12]
+
+
+def test_speculative_report_counts_kept_tokens_and_bad_drafts_are_one_line(ref, ar):
+    """The report's ``tokens`` are the tokens the request kept (a stop inside a step's accepted tokens ends it
+    early), ``tokens_verified`` all the steps produced; with max_new_tokens <= 1 the report is there with no
+    steps (and nothing is measured or prepared); a wrong ``draft`` type and a drafter's bad proposal are
+    one-line errors naming what was expected."""
+    from ds4c.generate import stream
+
+    stop = ar[0][7]
+    res = generate(ref, PROMPTS[0], 40, draft=OracleDrafter(1.0, 512, continuation=ar[0]), spec_width=5,
+                   stop_ids={stop})
+    sp = res.speculative
+    assert res.tokens[-1] == stop and sp["tokens"] == len(res.tokens) - 1 <= sp["tokens_verified"]
+    assert sp["tokens_per_step"] == sp["tokens_verified"] / sp["steps"]
+
+    class Counting(OracleDrafter):
+        prepared = 0
+
+        def prepare(self, stepper, prompt, n):
+            Counting.prepared += 1
+            super().prepare(stepper, prompt, n)
+
+    for n in (0, 1):
+        r = generate(ref, PROMPTS[0], n, draft=Counting(0.5, 512), spec_width="auto")
+        assert r.speculative is not None and r.speculative["steps"] == 0 and r.speculative["tokens"] == n - (n > 0)
+    assert Counting.prepared == 0
+    for bad in (0.7, True, b"oracle:0.5", object()):
+        with pytest.raises(StepError, match="draft: expected a drafter spelling") as ei:
+            stream(ref, PROMPTS[0], 4, draft=bad)
+        assert "\n" not in str(ei.value)
+
+    class Bad(OracleDrafter):
+        def __init__(self, out):
+            super().__init__(0.5, 512, continuation=ar[0])
+            self.out = out
+
+        def propose(self, context, k):
+            return self.out(k), None
+
+    for out, msg in ((lambda k: [999999] * k, "proposed token ids outside 0..511"),
+                     (lambda k: [1] * (k + 1), "asked for 2 drafts, proposed 3"),
+                     (lambda k: ["x"] * k, "expected a list of token ids")):
+        with pytest.raises(StepError, match=msg) as ei:
+            generate(ref, PROMPTS[0], 6, draft=Bad(out), spec_width=3)
+        assert str(ei.value).startswith("drafter oracle:0.5")
+    with pytest.raises(StepError, match="expected dspark:PATH .* found an empty path"):
+        make_drafter("dspark:", 512)
+    with pytest.raises(StepError, match=r"ALPHA must be a number in \[0, 1\], found 'abc'"):
+        make_drafter("oracle:abc", 512)

@@ -277,7 +277,7 @@ def test_oracle_confidence_head():
                      ("oracle:0.7:-1", "SEP \\(confidence separation\\) must be a finite number >= 0"),
                      ("oracle:0.7:inf", "must be a finite number >= 0"),
                      ("oracle:0.7:1:2", "expected at most two numbers after 'oracle:'"),
-                     ("oracle:y:1", "expected ALPHA a number in \\[0, 1\\], found 'y'")):
+                     ("oracle:y:1", "ALPHA must be a number in \\[0, 1\\], found 'y'")):
         with pytest.raises(StepError, match=msg) as ei:
             make_drafter(bad, V)
         assert "\n" not in str(ei.value)

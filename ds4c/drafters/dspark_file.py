@@ -334,6 +334,9 @@ def open_dspark(path: str | os.PathLike[str], target: Ds4Config | None = None,
     of the drafter ``make-model --preset PRESET --drafter dspark`` writes, its tensors generated on demand (by
     default on ``device``; ``dspark:synthetic:...``, as ``--draft`` spells it, too); a bad spec is one line naming the
     presets and formats (docs/synthetic.md)."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ModelFileError(f"DSpark drafter: expected a file path (str or os.PathLike), found "
+                             f"{type(path).__name__} {path!r:.60}")
     if str(path).startswith(("synthetic:", "dspark:synthetic:")):
         from ds4c.drafters.dspark_source import open_synthetic_dspark  # stands where this reader stands
 

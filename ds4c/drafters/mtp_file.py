@@ -134,6 +134,9 @@ def open_mtp(path: str | os.PathLike[str], target: Ds4Config | None = None, targ
         ModelFileError: one line: an unreadable or invalid file, one without (exactly one, ratio-0) nextn block, or
             one that does not fit the target.
     """
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ModelFileError(f"MTP drafter: expected a file path (str or os.PathLike), found "
+                             f"{type(path).__name__} {path!r:.60}")
     p = Path(path)
     mf = open_model(p, allow_mtp_only=True)
     if not mf.nextn_blocks:
