@@ -423,15 +423,21 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         the final path. Raises ModelFileError when a producer yields the wrong number of bytes (the
         temporary file is removed; nothing is left at ``path``).
     """
+    if not str(path).strip():
+        raise ModelFileError("-o: expected a file path to write, found ''")
     path = Path(path)
     if path.exists() and not path.is_file():
         raise ModelFileError(f"{path}: expected a regular file path to write, found a directory or special file")
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ModelFileError(f"cannot write {path}: {blocked} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(path.parent, path.name)  # what killed writers of this path left
         owned = OwnedTemp.create(path.parent, path.name)
     except OSError as e:
-        raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
+        raise ModelFileError(f"cannot write {path}: cannot create a file in {path.parent} "
+                             f"({e.strerror or e})") from None
     tmp = owned.path
     specs = tensor_specs(cfg) if specs is None else list(specs)
     w = None

@@ -88,6 +88,12 @@ def test_make_model_bad_options(tmp_path, home):
     assert_usage_error(run(home, "make-model", "--preset", "tiny"), "-o")
     assert_usage_error(run(home, "make-model", "-o", tmp_path), "directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "f.gguf").write_bytes(b"x")  # the -o mistakes name their cause
+    for o, msg in (("", "-o: expected a file path to write, found ''"),
+                   (tmp_path / "f.gguf" / "x.gguf", "f.gguf is a file, not a folder")):
+        r = run(home, "make-model", "--preset", "tiny", "-o", o)
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.gguf"]
 
 
 # ------------------------------------------------------------------------------------------------ info
