@@ -245,10 +245,13 @@ def test_damaged_files_and_wrong_targets(tmp_path, dspark5, tiny_path):
     with pytest.raises(ModelFileError, match="the drafter's vocabulary has 512 tokens, the target's 1024") as ei:
         make_drafter(str(dspark5), 1024)
     _one_line(ei)
-    for spec in ("dspark", "dspark:", "mtpx"):
-        with pytest.raises(StepError, match=f"unknown drafter '{spec}': expected oracle:ALPHA, dspark:PATH") as ei:
+    for spec in ("dspark", "dspark:"):
+        with pytest.raises(StepError, match="expected dspark:PATH .* found an empty path") as ei:
             make_drafter(spec, 512)
         _one_line(ei)
+    with pytest.raises(StepError, match="unknown drafter 'mtpx': expected oracle:ALPHA, dspark:PATH") as ei:
+        make_drafter("mtpx", 512)
+    _one_line(ei)
     assert isinstance(make_drafter(f"dspark:{dspark5}", 512), DSparkDrafter)
     assert isinstance(make_drafter(str(dspark5), 512, config=TINY), DSparkDrafter)
     assert isinstance(make_drafter("oracle:0.5", 512), OracleDrafter)

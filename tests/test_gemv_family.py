@@ -100,8 +100,14 @@ def compiled_ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
     from kernel_compile import compiler_missing
 
+    if getattr(request.config, "workerinput", None) is not None:
+        # under pytest-xdist the workers already keep the cores busy, and each worker's session lists every
+        # item (not only the ones it will run): compiling them all ahead would repeat the other workers' work
+        yield {}
+        return
     wanted = [(it.callspec.params["name"], it.callspec.params["arch"]) for it in request.session.items
-              if getattr(it, "originalname", "") == "test_render_and_compile" and hasattr(it, "callspec")]
+              if getattr(it, "originalname", "") == "test_render_and_compile" and hasattr(it, "callspec")
+              and getattr(it, "module", None) is request.module]  # other files have tests of that name
     pool = ThreadPoolExecutor(2)
     out = {}
     for name, arch in wanted:

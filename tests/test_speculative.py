@@ -150,8 +150,9 @@ def test_stats_and_errors():
     d = st.as_dict()
     assert d["steps"] == 3 and d["tokens"] == 6 and d["acceptance_by_depth"] == [1.0, 0.5]
     assert d["widths"] == {"1": 1, "3": 2}
-    for bad, msg in (("oracle:1.5", "ALPHA must be a number in \\[0, 1\\]"), ("oracle:x", "expected ALPHA"),
-                     ("dspark", "unknown drafter 'dspark'")):
+    for bad, msg in (("oracle:1.5", "ALPHA must be a number in \\[0, 1\\]"),
+                     ("oracle:x", "ALPHA must be a number in \\[0, 1\\], found 'x'"),
+                     ("dspark", "expected dspark:PATH .* found an empty path"), ("foo", "unknown drafter 'foo'")):
         with pytest.raises(StepError, match=msg) as ei:
             make_drafter(bad, 512)
         assert "\n" not in str(ei.value)
@@ -254,6 +255,7 @@ class _QueuedOnTheReference:
 
     def __init__(self, ref):
         self.ref, self.queue, self.log = ref, [], []
+        self.step = ref  # the loop reads its vocabulary from here
         self.owner = None
 
     def check_owner(self, me):
