@@ -349,6 +349,9 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
         raise BenchError("--artifact is used only by the compiled step (--device cuda)")
     if not reference and device != "cuda":
         raise BenchError("--no-reference leaves nothing to time with --device cpu (the cpu bench is the reference)")
+    if not end_to_end and device != "cuda":
+        say("note: --no-generate changes nothing with --device cpu (generate end to end runs on the compiled "
+            "step only)")
     if device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu "
                          "for the reference columns alone")

@@ -81,7 +81,11 @@ def test_cli_bench_without_a_gpu_says_so(tiny_path, tmp_path):
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["rows"][0]["eager_ms"] > 0
-    assert "speed-ups" in r.stdout
+    assert "speed-ups" in r.stdout and "--no-generate changes nothing" not in r.output
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--widths", "1", "--ctx", "24",
+                                  "--compile-modes", "none", "--ref-repeats", "1", "--no-generate"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and "note: --no-generate changes nothing with --device cpu" in r.output, r.output
 
 
 @pytest.mark.parametrize("where, msg", [("missing/b.json", "cannot write a file there"), ("", "expected a file path"),
