@@ -557,8 +557,8 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
 
     me = pipe.owner = object()  # another call on the step ends this request (check_owner then raises)
     k = policy.choose(n - 1)
-    pipe.enqueue(k + 1, pos)
     try:
+        pipe.enqueue(k + 1, pos)
         pipe.release([last] + drafts_for(k), pos)
         while True:
             k_next = policy.choose(max(0, n - produced - 2))

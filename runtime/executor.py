@@ -429,10 +429,10 @@ class CompiledStep:
         sampler), the accepted count (1 + the leading drafts equal to their row's argmax) written into the
         step buffer's ``accepted`` slot, the verify's rollback kernel (which reads it there; with every row
         accepted it rewrites what the verify left) and one copy of the argmax ids to pinned host memory;
-        then it waits once and accepts on the host from the same ids (so the same count). So the GPU runs the verify, the acceptance and the rollback back to
-        back, and only ``q`` ids cross to the host (against a wait for the argmax, the acceptance on the
-        host and a second round trip for the rollback). A step with no rollback kernel (q = 1, or a shard
-        of a split) takes the :meth:`verify` / :meth:`rollback` path.
+        then it waits once and accepts on the host from the same ids (so the same count). So the GPU runs the
+        verify, the acceptance and the rollback back to back, and only ``q`` ids cross to the host (against a wait for the argmax, the acceptance on the
+        host and a second round trip for the rollback). q = 1 is a plain step (its row is kept); a step with no
+        rollback kernel (a shard of a split) takes the :meth:`verify` / :meth:`rollback` path.
 
         Args:
             tokens: the last accepted token then the drafts (q = len, a compiled width); pos: its position.
@@ -444,6 +444,8 @@ class CompiledStep:
         from ds4c.speculative import accept_greedy
 
         q = len(tokens)
+        if q == 1:  # a plain decode: its one row is always kept, so there is nothing to undo (no snapshot)
+            return [int(argmax_rows(self.step(tokens, pos), self._argmax_chunk)[0])]
         self.arm_undo(tokens, pos)
         kind, held = self._undo[0], self._undo[1]
         logits = self.step(tokens, pos)

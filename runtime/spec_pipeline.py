@@ -125,11 +125,11 @@ class GreedyPipeline:
         with torch.cuda.device(st.dev):
             self._done[q.slot].synchronize()  # the slot's last step (two back) has read its scalars and ids
             self.flag.wait(q.seq)
+            self._queue.append(q)  # from here on the stream waits for it: close() must find it, even on an error
             st._step_dev.copy_(self._scalars[q.slot], non_blocking=True)
             sg.cuda_graph.replay()
             st.accept_on_device(sg, self._ids[q.slot])
             self._done[q.slot].record()
-        self._queue.append(q)
 
     def release(self, tokens: list[int], pos: int, keep: int | None = None) -> None:
         """Give the oldest unreleased step its ``tokens`` (the last accepted token then the drafts, exactly its
@@ -164,9 +164,16 @@ class GreedyPipeline:
         q = self._queue.popleft()
         self._done[q.slot].synchronize()
         new = accept_greedy(self._ids[q.slot][:q.sg.width].tolist(), q.tokens[1:])
-        self.step.pos = q.pos + len(new)
+        self._advance(q.pos + q.sg.width, q.pos + len(new))
         self._next = (new[-1], self.step.pos)
         return new
+
+    def _advance(self, written: int, pos: int) -> None:
+        """The step's bookkeeping after a queued step of rows up to ``written`` (exclusive) kept rows up to
+        ``pos``: its position, and how far its tap ring was written (as ``CompiledStep.step`` keeps them)."""
+        st = self.step
+        st.pos = pos
+        st._tap_end = max(st._tap_end, written)
 
     def close(self, token: int, pos: int) -> None:
         """End the pipeline's request: wait for the released steps (their ids are not needed, but the position
@@ -179,9 +186,9 @@ class GreedyPipeline:
             token, pos = new[-1], self.step.pos
         for q in list(self._queue):  # held steps: each a decode of the token at the next position
             self.release([token] * q.sg.width, pos, keep=1)
+            self._advance(pos + q.sg.width, pos + 1)
             pos += 1
         self._queue.clear()
-        self.step.pos = pos
         self._next = None
 
 
