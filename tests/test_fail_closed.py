@@ -389,6 +389,18 @@ def _wait_for(pred, timeout: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def _group_alive(pgid: int) -> bool:
+    """A process of group ``pgid`` is still running (zombies, which hold nothing, do not count; Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp, ...
+            return True
+    return False
+
+
 def _cache_temporaries(root: Path) -> list[Path]:
     return [lo.path for t in root.glob("*/*") if t.is_dir() for lo in find_leftovers(t, None, (".tmp-", ".trash-"))]
 
@@ -413,6 +425,9 @@ def test_sigkill_during_compile_leaves_old_artifact_and_no_compiler_temps(tmp_pa
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    # the killed compilers (the group's other processes) may still be exiting, holding their temporaries as
+    # in progress: wait until the whole group is gone, as a later run on a real machine would find it
+    _wait_for(lambda: not _group_alive(p.pid), timeout=30.0)
     assert list(tmpdir.iterdir()) == []  # the compilers' temp files went into the cache's temp folders
     temps = _cache_temporaries(cache)
     assert temps and all(f".tmp-{p.pid}-" in t.name for t in temps), temps
