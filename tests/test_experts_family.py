@@ -7,6 +7,8 @@ and against the synthetic tiny model's GGUF bytes; and the kernels' own logic ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +81,36 @@ def test_official_geometry() -> None:
     assert all(g.form == 1 for g in hip.geos) and hip.smem <= 64 * 1024
     # sm_80 has no e4m3 mma: the bf16 MMA for every format
     assert X.plan(X.ExpertsSpec(q=1), target("sm_80"), "up").geos[0].form == 1
+
+
+def test_stage_choice() -> None:
+    """The cp.async ring: chosen for the official MXFP4 / Q8_0 shapes on CUDA's mma engine (as many chunks in
+    flight per SM as shared memory allows, no more stages than the up phase's steps), never for SIMT / HIP or
+    chunks that are not 16-byte aligned; an explicit count is kept (and named in the key), 0 turns it off."""
+    t = target("sm_90")
+    for q in (1, 3, 5):
+        for ph in ("up", "down"):
+            pl = X.plan(X.ExpertsSpec(q=q), t, ph)
+            assert 2 <= pl.stages <= X.MAX_STAGES and pl.smem <= X.SMEM_LIMIT["cuda"]
+            assert X.SMEM_SM_BYTES // (pl.smem + X.SMEM_BLOCK_RESERVED) >= 2  # two blocks per SM at least
+            if ph == "up":
+                assert pl.stages <= 2 * pl.kw // (pl.geos[0].vb * pl.geos[0].ch)
+    assert X.plan(X.ExpertsSpec(q=1, engine="simt"), t, "up").stages == 0
+    assert X.plan(X.ExpertsSpec(q=5), target("gfx942"), "down").stages == 0
+    assert X.plan(X.ExpertsSpec(q=5, routed_fmt="q3_k"), t, "up").stages == 0  # 110-byte super-blocks
+    assert X.plan(X.ExpertsSpec(q=1, **TINY), t, "up").stages == 0  # 68-byte chunks
+    assert X.plan(X.ExpertsSpec(q=5, stages=0), t, "up").stages == 0
+    pl4 = X.plan(X.ExpertsSpec(q=1, stages=4), t, "up")
+    assert pl4.stages == 4 and pl4.smem > X.plan(X.ExpertsSpec(q=1, stages=2), t, "up").smem
+    assert X.ExpertsSpec(q=1, stages=4).key().endswith("_st4") and "_st" not in X.ExpertsSpec(q=1).key()
+    src = X.render_experts(X.ExpertsSpec(q=1), t)[0].source
+    assert "cp.async.cg.shared.global" in src and "#define XP_NST 3" in src
+    assert "cp.async.cg" not in X.render_experts(X.ExpertsSpec(q=1, stages=0), t)[0].source
+    for bad in (1, 9, -1, True, 2.0):
+        with pytest.raises(RenderError, match="stages"):
+            X.ExpertsSpec(q=1, stages=bad)
+    with pytest.raises(RenderError, match="8 stages need"):
+        X.plan(X.ExpertsSpec(q=8, hidden=8192, stages=8), t, "up")
 
 
 def test_k_quant_geometry() -> None:
@@ -280,6 +312,13 @@ EMU_CASES += [("mma", "sm_90", dict(q=3, routed_fmt="q2_k", shared_fmt="q4_k", d
               ("simt", "sm_90", dict(q=3, routed_fmt="q3_k", shared_fmt="q6_k", down_fmt="iq4_xs", shared_down_fmt="q5_k")),
               ("mma", "sm_80", dict(q=3, routed_fmt="q5_k", shared_fmt="iq4_xs", down_fmt="q8_0")),
               ("mma", "sm_90", dict(q=2, routed_fmt="q6_k", shared_fmt="q2_k", act_quant=False))]
+# the cp.async ring (16-byte aligned chunks: MXFP4 warps of >= 512 values, Q8_0 of >= 256): the down phase's
+# ring wraps over the jobs (auto stages: up 2, down 6); an up phase of 4 steps through 3 stages (D 4096, whose
+# F 512 gives 68-byte down chunks: the register path there); Q8_0 routed at q = 5
+ST = dict(n_experts=8, k=4)
+EMU_CASES += [("mma", "sm_90", dict(q=2, hidden=2048, inter=2048, **ST)),
+              ("mma", "sm_90", dict(q=3, hidden=4096, inter=512, n_experts=8, k=2, stages=3)),
+              ("mma", "sm_90", dict(q=5, hidden=1024, inter=1024, routed_fmt="q8_0", **ST))]
 
 
 @pytest.mark.parametrize("engine,arch,kw", EMU_CASES, ids=[f"{e}-{a}-" + "-".join(f"{k}{v}" for k, v in kw.items())
@@ -298,3 +337,30 @@ def test_kernels_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> N
     want = X.reference(spec, **inp)
     assert torch.isfinite(got["hbuf"].float()).all(), "hbuf not fully written"
     assert E.rel_err(got["out"], want) < 2e-2
+
+
+def test_emulated_ring_without_its_wait_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulator's cp.async completes a copy only at the wait_group that covers it: the up phase with its
+    wait removed reads tiles that never arrive, and the run fails (a kernel that reads its ring early is
+    caught on the CPU)."""
+    E = _emu()
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    spec = X.ExpertsSpec(q=1, hidden=4096, inter=512, n_experts=8, k=2, stages=3, engine="mma")
+    real = X.render_experts
+
+    def no_wait(sp, tgt, name=None):
+        ks = real(sp, tgt, name)
+        up = ks[0]
+        assert "xp_cp_wait<XP_NST - 1>();" in up.source
+        return [dataclasses.replace(up, source=up.source.replace("xp_cp_wait<XP_NST - 1>();", "", 1))] + ks[1:]
+
+    monkeypatch.setattr(X, "render_experts", no_wait)
+    inp = X.random_inputs(spec, torch.Generator().manual_seed(5))
+    try:
+        got = E.run(spec, inp, tmp_path, arch="sm_90")
+    except Exception as e:  # the emulator aborts: copies never waited for
+        assert "never waited" in str(e) or "experts_emu" in str(e)
+        return
+    assert E.rel_err(got["out"], X.reference(spec, **inp)) > 2e-2

@@ -146,6 +146,33 @@ static EmuBlock* g_blk;
 static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
 #define t_tid emu_cur
 
+// ---- cp.async: a copy waits in its thread's queue until a wait_group completes its group, so a tile read before
+// its wait sees the old bytes (as it may on the GPU); a block that ends with copies never waited for aborts
+struct EmuCp { u8* dst; const u8* src; unsigned long long group; };
+static std::vector<EmuCp> emu_cpq[1024];
+static unsigned long long emu_cp_groups[1024];
+DS4C_DEVICE void xp_cp16(void* dst, const void* src) {
+  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid]});
+}
+DS4C_DEVICE void xp_cp_commit() { ++emu_cp_groups[t_tid]; }
+template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N most recent commits complete
+  std::vector<EmuCp>& qv = emu_cpq[t_tid];
+  const unsigned long long n = emu_cp_groups[t_tid], done = n >= (unsigned long long)N ? n - N : 0ull;
+  size_t k = 0;
+  for (size_t i = 0; i < qv.size(); ++i) {
+    if (qv[i].group < done) std::memcpy(qv[i].dst, qv[i].src, 16);
+    else qv[k++] = qv[i];
+  }
+  qv.resize(k);
+}
+static void emu_cp_check_drained() {
+  if (!emu_cpq[t_tid].empty()) {
+    fprintf(stderr, "emulator: thread %d ended its block with %zu cp.async copies never waited for\n", t_tid,
+            emu_cpq[t_tid].size());
+    abort();
+  }
+}
+
 DS4C_DEVICE int ds4c_tid() { return t_tid; }
 DS4C_DEVICE int ds4c_bid_x() { return t_bx; }
 DS4C_DEVICE int ds4c_bid_y() { return t_by; }
@@ -262,6 +289,7 @@ static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's b
       for (int bx = 0; bx < gx; ++bx) {
         t_bx = bx; t_by = by;
         kernel();
+        emu_cp_check_drained();
         bar.arrive_and_wait();
       }
   };

@@ -96,6 +96,15 @@ REG_BUDGET_KQ = 255
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
 #: CUDA archs with cvt.f16x2.e4m3x2 (sm_89+): the f16-MMA path with e4m3 activations
 E4M3_ARCHS = ("sm_90", "sm_90a", "sm_100a")
+#: weight tiles in flight per warp the cp.async ring may hold (:func:`plan` picks one; ``ExpertsSpec.stages``)
+STAGE_CHOICES = (6, 5, 4, 3, 2)
+MAX_STAGES = 8
+#: shared memory of one SM (CUDA sm_90: 228 KB, of which 1 KB per resident block is the driver's)
+SMEM_SM_BYTES = 228 * 1024
+SMEM_BLOCK_RESERVED = 1024
+#: multiprocessors the stage choice plans for (an H200 / H100 SXM has 132): only how many blocks of a small grid
+#: share an SM depends on it
+PLAN_SMS = 132
 
 
 def _float_literal(x: float) -> str:
@@ -128,6 +137,10 @@ class ExpertsSpec:
         act_quant: FP8 activation quant of x and h (spec 2.3.1; the reference's ``emulate``).
         limit: SwiGLU clamp (P11; 10.0).
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
+        stages: weight chunks each warp keeps in flight through a ``cp.async`` ring in shared memory (CUDA
+            ``mma`` engine, geometries of 16-byte aligned chunks: the official MXFP4 / Q8_0 shapes): None =
+            chosen by :func:`plan` (the most chunks in flight per SM), 0 = the register double buffer (also
+            every geometry the ring cannot stream, and HIP), 2..8 = that many.
 
     Raises:
         RenderError: a field out of range (the message names it).
@@ -145,6 +158,7 @@ class ExpertsSpec:
     engine: str = "auto"
     down_fmt: str | None = None
     shared_down_fmt: str | None = None
+    stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -172,6 +186,9 @@ class ExpertsSpec:
                 v = getattr(self, dim)
                 if isinstance(v, int) and v % BLOCK_VALUES[f]:
                     bad.append(f"{name} {f} with {dim} {v} (rows of {f} are multiples of {BLOCK_VALUES[f]} values)")
+        if self.stages is not None and not (isinstance(self.stages, int) and not isinstance(self.stages, bool)
+                                            and (self.stages == 0 or 2 <= self.stages <= MAX_STAGES)):
+            bad.append(f"stages {self.stages!r} (expected None, 0 or 2..{MAX_STAGES})")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
         if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
@@ -190,7 +207,8 @@ class ExpertsSpec:
             ("" if self.shared_down_fmt == self.shared_fmt else f"_shdn{self.shared_down_fmt}")
         return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
                 f"{self.shared_fmt}{down}{'' if self.act_quant else '_noaq'}"
-                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
+                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
+                + ("" if self.stages is None else f"_st{self.stages}"))
 
     def short(self) -> str:
         return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
@@ -235,6 +253,7 @@ class PhasePlan:
     nw: int
     kw: int
     geos: tuple[_Geo, _Geo]
+    stages: int
     nb: int
     ast16: int
     act_wb: int
@@ -289,15 +308,52 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
     kw = kin // nw
     lim = SMEM_LIMIT[target.vendor]
     for cap in (16, 1):  # K-quant chunks of two super-blocks can overflow HIP's 64 KB: then one per chunk
-        pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, shared, cap)
-        if pl.smem <= lim:
+        pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, shared, cap, 0)
+        if pl.smem > lim:
+            continue
+        if engine != "mma" or not all(g.v == 16 and not g.mis for g in pl.geos) or spec.stages == 0:
             return pl
+        if spec.stages is not None:
+            pl = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, shared, cap, spec.stages)
+            if pl.smem > lim:
+                raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: {spec.stages} stages need "
+                                  f"{pl.smem} bytes of shared memory, the limit is {lim}")
+            return pl
+        return _pick_stages(spec, phase, [_plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed,
+                                                     shared, cap, n) for n in STAGE_CHOICES], lim) or pl
     raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {pl.smem} bytes of shared memory, "
                       f"the limit is {lim}")
 
 
+def _blocks_per_sm(spec: ExpertsSpec, phase: str, pl: PhasePlan) -> int:
+    """Blocks of ``pl`` one SM holds at once: shared memory, the register budget, and the grid (a grid under
+    :data:`PLAN_SMS` x n blocks gives each SM fewer)."""
+    by_smem = SMEM_SM_BYTES // (pl.smem + SMEM_BLOCK_RESERVED)
+    by_regs = 65536 // (pl.block[0] * (REG_BUDGET_KQ if _reg_budget(spec, phase) == REG_BUDGET_KQ else 128))
+    by_grid = -(-pl.grid[0] * pl.grid[1] // PLAN_SMS)
+    return max(0, min(by_smem, by_regs, by_grid, 4))
+
+
+def _pick_stages(spec: ExpertsSpec, phase: str, plans: list[PhasePlan], lim: int) -> PhasePlan | None:
+    """The plan with the most weight chunks in flight per SM (stages x resident blocks x warps), then the most
+    resident blocks; stages beyond a warp's steps (the up phase's 2 x chunks) are not counted. None if no
+    plan fits."""
+    best, best_key = None, (0, 0)
+    for pl in plans:
+        if pl.smem > lim:
+            continue
+        steps = 2 * pl.kw // (pl.geos[0].vb * pl.geos[0].ch) if phase == "up" else pl.stages
+        if phase == "up" and pl.stages > steps:
+            continue
+        blocks = _blocks_per_sm(spec, phase, pl)
+        key = (blocks * pl.stages, blocks)
+        if key > best_key:
+            best, best_key = pl, key
+    return best
+
+
 def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3: bool, kin: int, nout: int, nw: int,
-               kw: int, routed: str, shared: str, cap: int) -> PhasePlan:
+               kw: int, routed: str, shared: str, cap: int, stages: int) -> PhasePlan:
     geos = (_geo(routed, kin, kw, e4m3, spec.act_quant, cap), _geo(shared, kin, kw, e4m3, spec.act_quant, cap))
     if engine == "simt":
         assert all(g.form == 1 for g in geos)
@@ -312,14 +368,14 @@ def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3:
     act_wb = _round16(act)
     tile_wb = _round16(ROWS_PER_BLOCK * max(g.rbp for g in geos))
     pbuf = (2 * nw * 128 * 4)  # up: [NW][2 mats][16][8]; down: [2 parities][NW][16][8]
-    off_extra = nw * act_wb + nw * tile_wb + pbuf
+    off_extra = nw * act_wb + nw * tile_wb * max(1, stages) + pbuf
     extra = 0 if phase == "up" else (5 * spec.slots + 1) * 4 + 2 * q * 16 * 4
     smem = _round16(off_extra + extra)
     if phase == "up":
         grid = (spec.inter // ROWS_PER_BLOCK, spec.slots + 1, 1)
     else:
         grid = (spec.hidden // ROWS_PER_BLOCK, 1, 1)
-    return PhasePlan(phase, kin, nout, nw, kw, geos, nb, ast16, act_wb, tile_wb, off_extra, smem, grid,
+    return PhasePlan(phase, kin, nout, nw, kw, geos, stages, nb, ast16, act_wb, tile_wb, off_extra, smem, grid,
                      (nw * 32, 1, 1))
 
 
@@ -329,8 +385,20 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
                 act_quant=spec.act_quant, mma=resolve_engine(spec, target) == "mma",
                 limit=_float_literal(spec.limit), nb=pl.nb, ast16=pl.ast16, act_wb=pl.act_wb,
                 tile_wb=pl.tile_wb, off_extra=pl.off_extra, smem=pl.smem,
-                geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts,
-                min_blocks=max(1, min(4, 65536 // (pl.block[0] * _reg_budget(spec, phase)))))
+                geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts, stages=pl.stages,
+                min_blocks=_min_blocks(spec, phase, pl))
+
+
+def _min_blocks(spec: ExpertsSpec, phase: str, pl: PhasePlan) -> int:
+    """``__launch_bounds__``' blocks per SM: the register budget's (168 registers: 3 blocks; a K-quant's 255:
+    2); with the cp.async ring (no prefetch registers) as many as the shared memory holds, up to 4 (128
+    registers)."""
+    regs = max(1, min(4, 65536 // (pl.block[0] * _reg_budget(spec, phase))))
+    if not pl.stages:
+        return regs
+    by_smem = SMEM_SM_BYTES // (pl.smem + SMEM_BLOCK_RESERVED)
+    cap = regs if _reg_budget(spec, phase) == REG_BUDGET_KQ else 4
+    return max(1, min(cap, by_smem))
 
 
 def _reg_budget(spec: ExpertsSpec, phase: str) -> int:

@@ -21,12 +21,15 @@ with some experts shared between rows (the dedup path), weights as the router ma
 One extra case captures both launches in a CUDA graph, then writes new x, ids and weights into the same
 device buffers and replays (routing comes from device memory, never by value).
 
-Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table), or through
+Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table;
+``DS4C_XP_CASES='mma  q=1$,q=5'`` keeps the cases whose label contains one of the comma-separated substrings,
+``$`` marking the label's end, e.g. to profile them under ``ncu``), or through
 ``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -51,6 +54,8 @@ TINY = dict(hidden=256, inter=128, n_experts=16, k=4)
 
 def _cases() -> list[tuple[str, dict[str, Any]]]:
     out = [(f"official mma  q={q}", dict(OFFICIAL, q=q, engine="mma")) for q in (1, 2, 3, 4, 5)]
+    # the register double buffer the cp.async ring replaced (ExpertsSpec.stages = 0), for the A/B in one run
+    out += [(f"official mma  q={q} register path", dict(OFFICIAL, q=q, engine="mma", stages=0)) for q in (1, 5)]
     out += [(f"official simt q={q}", dict(OFFICIAL, q=q, engine="simt")) for q in (1, 5)]
     out += [(f"tiny {e:4s} q={q}", dict(TINY, q=q, engine=e)) for e in ("mma", "simt") for q in (1, 5)]
     out += [("official mma  q=5 shared bf16", dict(OFFICIAL, q=5, engine="mma", shared_fmt="bf16")),
@@ -111,6 +116,9 @@ def run(arch: str = "sm_90") -> list[dict]:
     regs, smem, compile_s."""
     tgt = make_target(arch)
     cases = _cases()
+    pick = [c for c in os.environ.get("DS4C_XP_CASES", "").split(",") if c]  # substrings of case labels
+    if pick:
+        cases = [c for c in cases if any(p in c[0] + "$" for p in pick)]  # "$" marks the end
     specs = {X.ExpertsSpec(**kw).key() + "_" + kw["engine"]: X.ExpertsSpec(**kw) for _, kw in cases}
     built, wall = _compile(specs, tgt)
     print(f"[experts] compiled {2 * len(specs)} kernels in {wall:.1f} s", flush=True)
