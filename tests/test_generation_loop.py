@@ -238,7 +238,7 @@ def test_a_pipelined_request_left_unread_is_ended_by_the_next_call(ready):
     assert ex._greedy_pipeline.busy
     again = generate(ex, prompt, 30)  # would hang behind the queued step without the drain
     assert again.tokens == ar and not ex._greedy_pipeline.busy
-    with pytest.raises(StepError, match="ended by another call"):
+    with pytest.raises(StepError, match="ended by another generation"):
         for _ in range(30):
             next(ts)
     ex.reset()

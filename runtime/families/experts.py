@@ -96,8 +96,11 @@ REG_BUDGET_KQ = 255
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
 #: CUDA archs with cvt.f16x2.e4m3x2 (sm_89+): the f16-MMA path with e4m3 activations
 E4M3_ARCHS = ("sm_90", "sm_90a", "sm_100a")
-#: weight tiles in flight per warp the cp.async ring may hold (:func:`plan` picks one; ``ExpertsSpec.stages``)
-STAGE_CHOICES = (6, 5, 4, 3, 2)
+#: weight tiles in flight per warp in the cp.async ring when :func:`plan` chooses it. Measured on the H200
+#: (docs/perf.md, Optimisation 5, official shapes q = 1..5): 2 stages was the fastest depth at every q, each
+#: further stage slower (fewer resident blocks, and the phases are bound by the latency of their instruction
+#: stream, not by the bytes in flight)
+RING_STAGES = 2
 MAX_STAGES = 8
 #: shared memory of one SM (CUDA sm_90: 228 KB, of which 1 KB per resident block is the driver's)
 SMEM_SM_BYTES = 228 * 1024
@@ -138,9 +141,12 @@ class ExpertsSpec:
         limit: SwiGLU clamp (P11; 10.0).
         engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
         stages: weight chunks each warp keeps in flight through a ``cp.async`` ring in shared memory (CUDA
-            ``mma`` engine, geometries of 16-byte aligned chunks: the official MXFP4 / Q8_0 shapes): None =
-            chosen by :func:`plan` (the most chunks in flight per SM), 0 = the register double buffer (also
-            every geometry the ring cannot stream, and HIP), 2..8 = that many.
+            ``mma`` engine, geometries of 16-byte aligned chunks: the official MXFP4 / Q8_0 shapes, Q4_K, Q5_K,
+            IQ4_XS): None = chosen by :func:`plan` (:data:`RING_STAGES` for MXFP4 / Q8_0 / BF16 phases where the
+            ring keeps at least as many blocks per SM as the register path: it frees the prefetch registers,
+            but its tiles take shared memory; K-quants keep the register path, the ring measured slower there),
+            0 = the register double buffer (also every geometry the ring cannot stream, and HIP), 2..8 = that
+            many.
 
     Raises:
         RenderError: a field out of range (the message names it).
@@ -319,8 +325,12 @@ def plan(spec: ExpertsSpec, target: Target, phase: str) -> PhasePlan:
                 raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: {spec.stages} stages need "
                                   f"{pl.smem} bytes of shared memory, the limit is {lim}")
             return pl
-        return _pick_stages(spec, phase, [_plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed,
-                                                     shared, cap, n) for n in STAGE_CHOICES], lim) or pl
+        if _reg_budget(spec, phase) == REG_BUDGET_KQ:  # K-quants: the ring was slower at 3-5 stages, 2 not measured
+            return pl
+        ring = _plan_with(spec, target, phase, engine, e4m3, kin, nout, nw, kw, routed, shared, cap, RING_STAGES)
+        if ring.smem <= lim and _blocks_per_sm(spec, phase, ring) >= _blocks_per_sm(spec, phase, pl):
+            return ring
+        return pl
     raise RenderError(f"experts {phase} for {spec.short()} on {target.slug}: needs {pl.smem} bytes of shared memory, "
                       f"the limit is {lim}")
 
@@ -329,27 +339,10 @@ def _blocks_per_sm(spec: ExpertsSpec, phase: str, pl: PhasePlan) -> int:
     """Blocks of ``pl`` one SM holds at once: shared memory, the register budget, and the grid (a grid under
     :data:`PLAN_SMS` x n blocks gives each SM fewer)."""
     by_smem = SMEM_SM_BYTES // (pl.smem + SMEM_BLOCK_RESERVED)
-    by_regs = 65536 // (pl.block[0] * (REG_BUDGET_KQ if _reg_budget(spec, phase) == REG_BUDGET_KQ else 128))
+    by_regs = 65536 // (pl.block[0] * (_reg_budget(spec, phase) if not pl.stages or
+                                       _reg_budget(spec, phase) == REG_BUDGET_KQ else 128))
     by_grid = -(-pl.grid[0] * pl.grid[1] // PLAN_SMS)
     return max(0, min(by_smem, by_regs, by_grid, 4))
-
-
-def _pick_stages(spec: ExpertsSpec, phase: str, plans: list[PhasePlan], lim: int) -> PhasePlan | None:
-    """The plan with the most weight chunks in flight per SM (stages x resident blocks x warps), then the most
-    resident blocks; stages beyond a warp's steps (the up phase's 2 x chunks) are not counted. None if no
-    plan fits."""
-    best, best_key = None, (0, 0)
-    for pl in plans:
-        if pl.smem > lim:
-            continue
-        steps = 2 * pl.kw // (pl.geos[0].vb * pl.geos[0].ch) if phase == "up" else pl.stages
-        if phase == "up" and pl.stages > steps:
-            continue
-        blocks = _blocks_per_sm(spec, phase, pl)
-        key = (blocks * pl.stages, blocks)
-        if key > best_key:
-            best, best_key = pl, key
-    return best
 
 
 def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3: bool, kin: int, nout: int, nw: int,

@@ -23,7 +23,8 @@ device buffers and replays (routing comes from device memory, never by value).
 
 Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table;
 ``DS4C_XP_CASES='mma  q=1$,q=5'`` keeps the cases whose label contains one of the comma-separated substrings,
-``$`` marking the label's end, e.g. to profile them under ``ncu``), or through
+``$`` marking the label's end, e.g. to profile them under ``ncu``; ``DS4C_XP_STAGES_SWEEP=1`` adds every
+cp.async ring depth at q = 1..5), or through
 ``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain).
 """
 
@@ -56,6 +57,9 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     out = [(f"official mma  q={q}", dict(OFFICIAL, q=q, engine="mma")) for q in (1, 2, 3, 4, 5)]
     # the register double buffer the cp.async ring replaced (ExpertsSpec.stages = 0), for the A/B in one run
     out += [(f"official mma  q={q} register path", dict(OFFICIAL, q=q, engine="mma", stages=0)) for q in (1, 5)]
+    if os.environ.get("DS4C_XP_STAGES_SWEEP"):  # every ring depth at q = 1..5 (the stage choice's data)
+        out += [(f"official mma  q={q} stages {n}", dict(OFFICIAL, q=q, engine="mma", stages=n))
+                for q in (1, 2, 3, 4, 5) for n in (2, 3, 4, 6)]
     out += [(f"official simt q={q}", dict(OFFICIAL, q=q, engine="simt")) for q in (1, 5)]
     out += [(f"tiny {e:4s} q={q}", dict(TINY, q=q, engine=e)) for e in ("mma", "simt") for q in (1, 5)]
     out += [("official mma  q=5 shared bf16", dict(OFFICIAL, q=5, engine="mma", shared_fmt="bf16")),
