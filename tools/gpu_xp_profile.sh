@@ -15,12 +15,18 @@ grep -E "^  official (mma|simt)  q=[15] " "$OUT/kernel-check.log" | grep -v rout
 grep -E "iq4_xs" "$OUT/kernel-check.log" | cut -c1-150 | head -8
 # Nsight Compute: the first two launches of each case are its correctness launches (up, down)
 if command -v ncu >/dev/null; then
-  DS4C_XP_CASES='official mma  q=1$,official mma  q=5$' timeout ${NCU_TIMEOUT:-240} ncu --clock-control none \
-      -k regex:'xp_q[15]_d4096_f2048_k6_e256_mxfp4_q8_0_mma' --launch-count 4 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-      --section SchedulerStats --section LaunchStats \
-      python3 tools/gpu_checks/experts.py > "$OUT/ncu-experts.log" 2>&1
-  echo "ncu rc $?"
+  # one ncu run per width (the first two launches of a case are its correctness launches: up, down), with the
+  # warp stall reasons per issued instruction (what the latency-bound phases wait on)
+  for q in 1 5; do
+    DS4C_XP_CASES="official mma  q=$q\$" timeout ${NCU_TIMEOUT:-150} ncu --clock-control none \
+        -k regex:"xp_q${q}_d4096_f2048_k6_e256_mxfp4_q8_0_mma" --launch-count 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section LaunchStats \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 tools/gpu_checks/experts.py >> "$OUT/ncu-experts.log" 2>&1
+    echo "ncu q=$q rc $?"
+  done
+  grep -E "xp_q|issue_stalled" "$OUT/ncu-experts.log" | awk '$NF+0 > 0.3 || /xp_q/' | cut -c1-120 | head -60
   grep -E "xp_q|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|L2 Hit|Block Limit" \
       "$OUT/ncu-experts.log" | cut -c1-120 | head -80
 else
