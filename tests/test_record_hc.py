@@ -11,7 +11,7 @@ HC streams after the last layer, before the HC head).
   sm_90 (no spills) and gfx942, and its body on the CPU emulation of tests/test_compressor_family.py equal to the IR
   op and to the reference rows bit for bit on a NaN-poisoned ring.
 
-The compiled step's ``final_hc`` and the MTP drafter on it come with the executor.
+The compiled step's ``final_hc`` and the MTP drafter on it (GPU) are in tests/test_compiled_mtp.py.
 """
 
 from __future__ import annotations
@@ -267,6 +267,62 @@ def test_copy_kernel_emulated_on_cpu_equals_the_op(arch, case, tmp_path):
         assert torch.equal(_bits(work[row]), _bits(x[r].flatten()))
     others = [i for i in range(rows) if i not in written]
     assert torch.isnan(work[others].float()).all()
+
+
+# ------------------------------------------------------------------------------------ the drafter's side
+class _CompiledLike:
+    """A stepper with the compiled step's interface to the MTP drafter (``pos``, ``mf``, ``record_hc``,
+    ``records_final_hc``, ``final_hc_rows``, ``record_final_hc``, ``final_hc``; no ``w``, no ``state``), its rows
+    from a reference: so the drafter's compiled path (the target's embedding and head from the model file) runs on
+    the CPU."""
+
+    def __init__(self, ref: Reference, mf, record_hc: bool = True):
+        self._ref, self.mf, self.record_hc = ref, mf, record_hc
+        self.records_final_hc = record_hc
+        self.final_hc_rows = ref.final_hc_rows if record_hc else None
+
+    @property
+    def pos(self) -> int:
+        return self._ref.state.pos
+
+    def record_final_hc(self, on: bool = True) -> None:
+        raise AssertionError("the drafter must not switch a compiled step's recording")
+
+    def final_hc(self, start: int, stop: int) -> torch.Tensor:
+        return self._ref.final_hc(start, stop)
+
+
+def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, tiny_path, tmp_path):
+    """MTPDrafter.prepare on a stepper without reference weights (the compiled step's interface) builds the block on
+    a FileTarget of the model file: the same drafts and logits, bit for bit, as on the reference; the embedding /
+    head are read once per stepper. A compiled step built without record_hc is refused in one line naming how."""
+    from ds4c.drafters.mtp import FileTarget, MTPDrafter
+    from ds4c.drafters.mtp_synth import make_mtp
+    from ds4c.gguf_file import open_model
+
+    mtp = make_mtp(TINY, tmp_path / "tiny-mtp.gguf", seed=0)
+    prompt = [5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 128, 9, 33, 77, 401, 2, 18, 260, 95]  # past the window
+    ref_a, ref_b = Reference(tiny_weights, max_ctx=64), Reference(tiny_weights, max_ctx=64)
+    a, b = MTPDrafter(mtp), MTPDrafter(mtp)
+    a.prepare(ref_a, prompt, 8)
+    ref_b.record_final_hc(True)
+    like = _CompiledLike(ref_b, open_model(tiny_path))
+    b.prepare(like, prompt, 8)
+    assert isinstance(b._weights, FileTarget) and b._weights.device == torch.device("cpu")
+    for ref in (ref_a, ref_b):
+        for s in range(0, len(prompt), 5):
+            ref.verify(prompt[s:s + 5], s)
+    ctx = prompt + [300]
+    da, db = a.propose(ctx, 4), b.propose(ctx, 4)
+    assert da == db and torch.equal(a.last_logits, b.last_logits) and torch.equal(a.model.ring, b.model.ring)
+    assert torch.equal(b._weights.head, tiny_weights.head) and torch.equal(b._weights.embed, tiny_weights.embed)
+    b.prepare(like, prompt, 8)  # the next request: the same block, the same file target
+    assert like._mtp_target is b._weights
+    off = _CompiledLike(Reference(tiny_weights, max_ctx=64), open_model(tiny_path), record_hc=False)
+    with pytest.raises(StepError, match=r"which this _CompiledLike does not record: open the compiled step with "
+                                        r"record_hc=True \(ds4c generate --draft mtp does") as ei:
+        MTPDrafter(mtp).prepare(off, prompt, 8)
+    assert "\n" not in str(ei.value)
 
 
 def test_the_gpu_check_covers_the_copy_mode():
