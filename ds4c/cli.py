@@ -627,9 +627,11 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--dot", "dot", type=click.Path(dir_okay=False), default=None, help="Write Graphviz dot here.")
 @click.option("--taps", "taps", default=None, metavar="L,L,...",
               help="Build the graph with the DSpark taps of these layers (e.g. 40,41,42): the dspark_tap op.")
+@click.option("--record-hc", "record_hc", is_flag=True,
+              help="Build the graph recording the final HC state for the MTP drafter (spec 7.5): the record_hc op.")
 def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
                    context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
-                   dot: str | None, taps: str | None) -> None:
+                   dot: str | None, taps: str | None, record_hc: bool) -> None:
     """Print the step IR (or a prefill chunk's, --prefill C) after the chosen passes and a per-layer
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
@@ -667,8 +669,8 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
     cap = buckets.contexts[-1]  # state capacity: the largest bucket (>= max_ctx), as compiled artifacts hold
     tap_layers = _compile_taps(cfg, taps, None)
-    g0 = build_step(cfg, prefill, cap, prefill=True, taps=tap_layers) if prefill is not None else \
-        build_step(cfg, width, cap, taps=tap_layers)
+    g0 = build_step(cfg, prefill, cap, prefill=True, taps=tap_layers, record_hc=record_hc) if prefill is not None \
+        else build_step(cfg, width, cap, taps=tap_layers, record_hc=record_hc)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(_parse_ints(layers, "--layers")) if layers else None

@@ -206,30 +206,57 @@ def _first_divergence(spec: list[int], ar: list[int], lgs: list[torch.Tensor]) -
             f"{float(lgs[i][spec[i]]):.4f} vs {float(top.values[0]):.4f})")
 
 
-@pytest.mark.parametrize("width", [2, 3, 5])
-def test_greedy_generate_with_the_mtp_drafter_equals_the_steps_own_tokens(env, mtp_path, width):
-    """Greedy ``generate(ex, prompt, 24, draft=MTPDrafter)`` on the compiled step (verify_greedy: acceptance and
-    rollback on the device; the drafter reads final_hc of the accepted positions) gives the compiled step's own
-    autoregressive tokens. A difference is allowed only at a near-tie of the AR logits (margin < 1e-2: the verify
-    rows' and the decode's kernels differ in rounding), reported with its margin."""
+def _steered(mtp_path, prompt: list[int], continuation: list[int], steer: float, seed: int):
+    """The MTP drafter with each draft replaced by ``continuation``'s token with probability ``steer`` (so verify
+    steps accept several tokens and the drafter commits several positions from ``final_hc``); logs the positions
+    each proposal committed."""
+    import random
+
     from ds4c.drafters.mtp import MTPDrafter
+
+    class Steered(MTPDrafter):
+        def __init__(self):
+            super().__init__(mtp_path)
+            self.rng, self.log = random.Random(seed), []
+
+        def propose(self, context, k):
+            drafts, q = super().propose(context, k)
+            self.log.append(list(self.last_committed))
+            at = len(context) - len(prompt)
+            return [continuation[at + i] if at + i < len(continuation) and self.rng.random() < steer else t
+                    for i, t in enumerate(drafts)], q
+
+    return Steered()
+
+
+@pytest.mark.parametrize("width,steer", [(2, 0.0), (3, 0.7), (5, 0.5), (5, 0.9)])
+def test_greedy_generate_with_the_mtp_drafter_equals_the_steps_own_tokens(env, mtp_path, width, steer):
+    """Greedy ``generate(ex, prompt, 24, draft=MTPDrafter)`` on the compiled step (verify_greedy: acceptance and
+    rollback on the device; the drafter commits the accepted positions from final_hc) gives the compiled step's own
+    autoregressive tokens. Steered drafts (the AR continuation with probability ``steer``) make verify steps accept
+    several tokens, so the drafter reads several rows per step. A difference is allowed only at a near-tie of the AR
+    logits (margin < 1e-2: the verify rows' and the decode's kernels differ in rounding), reported with its margin."""
     from ds4c.generate import generate
 
     _, _, _, ex, _ = env
     n = 24
     ar, lgs = _ar_with_logits(ex, PROMPT, n)
-    d = MTPDrafter(mtp_path)
+    d = _steered(mtp_path, PROMPT, ar, steer, seed=width)
     res = generate(ex, PROMPT, n, draft=d, spec_width=width)
     sp = res.speculative
-    assert sp["drafter"] == "mtp:tiny-mtp.gguf" and sp["steps"] > 0 and d.model.ring_pos == ex.pos
+    assert sp["drafter"] == "mtp:tiny-mtp.gguf" and sp["steps"] > 0 and 0 < d.model.ring_pos <= ex.pos
     assert d.model.device.type == "cuda"
+    L = len(PROMPT)
+    assert d.log[0] == list(range(L - ex.cfg.window + 1, L + 1))  # the drafter's prefill: the newest window
+    if steer >= 0.7:
+        assert max(len(c) for c in d.log[1:]) >= 3, d.log  # multi-token accepts happened
     if res.tokens != ar:
         msg = _first_divergence(res.tokens, ar, lgs)
         print(msg)
         i = next(i for i, (a, b) in enumerate(zip(res.tokens, ar)) if a != b)
         top = torch.topk(lgs[i], 2)
         assert float(top.values[0] - top.values[1]) < 1e-2, msg
-    print(f"width {width}: {sp}")
+    print(f"width {width} steer {steer}: {sp}")
 
 
 def test_model_and_cli_run_the_mtp_drafter_compiled(tiny_path, mtp_path, tmp_path):

@@ -108,11 +108,28 @@ def test_the_verifier_and_the_op_check_the_record_op():
         OPS["record_hc"].infer([ring, TensorType((1,), "i64"), x, TensorType((1,), "i64")], {"rows": ROWS})
 
 
-def test_every_pass_keeps_the_record_op():
-    g = run_pipeline(build_step(TINY, 3, max_ctx=MAX_CTX, record_hc=True), "default", context=MAX_CTX).graph
+def test_every_pass_keeps_the_record_op_and_inspect_ir_prints_it():
+    res = run_pipeline(build_step(TINY, 3, max_ctx=MAX_CTX, record_hc=True), "default", context=MAX_CTX,
+                       print_after="all")
+    for name, snap in res.snapshots.items():
+        leaves = [op for op in snap.leaf_ops() if op.kind == "record_hc"]
+        assert len(leaves) == 1 and snap.outputs[FINAL_HC_RING] is leaves[0].outputs[0], name
+    g = res.graph
     verify(g)
-    kinds = [b.kind for op in g.ops for b in op.walk()]
-    assert kinds.count("record_hc") == 1 and FINAL_HC_RING in g.outputs
+    (k,) = [op for op in g.ops if op.kind == "fused" and op.attrs["pattern"] == "record_hc"]
+    # the head's fused HC boundary exports the last layer's streams for it; the memory plan gives them a slot
+    (head,) = [op for op in g.ops if op.kind == "fused" and op.attrs["pattern"] == "hc_post_head"]
+    assert k.inputs[2] in head.outputs and "l5.x" in g.meta["memory"]["slots"]
+    assert FINAL_HC_RING not in g.meta["memory"]["slots"]
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+
+    r = CliRunner().invoke(main, ["inspect-ir", "--preset", "tiny", "--width", "2", "--max-ctx", "64", "--record-hc",
+                                  "--after", "partition", "--layers", "5"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"fused\[record_hc\]\(%final_hc_ring, %positions, %l5\.x\)", r.output), r.output
+    assert "rows=21" in r.output and "record_hc(" in r.output
 
 
 # ----------------------------------------------------------------------------------- interpreter vs reference
