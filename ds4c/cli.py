@@ -444,8 +444,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
                    "emulated confidence head (logits N(+-SEP/2, 1) for right/wrong drafts; 0 = useless); "
                    "dspark:PATH or PATH.gguf a DSpark drafter file (dspark:synthetic:PRESET one made on demand); mtp "
                    "the model file's own MTP (nextn) block, mtp:PATH an MTP file (convert --mtp, make-model --drafter "
-                   "mtp). Both run on both engines (compiled: the step records the DSpark taps / the MTP block's final HC "
-                   "state).")
+                   "mtp). Both run on both engines (compiled: the step records the DSpark taps / the MTP "
+                   "block's final HC state).")
 @click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto",
               help="With --draft: verify rows per step (the last token and up to 4 drafts), or auto: per step from "
                    "the acceptance so far and each width's measured step cost; with a drafter's confidence head "

@@ -589,7 +589,8 @@ _PATTERNS = {
     "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
-    "dspark_tap": _lower_tap, "record_hc": _lower_tap, "markov_chain": _lower_markov, "dspark_confidence": _lower_confidence,
+    "dspark_tap": _lower_tap, "record_hc": _lower_tap, "markov_chain": _lower_markov,
+    "dspark_confidence": _lower_confidence,
 }
 
 FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
