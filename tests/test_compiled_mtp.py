@@ -259,6 +259,28 @@ def test_greedy_generate_with_the_mtp_drafter_equals_the_steps_own_tokens(env, m
     print(f"width {width} steer {steer}: {sp}")
 
 
+def test_sampling_with_the_mtp_drafter_on_the_compiled_step(env, mtp_path):
+    """Sampling (temperature 0.8, top-k 40): the loop's verify + rollback with the exact acceptance rule on the
+    compiled step, the drafter's q from its block: reproducible for a seed, another seed another sequence; a greedy
+    request after it gives the AR tokens again."""
+    from ds4c.drafters.mtp import MTPDrafter
+    from ds4c.generate import generate
+
+    _, _, _, ex, _ = env
+    d = MTPDrafter(mtp_path, seed=5)
+    kw = dict(temperature=0.8, top_k=40, spec_width=4, draft=d)
+    r1, r2, r3 = (generate(ex, PROMPT, 10, seed=s, **kw) for s in (1, 1, 2))
+    assert r1.tokens == r2.tokens and r1.tokens != r3.tokens and r1.speculative["steps"] > 0
+    ar, lgs = _ar_with_logits(ex, PROMPT, 6)
+    greedy = generate(ex, PROMPT, 6, draft=d, spec_width=3)
+    assert d.temperature == 0
+    if greedy.tokens != ar:
+        msg = _first_divergence(greedy.tokens, ar, lgs)
+        i = next(i for i, (a, b) in enumerate(zip(greedy.tokens, ar)) if a != b)
+        top = torch.topk(lgs[i], 2)
+        assert float(top.values[0] - top.values[1]) < 1e-2, msg
+
+
 def test_model_and_cli_run_the_mtp_drafter_compiled(tiny_path, mtp_path, tmp_path):
     """``Model(engine="compiled", record_hc=True).generate(draft="mtp:FILE")`` and ``ds4c generate --device cuda
     --draft mtp:FILE`` give the plain compiled greedy tokens (up to a reported near-tie); a Model opened without
