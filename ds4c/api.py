@@ -188,6 +188,9 @@ class Model:
         taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``, e.g.
             ``DSparkDrafter(path).file.taps``), so ``generate(draft=...)`` with that DSpark drafter runs it
             compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
+        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``), so
+            ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
+            records it itself.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -203,7 +206,7 @@ class Model:
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
-                 taps: Sequence[int] = ()):
+                 taps: Sequence[int] = (), record_hc: bool = False):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -223,7 +226,8 @@ class Model:
             if has_tokenizer(mf.metadata) else None
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
-                                   devices=devices, layer_split=layer_split, taps=tuple(taps))
+                                   devices=devices, layer_split=layer_split, taps=tuple(taps),
+                                   record_hc=bool(record_hc))
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 
@@ -333,8 +337,9 @@ class Model:
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
             draft: speculative decoding with this drafter (``"oracle:ALPHA"``, ``"dspark:PATH"``, ``"mtp"`` (this
                 file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.speculative.make_drafter`, or a
-                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance. The DSpark
-                and MTP drafters need the reference engine (a one-line StepError otherwise).
+                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance. On the
+                compiled engine the DSpark drafter needs the Model opened with its ``taps``, the MTP drafter with
+                ``record_hc=True`` (a one-line StepError otherwise).
             spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
 

@@ -444,7 +444,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
                    "emulated confidence head (logits N(+-SEP/2, 1) for right/wrong drafts; 0 = useless); "
                    "dspark:PATH or PATH.gguf a DSpark drafter file (dspark:synthetic:PRESET one made on demand); mtp "
                    "the model file's own MTP (nextn) block, mtp:PATH an MTP file (convert --mtp, make-model --drafter "
-                   "mtp). DSpark runs on both engines (compiled: the step records its taps), MTP on the reference.")
+                   "mtp). Both run on both engines (compiled: the step records the DSpark taps / the MTP "
+                   "block's final HC state).")
 @click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto",
               help="With --draft: verify rows per step (the last token and up to 4 drafts), or auto: per step from "
                    "the acceptance so far and each width's measured step cost; with a drafter's confidence head "
@@ -516,6 +517,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
             len(text.encode("utf-8"))
         need = min(limit, n_bytes + 1 + max_new_tokens)
     drafter = None
+    record_hc = False
     if draft is not None:  # checked before the (possibly long) engine start
         from ds4c.speculative import make_drafter
 
@@ -523,9 +525,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
         split = devices is not None or layer_split is not None
         compiled = resolve_engine(device, engine, dataflow) != "reference"
-        if draft.startswith("mtp") and (compiled or split):
-            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the unsplit "
-                            f"reference engine records (--engine reference, no --devices / --layer-split)")
+        from ds4c.drafters.mtp import MTPDrafter
+
+        is_mtp = isinstance(drafter, MTPDrafter)
+        record_hc = is_mtp and compiled  # the compiled step records X_main (spec 7.5)
+        if is_mtp and split and not compiled:
+            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the reference "
+                            f"engine records unsplit only (no --devices / --layer-split; the compiled engine records "
+                            f"it on a split too)")
         if taps and split:
             raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
                             f"--layer-split)")
@@ -552,7 +559,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         need = max_ctx
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
-                  layer_split=layer_split, taps=taps if drafter is not None and compiled else ())
+                  layer_split=layer_split, taps=taps if drafter is not None and compiled else (),
+                  record_hc=record_hc)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     plan = getattr(model.stepper, "plan", None)
@@ -619,9 +627,11 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--dot", "dot", type=click.Path(dir_okay=False), default=None, help="Write Graphviz dot here.")
 @click.option("--taps", "taps", default=None, metavar="L,L,...",
               help="Build the graph with the DSpark taps of these layers (e.g. 40,41,42): the dspark_tap op.")
+@click.option("--record-hc", "record_hc", is_flag=True,
+              help="Build the graph recording the final HC state for the MTP drafter (spec 7.5): the record_hc op.")
 def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
                    context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
-                   dot: str | None, taps: str | None) -> None:
+                   dot: str | None, taps: str | None, record_hc: bool) -> None:
     """Print the step IR (or a prefill chunk's, --prefill C) after the chosen passes and a per-layer
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
@@ -659,8 +669,8 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
     cap = buckets.contexts[-1]  # state capacity: the largest bucket (>= max_ctx), as compiled artifacts hold
     tap_layers = _compile_taps(cfg, taps, None)
-    g0 = build_step(cfg, prefill, cap, prefill=True, taps=tap_layers) if prefill is not None else \
-        build_step(cfg, width, cap, taps=tap_layers)
+    g0 = build_step(cfg, prefill, cap, prefill=True, taps=tap_layers, record_hc=record_hc) if prefill is not None \
+        else build_step(cfg, width, cap, taps=tap_layers, record_hc=record_hc)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(_parse_ints(layers, "--layers")) if layers else None
@@ -746,7 +756,8 @@ def _parse_ints(text: str, hint: str) -> list[int]:
 @click.option("--draft", "draft", default=None, metavar="FILE",
               help="Take --taps from this DSpark drafter file (its target layers, dflash.target_layers), checked "
                    "against the model (make one with make-model --drafter dspark), or from the synthetic drafter "
-                   "dspark:synthetic:PRESET[:FORMATS[:SEED]].")
+                   "dspark:synthetic:PRESET[:FORMATS[:SEED]]; or mtp (also mtp:PATH): every graph records the "
+                   "final HC state the MTP drafter reads (spec 7.5; generate --draft mtp on the compiled engine).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
                 contexts: str | None, jobs: int | None, layer_split: str | None, taps: str | None,
@@ -755,7 +766,9 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
 
     The config comes from FILE, or --preset, or the built-in default model. Kernels come from (and go to) the
     kernel cache; the artifact is replaced atomically. With --taps (or --draft) every graph also records the
-    DSpark taps (spec 5.2(q)) for the compiled drafter; an artifact serves only a step with its own taps.
+    DSpark taps (spec 5.2(q)) for the compiled drafter; an artifact serves only a step with its own taps. With
+    --draft mtp (or mtp:PATH) every graph holding the last layer records the final HC state (spec 7.5) for the MTP
+    drafter; an artifact serves only a step that records it as it does.
     """
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
@@ -783,10 +796,11 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
 
         n = len(layer_split.split(","))
         split = parse_plan(["cuda"] * n, layer_split, cfg.n_layers).layers
-    tap_layers = _compile_taps(cfg, taps, draft)
+    record_hc = draft is not None and (draft == "mtp" or draft.startswith("mtp:"))
+    tap_layers = _compile_taps(cfg, taps, None if record_hc else draft)
     cache = KernelCache()
     out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types, layer_split=split,
-                         taps=tap_layers)
+                         taps=tap_layers, record_hc=record_hc)
     man = load_manifest(out, verify=False)
     b = man["build"]
     tinfo = man["targets"]
@@ -798,6 +812,8 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
                + (f"; layer split {','.join(map(str, split))}: one graph per shard" if split else "") + ")")
     if tap_layers:
         click.echo(f"taps:      DSpark taps of layers {','.join(map(str, tap_layers))}")
+    if record_hc:
+        click.echo("final HC:  every graph records the final HC state (spec 7.5; the MTP drafter's input)")
     click.echo(f"kernels:   {b['plan_kernels']} plan kernels, {b['launches']} launches")
     click.echo(f"binaries:  {b['unique_binaries']} unique: compiled {b['compiled']}, cached {b['cached']}")
     click.echo(f"seconds:   {b['seconds']:.1f}")
@@ -932,7 +948,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}
-        check_serves(man, artifact, mf.config, types, layer_split=man.get("layer_split"), taps=man.get("taps", ()))
+        check_serves(man, artifact, mf.config, types, layer_split=man.get("layer_split"), taps=man.get("taps", ()),
+                     record_hc=bool(man.get("record_hc", False)))
         n_launch = check_lowering(man, artifact, mf.config, types)
         n_bin = sum(len(t["binaries"]) for t in man["targets"].values())
         click.echo(f"artifact {Path(artifact).absolute()} serves {mf.path}: config {man['config_hash'][:12]}, "
@@ -1004,6 +1021,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
     if man.get("taps"):
         click.echo(f"taps:     DSpark taps of layers {','.join(map(str, man['taps']))} "
                    f"(every graph writes the tap ring)")
+    if man.get("record_hc"):
+        click.echo("final HC: recorded (the last layer's graphs write the final HC ring; the MTP drafter's input)")
     b = man.get("build", {})
     if b:
         click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "

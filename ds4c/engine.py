@@ -120,7 +120,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
                 devices: str | list[str] | None = None, layer_split: str | list[int] | None = None,
-                taps: tuple[int, ...] = ()) -> Any:
+                taps: tuple[int, ...] = (), record_hc: bool = False) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -142,6 +142,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         taps: compiled engine: the DSpark tap layers its graphs record (spec 5.2(q); a DSpark drafter file's
             ``taps``), read by the compiled drafter (``CompiledStep(taps=...)``); the reference records them
             on request.
+        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``) that the MTP
+            drafter (``--draft mtp`` / ``mtp:PATH``, :class:`~ds4c.drafters.mtp.MTPDrafter`) reads
+            (``CompiledStep(record_hc=True)``; of a layer split, the last shard); the unsplit reference records it
+            on request (``Reference.record_final_hc``).
         dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
         devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
@@ -195,9 +199,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 
-            step = ShardedStep(mf, buckets, plan, arch, artifact=art, taps=tuple(taps))
+            step = ShardedStep(mf, buckets, plan, arch, artifact=art, taps=tuple(taps), record_hc=bool(record_hc))
         else:
-            step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan, taps=tuple(taps))
+            step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan, taps=tuple(taps),
+                                record_hc=bool(record_hc))
         step.memory_plan = mplan
         if prepare:
             step.prepare_all(progress=progress)

@@ -29,7 +29,7 @@ FAMILIES = {
     "multi_gemv": "gemv", "linear": "gemv",
     "compressor": "compressor", "compress": "compressor",
     "indexer_topk": "indexer", "sparse_attention": "attention", "grouped_linear": "wo_a",
-    "route": "router", "moe_experts": "experts", "dspark_tap": "tap", "markov_chain": "dspark",
+    "route": "router", "moe_experts": "experts", "dspark_tap": "tap", "record_hc": "tap", "markov_chain": "dspark",
     "dspark_confidence": "dspark",
 }
 

@@ -20,6 +20,9 @@ kernel that many layers (or graphs) share is stored once.
     weight_types, weight_types_hash      {tensor name: GGML type name} the kernels read (default: official)
     taps                                 (only when compiled with taps) the DSpark tap layers every graph records
                                          (spec 5.2(q); ``build_step(..., taps=...)``), in main_hidden order
+    record_hc                            (only when compiled with it: true) every graph holding the last layer
+                                         records the final HC state for the MTP drafter (spec 7.5;
+                                         ``build_step(..., record_hc=True)``)
     graphs:  {"q<w>_c<context>": {width, context, graph_hash, arena_bytes, memory}}
              (target-independent: the pipelined graph's printer hash and its memory plan, meta["memory"])
     targets: {"<vendor>-<arch>": {vendor, arch, wave, toolchain: {name, version},
@@ -35,8 +38,8 @@ A binary's ``weights`` lists the format each weight argument of its launches is 
 the stored GGML type for weights the kernel decodes itself, F32/BF16/I64 for weights converted on upload), so a
 binary rendered for BF16 weights can never be paired with a model that stores MXFP4.
 
-An artifact serves a model only when the config hash, the bucket spec, the taps and the weight-format table all
-match and
+An artifact serves a model only when the config hash, the bucket spec, the taps, ``record_hc`` and the
+weight-format table all match and
 every binary's recorded formats are those its launches read in the model (:func:`check_serves`, which
 ``ds4c inspect DIR --model FILE`` runs without a GPU, and the runtime before it loads anything). The manifest
 is checked unchanged on every load (:func:`load_manifest`): each top-level field against its digest, the text
@@ -181,7 +184,7 @@ def _say(progress: bool, msg: str) -> None:
 def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, out_dir: str | os.PathLike,
                    cache: KernelCache, jobs: int | None = None, progress: bool = True,
                    weight_types: dict | None = None, layer_split: Iterable[int] | None = None,
-                   taps: Iterable[int] = ()) -> Path:
+                   taps: Iterable[int] = (), record_hc: bool = False) -> Path:
     """Compile every step graph of ``buckets`` for every target in ``targets`` and publish the artifact at
     ``out_dir`` (layout and manifest: module docstring). Returns ``out_dir`` as an absolute path.
 
@@ -194,7 +197,9 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     per shard, ``ds4c.shard_plan``) compiles every shard's graphs instead (keys ``s{k}_q{w}_c{c}``; the
     manifest's ``layer_split``), so the artifact serves that split only. ``taps`` (DSpark tap layers, spec 5.2(q))
     builds every graph with the tap kernel (``build_step(..., taps=...)``; the manifest's ``taps``), so the
-    artifact serves a step with those taps only. Never queries a device.
+    artifact serves a step with those taps only. ``record_hc`` (the final HC state of the MTP drafter, spec 7.5)
+    builds every graph with ``build_step(..., record_hc=True)`` (the manifest's ``record_hc``), so the artifact
+    serves a step that records it only. Never queries a device.
 
     Raises:
         StepError: taps that are not distinct layer ids of ``cfg``.
@@ -244,8 +249,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     lowered: dict[tuple[str, str], list] = {}  # (slug, graph key) -> [LoweredKernel]
     for shard, layers, width, context in keys:
         gk = graph_key(width, context, shard)
-        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1], layers, taps=taps), "default",
-                         context=context).graph
+        g = run_pipeline(build_step(cfg, width, buckets.contexts[-1], layers, taps=taps, record_hc=record_hc),
+                         "default", context=context).graph
         mem = dict(g.meta.get("memory", {}))
         graphs[gk] = {"width": width, "context": context, "graph_hash": graph_hash(g),
                       "arena_bytes": int(mem.get("arena_bytes", 0)), "memory": mem}
@@ -319,6 +324,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             "weight_types": wtypes, "weight_types_hash": weight_types_hash(wtypes),
             **({"layer_split": split} if split is not None else {}),
             **({"taps": list(taps)} if taps else {}),
+            **({"record_hc": True} if record_hc else {}),
             "graphs": graphs,
             "targets": tinfo,
             "build": {"seconds": round(time.perf_counter() - t0, 3), "plan_kernels": n_plan, "launches": n_launch,
@@ -644,6 +650,8 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
         taps = c.integers(man["taps"], "taps", lo=0, hi=man["config"]["n_layers"] - 1)
         if not taps or len(set(taps)) != len(taps):
             c.fail("taps", "a non-empty list of distinct layer ids", taps)
+    if "record_hc" in man and man["record_hc"] is not True:
+        c.fail("record_hc", "true (absent: not recorded)", man["record_hc"])
     keys = manifest_keys(man)
     graphs = c.obj(man["graphs"], "graphs")
     if list(graphs) != keys:
@@ -772,18 +780,20 @@ def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
 
 def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict,
                  buckets: BucketSpec | None = None, layer_split: Iterable[int] | None = None,
-                 taps: Iterable[int] = ()) -> None:
+                 taps: Iterable[int] = (), record_hc: bool = False) -> None:
     """Check that the artifact ``man`` (:func:`load_manifest` of ``artifact``) serves a model: its config hash,
     its bucket spec (when ``buckets`` is given) and its weight-format table all equal the model's, and every
     binary was rendered for the formats its launches read in this model. ``weight_types`` is the model's
     ``{tensor name: GGMLType}`` (e.g. ``{n: mf.ggml_type(n) for n in mf.specs}``). ``layer_split``: the layers
     per shard the caller runs (None or one count: unsplit) must be the artifact's. ``taps``: the DSpark tap layers
     the caller's step records (empty: none) must be the artifact's (manifest ``taps``; none when absent): the tap
-    kernel is part of every graph. Needs no GPU.
+    kernel is part of every graph. ``record_hc``: whether the caller's step records the final HC state (the MTP
+    drafter's input) must be the artifact's (manifest ``record_hc``). Needs no GPU.
 
     Raises:
         ArtifactError: the first mismatch, in one line: another config (both hashes), another bucket spec
-            (both), another layer split, other taps (both, and the compile option that builds them), or the
+            (both), another layer split, other taps (both, and the compile option that builds them), another
+            ``record_hc`` (likewise), or the
             first tensor whose format differs (the artifact's type vs the model's, and how many tensors differ).
     """
     where = f"artifact {artifact} does not serve this model"
@@ -813,6 +823,13 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
         how = f"with --taps {','.join(map(str, want_taps))}" if want_taps else "without --taps / --draft"
         raise ArtifactError(f"artifact {artifact} was compiled with {taps_name(have_taps)}, asked to serve a step "
                             f"with {taps_name(want_taps)}; compile one {how} (`ds4c compile`)")
+    if bool(record_hc) != bool(man.get("record_hc", False)):
+        def rec_name(x: bool) -> str:
+            return "the final HC state recorded (the MTP drafter's input)" if x else "no final HC state recorded"
+
+        how = "with --draft mtp" if record_hc else "without --draft mtp"
+        raise ArtifactError(f"artifact {artifact} was compiled with {rec_name(bool(man.get('record_hc')))}, asked to "
+                            f"serve a step with {rec_name(bool(record_hc))}; compile one {how} (`ds4c compile`)")
     types = effective_weight_types(cfg, weight_types)
     diff = first_format_difference(man["weight_types"], types)
     if diff is not None:
@@ -841,10 +858,10 @@ def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Con
 
     b = manifest_buckets(man)
     n = 0
-    taps = tuple(man.get("taps", ()))
+    taps, rec = tuple(man.get("taps", ())), bool(man.get("record_hc", False))
     for shard, layers in split_ranges(cfg, man.get("layer_split")):
         for width, context in b.keys():
-            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers, taps=taps), "default",
+            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers, taps=taps, record_hc=rec), "default",
                              context=context).graph
             for slug, t in man["targets"].items():
                 tgt = Target(t["vendor"], t["arch"], t["wave"])

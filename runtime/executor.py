@@ -27,7 +27,7 @@ from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.quant import GGMLType
 from ds4c.ir import build_step
-from ds4c.ir.builder import TAP_RING, check_layers, check_taps, tap_ring_type
+from ds4c.ir.builder import FINAL_HC_RING, TAP_RING, check_layers, check_taps, final_hc_ring_type, tap_ring_type
 from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
@@ -168,18 +168,27 @@ class CompiledStep:
             (bf16 ``[len(taps) * hidden]``) into row ``t % window`` of :attr:`tap_ring`; :meth:`main_hidden` reads
             the committed ones. A shard writes the columns of the tap layers it holds (a shard holding none has no
             ring). Empty (the default): no tap kernel, the graphs are those of a step without taps.
+        record_hc: record the final HC state (spec 7.5's ``X_main``, the MTP drafter's input: the HC streams after
+            the last layer, before the HC head, bf16 ``[hc, hidden]``) of every step row: each graph that holds
+            the last layer (the whole model; of a split, the last shard's) then writes row
+            ``t % (window + MAX_WIDTH)`` of :attr:`final_hc_ring` (one copy-mode kernel of the tap family);
+            :meth:`final_hc` reads the committed ones (:attr:`records_final_hc`). False (the default): the graphs
+            are those of a step without it.
 
     Raises:
         StepError: no CUDA device; taps that are not distinct layer ids.
         ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
-            format differs is named), or was compiled with other taps.
+            format differs is named), or was compiled with other taps or another ``record_hc``.
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
                  use_graphs: bool = True, artifact: str | None = None, plan: ShardPlan | None = None,
-                 shard: int = 0, taps: tuple[int, ...] = ()):
+                 shard: int = 0, taps: tuple[int, ...] = (), record_hc: bool = False):
         self.taps: tuple[int, ...] = check_taps(mf.config, taps)
         """The DSpark tap layers every step records (empty: none), in ``main_hidden`` order."""
+        self.record_hc = bool(record_hc)
+        """Whether the graphs record the final HC state (the split-wide option: only a graph holding the last
+        layer writes it; :attr:`records_final_hc`)."""
         if not torch.cuda.is_available():
             raise StepError("the compiled step needs a CUDA device (torch.cuda.is_available() is False)")
         self.mf, self.cfg, self.buckets = mf, mf.config, buckets
@@ -221,7 +230,7 @@ class CompiledStep:
 
             self._manifest = load_manifest(artifact)
             check_serves(self._manifest, artifact, self.cfg, self._types, buckets,
-                         None if self.plan is None else self.plan.layers, taps=self.taps)
+                         None if self.plan is None else self.plan.layers, taps=self.taps, record_hc=self.record_hc)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
@@ -276,7 +285,7 @@ class CompiledStep:
         """What the last :meth:`prepare_all` returned (empty before one)."""
         self.capacity = buckets.contexts[-1]  # state buffers hold the largest bucket (>= max_ctx)
         self.pos = 0
-        self._tap_end = 0  # one past the highest position any step wrote into the tap ring
+        self._tap_end = 0  # one past the highest position any step wrote (into the tap and final HC rings)
         self._undo: tuple | None = None
         self._accept_host: tuple[torch.Tensor, Any] | None = None  # verify_greedy's pinned result and its event
         self._argmax_chunk = argmax_chunk(self.cfg.vocab_size)
@@ -295,6 +304,8 @@ class CompiledStep:
         bufs = state_inputs(self.cfg, self.capacity, self.layers)
         if self.local_taps:  # the tap ring is state too: bound by name, in snapshots, reset with the sequence
             bufs[TAP_RING] = tap_ring_type(self.cfg, len(self.taps))
+        if self.records_final_hc:  # so is the final HC ring
+            bufs[FINAL_HC_RING] = final_hc_ring_type(self.cfg)
         for name, t in bufs.items():
             buf = self.state.get(name)
             if buf is None:
@@ -354,6 +365,76 @@ class CompiledStep:
                             f"ring: expected a range inside {lo}..{self.pos - 1} (the sequence is at position "
                             f"{self.pos}; the ring keeps the last {self.cfg.window} positions written)")
         idx = torch.arange(start, stop, device=self.dev) % self.cfg.window
+        return ring.index_select(0, idx)
+
+    # -------------------------------------------------------------------- the final HC state (spec 7.5)
+    @property
+    def records_final_hc(self) -> bool:
+        """True when the step's graphs record the final HC state (built with ``record_hc`` and holding the last
+        layer): what the MTP drafter (``ds4c.drafters.mtp.MTPDrafter``) needs of its target."""
+        return self.record_hc and self.is_last
+
+    @property
+    def final_hc_ring(self) -> torch.Tensor | None:
+        """The final HC state ring (spec 7.5's ``X_main``): bf16 ``[window + MAX_WIDTH, hc, hidden]`` on the step's
+        device; row ``t % (window + MAX_WIDTH)`` holds the HC state after the last layer of the last position t a
+        step wrote there. None when the step does not record it. The same tensor for the step's life (the captured
+        graphs write it): poison it, read it, but do not replace it."""
+        return self.state.get(FINAL_HC_RING)
+
+    @property
+    def final_hc_rows(self) -> torch.Tensor | None:
+        """:attr:`final_hc_ring` (the reference's attribute name: ``MTPDrafter.prepare`` reads it to see that
+        recording is on)."""
+        return self.final_hc_ring
+
+    def _no_final_hc_reason(self) -> str:
+        if not self.is_last:
+            return (f"final_hc: shard {self.shard} (layers {list(self.layers)}) does not run the last layer "
+                    f"({self.cfg.n_layers - 1}), whose output the final HC state is; read it through ShardedStep")
+        return ("final_hc: this compiled step records no final HC state: build it with CompiledStep(..., "
+                "record_hc=True) (open_engine / Model record_hc=True; ds4c generate --draft mtp opens it so)")
+
+    def record_final_hc(self, on: bool = True) -> None:
+        """The reference's switch (``Reference.record_final_hc``), for ``MTPDrafter.prepare``: the compiled graphs
+        record from the start when built with ``record_hc``, so ``on`` checks that they do and changes nothing.
+
+        Raises:
+            StepError: ``on`` and the step does not record (built without ``record_hc``, or a shard before the
+                last); ``on`` False (recording is part of the compiled graphs; it cannot be turned off).
+        """
+        if not on:
+            raise StepError("record_final_hc(False): the compiled step's recording is part of its graphs "
+                            "(CompiledStep(..., record_hc=...)); it cannot be turned off")
+        if not self.records_final_hc:
+            raise StepError(self._no_final_hc_reason())
+
+    @_on_device
+    def final_hc(self, start: int, stop: int) -> torch.Tensor:
+        """The final HC states ``X_main`` of the committed positions ``start .. stop - 1`` (spec 7.5): bf16
+        ``[stop - start, hc, hidden]``, a device tensor (a copy of the :attr:`final_hc_ring` rows, safe to keep
+        across steps). A rejected verify row's ring row is left as it is (the rollback does not touch the ring) and
+        overwritten when the position is computed again, so only committed positions are readable.
+
+        Raises:
+            StepError: the step records no final HC state (:meth:`record_final_hc`); non-int positions; the range
+                is not inside the newest committed positions the ring holds: ``lo <= start <= stop <= pos`` with
+                ``lo = max(0, pos - window, end - (window + MAX_WIDTH))``, ``end`` one past the highest position
+                any step wrote.
+        """
+        ring = self.final_hc_ring
+        if ring is None:
+            raise StepError(self._no_final_hc_reason())
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (start, stop)):
+            raise StepError(f"final_hc: expected int positions, found {start!r}, {stop!r}")
+        start, stop = int(start), int(stop)
+        rows = int(ring.shape[0])
+        lo = max(0, self.pos - self.cfg.window, self._tap_end - rows)
+        if not lo <= start <= stop <= self.pos:
+            raise StepError(f"final_hc: positions {start}..{stop - 1} are not committed positions held by the final "
+                            f"HC ring: expected a range inside {lo}..{self.pos - 1} (the sequence is at position "
+                            f"{self.pos}; the ring keeps the newest {self.cfg.window} committed positions)")
+        idx = torch.arange(start, stop, device=self.dev) % rows
         return ring.index_select(0, idx)
 
     @_on_device
@@ -699,7 +780,7 @@ class CompiledStep:
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
                             f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
         g = run_pipeline(build_step(self.cfg, width, self.capacity, self.layers if self._split else None,
-                                    taps=self.taps), "default", context=context).graph
+                                    taps=self.taps, record_hc=self.record_hc), "default", context=context).graph
         return g, lower_graph(g, self.cfg, self.target, self._types)
 
     def _binaries(self, graphs: list[tuple[tuple[int, int], list[LoweredKernel]]],

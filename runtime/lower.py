@@ -136,7 +136,7 @@ class _Ctx:
             if leaf.kind == "compress":
                 for k in range(3):
                     self.alias[leaf.outputs[k]] = leaf.inputs[4 + k]
-            elif leaf.kind in ("ring_write", "dspark_tap"):
+            elif leaf.kind in ("ring_write", "dspark_tap", "record_hc"):
                 self.alias[leaf.outputs[0]] = leaf.inputs[0]
         self.inputs = {v: k for k, v in g.inputs.items()}
 
@@ -511,18 +511,20 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
 
 def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
     """The DSpark taps (spec 5.2(q)): one launch of the tap family writing every tapped layer of the graph into the
-    tap ring (in place: the op's output is the ring it updates)."""
-    t = next(b for b in (op.body or [op]) if b.kind == "dspark_tap")
-    slots = tuple(t.attrs["slots"])
+    tap ring (in place: the op's output is the ring it updates). ``record_hc`` (spec 7.5's ``X_main``): the same
+    kernel in copy mode, the last layer's streams into the final HC ring."""
+    t = next(b for b in (op.body or [op]) if b.kind in ("dspark_tap", "record_hc"))
+    copy = t.kind == "record_hc"
+    slots = (0,) if copy else tuple(t.attrs["slots"])
     xs = t.inputs[2:2 + len(slots)]
     if len(t.inputs) > 2 + len(slots):
-        raise LoweringError("dspark_tap: a masked (prefill chunk) tap has no kernel")
+        raise LoweringError(f"{t.kind}: a masked (prefill chunk) tap has no kernel")
     ring = t.inputs[0]
     d = int(xs[0].type.shape[-1])
     layers = tuple(c.prod[x].layer if x in c.prod else -1 for x in xs)
-    spec = _tap.TapSpec(c.q, d, int(xs[0].type.shape[1]), int(ring.type.shape[0]), int(ring.type.shape[1]) // d,
-                        slots, layers)
-    src = _tap.render_tap(spec, c.target, c.name(op, "dspark_tap"))
+    n_taps = 1 if copy else int(ring.type.shape[1]) // d
+    spec = _tap.TapSpec(c.q, d, int(xs[0].type.shape[1]), int(ring.type.shape[0]), n_taps, slots, layers, copy=copy)
+    src = _tap.render_tap(spec, c.target, c.name(op, t.kind))
     la = _tap.launch_shape(spec)
     b = {"pos": Arg("step", "pos"), "ring": c.arg(ring), **{f"x{k}": c.arg(x) for k, x in enumerate(xs)}}
     return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _tap.arg_names(spec)])]
@@ -587,13 +589,15 @@ _PATTERNS = {
     "multi_gemv": _lower_gemv_group, "linear": _lower_gemv_group,
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
-    "dspark_tap": _lower_tap, "markov_chain": _lower_markov, "dspark_confidence": _lower_confidence,
+    "dspark_tap": _lower_tap, "record_hc": _lower_tap, "markov_chain": _lower_markov,
+    "dspark_confidence": _lower_confidence,
 }
 
 FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
              "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
              "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
-             "moe_experts": "experts", "dspark_tap": "tap", "markov_chain": "dspark", "dspark_confidence": "dspark"}
+             "moe_experts": "experts", "dspark_tap": "tap", "record_hc": "tap", "markov_chain": "dspark",
+             "dspark_confidence": "dspark"}
 
 
 EXPERT_FORMATS = tuple(_EXPERT_FMT)

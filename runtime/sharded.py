@@ -54,6 +54,9 @@ class ShardedStep:
         taps: the DSpark tap layers (spec 5.2(q)), as :class:`~ds4c.runtime.executor.CompiledStep`: each shard's
             graphs write the taps of its layers into its own ``tap_ring`` (full width; its columns only);
             :meth:`main_hidden` gathers them.
+        record_hc: record the final HC state (spec 7.5's ``X_main``), as :class:`~ds4c.runtime.executor.CompiledStep`:
+            the last shard's graphs write it (it runs the last layer); :meth:`final_hc` and the rest of the MTP
+            drafter's interface forward to it.
 
     Raises:
         StepError: a non-CUDA plan or a device this machine lacks; ShardPlanError: a plan not matching the model.
@@ -61,15 +64,17 @@ class ShardedStep:
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, plan: ShardPlan, arch: str = "sm_90",
                  cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None,
-                 taps: tuple[int, ...] = ()):
+                 taps: tuple[int, ...] = (), record_hc: bool = False):
         plan = validate(plan, mf.config.n_layers)
         if plan.kind != "cuda":
             raise StepError(f"the compiled step runs on CUDA devices, found the plan {plan.describe()}")
         self.mf, self.cfg, self.buckets, self.plan = mf, mf.config, buckets, plan
         cache = cache or KernelCache()
-        self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps)
-                       for k in range(plan.n_shards)]
+        self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps,
+                                    record_hc=record_hc) for k in range(plan.n_shards)]
         self.taps: tuple[int, ...] = self.shards[0].taps
+        self.record_hc = bool(record_hc)
+        """Whether the last shard's graphs record the final HC state (:meth:`final_hc`)."""
         """The DSpark tap layers every step records (empty: none), in ``main_hidden`` order."""
         self.use_graphs = use_graphs
         # the boundary copies: inside the graphs on one device, else after each shard with an event
@@ -121,6 +126,31 @@ class ShardedStep:
         for s in self.shards:
             s.reset()
         self._undo = None
+
+    # the final HC state (spec 7.5): the last shard's
+    @property
+    def records_final_hc(self) -> bool:
+        """Whether the last shard records the final HC state (``record_hc``; the MTP drafter's input)."""
+        return self.shards[-1].records_final_hc
+
+    @property
+    def final_hc_ring(self) -> torch.Tensor | None:
+        """The last shard's :attr:`~ds4c.runtime.executor.CompiledStep.final_hc_ring` (on its device), or None."""
+        return self.shards[-1].final_hc_ring
+
+    @property
+    def final_hc_rows(self) -> torch.Tensor | None:
+        return self.shards[-1].final_hc_rows
+
+    def record_final_hc(self, on: bool = True) -> None:
+        """The last shard's :meth:`~ds4c.runtime.executor.CompiledStep.record_final_hc` (raises the same)."""
+        self.shards[-1].record_final_hc(on)
+
+    def final_hc(self, start: int, stop: int) -> torch.Tensor:
+        """The final HC states of the committed positions ``start .. stop - 1`` from the last shard: bf16
+        ``[stop - start, hc, hidden]`` on its device, a copy (raises as
+        :meth:`~ds4c.runtime.executor.CompiledStep.final_hc`)."""
+        return self.shards[-1].final_hc(start, stop)
 
     def main_hidden(self, start: int, stop: int) -> torch.Tensor:
         """``main_hidden`` of the committed positions ``start .. stop - 1`` (spec 5.2(q)), gathered from the shards

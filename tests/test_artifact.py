@@ -672,3 +672,64 @@ def test_cli_compile_taps_and_draft(tmp_path, cache_env, fake_lower, tiny_path):
                       "give --taps or --draft")
     assert_error_line(run("compile", "--preset", "tiny", "--arch", "sm_90", "--draft", tmp_path / "none.gguf",
                           "-o", out), "no such drafter file")
+
+
+# ------------------------------------------------------------------------ the MTP drafter's final HC state
+@needs_compilers
+def test_record_hc_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
+    """``record_hc`` builds every graph with the record_hc kernel after the last layer and records it; the artifact
+    serves only a step that records it, a plain one only a step that does not, in one line; an edited manifest value
+    fails closed."""
+    from ds4c.runtime.artifact import check_lowering, check_serves
+    from ds4c.tensors import FORMATS, tensor_specs
+
+    b = tiny_buckets((1, 2))
+    out = build_artifact(TINY, parse_targets("sm_90"), b, tmp_path / "rec", KernelCache(cache_dir), progress=False,
+                         record_hc=True)
+    man = load_manifest(out)
+    assert man["record_hc"] is True
+    names = [k["name"] for k in man["targets"]["cuda-sm_90"]["graphs"]["q2_c64"]["kernels"]]
+    assert "l5.record_hc" in names
+    check_serves(man, out, TINY, {}, b, record_hc=True)
+    official = {t.name: FORMATS["official"][t.role] for t in tensor_specs(TINY)}
+    assert check_lowering(man, out, TINY, official) > 0
+    with pytest.raises(ArtifactError, match="compiled with the final HC state recorded .*asked to serve a step with no "
+                                            r"final HC state recorded; compile one without --draft mtp \(`ds4c "
+                                            "compile`\\)") as ei:
+        check_serves(man, out, TINY, {}, b)
+    assert "\n" not in str(ei.value)
+    plain = build_artifact(TINY, parse_targets("sm_90"), b, tmp_path / "plain", KernelCache(cache_dir), progress=False)
+    man_p = load_manifest(plain)
+    assert "record_hc" not in man_p and man_p["graphs"]["q1_c64"]["graph_hash"] != man["graphs"]["q1_c64"]["graph_hash"]
+    with pytest.raises(ArtifactError, match="compiled with no final HC state recorded, asked to serve a step with the "
+                                            "final HC state recorded .*; compile one with --draft mtp") as ei:
+        check_serves(man_p, plain, TINY, {}, b, record_hc=True)
+    assert "\n" not in str(ei.value)
+    mpath = out / "manifest.json"
+    bad = json.loads(mpath.read_text())
+    bad["record_hc"] = False
+    bad["integrity"] = art._integrity({k: v for k, v in bad.items() if k != "integrity"})
+    mpath.write_text(art._manifest_text(bad))
+    with pytest.raises(ArtifactError, match=r"record_hc: expected true \(absent: not recorded\), found False"):
+        load_manifest(out)
+
+
+@needs_compilers
+def test_cli_compile_draft_mtp(tmp_path, cache_env, fake_lower, tiny_path):
+    """``ds4c compile --draft mtp`` records the final HC state (with --taps too); ``inspect`` shows it and
+    ``inspect --model`` pairs it."""
+    out = tmp_path / "art"
+    r = run("compile", tiny_path, "--arch", "sm_90", "--widths", "1", "--max-ctx", "64", "--draft", "mtp", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "final HC:  every graph records the final HC state" in r.stdout
+    man = load_manifest(out)
+    assert man["record_hc"] is True and "taps" not in man
+    r = run("inspect", out)
+    assert r.exit_code == 0 and "final HC: recorded" in r.stdout, r.output
+    r = run("inspect", out, "--model", tiny_path)
+    assert r.exit_code == 0 and "serves" in r.stdout, r.output
+    r = run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "1", "--max-ctx", "64", "--taps", "3,4,5",
+            "--draft", "mtp:whatever.gguf", "-o", out)
+    assert r.exit_code == 0, r.output
+    man = load_manifest(out)
+    assert man["record_hc"] is True and man["taps"] == [3, 4, 5]

@@ -1,10 +1,10 @@
-"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop on the reference engine
-(:mod:`ds4c.speculative`; spec ds4-flash.md 7.5, the math in :mod:`ds4c.drafters.mtp_model`).
+"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop (:mod:`ds4c.speculative`; spec
+ds4-flash.md 7.5, the math in :mod:`ds4c.drafters.mtp_model`), on the reference engine and on the compiled step.
 
-:class:`MTPDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper (a
-:class:`~ds4c.reference.Reference`), makes it record its final HC state per step row (``record_final_hc``: the 4
-streams before ``hc_head``, ``X_main``) and resets its ring. Each ``propose(context, k)`` with ``n = len(context) - 1``
-(the target has committed positions ``0 .. n - 1``; ``context[-1]``, the anchor, sits at ``n``):
+:class:`MTPDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper, makes
+sure it records its final HC state per step row (``record_final_hc``: the 4 streams before ``hc_head``, ``X_main``)
+and resets its ring. Each ``propose(context, k)`` with ``n = len(context) - 1`` (the target has committed positions
+``0 .. n - 1``; ``context[-1]``, the anchor, sits at ``n``):
 
 1. commits the MTP rows of every position ``t`` in ``ring_pos .. n``: the pair ``(context[t], X_main(t - 1))`` is
    final for all of them (the anchor is the target's own token), so their KV rows go to the MTP ring as sequential
@@ -24,9 +24,15 @@ calls :meth:`MTPDrafter.configure_sampling`) sample each draft from the block's 
 temperature / top-k / top-p, the chain continuing from the sampled token, and return those distributions as ``q``
 (the exact acceptance rule needs drafts drawn from ``q``).
 
-Engines: the drafter runs on the reference's arithmetic on the target's device. The compiled step
-(``CompiledReference``, the CUDA-graph executor) and a layer split record no final HC state; ``prepare`` refuses
-them in one line (the compiled MTP drafter is not written).
+Engines: the block always runs on the reference's arithmetic (torch) on the target's device; only ``X_main`` comes
+from the target stepper. The unsplit :class:`~ds4c.reference.Reference` records it on request
+(``record_final_hc(True)``). The compiled step (:class:`~ds4c.runtime.executor.CompiledStep`, and the last shard of a
+:class:`~ds4c.runtime.sharded.ShardedStep`) records it when built with ``record_hc=True`` (its graphs copy the last
+layer's streams into a ring, the tap family's copy mode); ``--draft mtp`` and ``open_engine(record_hc=True)`` open it
+so. On the compiled step the block reads the target's embedding and head from the model file (:class:`FileTarget`:
+bf16 / fp32 copies on the target's device, made only when the block has none of its own). ``prepare`` refuses, in
+one line naming how to enable it, a stepper that records no final HC state (a compiled step built without
+``record_hc``, a reference layer split, ``CompiledReference``).
 """
 
 from __future__ import annotations
@@ -42,8 +48,63 @@ from ds4c.drafters.mtp_model import MTPModel
 from ds4c.errors import StepError
 
 
+class FileTarget:
+    """The part of the target's weights the MTP block reads, for a stepper that holds no
+    :class:`~ds4c.reference.ReferenceWeights` (the compiled step): what :class:`~ds4c.drafters.mtp_model.MTPModel`
+    reads of its ``target`` argument.
+
+    Args:
+        mf: the target's model file (its ``config``: the compiled step's, quantization emulation included).
+        device: the target's device (where the final HC states are).
+
+    Attributes: ``config``, ``device``, ``dataflow`` (``"bf16"``: the compiled step's), ``layer_range`` (the whole
+    model), ``is_whole`` (True); ``embed`` (bf16 ``[vocab, hidden]``) and ``head`` (fp32 ``[vocab, hidden]``, the
+    forms ``ReferenceWeights.load`` gives them) read from the file on first use, once.
+    """
+
+    dataflow = "bf16"
+    is_whole = True
+
+    def __init__(self, mf: Any, device: torch.device | str):
+        self.mf, self.config, self.device = mf, mf.config, torch.device(device)
+        self.layer_range = (0, self.config.n_layers)
+        self._embed: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None
+
+    @property
+    def embed(self) -> torch.Tensor:
+        if self._embed is None:
+            self._embed = self.mf.tensor("token_embd.weight", torch.bfloat16, device=self.device)
+        return self._embed
+
+    @property
+    def head(self) -> torch.Tensor:
+        if self._head is None:
+            self._head = self.mf.tensor("output.weight", torch.float32, device=self.device)
+        return self._head
+
+
+def _target_weights(stepper: Any) -> Any:
+    """The target's weights the block reads: the reference's ``w``, else a :class:`FileTarget` of the compiled step's
+    model file on the device of its final HC ring (kept on the stepper, so one per stepper)."""
+    w = getattr(stepper, "w", None)
+    if w is not None:
+        return w
+    ft = getattr(stepper, "_mtp_target", None)
+    if ft is None:
+        ft = FileTarget(stepper.mf, stepper.final_hc_rows.device)
+        stepper._mtp_target = ft
+    return ft
+
+
+def _target_pos(stepper: Any) -> int:
+    """The target's next position: the compiled step's ``pos``, the reference's ``state.pos``."""
+    state = getattr(stepper, "state", None)
+    return int(state.pos) if hasattr(state, "pos") else int(stepper.pos)
+
+
 class MTPDrafter:
-    """An MTP block driving speculative decoding on the reference (module docstring).
+    """An MTP block driving speculative decoding on the reference or the compiled step (module docstring).
 
     Args:
         source: an :class:`MTPSource`, or the path of a file holding an MTP block (``--draft mtp:PATH``; checked
@@ -97,16 +158,21 @@ class MTPDrafter:
         and the sampling (greedy until :meth:`configure_sampling`).
 
         Raises:
-            StepError: a stepper that records no final HC state (the compiled step, a layer split).
+            StepError: a stepper that records no final HC state (a compiled step built without ``record_hc``, a
+                reference layer split, ``CompiledReference``), naming how to get one that does.
             ModelFileError: the block does not fit the target.
         """
         if not getattr(stepper, "records_final_hc", False) or not callable(getattr(stepper, "final_hc", None)):
-            raise StepError(f"the MTP drafter needs the target's final HC state (spec 7.5's X_main), which only the "
-                            f"unsplit reference engine records (--engine reference, no layer split); found a "
-                            f"{type(stepper).__name__}")
-        if self.model is None or self._weights is not stepper.w:
-            self.model = MTPModel(self.source, stepper.w, self._cache)
-            self._weights = stepper.w
+            compiled = hasattr(stepper, "record_hc")
+            how = ("open the compiled step with record_hc=True (ds4c generate --draft mtp does; open_engine / Model "
+                   "record_hc=True; ds4c compile --draft mtp for an artifact)") if compiled else \
+                "run the unsplit reference engine (--engine reference, no layer split) or the compiled engine"
+            raise StepError(f"the MTP drafter needs the target's final HC state (spec 7.5's X_main), which this "
+                            f"{type(stepper).__name__} does not record: {how}")
+        w = _target_weights(stepper)
+        if self.model is None or self._weights is not w:
+            self.model = MTPModel(self.source, w, self._cache)
+            self._weights = w
         if getattr(stepper, "final_hc_rows", None) is None:
             stepper.record_final_hc(True)
         self.model.reset()
@@ -139,8 +205,9 @@ class MTPDrafter:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_drafts:
             raise StepError(f"the MTP drafter drafts 0..{self.max_drafts} tokens per step, asked for {k!r}")
         n = len(context) - 1
-        if st.state.pos != n:
-            raise StepError(f"MTP drafter: the target is at position {st.state.pos}, the context asks for {n} (the "
+        at = _target_pos(st)
+        if at != n:
+            raise StepError(f"MTP drafter: the target is at position {at}, the context asks for {n} (the "
                             f"anchor context[-1] is the next token the target runs)")
         if n + 1 < m.ring_pos:
             raise StepError(f"MTP drafter: the context ({n + 1} positions with the anchor) is behind the ring "

@@ -56,6 +56,20 @@ def tap_ring_type(cfg: Ds4Config, n_taps: int) -> TensorType:
     return TensorType((cfg.window, n_taps * cfg.hidden_size), "bf16")
 
 
+FINAL_HC_RING = "final_hc_ring"
+"""The graph input and output name of the final HC state ring (spec 7.5's ``X_main``; :func:`build_step`
+``record_hc``)."""
+
+
+def final_hc_ring_type(cfg: Ds4Config) -> TensorType:
+    """The final HC state ring: bf16 ``[window + MAX_WIDTH, hc_mult, hidden]``; row ``t mod (window + MAX_WIDTH)``
+    holds ``X_main(t)`` (the HC streams after the last layer, before the HC head; spec 5.4.1's input, 7.5) of the
+    last position t written there. A verify step writes at most ``MAX_WIDTH`` rows past the committed ones, so the
+    newest ``window`` committed positions stay in the ring after any rollback (as the reference's
+    ``final_hc_rows``)."""
+    return TensorType((cfg.window + MAX_WIDTH, cfg.hc_mult, cfg.hidden_size), "bf16")
+
+
 def state_inputs(cfg: Ds4Config, max_ctx: int, layers: tuple[int, int] | None = None) -> dict[str, TensorType]:
     """The state buffers of the step (spec section 4), name -> type; of layers ``[start, stop)`` only when
     ``layers`` is given (a shard of a layer split)."""
@@ -115,7 +129,8 @@ def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, i
 
 
 def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None,
-               prefill: bool = False, all_logits: bool = False, taps: tuple[int, ...] = ()) -> Graph:
+               prefill: bool = False, all_logits: bool = False, taps: tuple[int, ...] = (),
+               record_hc: bool = False) -> Graph:
     """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify; with ``prefill`` a chunk of a prompt)
     for ``cfg``.
 
@@ -144,6 +159,13 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             over the HC streams of each local tap layer's output into ring row ``t mod window``, columns of
             its index in ``taps``; recorded in ``meta["taps"]``. Empty (the default): no tap op, the graph is
             unchanged.
+        record_hc: record the final HC state (spec 7.5's ``X_main``, the MTP drafter's input) of every step row:
+            in a graph that holds the last layer (the whole model, or a split's last shard; a graph without it
+            ignores the option), the input and output :data:`FINAL_HC_RING` (:func:`final_hc_ring_type`,
+            updated in place) and one ``record_hc`` op after the last layer, before the head, copying each row's
+            streams (bf16 ``[hc, hidden]``) into ring row ``t mod (window + MAX_WIDTH)`` (a padded prefill
+            chunk's padding rows are not written); recorded in ``meta["record_hc"]``. False (the default): the
+            graph is unchanged.
 
     Raises:
         StepError: width outside 1..5 (1..MAX_PREFILL_ROWS with ``prefill``), max_ctx < 1, a layer range
@@ -176,6 +198,9 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         valid = (inputs.setdefault("n_valid", Value(TensorType((), "i64"), "n_valid")),)
     if local:
         inputs[TAP_RING] = Value(tap_ring_type(cfg, len(taps)), TAP_RING)
+    record_hc = bool(record_hc) and stop == cfg.n_layers
+    if record_hc:
+        inputs[FINAL_HC_RING] = Value(final_hc_ring_type(cfg), FINAL_HC_RING)
     tapped: list[Value] = []  # the outputs of the local tap layers, in layer order
     emu, eps, hc = cfg.quant_emulation, cfg.norm_eps, cfg.hc_mult
     positions = b.op("row_positions", tok, pos, name="positions")
@@ -296,6 +321,10 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
     if stop < cfg.n_layers:  # a shard before the last: its output is the HC state
         outputs["hc_out"] = x
         return Graph(inputs, b.ops, outputs, meta)
+    if record_hc:  # 7.5's X_main: the last layer's streams, the head's input
+        meta["record_hc"] = True
+        outputs[FINAL_HC_RING] = b.op("record_hc", inputs[FINAL_HC_RING], positions, x, *valid,
+                                      rows=cfg.window + MAX_WIDTH, name="final_hc")
     # ---- head (spec 5.4)
     b.layer = -1
     if prefill and not all_logits:

@@ -135,7 +135,7 @@ def live_length(pos: int, n: int, ratio: int, device: torch.device | str = "cpu"
 
 
 def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: int,
-             tap_ring: torch.Tensor | None = None) -> torch.Tensor:
+             tap_ring: torch.Tensor | None = None, final_hc_ring: torch.Tensor | None = None) -> torch.Tensor:
     """One step through the interpreter on a reference state: runs, writes the updated buffers back into
     ``state`` and advances ``state.pos`` by ``len(tokens)``. Returns fp32 logits [q, vocab]; of a prefill chunk
     graph (``build_step(prefill=True)``, 1..C tokens, padded), the next token's logits [1, vocab] (every row's,
@@ -145,9 +145,15 @@ def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: 
     graph built with ``taps``, updated in place (row ``t mod window`` = ``main_hidden(t)`` of each step row t);
     required exactly when the graph has the ``tap_ring`` input.
 
+    ``final_hc_ring``: the final HC state ring (bf16 ``[window + MAX_WIDTH, hc, hidden]``,
+    ``ds4c.ir.builder.final_hc_ring_type``; spec 7.5's ``X_main``) of a graph built with ``record_hc``, updated in
+    place (row ``t mod (window + MAX_WIDTH)`` = the HC state after the last layer of each step row t); required
+    exactly when the graph has the ``final_hc_ring`` input.
+
     Raises:
         StepError: ``pos`` is not the state's next position, or the token count is not the graph's width (a
-            prefill chunk graph: not in 1..C); a graph with taps and no ``tap_ring`` or the reverse.
+            prefill chunk graph: not in 1..C); a graph with taps and no ``tap_ring`` or the reverse; likewise
+            ``record_hc`` and ``final_hc_ring``.
     """
     width = interp.graph.meta.get("width")
     if pos != state.pos:
@@ -163,22 +169,35 @@ def run_step(interp: Interpreter, state: SequenceState, tokens: list[int], pos: 
     bad = [t for t in tokens if not 0 <= int(t) < vocab]
     if bad:
         raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
-    return run_split_step([interp], state, tokens, pos, tap_ring)
+    return run_split_step([interp], state, tokens, pos, tap_ring, final_hc_ring)
 
 
 def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: list[int], pos: int,
-                   tap_ring: torch.Tensor | None = None) -> torch.Tensor:
+                   tap_ring: torch.Tensor | None = None, final_hc_ring: torch.Tensor | None = None) -> torch.Tensor:
     """One step through the graphs of a layer split's shards (``build_step(..., layers=...)``, in layer
     order) on a whole-model reference state: shard k's ``hc_out`` is shard k+1's ``hc_in``, each shard's
     updated state buffers are written back. With one unsplit graph this is :func:`run_step` (which checks
     the arguments). Returns the last shard's fp32 logits [q, vocab]. ``tap_ring``: as :func:`run_step`, shared by
-    the shards (each writes the columns of its tap layers).
+    the shards (each writes the columns of its tap layers). ``final_hc_ring``: as :func:`run_step` (the last shard
+    writes it).
 
     Raises:
         InterpreterError: a shard graph whose inputs the previous shard does not provide.
-        StepError: ``tap_ring`` missing for a graph with taps, given when no graph has taps, or of the wrong type.
+        StepError: ``tap_ring`` missing for a graph with taps, given when no graph has taps, or of the wrong type;
+            likewise ``final_hc_ring`` for a graph built with ``record_hc``.
     """
-    from ds4c.ir.builder import TAP_RING
+    from ds4c.ir.builder import FINAL_HC_RING, TAP_RING
+
+    rec = [ip.graph.inputs[FINAL_HC_RING].type for ip in interps if FINAL_HC_RING in ip.graph.inputs]
+    if rec and final_hc_ring is None:
+        raise StepError(f"the graph records the final HC state (build_step(..., record_hc=True)): expected a "
+                        f"final_hc_ring {rec[0]}, found none")
+    if final_hc_ring is not None and not rec:
+        raise StepError("a final_hc_ring was given, but no graph records the final HC state "
+                        "(build_step(..., record_hc=True))")
+    if final_hc_ring is not None and (final_hc_ring.dtype != torch.bfloat16
+                                      or tuple(final_hc_ring.shape) != tuple(rec[0].shape)):
+        raise StepError(f"final_hc_ring: expected {rec[0]}, found {final_hc_ring.dtype} {list(final_hc_ring.shape)}")
 
     want = [ip.graph.inputs[TAP_RING].type for ip in interps if TAP_RING in ip.graph.inputs]
     if want and tap_ring is None:
@@ -190,6 +209,8 @@ def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: lis
     buffers = state_to_inputs(state)
     if tap_ring is not None:
         ins[TAP_RING] = buffers[TAP_RING] = tap_ring
+    if final_hc_ring is not None:
+        ins[FINAL_HC_RING] = buffers[FINAL_HC_RING] = final_hc_ring
     out: dict[str, torch.Tensor] = {}
     for ip in interps:
         if "hc_in" in ip.graph.inputs:

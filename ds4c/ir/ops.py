@@ -491,6 +491,37 @@ class DsparkTap:
         return [out]
 
 
+@register("record_hc", ("ring", "positions", "x", "n_valid*"), ("ring_new",), ("rows",))
+class RecordHc:
+    """7.5: the final HC state ``X_main`` of the step's rows (the MTP drafter's input). Inputs: the ring bf16
+    ``[rows, hc, D]``, the row positions, the last layer's output streams x bf16 ``[q, hc, D]`` (the HC head's
+    input, spec 5.4.1), optionally ``n_valid`` (a padded prefill chunk). Each row i at position p: ring row
+    ``p mod rows`` = x[i], a copy (rows written in order; only rows ``0 .. n_valid-1`` with ``n_valid``); other
+    rows kept. Lowered to the tap family's copy mode (runtime/families/tap.py)."""
+
+    @staticmethod
+    def infer(ins, a):
+        if len(ins) not in (3, 4) or (len(ins) == 4 and (ins[3].shape, ins[3].dtype) != ((), "i64")):
+            raise ValueError(f"record_hc: expected ring, positions, HC state and an optional i64 n_valid, found "
+                             f"{', '.join(map(str, ins))}")
+        ring, positions, x = ins[:3]
+        if ring.dtype != "bf16" or len(ring.shape) != 3 or ring.shape[0] != a["rows"]:
+            raise ValueError(f"record_hc: ring must be bf16 [{a['rows']}, hc, D], found {ring}")
+        if x.dtype != "bf16" or len(x.shape) != 3 or tuple(x.shape[1:]) != tuple(ring.shape[1:]) \
+                or x.shape[0] != positions.shape[0]:
+            raise ValueError(f"record_hc: the HC state must be bf16 [q, {ring.shape[1]}, {ring.shape[2]}] (one row "
+                             f"per position), found {x}")
+        return [ring]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        ring, positions, x = ins[:3]
+        out = ring.clone()
+        for i, p in enumerate(positions.tolist()[:_valid_rows(ins, 3, x.shape[0])]):
+            out[p % a["rows"]] = x[i]
+        return [out]
+
+
 @register("compress", ("v", "g", "ape", "norm", "kv_state", "score_state", "rows", "positions", "freqs", "n_valid*"),
           ("kv_state_new", "score_state_new", "rows_new"), ("ratio", "d", "indexer", "emulate", "nope", "eps"))
 class Compress:

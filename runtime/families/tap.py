@@ -16,6 +16,13 @@ microsecond-scale kernel, once per step.
 Numerics: bit for bit the reference's ``x.mean(dim=-2)`` (torch: the fp32 sum of the streams in order, divided by
 ``hc``, rounded to bf16 once), checked against it and against the IR op on the CPU emulation of the kernel
 (tests/test_taps.py).
+
+Copy mode (``TapSpec(copy=True)``), the lowering of the IR op ``record_hc`` (``build_step(..., record_hc=True)``;
+spec 7.5's ``X_main``, the MTP drafter's input): the same kernel with no mean: for each step row r at position t, the
+row's whole HC state (bf16 ``[hc, D]``, the last layer's output streams, the HC head's input) is copied bit for bit
+into row ``t % window`` of the final HC ring (bf16 ``[window, hc, D]``, here ``window`` = its row count, the model's
+window + MAX_WIDTH). One slot of ``hc * D`` columns; ``q * ceil(hc * D / 512)`` blocks (q = 5, hc = 4, D = 4096:
+160 KiB read and written). Checked on the CPU emulation and against the IR op in tests/test_mtp_compiled.py.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class TapSpec:
         n_taps: taps of ``main_hidden`` (ring width ``n_taps * D``).
         slots: the ring slot of each HC state the launch reads, in argument order (distinct, < n_taps).
         layers: the layer of each (for the source's comments only; default the slots).
+        copy: copy mode (module docstring): the ring is bf16 ``[window, hc * D]`` (``n_taps`` 1, ``slots``
+            ``(0,)``) and each row's ``[hc, D]`` streams are copied, not averaged.
     """
 
     q: int
@@ -52,9 +61,12 @@ class TapSpec:
     n_taps: int
     slots: tuple[int, ...]
     layers: tuple[int, ...] = ()
+    copy: bool = False
 
     def __post_init__(self) -> None:
         bad = []
+        if self.copy and (self.n_taps, tuple(self.slots)) != (1, (0,)):
+            bad.append(f"copy mode with n_taps {self.n_taps}, slots {list(self.slots)} (expected one slot: 1, (0,))")
         if not 1 <= self.q <= self.window:
             bad.append(f"q {self.q} (expected 1..window {self.window}: the step's ring rows must be distinct)")
         if self.hidden < 1:
@@ -70,20 +82,25 @@ class TapSpec:
             raise RenderError(f"TapSpec: bad {'; '.join(bad)}")
 
     @property
+    def row(self) -> int:
+        """bf16 of one slot of a ring row: D (mean mode) or hc * D (copy mode)."""
+        return self.hc * self.hidden if self.copy else self.hidden
+
+    @property
     def vec(self) -> int:
-        """bf16 per thread: the widest of 8, 4, 2, 1 dividing D."""
-        return next(v for v in VECS if self.hidden % v == 0)
+        """bf16 per thread: the widest of 8, 4, 2, 1 dividing :attr:`row`."""
+        return next(v for v in VECS if self.row % v == 0)
 
     @property
     def chunks(self) -> int:
-        """Blocks per (row, tap): ceil(D / (THREADS * vec))."""
-        return -(-self.hidden // (THREADS * self.vec))
+        """Blocks per (row, tap): ceil(row / (THREADS * vec))."""
+        return -(-self.row // (THREADS * self.vec))
 
     def params(self) -> dict:
-        return {"q": self.q, "hc": self.hc, "hidden": self.hidden, "n_x": len(self.slots),
-                "ring_width": self.n_taps * self.hidden, "window": self.window, "threads": THREADS, "vec": self.vec,
-                "slots": list(self.slots), "layers": list(self.layers or self.slots),
-                "inv_hc_lit": float(1.0 / self.hc).hex() + "f"}
+        return {"q": self.q, "hc": 1 if self.copy else self.hc, "hidden": self.row, "n_x": len(self.slots),
+                "ring_width": self.n_taps * self.row, "window": self.window, "threads": THREADS, "vec": self.vec,
+                "slots": list(self.slots), "layers": list(self.layers or self.slots), "copy": self.copy,
+                "streams": self.hc, "inv_hc_lit": float(1.0 / self.hc).hex() + "f"}
 
 
 def render_tap(spec: TapSpec, target: Target, name: str) -> KernelSource:
@@ -108,24 +125,25 @@ def arg_names(spec: TapSpec) -> list[str]:
 
 
 def reference(spec: TapSpec, pos: int, xs: list[torch.Tensor], ring: torch.Tensor) -> torch.Tensor:
-    """What the kernel leaves in ``ring`` (bf16 ``[window, n_taps * D]``, not modified): for each row r and each
+    """What the kernel leaves in ``ring`` (bf16 ``[window, n_taps * row]``, not modified): for each row r and each
     ``xs[k]`` (bf16 ``[q, hc, D]``), row ``(pos + r) % window``, slot ``slots[k]``, = ``xs[k][r].mean(-2)``, as
-    the reference model records its taps (``ds4c.reference.model.Reference._step``).
+    the reference model records its taps (``ds4c.reference.model.Reference._step``); in copy mode ``xs[0][r]``
+    flattened (``[hc * D]``), as the reference records ``final_hc_rows``.
 
     Raises:
-        ValueError: ``xs`` not one bf16 ``[q, hc, D]`` tensor per slot, or ``ring`` not bf16 ``[window, n_taps * D]``.
+        ValueError: ``xs`` not one bf16 ``[q, hc, D]`` tensor per slot, or ``ring`` not bf16 ``[window, n_taps * row]``.
     """
     want = (spec.q, spec.hc, spec.hidden)
     if len(xs) != len(spec.slots) or any(x.dtype != torch.bfloat16 or tuple(x.shape) != want for x in xs):
         raise ValueError(f"tap reference: expected {len(spec.slots)} bf16 {list(want)} HC states, found "
                          f"{[(str(x.dtype), list(x.shape)) for x in xs]}")
-    if ring.dtype != torch.bfloat16 or tuple(ring.shape) != (spec.window, spec.n_taps * spec.hidden):
-        raise ValueError(f"tap reference: expected a bf16 ring [{spec.window}, {spec.n_taps * spec.hidden}], found "
+    if ring.dtype != torch.bfloat16 or tuple(ring.shape) != (spec.window, spec.n_taps * spec.row):
+        raise ValueError(f"tap reference: expected a bf16 ring [{spec.window}, {spec.n_taps * spec.row}], found "
                          f"{ring.dtype} {list(ring.shape)}")
     out = ring.clone()
-    D = spec.hidden
+    D = spec.row
     for s, x in zip(spec.slots, xs):
-        m = x.mean(dim=-2)
+        m = x.flatten(1) if spec.copy else x.mean(dim=-2)
         for r in range(spec.q):
             out[(pos + r) % spec.window, s * D:(s + 1) * D] = m[r]
     return out
