@@ -399,7 +399,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
     tps, ptps = res.decode_tokens_per_s, res.prefill_tokens_per_s
     dec = f"{tps:.2f} tokens/s" if tps is not None else "n/a (fewer than 2 new tokens)"
     pre = f"prefill {ptps:.1f} tokens/s; " if ptps is not None else ""
-    return (f"load {load_s:.2f} s, prefill {n_prompt} tokens in {res.prefill_s:.3f} s, decode {dec} "
+    spec = getattr(res, "speculative", None) or {}
+    prep = f", drafter prepare {spec['prepare_s']:.2f} s" if spec.get("prepare_s") else ""
+    return (f"load {load_s:.2f} s{prep}, prefill {n_prompt} tokens in {res.prefill_s:.3f} s, decode {dec} "
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 

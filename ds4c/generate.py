@@ -206,9 +206,10 @@ class TokenStream:
         self._rng = torch.Generator().manual_seed(self._seed)
         self._policy = None
         if self._draft is not None:
-            from ds4c.speculative import SpecStats, WidthPolicy, measure_width_costs
+            from ds4c.speculative import SpecStats, WidthPolicy, drafter_name, measure_width_costs
 
             sw = self._spec_width
+            t_prep = time.perf_counter()
             if self._n > 1:  # something to speculate: e.g. the oracle's autoregressive pass, before the prefill
                 self._draft.prepare(ref, prompt, self._n)
                 # auto: each verify width's cost on this stepper; or a caller's own policy
@@ -220,8 +221,9 @@ class TokenStream:
             elif isinstance(sw, WidthPolicy):
                 sw = "auto" if sw.adaptive else sw.width
             # the request's report, also when no step speculates (max_new_tokens <= 1, EOS first)
-            self._spec = SpecStats(self._draft.name, sw, costs_ms={w: t * 1e3 for w, t in pol.costs.items()}
-                                   if pol is not None and pol.adaptive else None)
+            self._spec = SpecStats(drafter_name(self._draft), sw, costs_ms={w: t * 1e3 for w, t in pol.costs.items()}
+                                   if pol is not None and pol.adaptive else None,
+                                   prepare_s=time.perf_counter() - t_prep)
         ref.reset()
         t0 = time.perf_counter()
         logits = None

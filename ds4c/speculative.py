@@ -187,17 +187,23 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
         fields = arg.split(":")
         if len(fields) > 2:
             raise StepError(f"--draft oracle:ALPHA[:SEP]: expected at most two numbers after 'oracle:', found {arg!r}")
+        bad_alpha = f"--draft {text!r}: expected oracle:ALPHA[:SEP] with ALPHA a number in [0, 1], found " \
+            f"{'no ALPHA' if not fields[0] else repr(fields[0])}"
         try:
             alpha = float(fields[0])
         except ValueError:
-            raise StepError(f"oracle drafter: ALPHA must be a number in [0, 1], found {fields[0]!r}") from None
+            raise StepError(bad_alpha) from None
+        if not 0.0 <= alpha <= 1.0:  # (nan fails too) named as typed, not as parsed
+            raise StepError(bad_alpha)
         sep = None
         if len(fields) == 2:
+            bad_sep = f"--draft {text!r}: expected oracle:ALPHA:SEP with SEP a finite number >= 0, found {fields[1]!r}"
             try:
                 sep = float(fields[1])
             except ValueError:
-                raise StepError(f"--draft oracle:ALPHA:SEP: expected SEP a finite number >= 0, found "
-                                f"{fields[1]!r}") from None
+                raise StepError(bad_sep) from None
+            if not 0.0 <= sep < float("inf"):
+                raise StepError(bad_sep)
         return OracleDrafter(alpha, vocab_size, seed, sep=sep)
     if kind == "mtp":
         from ds4c.drafters.mtp import MTPDrafter
@@ -386,15 +392,20 @@ class SpecStats:
     delivered: int | None = None
     """Tokens the request kept of those the steps produced (set when it ends: an EOS, a stop string or the
     length limit can end it inside a step's accepted tokens); None while it runs."""
+    prepare_s: float = 0.0
+    """Wall seconds before the prefill: the drafter's ``prepare`` (the oracle's autoregressive pass) and, with
+    ``auto``, the per-width cost measurement; not in the prefill or decode times."""
 
     def as_dict(self) -> dict[str, Any]:
         note = no_speculation(self.width)
         return {"drafter": self.drafter, "width": self.width, "steps": self.steps,
                 "tokens": self.tokens if self.delivered is None else self.delivered, "tokens_verified": self.tokens,
                 **({"note": note} if note else {}),
-                **(self.policy.report() if self.policy is not None else {}),
+                **(self.policy.report() if self.policy is not None else  # no step ran: the policy asked for
+                   {"policy": "acceptance-cost" if self.width == "auto" else "fixed"}),
                 **({"verify_ms_by_width": {str(w): round(t, 4) for w, t in self.costs_ms.items()}}
                    if self.costs_ms else {}),
+                "prepare_s": round(self.prepare_s, 4),
                 "tokens_per_step": self.tokens / self.steps if self.steps else None,
                 "acceptance_by_depth": [a / d if d else None for a, d in zip(self.accepted, self.drafted)],
                 "ms_per_verify_step": {k: round(v * 1e3 / max(1, self.steps), 4) for k, v in self.host_s.items()},
@@ -440,20 +451,58 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temp
     return out + [int(torch.multinomial(p[k], 1, generator=generator))]
 
 
+def drafter_name(drafter: Any) -> str:
+    """The drafter's ``name`` (its class name when it has none: a custom drafter may omit it)."""
+    name = getattr(drafter, "name", None)
+    return name if isinstance(name, str) and name else type(drafter).__name__
+
+
+def _integral(t: Any) -> bool:
+    try:
+        return not isinstance(t, bool) and float(t) == int(t)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def check_proposal(drafter: Any, drafts: Any, k: int, vocab: int | None) -> list[int]:
-    """A drafter's proposal as a list of at most ``k`` token ids (ints in ``0..vocab-1`` when ``vocab`` is
+    """A drafter's proposal as a list of at most ``k`` token ids (integers in ``0..vocab-1`` when ``vocab`` is
     known). Raises a one-line StepError naming the drafter otherwise (a custom drafter's bug would else surface as
     the target step's error about its own arguments)."""
-    name = getattr(drafter, "name", type(drafter).__name__)
+    name = drafter_name(drafter)
     try:
-        ids = [int(t) for t in drafts]
-    except (TypeError, ValueError):
+        seq = list(drafts)
+    except TypeError:
         raise StepError(f"drafter {name}: expected a list of token ids from propose(), found {drafts!r:.80}") from None
+    if not all(_integral(t) for t in seq):
+        raise StepError(f"drafter {name}: expected integer token ids from propose(), found {drafts!r:.80}")
+    ids = [int(t) for t in seq]
     if len(ids) > k:
         raise StepError(f"drafter {name}: asked for {k} drafts, proposed {len(ids)}")
     if vocab is not None and any(not 0 <= t < vocab for t in ids):
         raise StepError(f"drafter {name}: proposed token ids outside 0..{vocab - 1}: {ids}")
     return ids
+
+
+def call_propose(drafter: Any, context: list[int], k: int, vocab: int | None) -> tuple[list[int], Any]:
+    """``drafter.propose(context, k)`` checked: ``(ids, q)`` with ids as :func:`check_proposal` returns them and
+    ``q`` None or a tensor ``[>= len(ids), vocab]`` (the drafts' distributions).
+
+    Raises:
+        StepError: anything else (one line naming the drafter and what it returned).
+    """
+    name = drafter_name(drafter)
+    got = drafter.propose(context, k)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise StepError(f"drafter {name}: propose() must return (token ids, q or None), found {got!r:.80}")
+    ids = check_proposal(drafter, got[0], k, vocab)
+    q = got[1]
+    if q is not None:
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else None
+        if shape is None or len(shape) != 2 or shape[0] < len(ids) or (vocab is not None and shape[1] != vocab):
+            raise StepError(f"drafter {name}: propose()'s q must be None or a tensor [>= {len(ids)} drafts, "
+                            f"{vocab if vocab is not None else 'vocab'}], found "
+                            f"{'a tensor ' + str(list(shape)) if shape is not None else type(q).__name__}")
+    return ids, q
 
 
 def accept_greedy(top: list[int], drafts: list[int]) -> list[int]:
@@ -504,8 +553,7 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             new = [tok]
         else:
             t0 = time.perf_counter()
-            drafts, q = drafter.propose(prompt + out, k)
-            drafts = check_proposal(drafter, drafts, k, vocab)
+            drafts, q = call_propose(drafter, prompt + out, k, vocab)
             k = policy.trim(len(drafts), getattr(drafter, "confidence", None) if temperature == 0 else None)
             drafts, q = drafts[:k], None if q is None else q[:k]  # greedy only trims; k == 0: a 1-row verify
             t1 = time.perf_counter()
@@ -551,7 +599,7 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
         if not k:
             return []
         t0 = time.perf_counter()
-        d = check_proposal(drafter, drafter.propose(prompt + out, k)[0], k, vocab)
+        d = call_propose(drafter, prompt + out, k, vocab)[0]
         stats.host_s["draft"] += time.perf_counter() - t0
         return d + [0] * (k - len(d))  # a drafter with fewer: the rows still run, their drafts rejected
 

@@ -150,8 +150,9 @@ def test_stats_and_errors():
     d = st.as_dict()
     assert d["steps"] == 3 and d["tokens"] == 6 and d["acceptance_by_depth"] == [1.0, 0.5]
     assert d["widths"] == {"1": 1, "3": 2}
-    for bad, msg in (("oracle:1.5", "ALPHA must be a number in \\[0, 1\\]"),
-                     ("oracle:x", "ALPHA must be a number in \\[0, 1\\], found 'x'"),
+    for bad, msg in (("oracle:1.5", "--draft 'oracle:1.5': expected oracle:ALPHA\\[:SEP\\] with ALPHA a number in "
+                                    "\\[0, 1\\], found '1.5'"),
+                     ("oracle:x", "ALPHA a number in \\[0, 1\\], found 'x'"), ("oracle", "found no ALPHA"),
                      ("dspark", "expected dspark:PATH .* found an empty path"), ("foo", "unknown drafter 'foo'")):
         with pytest.raises(StepError, match=msg) as ei:
             make_drafter(bad, 512)
@@ -198,7 +199,7 @@ def test_cli_draft(tmp_path, tiny_path):
     spec = json.loads(r.output.strip().splitlines()[-1])
     assert spec["tokens"] == plain["tokens"] and spec["speculative"]["width"] == 3
     bad = run(*base, "--draft", "oracle:2")
-    assert bad.exit_code == 2 and "ALPHA must be a number in [0, 1]" in bad.output
+    assert bad.exit_code == 2 and "ALPHA a number in [0, 1]" in bad.output
     r = run(*base, "--draft", "oracle:0.8", "--spec-width", "auto")
     assert r.exit_code == 0, r.output
     spec = json.loads(r.output.strip().splitlines()[-1])
@@ -381,15 +382,32 @@ def test_speculative_report_counts_kept_tokens_and_bad_drafts_are_one_line(ref, 
             self.out = out
 
         def propose(self, context, k):
-            return self.out(k), None
+            return self.out(k)
 
-    for out, msg in ((lambda k: [999999] * k, "proposed token ids outside 0..511"),
-                     (lambda k: [1] * (k + 1), "asked for 2 drafts, proposed 3"),
-                     (lambda k: ["x"] * k, "expected a list of token ids")):
+    for out, msg in ((lambda k: ([999999] * k, None), "proposed token ids outside 0..511"),
+                     (lambda k: ([1] * (k + 1), None), "asked for 2 drafts, proposed 3"),
+                     (lambda k: (["x"] * k, None), "expected integer token ids"),
+                     (lambda k: ([1.5] * k, None), "expected integer token ids from propose\\(\\), found \\[1.5"),
+                     (lambda k: (7, None), "expected a list of token ids"),
+                     (lambda k: [1] * (k + 1), "propose\\(\\) must return \\(token ids, q or None\\), found "
+                                              "\\[1, 1, 1\\]"),
+                     (lambda k: None, "must return \\(token ids, q or None\\), found None"),
+                     (lambda k: ([1] * k, torch.zeros(1, 3)), "q must be None or a tensor \\[>= 2 drafts, 512\\], "
+                                                            "found a tensor \\[1, 3\\]")):
         with pytest.raises(StepError, match=msg) as ei:
             generate(ref, PROMPTS[0], 6, draft=Bad(out), spec_width=3)
         assert str(ei.value).startswith("drafter oracle:0.5")
+
+    class Nameless:  # a custom drafter with no name: named by its class
+        def prepare(self, stepper, prompt, n):
+            pass
+
+        def propose(self, context, k):
+            return [999999] * k, None
+
+    with pytest.raises(StepError, match="^drafter Nameless: proposed token ids outside"):
+        generate(ref, PROMPTS[0], 6, draft=Nameless(), spec_width=3)
     with pytest.raises(StepError, match="expected dspark:PATH .* found an empty path"):
         make_drafter("dspark:", 512)
-    with pytest.raises(StepError, match=r"ALPHA must be a number in \[0, 1\], found 'abc'"):
+    with pytest.raises(StepError, match=r"ALPHA a number in \[0, 1\], found 'abc'"):
         make_drafter("oracle:abc", 512)
