@@ -12,6 +12,8 @@ devices, caches or files.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -476,6 +478,12 @@ def _lower_route(c: _Ctx, op: Op) -> list[Launch]:
             for s, la in zip(srcs, _rt.launch_shapes(spec))]
 
 
+#: the experts' activations quantized once per launch instead of in every block (ExpertsSpec.prequant): off until
+#: an A/B on the H200 decides (docs/perf.md, Optimisation 6); ``DS4C_XP_PREQUANT=1`` turns it on for that A/B (the
+#: kernels then differ, so the kernel cache and an artifact compiled without it do not mix with it)
+EXPERTS_PREQUANT = os.environ.get("DS4C_XP_PREQUANT", "") == "1"
+
+
 def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
     body = op.body or []
     re_ = next(b for b in body if b.kind == "routed_experts")
@@ -493,9 +501,10 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
                             c.expert_fmt((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
                             c.expert_fmt((sh_gate, sh_up)), bool(re_.attrs["emulate"]), re_.attrs["limit"],
                             down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)),
-                            shared_down_fmt=c.expert_fmt((sh_down,)))
+                            shared_down_fmt=c.expert_fmt((sh_down,)), prequant=EXPERTS_PREQUANT)
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
-    hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * c.q * (cfg.n_active_experts + 1) * cfg.moe_inter)
+    rows_h = c.q * (cfg.n_active_experts + 1)  # hbuf rows: per step row its k routed slots and the shared one
+    hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * rows_h * cfg.moe_inter)
     b = {"x": c.arg(re_.inputs[0]), "ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]),
          "w1": Arg("weight", p + "ffn_gate_exps.weight", form="raw"),
          "w3": Arg("weight", p + "ffn_up_exps.weight", form="raw"),
@@ -503,8 +512,13 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
          "sh_w1": Arg("weight", c.weight_name(gate.inputs[1]) or "", form="raw"),
          "sh_w3": Arg("weight", c.weight_name(up.inputs[1]) or "", form="raw"),
          "sh_w2": Arg("weight", c.weight_name(down.inputs[1]) or "", form="raw"), "hbuf": hbuf,
-         "out": Arg("value", c.names[moe.outputs[0]])}
-    names = _exp.arg_names(spec)
+         "out": Arg("value", c.names[moe.outputs[0]]),
+         # prequant (ExpertsSpec.prequant): x and h quantized once, the e4m3 values as f16 and the per-128 scales
+         "xq": Arg("workspace", c.name(op, "experts_xq"), nbytes=2 * c.q * cfg.hidden_size),
+         "xs": Arg("workspace", c.name(op, "experts_xs"), nbytes=4 * c.q * (cfg.hidden_size // 128)),
+         "hq": Arg("workspace", c.name(op, "experts_hq"), nbytes=2 * rows_h * cfg.moe_inter),
+         "hs": Arg("workspace", c.name(op, "experts_hs"), nbytes=4 * rows_h * (cfg.moe_inter // 128))}
+    names = _exp.arg_names(spec, c.target)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
             for s, la in zip(srcs, _exp.launch_shapes(spec, c.target))]
 

@@ -174,6 +174,8 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
     kq = [("mma", "q2_k", "q6_k"), ("simt", "q6_k", "q2_k")] if t.vendor == "cuda" else [("simt", "q6_k", "q2_k")]
     srcs += [k for eng, rf, sf in kq
              for k in X.render_experts(X.ExpertsSpec(q=5, engine=eng, routed_fmt=rf, shared_fmt=sf, **OFFICIAL), t)]
+    if t.vendor == "cuda":  # prequant: the activation quant launches (actq form f16s) and the copying phases
+        srcs += X.render_experts(X.ExpertsSpec(q=5, engine="mma", prequant=True, **OFFICIAL), t)
     # longest first (official before tiny, q 5 before q 1; a q = 5 official compile takes ~5x a tiny one), so the
     # pool does not end on one long compile while the other workers idle
     srcs.sort(key=lambda k: ("_d4096_" not in k.entry, not k.entry.startswith("experts_q5_")))
@@ -366,3 +368,55 @@ def test_emulated_ring_without_its_wait_fails(tmp_path: Path, monkeypatch: pytes
         assert "never waited" in str(e) or "experts_emu" in str(e)
         return
     assert E.rel_err(got["out"], X.reference(spec, **inp)) > 2e-2
+
+
+def test_prequant_plan() -> None:
+    """ExpertsSpec.prequant: four launches (x quantized once, up, h quantized once, down) where every phase reads
+    the form-0 activation (CUDA mma, sm_89+, act_quant); elsewhere the two launches of in-block quantization."""
+    t = target("sm_90")
+    sp = X.ExpertsSpec(q=5, prequant=True)
+    assert X.uses_prequant(sp, t) and X.kernel_names(sp, t) == ["actq_x", "up", "actq_h", "down"]
+    la = {x.kernel: x for x in X.launch_shapes(sp, t)}
+    assert la["actq_x"].grid == (4096 // 128, 5, 1) and la["actq_h"].grid == (2048 // 128, 5 * 7, 1)
+    names = X.arg_names(sp, t)
+    srcs = X.render_experts(sp, t)
+    assert srcs[0].name.endswith("_actq_x") and srcs[2].name.endswith("_actq_h") and "#define XP_PREQ 1" in srcs[1].source
+    for k, kn in zip(srcs, X.kernel_names(sp, t)):  # the kernel's parameter count is the argument list's
+        sig = k.source[k.source.index(k.entry + "("):]
+        sig = sig[:sig.index(")")]
+        assert sig.count(",") + 1 == len(names[kn]), (kn, sig)
+    shapes = X.arg_shapes(sp)
+    assert shapes["xq"] == ((5, 4096), torch.float16) and shapes["hs"] == ((5, 7, 2048 // 128), torch.float32)
+    assert sp.key().endswith("_pq") and "_pq" not in X.ExpertsSpec(q=5).key()
+    for off in (X.ExpertsSpec(q=5, prequant=True, engine="simt"), X.ExpertsSpec(q=5, prequant=True, act_quant=False),
+                X.ExpertsSpec(q=5, prequant=True, shared_fmt="bf16")):
+        assert not X.uses_prequant(off, t) and X.kernel_names(off, t) == ["up", "down"]
+    assert not X.uses_prequant(sp, target("sm_80")) and not X.uses_prequant(sp, target("gfx942"))
+    assert list(X.arg_names(X.ExpertsSpec(q=5, prequant=True, engine="simt"), t)) == ["up", "down"]
+    with pytest.raises(RenderError, match="prequant"):
+        X.ExpertsSpec(q=1, prequant=1)
+
+
+@pytest.mark.parametrize("kw", [dict(q=2, hidden=2048, inter=2048, n_experts=8, k=4),  # the cp.async ring
+                                dict(q=5, hidden=512, inter=256, n_experts=8, k=4, routed_fmt="q4_k"),
+                                dict(q=3, **TINY)], ids=["ring", "q4_k", "tiny"])
+def test_prequant_emulated_equals_in_block_quant(kw: dict, tmp_path: Path) -> None:
+    """The prequant call, run on the CPU emulator: x quantized once (the actq kernel's f16 values and scales equal
+    ds4c.quant.act_quant_fp8 of x) and every output and intermediate bit for bit the in-block quantization's."""
+    E = _emu()
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    from ds4c import quant
+
+    spec = X.ExpertsSpec(engine="mma", prequant=True, **kw)
+    assert X.uses_prequant(spec, target("sm_90"))
+    inp = X.random_inputs(spec, torch.Generator().manual_seed(9))
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "in_block").mkdir()
+    got = E.run(spec, inp, tmp_path / "pq", arch="sm_90")
+    base = E.run(X.ExpertsSpec(engine="mma", **kw), inp, tmp_path / "in_block", arch="sm_90")
+    qx, sx = quant.act_quant_fp8(inp["x"])
+    assert torch.equal(got["xq"].float(), qx) and torch.equal(got["xs"], sx)
+    assert torch.equal(got["hbuf"], base["hbuf"]) and torch.equal(got["out"], base["out"])
+    assert E.rel_err(got["out"], X.reference(spec, **inp)) < 2e-2

@@ -57,6 +57,30 @@ def test_every_plan_kernel_lowers_with_resolvable_bindings(name, ctx, q, arch):
                     assert a.nbytes > 0
 
 
+@pytest.mark.parametrize("q", [1, 5])
+def test_experts_prequant_lowers_four_launches(q, monkeypatch):
+    """DS4C_XP_PREQUANT (runtime/lower.py EXPERTS_PREQUANT, the A/B switch of ExpertsSpec.prequant): each MoE
+    layer's experts kernel is then four launches (x quantized once, up, h quantized once, down) whose workspaces
+    are bound and whose parameter counts are their bindings; without it, two."""
+    import ds4c.runtime.lower as L
+
+    cfg = preset("flash-l4")
+    g = _graph("flash-l4", q, 4096)
+    base = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]
+    monkeypatch.setattr(L, "EXPERTS_PREQUANT", True)
+    pq = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]
+    assert len(base) == len(pq) == cfg.n_layers and all(len(k.launches) == 2 for k in base)
+    for k in pq:
+        assert [la.kernel.name.rsplit("_", 1)[-1] for la in k.launches] == ["x", "up", "h", "down"]
+        for la in k.launches:
+            src = re.sub(r"//[^\n]*", "", la.kernel.source)
+            sig = re.search(r"\b" + la.kernel.entry + r"\s*\(([^)]*)\)", src)
+            assert len([p for p in sig.group(1).split(",") if p.strip()]) == len(la.args), la.kernel.entry
+        ws = {a.name: a.nbytes for la in k.launches for a in la.args if a.kind == "workspace"}
+        assert sorted(n.rsplit("_", 1)[-1] for n in ws) == ["h", "hq", "hs", "xq", "xs"]
+        assert ws[next(n for n in ws if n.endswith("_xq"))] == 2 * q * cfg.hidden_size
+
+
 def test_identical_layers_share_sources():
     g = _graph("flash-l4", 1, 4096)
     ks = lower_graph(g, preset("flash-l4"), target("sm_90"))

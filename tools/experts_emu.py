@@ -332,35 +332,45 @@ def host_body(src: Any) -> str:
     return text
 
 
+#: C expressions of every kernel argument the emulator's main() binds (arg_names of experts.py)
+_ARG_EXPR = {"x": "(const u16*)x.data()", "ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()",
+             "w1": "w1.data()", "w3": "w3.data()", "w2": "w2.data()", "sh_w1": "s1.data()", "sh_w3": "s3.data()",
+             "sh_w2": "s2.data()", "hbuf": "h.data()", "out": "out.data()", "xq": "xq.data()", "xs": "xs.data()",
+             "hq": "hq.data()", "hs": "hs.data()"}
+
+
 def build(spec: X.ExpertsSpec, workdir: Path, arch: str = "sm_90") -> Path:
-    """Compile the emulator of ``spec`` (both phases) into ``workdir/emu``; returns the executable."""
+    """Compile the emulator of ``spec`` (every kernel of the call, :func:`experts.kernel_names`) into
+    ``workdir/emu``; returns the executable. The activation quant kernels of a prequant call (templates/actq) keep
+    their block reduction in a function-local shared array: there ``DS4C_SHARED`` is ``static`` (one array for
+    the block's fibers)."""
     tgt = make_target(arch)
-    up, dn = X.render_experts(spec, tgt, "emu")
-    lu, ld = X.launch_shapes(spec, tgt)
+    srcs = X.render_experts(spec, tgt, "emu")
+    launches = X.launch_shapes(spec, tgt)
+    names = X.arg_names(spec, tgt)
     q, k, D, F = spec.q, spec.k, spec.hidden, spec.inter
-    main = f"""
-namespace up_ns {{
-{host_body(up)}
-alignas(16) u8 xp_smem[{lu.smem} + 64];
-}}
-namespace dn_ns {{
-{host_body(dn)}
-alignas(16) u8 xp_smem[{ld.smem} + 64];
-}}
+    spaces, calls = [], []
+    for i, (src, la) in enumerate(zip(srcs, launches)):
+        local_shared = la.kernel.startswith("actq_")
+        body = host_body(src)
+        if local_shared:
+            body = "#undef DS4C_SHARED\n#define DS4C_SHARED static\n" + body + "\n#undef DS4C_SHARED\n#define DS4C_SHARED\n"
+        spaces.append(f"namespace k{i}_ns {{\n{body}\nalignas(16) u8 xp_smem[{la.smem} + 64];\n}}\n")
+        args = ", ".join(_ARG_EXPR[n] for n in names[la.kernel])
+        calls.append(f"  run_grid({la.grid[0]}, {la.grid[1]}, {la.block[0]}, [&] {{ k{i}_ns::{src.entry}({args}); }});\n")
+    main = "".join(spaces) + f"""
 int main(int argc, char** argv) {{
   const char* d = argv[1];
   auto x = load(d, "x"), ids = load(d, "ids"), wts = load(d, "weights"), w1 = load(d, "w1"), w3 = load(d, "w3"),
        w2 = load(d, "w2"), s1 = load(d, "sh_w1"), s3 = load(d, "sh_w3"), s2 = load(d, "sh_w2");
   std::vector<u16> h({q} * ({k} + 1) * {F}, 0x7fc1), out({q} * {D}, 0x7fc1);
-  run_grid({lu.grid[0]}, {lu.grid[1]}, {lu.block[0]}, [&] {{
-    up_ns::{up.entry}((const u16*)x.data(), (const i64*)ids.data(), (const float*)wts.data(), w1.data(), w3.data(),
-               s1.data(), s3.data(), h.data());
-  }});
-  run_grid({ld.grid[0]}, {ld.grid[1]}, {ld.block[0]}, [&] {{
-    dn_ns::{dn.entry}(h.data(), (const i64*)ids.data(), w2.data(), s2.data(), out.data());
-  }});
-  save(d, "hbuf", h.data(), h.size() * 2);
+  std::vector<u16> xq({q} * {D}, 0x7e01), hq({q} * ({k} + 1) * {F}, 0x7e01);  // f16 NaN poison
+  std::vector<float> xs({q} * ({D} / 128), NAN), hs({q} * ({k} + 1) * ({F} / 128), NAN);
+  (void)xq; (void)hq; (void)xs; (void)hs;
+{"".join(calls)}  save(d, "hbuf", h.data(), h.size() * 2);
   save(d, "out", out.data(), out.size() * 2);
+  save(d, "xq", xq.data(), xq.size() * 2);
+  save(d, "xs", xs.data(), xs.size() * 4);
   return 0;
 }}
 """
@@ -417,14 +427,20 @@ def run_host(exe: Path, workdir: Path, inputs: dict[str, torch.Tensor], who: str
 def run(spec: X.ExpertsSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
         exe: Path | None = None) -> dict[str, torch.Tensor]:
     """Emulate one call on CPU ``inputs`` (:func:`ds4c.runtime.families.experts.random_inputs` names).
-    Returns ``{"out": bf16 [q, D], "hbuf": bf16 [q, k+1, F]}``."""
+    Returns ``{"out": bf16 [q, D], "hbuf": bf16 [q, k+1, F], "xq": f16 [q, D], "xs": fp32 [q, D/128]}`` (the
+    last two: a prequant call's quantized x, else their NaN poison)."""
     run_host(exe or build(spec, workdir, arch), workdir, inputs, "experts_emu")
 
     def rd(name: str, shape: tuple) -> torch.Tensor:
         a = np.frombuffer((workdir / name).read_bytes(), dtype=np.int16).copy()
         return torch.from_numpy(a).view(torch.bfloat16).view(shape)
 
-    return {"out": rd("out", (spec.q, spec.hidden)), "hbuf": rd("hbuf", (spec.q, spec.k + 1, spec.inter))}
+    out = {"out": rd("out", (spec.q, spec.hidden)), "hbuf": rd("hbuf", (spec.q, spec.k + 1, spec.inter))}
+    out["xq"] = torch.from_numpy(np.frombuffer((workdir / "xq").read_bytes(), dtype=np.float16).copy()).view(
+        spec.q, spec.hidden)
+    out["xs"] = torch.from_numpy(np.frombuffer((workdir / "xs").read_bytes(), dtype=np.float32).copy()).view(
+        spec.q, spec.hidden // 128)
+    return out
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

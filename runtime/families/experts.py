@@ -147,6 +147,12 @@ class ExpertsSpec:
             but its tiles take shared memory; K-quants keep the register path, the ring measured slower there),
             0 = the register double buffer (also every geometry the ring cannot stream, and HIP), 2..8 = that
             many.
+        prequant: quantize x and h once per launch (``templates/actq``, form ``f16s``: the e4m3 values as f16 and
+            the per-128 scales) instead of in every block of the phase that reads them (the up phase's 128 x
+            (q*k+1) blocks re-quantize x for their K range; each of the down phase's D/16 blocks re-quantizes every
+            job's h). Four launches then: ``actq_x``, ``up``, ``actq_h``, ``down`` (:func:`launch_shapes`), the same
+            values (spec 2.3.1 in one place per launch). Only where every phase reads the form-0 activation
+            (CUDA's mma engine on sm_89+, MXFP4 / Q8_0 / K-quant weights, ``act_quant``); elsewhere it is off.
 
     Raises:
         RenderError: a field out of range (the message names it).
@@ -165,6 +171,7 @@ class ExpertsSpec:
     down_fmt: str | None = None
     shared_down_fmt: str | None = None
     stages: int | None = None
+    prequant: bool = False
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -195,6 +202,8 @@ class ExpertsSpec:
         if self.stages is not None and not (isinstance(self.stages, int) and not isinstance(self.stages, bool)
                                             and (self.stages == 0 or 2 <= self.stages <= MAX_STAGES)):
             bad.append(f"stages {self.stages!r} (expected None, 0 or 2..{MAX_STAGES})")
+        if not isinstance(self.prequant, bool):
+            bad.append(f"prequant {self.prequant!r} (expected a bool)")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
         if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
@@ -214,7 +223,7 @@ class ExpertsSpec:
         return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
                 f"{self.shared_fmt}{down}{'' if self.act_quant else '_noaq'}"
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
-                + ("" if self.stages is None else f"_st{self.stages}"))
+                + ("" if self.stages is None else f"_st{self.stages}") + ("_pq" if self.prequant else ""))
 
     def short(self) -> str:
         return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
@@ -379,7 +388,13 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
                 limit=_float_literal(spec.limit), nb=pl.nb, ast16=pl.ast16, act_wb=pl.act_wb,
                 tile_wb=pl.tile_wb, off_extra=pl.off_extra, smem=pl.smem,
                 geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts, stages=pl.stages,
-                min_blocks=_min_blocks(spec, phase, pl))
+                min_blocks=_min_blocks(spec, phase, pl), prequant=uses_prequant(spec, target))
+
+
+def uses_prequant(spec: ExpertsSpec, target: Target) -> bool:
+    """Whether ``spec`` runs with its activations quantized once per launch on ``target``: ``spec.prequant`` and
+    every phase's weights read the form-0 activation (the e4m3 values as f16 and per-128 scales)."""
+    return spec.prequant and all(g.form == 0 for ph in PHASES for g in plan(spec, target, ph).geos)
 
 
 def _min_blocks(spec: ExpertsSpec, phase: str, pl: PhasePlan) -> int:
@@ -400,33 +415,62 @@ def _reg_budget(spec: ExpertsSpec, phase: str) -> int:
     return REG_BUDGET_KQ if any(f in KQUANTS for f in fmts) else REG_BUDGET
 
 
+#: the activation quantization launches of a prequant call (:func:`kernel_names`): (kernel, K, rows per q row)
+ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
+
+
+def kernel_names(spec: ExpertsSpec, target: Target) -> list[str]:
+    """The call's kernels in launch order: ``up``, ``down``; with :func:`uses_prequant` ``actq_x``, ``up``,
+    ``actq_h``, ``down``."""
+    return ["actq_x", "up", "actq_h", "down"] if uses_prequant(spec, target) else list(PHASES)
+
+
 def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -> list[KernelSource]:
-    """The two kernels (``up``, ``down``) of ``spec`` for ``target``, named ``name + "_up"`` / ``"_down"``
-    (default name ``"experts_" + spec.key() + "_" + engine``).
+    """The kernels of ``spec`` for ``target`` in launch order (:func:`kernel_names`), named ``name + "_" +``
+    the kernel (default name ``"experts_" + spec.key() + "_" + engine``).
 
     Raises:
         RenderError: see :func:`plan`.
     """
     engine = resolve_engine(spec, target)
     name = name or f"experts_{spec.key()}_{engine}"
-    return [render(TEMPLATE, f"{name}_{ph}", FAMILY, target, _params(spec, target, ph)) for ph in PHASES]
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn.startswith("actq_"):
+            k = spec.hidden if kn == "actq_x" else spec.inter
+            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": k, "form": "f16s"}))
+        else:
+            out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, _params(spec, target, kn)))
+    return out
 
 
 
 
 def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
-    """``[up, down]``, to be launched in that order on one stream."""
+    """One launch per kernel of :func:`kernel_names`, to be launched in that order on one stream (an ``actq_*``
+    launch: grid ``(K / 128, rows)``, 128 threads, no dynamic shared memory)."""
     out = []
-    for ph in PHASES:
-        pl = plan(spec, target, ph)
-        out.append(Launch(pl.grid, pl.block, pl.smem, kernel=ph))
+    for kn in kernel_names(spec, target):
+        if kn == "actq_x":
+            out.append(Launch((spec.hidden // 128, spec.q, 1), (128, 1, 1), 0, kernel=kn))
+        elif kn == "actq_h":
+            out.append(Launch((spec.inter // 128, spec.q * (spec.k + 1), 1), (128, 1, 1), 0, kernel=kn))
+        else:
+            pl = plan(spec, target, kn)
+            out.append(Launch(pl.grid, pl.block, pl.smem, kernel=kn))
     return out
 
 
-def arg_names(spec: ExpertsSpec) -> dict[str, list[str]]:
-    """Kernel argument names in order, per kernel."""
-    return {"up": ["x", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
-            "down": ["hbuf", "ids", "w2", "sh_w2", "out"]}
+def arg_names(spec: ExpertsSpec, target: Target | None = None) -> dict[str, list[str]]:
+    """Kernel argument names in order, per kernel (with ``target``: of the kernels :func:`kernel_names` gives;
+    without, as ``spec.prequant`` asks)."""
+    if not (uses_prequant(spec, target) if target is not None else spec.prequant):
+        return {"up": ["x", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
+                "down": ["hbuf", "ids", "w2", "sh_w2", "out"]}
+    return {"actq_x": ["x", "xq", "xs"],
+            "up": ["xq", "xs", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
+            "actq_h": ["hbuf", "hq", "hs"],
+            "down": ["hq", "hs", "ids", "w2", "sh_w2", "out"]}
 
 
 def weight_shape(fmt: str, rows: int, n_in: int, experts: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
@@ -445,7 +489,10 @@ def arg_shapes(spec: ExpertsSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
             "w1": weight_shape(spec.routed_fmt, F, D, E), "w3": weight_shape(spec.routed_fmt, F, D, E),
             "w2": weight_shape(spec.down_fmt, D, F, E), "sh_w1": weight_shape(spec.shared_fmt, F, D),
             "sh_w3": weight_shape(spec.shared_fmt, F, D), "sh_w2": weight_shape(spec.shared_down_fmt, D, F),
-            "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16)}
+            "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16),
+            # prequant's workspaces: the e4m3 values as f16 and the per-128 scales of x and h
+            "xq": ((q, D), torch.float16), "xs": ((q, D // 128), torch.float32),
+            "hq": ((q, k + 1, F), torch.float16), "hs": ((q, k + 1, F // 128), torch.float32)}
 
 
 def expert_bytes(spec: ExpertsSpec, fmt: str | None = None) -> int:

@@ -57,6 +57,8 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     out = [(f"official mma  q={q}", dict(OFFICIAL, q=q, engine="mma")) for q in (1, 2, 3, 4, 5)]
     # the register double buffer the cp.async ring replaced (ExpertsSpec.stages = 0), for the A/B in one run
     out += [(f"official mma  q={q} register path", dict(OFFICIAL, q=q, engine="mma", stages=0)) for q in (1, 5)]
+    # x and h quantized once per call (ExpertsSpec.prequant: four launches), for the A/B in one run
+    out += [(f"official mma  q={q} prequant", dict(OFFICIAL, q=q, engine="mma", prequant=True)) for q in (1, 3, 5)]
     if os.environ.get("DS4C_XP_STAGES_SWEEP"):  # every ring depth at q = 1..5 (the stage choice's data)
         out += [(f"official mma  q={q} stages {n}", dict(OFFICIAL, q=q, engine="mma", stages=n))
                 for q in (1, 2, 3, 4, 5) for n in (2, 3, 4, 6)]
@@ -84,12 +86,22 @@ def _compile(specs: dict[str, X.ExpertsSpec], tgt: Any) -> tuple[dict[str, Any],
     return out, wall
 
 
-def _launch(fns: list, launches: list, inp: dict[str, torch.Tensor], hbuf: torch.Tensor, out: torch.Tensor) -> None:
-    up, dn = fns
-    lu, ld = launches
-    up(lu.grid, lu.block, [inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"], inp["sh_w1"], inp["sh_w3"],
-                           hbuf], lu.smem)
-    dn(ld.grid, ld.block, [hbuf, inp["ids"], inp["w2"], inp["sh_w2"], out], ld.smem)
+def _bufs(spec: X.ExpertsSpec, inp: dict[str, torch.Tensor], hbuf: torch.Tensor, out: torch.Tensor) -> dict:
+    """Every kernel argument by name: the inputs, the outputs, and prequant's workspaces (NaN-poisoned)."""
+    dev = hbuf.device
+    ws = {n: torch.full(shape, float("nan"), dtype=dt, device=dev)
+          for n, (shape, dt) in X.arg_shapes(spec).items() if n in ("xq", "xs", "hq", "hs")}
+    return {**inp, **ws, "hbuf": hbuf, "out": out}
+
+
+def _launch(fns: list, launches: list, args: list[list[torch.Tensor]]) -> None:
+    for fn, la, a in zip(fns, launches, args):
+        fn(la.grid, la.block, a, la.smem)
+
+
+def _arg_lists(spec: X.ExpertsSpec, tgt: Any, launches: list, bufs: dict) -> list[list[torch.Tensor]]:
+    names = X.arg_names(spec, tgt)
+    return [[bufs[n] for n in names[la.kernel]] for la in launches]
 
 
 def _poison(*ts: torch.Tensor) -> None:
@@ -139,17 +151,19 @@ def run(arch: str = "sm_90") -> list[dict]:
         hbuf = torch.empty(spec.q, spec.k + 1, spec.inter, dtype=torch.bfloat16, device=dev)
         out = torch.empty(spec.q, spec.hidden, dtype=torch.bfloat16, device=dev)
         _poison(hbuf, out)
-        _launch(fns, launches, inp, hbuf, out)
+        bufs = _bufs(spec, inp, hbuf, out)
+        args = _arg_lists(spec, tgt, launches, bufs)
+        _launch(fns, launches, args)
         torch.cuda.synchronize()
         written = bool(torch.isfinite(hbuf.float()).all() and torch.isfinite(out.float()).all())
         ref = X.reference(spec, **inp)
         err = rel_err(out, ref)
-        lu, ld = launches
-        us = _time([lambda: _launch(fns, launches, inp, hbuf, out)], flush)
-        us_up = _time([lambda: fns[0](lu.grid, lu.block, [inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"],
-                                                         inp["sh_w1"], inp["sh_w3"], hbuf], lu.smem)], flush)
-        us_dn = _time([lambda: fns[1](ld.grid, ld.block, [hbuf, inp["ids"], inp["w2"], inp["sh_w2"], out], ld.smem)],
-                      flush)
+        us = _time([lambda: _launch(fns, launches, args)], flush)
+        # each phase with its activation quant launch (a prequant call's actq_x / actq_h) timed alone
+        ph = {"up": [i for i, la in enumerate(launches) if la.kernel in ("actq_x", "up")],
+              "down": [i for i, la in enumerate(launches) if la.kernel in ("actq_h", "down")]}
+        us_up, us_dn = (_time([lambda sel=sel: _launch([fns[i] for i in sel], [launches[i] for i in sel],
+                                                       [args[i] for i in sel])], flush) for sel in ph.values())
         nbytes = X.bytes_read(spec, inp["ids"])
         regs = "/".join(str(u.get("registers", "?")) for u in use.values())
         rows.append({"spec": f"{label} ({spec.short()})", "ok": written and err < TOL, "rel_err": err,
@@ -159,7 +173,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         print(f"  {label:40s} rel_err {err:.2e} written {written} {us:8.1f} us (up {us_up:.1f}, down {us_dn:.1f}) "
               f"{nbytes / (us * 1e3):7.1f} GB/s regs {regs}", flush=True)
         if not graph_done and spec.hidden == OFFICIAL["hidden"] and spec.q == 5 and kw["engine"] == "mma":
-            rows.append(_graph_case(spec, fns, launches, inp, g))
+            rows.append(_graph_case(spec, fns, launches, inp, g, tgt))
             graph_done = True
         del inp, hbuf, out
         torch.cuda.empty_cache()
@@ -167,19 +181,20 @@ def run(arch: str = "sm_90") -> list[dict]:
 
 
 def _graph_case(spec: X.ExpertsSpec, fns: list, launches: list, inp: dict[str, torch.Tensor],
-                g: torch.Generator) -> dict:
+                g: torch.Generator, tgt: Any) -> dict:
     """Capture both launches, write new x / ids / weights into the captured buffers, replay, compare."""
     dev = inp["x"].device
     hbuf = torch.empty(spec.q, spec.k + 1, spec.inter, dtype=torch.bfloat16, device=dev)
     out = torch.empty(spec.q, spec.hidden, dtype=torch.bfloat16, device=dev)
+    args = _arg_lists(spec, tgt, launches, _bufs(spec, inp, hbuf, out))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _launch(fns, launches, inp, hbuf, out)
+        _launch(fns, launches, args)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _launch(fns, launches, inp, hbuf, out)
+        _launch(fns, launches, args)
     errs, written = [], True
     for _ in range(2):
         ids, wts = X.random_routing(spec, g)
