@@ -478,10 +478,11 @@ def _lower_route(c: _Ctx, op: Op) -> list[Launch]:
             for s, la in zip(srcs, _rt.launch_shapes(spec))]
 
 
-#: the experts' activations quantized once per launch instead of in every block (ExpertsSpec.prequant): off until
-#: an A/B on the H200 decides (docs/perf.md, Optimisation 6); ``DS4C_XP_PREQUANT=1`` turns it on for that A/B (the
-#: kernels then differ, so the kernel cache and an artifact compiled without it do not mix with it)
-EXPERTS_PREQUANT = os.environ.get("DS4C_XP_PREQUANT", "") == "1"
+#: the experts' activations quantized once per launch instead of in every block (ExpertsSpec.prequant): on since
+#: the H200 A/B of session 10 (docs/perf.md, Optimisation 6: experts q = 5 357 -> 160 us, flash-l4 step q = 1
+#: 1.178 -> 1.082 ms, q = 5 2.661 -> 1.970 ms); ``DS4C_XP_PREQUANT=0`` turns it off for an A/B (the kernels then
+#: differ, so the kernel cache and an artifact compiled with one setting do not mix with the other)
+EXPERTS_PREQUANT = os.environ.get("DS4C_XP_PREQUANT", "1") != "0"
 
 
 def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:

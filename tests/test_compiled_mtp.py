@@ -145,7 +145,10 @@ def test_final_hc_through_verify_rollback_and_its_refusals(env, tokens):
 
 def test_decode_loop_graphs_record_the_final_hc(env, tokens):
     """decode_tokens (the captured decode-loop graphs) writes a ring row per token: from the reference's state at 37,
-    12 greedy tokens; the reference on the same tokens gives the same states within bf16 tolerance."""
+    12 greedy tokens. The same tokens fed step by step (the plain step graphs) from the same state give the same rows
+    (the same kernels on the same inputs: a misplaced or stale row would differ by O(1)); the reference on the same
+    tokens gives them within the drift of 12 free-running steps (the first H200 run: median 0.024, max 0.075; the
+    teacher-forced bound above is 1e-2 because there every step starts from the reference's state)."""
     _, _, _, ex, ref = env
     ref.reset()
     ref.record_final_hc(True)
@@ -153,15 +156,25 @@ def test_decode_loop_graphs_record_the_final_hc(env, tokens):
         ref.verify(tokens[s:min(s + 5, 37)], s)
     ex.reset()
     _copy_state(ex, ref, 37)
+    saved = {name: buf.clone() for name, buf in ex.state.items()}
     ex.final_hc_ring.fill_(float("nan"))
     captures = ex.captures
     out = list(ex.decode_tokens(tokens[37], 37, 12))
     assert ex.captures == captures and ex.pos == 49
-    for i, t in enumerate([tokens[37]] + out[:-1]):
-        ref.decode(t, 37 + i)
-    e = _rel(ex.final_hc(37, 49), ref.final_hc(37, 49))
-    assert e.median() < 2e-2 and e.max() < 0.25, e
     assert torch.isnan(_ring_rows(ex, 49, 4).float()).all()
+    loop_rows = ex.final_hc(37, 49).clone()
+    fed = [tokens[37]] + out[:-1]
+    for name, buf in saved.items():
+        ex.state[name].copy_(buf)
+    ex.pos = 37
+    ex.final_hc_ring.fill_(float("nan"))
+    for i, t in enumerate(fed):
+        ex.step([t], 37 + i)
+    assert _rel(loop_rows, ex.final_hc(37, 49)).max() < 1e-3
+    for i, t in enumerate(fed):
+        ref.decode(t, 37 + i)
+    e = _rel(loop_rows, ref.final_hc(37, 49))
+    assert e.median() < 4e-2 and e.max() < 0.25, e
 
 
 def test_a_step_without_record_hc_is_refused_in_one_line(env, mtp_path):

@@ -4,6 +4,7 @@ kernel of the tiny step compiles for sm_90 and gfx1151."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 
@@ -59,13 +60,15 @@ def test_every_plan_kernel_lowers_with_resolvable_bindings(name, ctx, q, arch):
 
 @pytest.mark.parametrize("q", [1, 5])
 def test_experts_prequant_lowers_four_launches(q, monkeypatch):
-    """DS4C_XP_PREQUANT (runtime/lower.py EXPERTS_PREQUANT, the A/B switch of ExpertsSpec.prequant): each MoE
-    layer's experts kernel is then four launches (x quantized once, up, h quantized once, down) whose workspaces
-    are bound and whose parameter counts are their bindings; without it, two."""
+    """runtime/lower.py EXPERTS_PREQUANT (ExpertsSpec.prequant: on by default, ``DS4C_XP_PREQUANT=0`` for an A/B):
+    each MoE layer's experts kernel is four launches (x quantized once, up, h quantized once, down) whose
+    workspaces are bound and whose parameter counts are their bindings; with it off, two."""
     import ds4c.runtime.lower as L
 
     cfg = preset("flash-l4")
     g = _graph("flash-l4", q, 4096)
+    assert L.EXPERTS_PREQUANT or os.environ.get("DS4C_XP_PREQUANT") == "0"
+    monkeypatch.setattr(L, "EXPERTS_PREQUANT", False)
     base = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]
     monkeypatch.setattr(L, "EXPERTS_PREQUANT", True)
     pq = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]

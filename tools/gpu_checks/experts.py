@@ -169,7 +169,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         rows.append({"spec": f"{label} ({spec.short()})", "ok": written and err < TOL, "rel_err": err,
                      "all_written": written, "us": us, "us_up": us_up, "us_down": us_dn,
                      "GBps": nbytes / (us * 1e3), "bytes": nbytes, "regs": regs,
-                     "smem": f"{lu.smem}/{ld.smem}", "compile_s": csecs})
+                     "smem": "/".join(str(la.smem) for la in launches), "compile_s": csecs})
         print(f"  {label:40s} rel_err {err:.2e} written {written} {us:8.1f} us (up {us_up:.1f}, down {us_dn:.1f}) "
               f"{nbytes / (us * 1e3):7.1f} GB/s regs {regs}", flush=True)
         if not graph_done and spec.hidden == OFFICIAL["hidden"] and spec.q == 5 and kw["engine"] == "mma":
