@@ -136,6 +136,14 @@ class GemmSpec:
             instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
         bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
             by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
+        prequant: quantize x once per call (``templates/actq/act_quant.cu.j2`` form ``f16s``: ``xq`` f16
+            ``[C, K]`` holding the e4m3 values, ``xs`` fp32 ``[C, K/128]`` the per-128 scales) instead of in every
+            X tile of every CTA column; the GEMM then copies its tiles with cp.async (two launches,
+            :func:`kernel_names`; the same output bits). A request: it applies only where the kernel reads the
+            form-0 activation (:func:`uses_prequant`: the CUDA ``mma`` engine on sm_89+, MXFP4 / Q8_0 weights,
+            mode ``fp8act`` with ``act_quant``); elsewhere the call is the one in-tile kernel on bf16 ``x``, as
+            without it (the experts family's rule, ``ExpertsSpec.prequant``). Not with ``x_prequant`` (two
+            different input contracts); ``sw_quant`` is moot with it (actq rounds in software anyway).
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -152,6 +160,7 @@ class GemmSpec:
     x_prequant: bool = False
     bn: int = 0
     sw_quant: bool = False
+    prequant: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -180,6 +189,11 @@ class GemmSpec:
         if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
             bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "
                        f"mode 'fp8act' and act_quant True)")
+        if not isinstance(self.prequant, bool):
+            bad.append(f"prequant {self.prequant!r} (expected a bool)")
+        elif self.prequant and self.x_prequant:
+            bad.append("prequant with x_prequant (expected at most one: prequant's x is actq's f16 values and "
+                       "scales, x_prequant's its bf16 output)")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -196,13 +210,13 @@ class GemmSpec:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
                 + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
-                + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
+                + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
                 + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
                 + (" swq" if self.sw_quant else "")
-                + (f" bn{self.bn}" if self.bn else "") + f"->{self.out_dtype}")
+                + (f" bn{self.bn}" if self.bn else "") + (" pq" if self.prequant else "") + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -268,6 +282,8 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
     """The kernel of ``spec`` for ``target``; ``name`` gives the entry (default ``"gemm_" + spec.key() + "_" +
     engine``; non-identifier characters become ``_``). Launch with :func:`launch_shape`, :func:`arg_order`.
+    With :func:`uses_prequant` this is the call's second kernel (arguments ``xq``, ``xs``, ``w``, ``y``), which
+    needs the actq launch before it: :func:`render_call` renders both.
 
     Raises:
         RenderError: see :func:`plan`.
@@ -276,7 +292,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     name = name or f"gemm_{spec.key()}_{pl.engine}"
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
-        quant=spec.quant, x_prequant=spec.x_prequant,
+        quant=spec.quant, x_prequant=spec.x_prequant, prequant=uses_prequant(spec, target),
         hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
         out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
@@ -302,12 +318,109 @@ def weight_shape(spec: GemmSpec) -> tuple[tuple[int, ...], torch.dtype]:
     return (spec.n, row_bytes(spec.fmt, spec.k)), torch.uint8
 
 
-def arg_order(spec: GemmSpec) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
-    """``(name, role, shape, dtype)`` of ``x`` (bf16 ``[C, K]``), ``w`` (:func:`weight_shape`) and ``y``
-    (``[C, N]`` in ``out_dtype``), in kernel order. No integer arguments (every size is render-time)."""
-    ws, wd = weight_shape(spec)
-    return [("x", "in", (spec.rows, spec.k), torch.bfloat16), ("w", "in", ws, wd),
-            ("y", "out", (spec.rows, spec.n), spec.torch_out_dtype)]
+def arg_order(spec: GemmSpec, target: Target | None = None) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """``(name, role, shape, dtype)`` of the GEMM kernel's arguments in kernel order: ``x`` (bf16 ``[C, K]``),
+    ``w`` (:func:`weight_shape`) and ``y`` (``[C, N]`` in ``out_dtype``); with prequant (:func:`uses_prequant`
+    on ``target``; without a target: as ``spec.prequant`` asks) ``xq`` (f16 ``[C, K]``) and ``xs`` (fp32
+    ``[C, K/128]``), both role ``in``, in place of ``x``. No integer arguments (every size is render-time). The
+    actq launch's arguments: :func:`arg_names`."""
+    sh = arg_shapes(spec)
+    return [(n, "out" if n == "y" else "in") + sh[n] for n in arg_names(spec, target)["gemm"]]
+
+
+# ------------------------------------------------------------------------------------------------ prequant
+#: the activation quant of a prequant call (form ``f16s``)
+ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
+
+
+def uses_prequant(spec: GemmSpec, target: Target) -> bool:
+    """Whether ``spec`` on ``target`` runs as the two-launch prequant call: ``spec.prequant`` and the kernel reads
+    the form-0 activation (:func:`plan`: CUDA ``mma`` engine, sm_89+, mode ``fp8act`` with ``act_quant``, MXFP4 /
+    Q8_0 weights). Everywhere else (SIMT / HIP, sm_80, bf16 weights, modes ``bf16`` / ``f32``, act_quant off) the
+    tile holds bf16 values, which a copy of actq's f16 e4m3 values cannot give, so the call falls back to the one
+    in-tile kernel on bf16 ``x`` (same outputs).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    return spec.prequant and plan(spec, target).form == 0
+
+
+def kernel_names(spec: GemmSpec, target: Target) -> list[str]:
+    """The call's kernels in launch order: ``["actq", "gemm"]`` with :func:`uses_prequant`, else ``["gemm"]``."""
+    return ["actq", "gemm"] if uses_prequant(spec, target) else ["gemm"]
+
+
+def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
+    """The call's kernels for ``target`` in launch order (:func:`kernel_names`): the actq kernel (entry
+    ``name + "_actq"``, form ``f16s``, ``k = K``) and :func:`render_gemm`'s kernel (entry ``name``; default
+    ``"gemm_" + spec.key() + "_" + engine``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    name = name or f"gemm_{spec.key()}_{resolve_engine(spec, target)}"
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "actq":
+            out.append(render(ACTQ_TEMPLATE, f"{name}_actq", FAMILY, target, {"k": spec.k, "form": "f16s"}))
+        else:
+            out.append(render_gemm(spec, target, name))
+    return out
+
+
+def launch_shapes(spec: GemmSpec, target: Target) -> list[Launch]:
+    """One :class:`Launch` per kernel of :func:`kernel_names` (``kernel`` set), to be launched in that order on
+    one stream: ``actq`` grid ``(K/128, C, 1)``, 128 threads, no dynamic shared memory; ``gemm``
+    :func:`launch_shape`. The GEMM reads what actq wrote (the prelude's PDL entry waits for it).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "actq":
+            out.append(Launch((spec.k // KSTEP, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+        else:
+            ln = launch_shape(spec, target)
+            out.append(Launch(ln.grid, ln.block, ln.smem, kernel=kn))
+    return out
+
+
+def arg_names(spec: GemmSpec, target: Target | None = None) -> dict[str, list[str]]:
+    """Kernel argument names in order, per kernel of :func:`kernel_names` (with ``target``; without, as
+    ``spec.prequant`` asks): ``{"gemm": ["x", "w", "y"]}``, or ``{"actq": ["x", "xq", "xs"], "gemm": ["xq",
+    "xs", "w", "y"]}`` (``xq``, ``xs``: the call's workspaces, :func:`workspaces`). Shapes: :func:`arg_shapes`."""
+    if not (uses_prequant(spec, target) if target is not None else spec.prequant):
+        return {"gemm": ["x", "w", "y"]}
+    return {"actq": ["x", "xq", "xs"], "gemm": ["xq", "xs", "w", "y"]}
+
+
+def arg_shapes(spec: GemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every argument name of :func:`arg_names`: ``x`` bf16 ``[C, K]``, ``w``
+    :func:`weight_shape`, ``y`` ``[C, N]`` in ``out_dtype``, ``xq`` f16 ``[C, K]``, ``xs`` fp32 ``[C, K/128]``."""
+    return {"x": ((spec.rows, spec.k), torch.bfloat16), "w": weight_shape(spec),
+            "y": ((spec.rows, spec.n), spec.torch_out_dtype),
+            "xq": ((spec.rows, spec.k), torch.float16), "xs": ((spec.rows, spec.k // KSTEP), torch.float32)}
+
+
+def workspaces(spec: GemmSpec, target: Target) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The call's scratch tensors (written by one launch, read by a later one of the same call, dead after it):
+    with :func:`uses_prequant` ``{"xq": f16 [C, K], "xs": fp32 [C, K/128]}``, else ``{}``. 16-byte aligned,
+    contiguous.
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    if not uses_prequant(spec, target):
+        return {}
+    sh = arg_shapes(spec)
+    return {"xq": sh["xq"], "xs": sh["xs"]}
+
+
+def workspace_bytes(spec: GemmSpec, target: Target) -> int:
+    """Bytes of :func:`workspaces`: ``2 C K + 4 C K / 128`` with prequant, else 0."""
+    return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in workspaces(spec, target).values())
 
 
 def flops(spec: GemmSpec) -> int:
