@@ -422,7 +422,8 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     for spec, src, c in built:
         assert_no_spills(c.usage, src, c.log)
         assert c.usage.get("registers", 0) <= 256
-        lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)} {src.entry[-5:]}: "
+        kn = "actq" if src.entry.endswith("_actq") else "gemm"
+        lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)} {kn}: "
                      f"{c.usage.get('registers')} registers, smem {GM.plan(spec, t).smem} B")
     print("\n" + "\n".join(lines))  # shown with pytest -s
 

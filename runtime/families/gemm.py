@@ -26,9 +26,20 @@ values, ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, saturating at 448 = the spec's cla
 ``cvt.rn.f16x2.e4m3x2`` (``GemmSpec.sw_quant`` forces the software rounding: the A/B, and the GPU check's
 bit-for-bit comparison of the two; the emulator implements the cvt by its own nearest-value search).
 ``GemmSpec.x_prequant`` (x is actq's output) keeps only the amax / scale recovery: on the bf16 paths (sm_80,
-bf16 weights, HIP) the tile is then a plain copy. Not measured yet (docs/perf.md has the predictions). The
-fast path this points to, not built: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
-which the GEMM would stage with cp.async and no per-value work.
+bf16 weights, HIP) the tile is then a plain copy. Measured on an H200 (docs/perf.md), the in-tile quant is
+about half of the GEMM's time (wq_a Q8_0 4096 -> 1024 at C = 512: 106 us, 57 us with act_quant off).
+
+Prequant (``GemmSpec.prequant``; the experts family's ``ExpertsSpec.prequant``): the call is two launches
+(:func:`kernel_names`, :func:`launch_shapes`): ``templates/actq/act_quant.cu.j2`` form ``f16s`` quantizes x
+once (grid ``(K/128, C)``: ``xq`` f16 ``[C, K]`` the e4m3 values, exact in f16, and ``xs`` fp32 ``[C, K/128]``
+the scales, :func:`workspaces`), then the GEMM copies each X tile into shared memory with ``cp.async`` (16-byte
+copies, no per-value work, no X prefetch registers; rows >= C zeroed by plain stores) and prefetches the tile's
+64 scales (one strided 4-byte load per thread of the first 64) like the weights; the MMAs and the
+per-32 / per-128 scaling are the in-tile path's, on the same values in the same order, so the output is the
+in-tile kernel's bit for bit (tests/test_gemm_family.py, in emulation). Only for form 0 (:func:`uses_prequant`:
+the CUDA ``mma`` engine on sm_89+, MXFP4 / Q8_0, fp8act with act_quant): every other path's tile holds bf16
+values, so there the request falls back to the one in-tile kernel on bf16 ``x`` (a lowering may ask for it
+everywhere). Not measured yet (docs/perf.md has the prediction).
 
 Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x ``bn`` = 64 (default) or 128 weight
 rows, ``2 * bn`` threads (warps ``bn/32`` x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of
@@ -54,7 +65,8 @@ segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's 
 cp.async) while step ``k`` is computed from shared memory, then stored into the other stage (two stages; one,
 with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights). bf16 weight rows and the bf16 X
 rows are 16-byte aligned and could go by cp.async (fewer registers); not done: one staging path for every
-format and target, which the CPU emulator runs as written.
+format and target, which the CPU emulator runs as written. The one exception is prequant's X tile (above):
+``xq`` rows of ``2K`` bytes are 16-byte aligned and need no per-value work, so cp.async.
 
 Engines (``GemmSpec.engine``): ``mma`` (CUDA): form 0 on sm_89+ with act_quant and MXFP4 / Q8_0: the f16
 MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16; per 32-block the fp32 MMA
@@ -65,7 +77,9 @@ fp32 FMAs with the same per-block scaling, the vendor-neutral body (HIP). ``auto
 ``simt`` on HIP.
 
 Kernel arguments (:func:`arg_order`): ``x`` bf16 ``[C, K]``, ``w`` the stored weight, ``y`` ``[C, N]`` in
-``out_dtype`` (only rows < C and columns < N are written). Pointers 16-byte aligned, tensors contiguous.
+``out_dtype`` (only rows < C and columns < N are written); a prequant GEMM ``xq``, ``xs``, ``w``, ``y`` and
+its actq launch ``x``, ``xq``, ``xs`` (:func:`arg_names`, :func:`arg_shapes`). Pointers 16-byte aligned,
+tensors contiguous.
 
 Numerics vs :func:`reference`: the same operands and products (codes, scales and e4m3 values are exact in
 f16 / bf16 / fp32); only the fp32 summation order differs (per-32-block MMA partials, then scales), so fp32
