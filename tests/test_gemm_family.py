@@ -8,6 +8,10 @@
   tile: every element of rows < C written and within tolerance of the reference, no write past row C;
 * device compiles: sm_90 (nvcc; no spills, no stack; registers printed) and gfx942 (clang-19, the SIMT body;
   no scratch), skipped with the reason when the compiler is missing;
+* prequant (``GemmSpec.prequant``: actq form f16s once, then the GEMM copying its X tiles by cp.async): the
+  call's plan and fallback rule, and in emulation its output bit for bit the in-tile quant kernel's (MXFP4,
+  Q8_0, bn 128, C and N partial tiles, the one-stage pipeline), its workspaces act_quant_fp8's, and a
+  missing cp.async wait caught by the emulator;
 * bad specs raise RenderError with a one-line message; the GPU check's cases build on the CPU.
 
 Tolerances (emulation): bf16 outputs: worst per-row relative L2 < 1e-3 and per element
@@ -21,6 +25,7 @@ check's 1e-2 / 1e-4 tolerances (tools/gpu_checks/gemm.py) cover.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds4c import quant
 from ds4c.quant import act_quant_dequant
 from ds4c.reference import primitives as P
 from ds4c.runtime.families import gemm as GM
@@ -248,6 +254,137 @@ def test_kernel_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert _rel_rows(y, GM.reference(spec, x, w)) < 1e-3
 
 
+# ------------------------------------------------------------------------------------------------ prequant
+def _params(src) -> int:
+    """The parameter count of the kernel's entry (its first ``(`` after the last ``DS4C_GLOBAL``)."""
+    g = src.source.rindex("DS4C_GLOBAL")
+    sig = src.source[src.source.index(src.entry + "(", g):]
+    return sig[:sig.index(")")].count(",") + 1
+
+
+def test_prequant_plan() -> None:
+    """GemmSpec.prequant on sm_90's mma engine (form 0, MXFP4 / Q8_0, fp8act): two launches (actq f16s, then the
+    GEMM on xq / xs), the workspaces, argument lists matching the kernels' parameters; the rendered GEMM copies
+    its X tiles with cp.async and has no in-tile quant."""
+    t = target("sm_90")
+    for fmt in ("mxfp4", "q8_0"):
+        sp = GM.GemmSpec(100, 200, 512, fmt, prequant=True)
+        assert GM.uses_prequant(sp, t) and GM.kernel_names(sp, t) == ["actq", "gemm"]
+        la = GM.launch_shapes(sp, t)
+        assert [x.kernel for x in la] == ["actq", "gemm"]
+        assert (la[0].grid, la[0].block, la[0].smem) == ((4, 100, 1), (128, 1, 1), 0)
+        ln = GM.launch_shape(sp, t)
+        assert (la[1].grid, la[1].block, la[1].smem) == (ln.grid, ln.block, ln.smem) == ((2, 4, 1), (128, 1, 1),
+                                                                                      GM.plan(sp, t).smem)
+        names = GM.arg_names(sp, t)
+        assert names == {"actq": ["x", "xq", "xs"], "gemm": ["xq", "xs", "w", "y"]}
+        srcs = GM.render_call(sp, t, "k")
+        assert [k.entry for k in srcs] == ["k_actq", "k"]
+        for k, kn in zip(srcs, GM.kernel_names(sp, t)):
+            assert _params(k) == len(names[kn]), kn
+        g = srcs[1].source
+        assert "#define GM_PQ 1" in g and "cp.async.cg.shared.global" in g and "#define GM_HWQ 1" in g
+        assert "const u16* DS4C_RESTRICT xq, const float* DS4C_RESTRICT xsg" in g
+        assert srcs[1].source == GM.render_gemm(sp, t, "k").source
+        assert "#define GM_PQ 0" in GM.render_gemm(GM.GemmSpec(100, 200, 512, fmt), t).source
+        assert GM.workspaces(sp, t) == {"xq": ((100, 512), torch.float16), "xs": ((100, 4), torch.float32)}
+        assert GM.workspace_bytes(sp, t) == 100 * 512 * 2 + 100 * 4 * 4
+        ao = GM.arg_order(sp, t)
+        assert [a[:2] for a in ao] == [("xq", "in"), ("xs", "in"), ("w", "in"), ("y", "out")]
+        assert ao[2][2:] == GM.weight_shape(sp) and ao[3][2:] == ((100, 200), BF16)
+        assert GM.arg_order(sp) == ao  # without a target: as spec.prequant asks
+    assert "_pq" in sp.key() and "_pq" not in GM.GemmSpec(100, 200, 512).key() and " pq" in sp.short()
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("sm_90", dict(engine="simt")), ("sm_80", {}), ("gfx942", {}), ("sm_90", dict(fmt="bf16")),
+    ("sm_90", dict(act_quant=False)), ("sm_90", dict(mode="bf16")), ("sm_90", dict(mode="f32")),
+], ids=["simt", "sm_80", "hip", "bf16-weights", "noaq", "mode-bf16", "mode-f32"])
+def test_prequant_falls_back(arch: str, kw: dict) -> None:
+    """Where the tile is not the form-0 activation (bf16 values: SIMT / HIP, sm_80, bf16 weights, act_quant off,
+    modes bf16 / f32), prequant is off (the documented rule, GM.uses_prequant): one launch, the in-tile
+    kernel's source, bf16 x, no workspaces."""
+    t = target(arch)
+    kw = dict(dict(rows=100, n=200, k=512, fmt="q8_0"), **kw)
+    sp, base = GM.GemmSpec(**kw, prequant=True), GM.GemmSpec(**kw)
+    assert not GM.uses_prequant(sp, t) and GM.kernel_names(sp, t) == ["gemm"]
+    assert GM.arg_names(sp, t) == {"gemm": ["x", "w", "y"]} and GM.workspaces(sp, t) == {}
+    assert GM.workspace_bytes(sp, t) == 0 and GM.arg_order(sp, t) == GM.arg_order(base)
+    assert [ln.kernel for ln in GM.launch_shapes(sp, t)] == ["gemm"]
+    srcs = GM.render_call(sp, t, "k")
+    assert len(srcs) == 1 and srcs[0].source == GM.render_gemm(base, t, "k").source
+
+
+# (arch, spec fields): C not a multiple of 64 and N a partial tile in each; MXFP4 and Q8_0; bn 128; fp32 out
+PQ_CASES = [
+    dict(rows=77, n=96, k=512, fmt="mxfp4"),
+    dict(rows=20, n=72, k=256, fmt="q8_0"),
+    dict(rows=70, n=200, k=256, fmt="mxfp4", bn=128),
+    dict(rows=65, n=40, k=384, fmt="q8_0", out_dtype="f32"),
+]
+
+
+def _pq_check(kw: dict, tmp_path: Path, seed: int) -> None:
+    E = _emu()
+    spec, base = GM.GemmSpec(**kw, prequant=True), GM.GemmSpec(**kw)
+    assert GM.uses_prequant(spec, target("sm_90"))
+    x, w = _inputs(spec, seed)
+    y, guard = E.run(spec, x, w, tmp_path / "pq")
+    yb, gb = E.run(base, x, w, tmp_path / "in_tile")
+    xq, xs = E.read_prequant(spec, tmp_path / "pq")
+    qx, sx = quant.act_quant_fp8(x)
+    assert torch.equal(xq.float(), qx) and torch.equal(xs, sx)  # the actq launch is spec 2.3.1
+    assert not torch.isnan(y.float()).any(), "unwritten output elements"
+    assert torch.isnan(guard.float()).all() and torch.isnan(gb.float()).all(), "a kernel wrote rows beyond C"
+    iv = torch.int16 if y.dtype == BF16 else torch.int32
+    assert torch.equal(y.view(iv), yb.view(iv)), "prequant differs from the in-tile quant"
+    assert _rel_rows(y, GM.reference(spec, x, w)) < (1e-3 if spec.out_dtype == "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("kw", PQ_CASES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_prequant_emulated_equals_in_tile_quant(kw: dict, tmp_path: Path) -> None:
+    """The prequant call (actq, then the GEMM copying xq / xs) on the CPU emulator: the workspaces are
+    act_quant_fp8 of x, and y is the in-tile quant kernel's bit for bit (the same e4m3 values and scales in the
+    same MMA order); rows past C unwritten."""
+    why = _emu().host_unavailable()
+    if why:
+        pytest.skip(why)
+    _pq_check(kw, tmp_path, 21)
+
+
+def test_prequant_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-stage pipeline with prequant (the copies of step k+1 issued only after the barrier that ends
+    step k's reads), forced by a smaller shared-memory limit."""
+    why = _emu().host_unavailable()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setitem(GM.SMEM_LIMIT, "cuda", 40 * 1024)
+    kw = dict(rows=50, n=64, k=512, fmt="mxfp4")
+    assert GM.plan(GM.GemmSpec(**kw, prequant=True), target("sm_90")).nstage == 1
+    _pq_check(kw, tmp_path, 23)
+
+
+def test_prequant_emulator_catches_missing_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its cp.async waits the GEMM ends its blocks with copies in flight: the emulator aborts."""
+    E = _emu()
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    real = GM.render_gemm
+
+    def no_wait(spec, tgt, name=None):
+        k = real(spec, tgt, name)
+        assert "  gm_cp_wait_all();" in k.source
+        return dataclasses.replace(k, source=k.source.replace("  gm_cp_wait_all();", "  "))
+
+    monkeypatch.setattr(GM, "render_gemm", no_wait)
+    spec = GM.GemmSpec(30, 64, 256, "q8_0", prequant=True)
+    x, w = _inputs(spec, 3)
+    exe = E.build(spec, tmp_path)  # it compiles: the failure is the run's
+    with pytest.raises(RuntimeError, match="cp.async copies never waited for"):
+        E.run(spec, x, w, tmp_path, exe=exe)
+
+
 # -------------------------------------------------------------------------------------- device compiles
 COMPILE_CASES = [("mxfp4", "fp8act"), ("q8_0", "fp8act"), ("bf16", "bf16"), ("q8_0", "bf16")]
 
@@ -261,26 +398,33 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     specs.append(GM.GemmSpec(4096, 4096, 4096, "mxfp4", x_prequant=True))
     specs += [GM.GemmSpec(4096, 4096, 4096, f, bn=128) for f in ("mxfp4", "q8_0")]
     specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", sw_quant=True))
+    # prequant (on gfx942 the in-tile fallback): the GEMM copying xq / xs, and (CUDA) its actq launch
+    specs += [GM.GemmSpec(4096, 4096, 4096, f, prequant=True) for f in ("mxfp4", "q8_0")]
+    specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", bn=128, prequant=True))
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
     why = compiler_missing(arch)
     if why:
         pytest.skip(f"no compiler for {arch}: {why}")
+    pq = GM.GemmSpec(4096, 4096, 4096, "mxfp4", prequant=True)
+    assert GM.uses_prequant(pq, t) == (t.vendor == "cuda")
+    srcs = [(s, GM.render_gemm(s, t)) for s in specs] + [(pq, k) for k in GM.render_call(pq, t)[:-1]]
 
     def job(i: int) -> tuple[GM.GemmSpec, object, object]:
-        src = GM.render_gemm(specs[i], t)
+        spec, src = srcs[i]
         d = tmp_path / str(i)
         d.mkdir()
-        return specs[i], src, compile_kernel(src, d)
+        return spec, src, compile_kernel(src, d)
 
     lines = []
     with ThreadPoolExecutor(2) as ex:
-        built = list(ex.map(job, range(len(specs))))
+        built = list(ex.map(job, range(len(srcs))))
     for spec, src, c in built:
         assert_no_spills(c.usage, src, c.log)
         assert c.usage.get("registers", 0) <= 256
-        lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)}: {c.usage.get('registers')} registers, "
-                     f"smem {GM.plan(spec, t).smem} B")
+        kn = "actq" if src.entry.endswith("_actq") else "gemm"
+        lines.append(f"{arch} {spec.short()} {GM.resolve_engine(spec, t)} {kn}: "
+                     f"{c.usage.get('registers')} registers, smem {GM.plan(spec, t).smem} B")
     print("\n" + "\n".join(lines))  # shown with pytest -s
 
 
@@ -295,6 +439,8 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
     (dict(rows=64, n=64, k=256, mode="bf16", x_prequant=True), "x_prequant with mode 'bf16' and act_quant True"),
     (dict(rows=64, n=64, k=256, bn=96), "bn 96 (expected 0 or one of (64, 128))"),
+    (dict(rows=64, n=64, k=256, prequant=1), "prequant 1 (expected a bool)"),
+    (dict(rows=64, n=64, k=256, prequant=True, x_prequant=True), "prequant with x_prequant (expected at most one"),
 ])
 def test_bad_spec(kw: dict, needle: str) -> None:
     with pytest.raises(RenderError) as ei:
@@ -328,8 +474,14 @@ def test_gpu_check_cases_build_on_cpu() -> None:
     names = dict(cs)
     assert all(names[sw].sw_quant and not names[hw].sw_quant and names[sw].rows == names[hw].rows
                for sw, hw in check.TWINS)
+    assert all(names[pq].prequant and not names[it].prequant
+               and dataclasses.replace(names[pq], prequant=False) == names[it] for pq, it in check.PQ_TWINS)
     for n, s in cs:
-        GM.render_gemm(s, target("sm_90"), f"gemm_{n}")
+        ks = GM.render_call(s, target("sm_90"), f"gemm_{n}")
+        assert len(ks) == (2 if s.prequant else 1)
+    pq = GM.GemmSpec(20, 64, 256, "q8_0", prequant=True)
+    ws = check.workspace_buffers(pq, target("sm_90"), "cpu")
+    assert ws["xq"].shape == (20, 256) and ws["xs"].shape == (20, 2) and torch.isnan(ws["xq"]).all()
     spec = GM.GemmSpec(20, 64, 256, "q8_0")
     x, w, ybuf = check.case_buffers(spec, torch.Generator().manual_seed(0), "cpu")
     assert x.shape == (20, 256) and x.dtype == BF16

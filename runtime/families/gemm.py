@@ -26,9 +26,20 @@ values, ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, saturating at 448 = the spec's cla
 ``cvt.rn.f16x2.e4m3x2`` (``GemmSpec.sw_quant`` forces the software rounding: the A/B, and the GPU check's
 bit-for-bit comparison of the two; the emulator implements the cvt by its own nearest-value search).
 ``GemmSpec.x_prequant`` (x is actq's output) keeps only the amax / scale recovery: on the bf16 paths (sm_80,
-bf16 weights, HIP) the tile is then a plain copy. Not measured yet (docs/perf.md has the predictions). The
-fast path this points to, not built: a quant launch writing the e4m3 values as f16 plus the fp32 scales once,
-which the GEMM would stage with cp.async and no per-value work.
+bf16 weights, HIP) the tile is then a plain copy. Measured on an H200 (docs/perf.md), the in-tile quant is
+about half of the GEMM's time (wq_a Q8_0 4096 -> 1024 at C = 512: 106 us, 57 us with act_quant off).
+
+Prequant (``GemmSpec.prequant``; the experts family's ``ExpertsSpec.prequant``): the call is two launches
+(:func:`kernel_names`, :func:`launch_shapes`): ``templates/actq/act_quant.cu.j2`` form ``f16s`` quantizes x
+once (grid ``(K/128, C)``: ``xq`` f16 ``[C, K]`` the e4m3 values, exact in f16, and ``xs`` fp32 ``[C, K/128]``
+the scales, :func:`workspaces`), then the GEMM copies each X tile into shared memory with ``cp.async`` (16-byte
+copies, no per-value work, no X prefetch registers; rows >= C zeroed by plain stores) and prefetches the tile's
+64 scales (one strided 4-byte load per thread of the first 64) like the weights; the MMAs and the
+per-32 / per-128 scaling are the in-tile path's, on the same values in the same order, so the output is the
+in-tile kernel's bit for bit (tests/test_gemm_family.py, in emulation). Only for form 0 (:func:`uses_prequant`:
+the CUDA ``mma`` engine on sm_89+, MXFP4 / Q8_0, fp8act with act_quant): every other path's tile holds bf16
+values, so there the request falls back to the one in-tile kernel on bf16 ``x`` (a lowering may ask for it
+everywhere). Not measured yet (docs/perf.md has the prediction).
 
 Tiling (render-time constants, :func:`plan`): CTA tile 64 rows of X x ``bn`` = 64 (default) or 128 weight
 rows, ``2 * bn`` threads (warps ``bn/32`` x 2, each 32 x 32 = 2 x 4 ``mma.sync`` m16n8k16 tiles), K steps of
@@ -54,7 +65,8 @@ segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's 
 cp.async) while step ``k`` is computed from shared memory, then stored into the other stage (two stages; one,
 with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights). bf16 weight rows and the bf16 X
 rows are 16-byte aligned and could go by cp.async (fewer registers); not done: one staging path for every
-format and target, which the CPU emulator runs as written.
+format and target, which the CPU emulator runs as written. The one exception is prequant's X tile (above):
+``xq`` rows of ``2K`` bytes are 16-byte aligned and need no per-value work, so cp.async.
 
 Engines (``GemmSpec.engine``): ``mma`` (CUDA): form 0 on sm_89+ with act_quant and MXFP4 / Q8_0: the f16
 MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16; per 32-block the fp32 MMA
@@ -65,7 +77,9 @@ fp32 FMAs with the same per-block scaling, the vendor-neutral body (HIP). ``auto
 ``simt`` on HIP.
 
 Kernel arguments (:func:`arg_order`): ``x`` bf16 ``[C, K]``, ``w`` the stored weight, ``y`` ``[C, N]`` in
-``out_dtype`` (only rows < C and columns < N are written). Pointers 16-byte aligned, tensors contiguous.
+``out_dtype`` (only rows < C and columns < N are written); a prequant GEMM ``xq``, ``xs``, ``w``, ``y`` and
+its actq launch ``x``, ``xq``, ``xs`` (:func:`arg_names`, :func:`arg_shapes`). Pointers 16-byte aligned,
+tensors contiguous.
 
 Numerics vs :func:`reference`: the same operands and products (codes, scales and e4m3 values are exact in
 f16 / bf16 / fp32); only the fp32 summation order differs (per-32-block MMA partials, then scales), so fp32
@@ -136,6 +150,14 @@ class GemmSpec:
             instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
         bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
             by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
+        prequant: quantize x once per call (``templates/actq/act_quant.cu.j2`` form ``f16s``: ``xq`` f16
+            ``[C, K]`` holding the e4m3 values, ``xs`` fp32 ``[C, K/128]`` the per-128 scales) instead of in every
+            X tile of every CTA column; the GEMM then copies its tiles with cp.async (two launches,
+            :func:`kernel_names`; the same output bits). A request: it applies only where the kernel reads the
+            form-0 activation (:func:`uses_prequant`: the CUDA ``mma`` engine on sm_89+, MXFP4 / Q8_0 weights,
+            mode ``fp8act`` with ``act_quant``); elsewhere the call is the one in-tile kernel on bf16 ``x``, as
+            without it (the experts family's rule, ``ExpertsSpec.prequant``). Not with ``x_prequant`` (two
+            different input contracts); ``sw_quant`` is moot with it (actq rounds in software anyway).
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -152,6 +174,7 @@ class GemmSpec:
     x_prequant: bool = False
     bn: int = 0
     sw_quant: bool = False
+    prequant: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -180,6 +203,11 @@ class GemmSpec:
         if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
             bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "
                        f"mode 'fp8act' and act_quant True)")
+        if not isinstance(self.prequant, bool):
+            bad.append(f"prequant {self.prequant!r} (expected a bool)")
+        elif self.prequant and self.x_prequant:
+            bad.append("prequant with x_prequant (expected at most one: prequant's x is actq's f16 values and "
+                       "scales, x_prequant's its bf16 output)")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -196,13 +224,13 @@ class GemmSpec:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
                 + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
-                + (f"_bn{self.bn}" if self.bn else "") + f"_{self.out_dtype}")
+                + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
                 + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
                 + (" swq" if self.sw_quant else "")
-                + (f" bn{self.bn}" if self.bn else "") + f"->{self.out_dtype}")
+                + (f" bn{self.bn}" if self.bn else "") + (" pq" if self.prequant else "") + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -268,6 +296,8 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
     """The kernel of ``spec`` for ``target``; ``name`` gives the entry (default ``"gemm_" + spec.key() + "_" +
     engine``; non-identifier characters become ``_``). Launch with :func:`launch_shape`, :func:`arg_order`.
+    With :func:`uses_prequant` this is the call's second kernel (arguments ``xq``, ``xs``, ``w``, ``y``), which
+    needs the actq launch before it: :func:`render_call` renders both.
 
     Raises:
         RenderError: see :func:`plan`.
@@ -276,7 +306,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     name = name or f"gemm_{spec.key()}_{pl.engine}"
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
-        quant=spec.quant, x_prequant=spec.x_prequant,
+        quant=spec.quant, x_prequant=spec.x_prequant, prequant=uses_prequant(spec, target),
         hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
         out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
@@ -302,12 +332,109 @@ def weight_shape(spec: GemmSpec) -> tuple[tuple[int, ...], torch.dtype]:
     return (spec.n, row_bytes(spec.fmt, spec.k)), torch.uint8
 
 
-def arg_order(spec: GemmSpec) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
-    """``(name, role, shape, dtype)`` of ``x`` (bf16 ``[C, K]``), ``w`` (:func:`weight_shape`) and ``y``
-    (``[C, N]`` in ``out_dtype``), in kernel order. No integer arguments (every size is render-time)."""
-    ws, wd = weight_shape(spec)
-    return [("x", "in", (spec.rows, spec.k), torch.bfloat16), ("w", "in", ws, wd),
-            ("y", "out", (spec.rows, spec.n), spec.torch_out_dtype)]
+def arg_order(spec: GemmSpec, target: Target | None = None) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """``(name, role, shape, dtype)`` of the GEMM kernel's arguments in kernel order: ``x`` (bf16 ``[C, K]``),
+    ``w`` (:func:`weight_shape`) and ``y`` (``[C, N]`` in ``out_dtype``); with prequant (:func:`uses_prequant`
+    on ``target``; without a target: as ``spec.prequant`` asks) ``xq`` (f16 ``[C, K]``) and ``xs`` (fp32
+    ``[C, K/128]``), both role ``in``, in place of ``x``. No integer arguments (every size is render-time). The
+    actq launch's arguments: :func:`arg_names`."""
+    sh = arg_shapes(spec)
+    return [(n, "out" if n == "y" else "in") + sh[n] for n in arg_names(spec, target)["gemm"]]
+
+
+# ------------------------------------------------------------------------------------------------ prequant
+#: the activation quant of a prequant call (form ``f16s``)
+ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
+
+
+def uses_prequant(spec: GemmSpec, target: Target) -> bool:
+    """Whether ``spec`` on ``target`` runs as the two-launch prequant call: ``spec.prequant`` and the kernel reads
+    the form-0 activation (:func:`plan`: CUDA ``mma`` engine, sm_89+, mode ``fp8act`` with ``act_quant``, MXFP4 /
+    Q8_0 weights). Everywhere else (SIMT / HIP, sm_80, bf16 weights, modes ``bf16`` / ``f32``, act_quant off) the
+    tile holds bf16 values, which a copy of actq's f16 e4m3 values cannot give, so the call falls back to the one
+    in-tile kernel on bf16 ``x`` (same outputs).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    return spec.prequant and plan(spec, target).form == 0
+
+
+def kernel_names(spec: GemmSpec, target: Target) -> list[str]:
+    """The call's kernels in launch order: ``["actq", "gemm"]`` with :func:`uses_prequant`, else ``["gemm"]``."""
+    return ["actq", "gemm"] if uses_prequant(spec, target) else ["gemm"]
+
+
+def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
+    """The call's kernels for ``target`` in launch order (:func:`kernel_names`): the actq kernel (entry
+    ``name + "_actq"``, form ``f16s``, ``k = K``) and :func:`render_gemm`'s kernel (entry ``name``; default
+    ``"gemm_" + spec.key() + "_" + engine``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    name = name or f"gemm_{spec.key()}_{resolve_engine(spec, target)}"
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "actq":
+            out.append(render(ACTQ_TEMPLATE, f"{name}_actq", FAMILY, target, {"k": spec.k, "form": "f16s"}))
+        else:
+            out.append(render_gemm(spec, target, name))
+    return out
+
+
+def launch_shapes(spec: GemmSpec, target: Target) -> list[Launch]:
+    """One :class:`Launch` per kernel of :func:`kernel_names` (``kernel`` set), to be launched in that order on
+    one stream: ``actq`` grid ``(K/128, C, 1)``, 128 threads, no dynamic shared memory; ``gemm``
+    :func:`launch_shape`. The GEMM reads what actq wrote (the prelude's PDL entry waits for it).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "actq":
+            out.append(Launch((spec.k // KSTEP, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+        else:
+            ln = launch_shape(spec, target)
+            out.append(Launch(ln.grid, ln.block, ln.smem, kernel=kn))
+    return out
+
+
+def arg_names(spec: GemmSpec, target: Target | None = None) -> dict[str, list[str]]:
+    """Kernel argument names in order, per kernel of :func:`kernel_names` (with ``target``; without, as
+    ``spec.prequant`` asks): ``{"gemm": ["x", "w", "y"]}``, or ``{"actq": ["x", "xq", "xs"], "gemm": ["xq",
+    "xs", "w", "y"]}`` (``xq``, ``xs``: the call's workspaces, :func:`workspaces`). Shapes: :func:`arg_shapes`."""
+    if not (uses_prequant(spec, target) if target is not None else spec.prequant):
+        return {"gemm": ["x", "w", "y"]}
+    return {"actq": ["x", "xq", "xs"], "gemm": ["xq", "xs", "w", "y"]}
+
+
+def arg_shapes(spec: GemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every argument name of :func:`arg_names`: ``x`` bf16 ``[C, K]``, ``w``
+    :func:`weight_shape`, ``y`` ``[C, N]`` in ``out_dtype``, ``xq`` f16 ``[C, K]``, ``xs`` fp32 ``[C, K/128]``."""
+    return {"x": ((spec.rows, spec.k), torch.bfloat16), "w": weight_shape(spec),
+            "y": ((spec.rows, spec.n), spec.torch_out_dtype),
+            "xq": ((spec.rows, spec.k), torch.float16), "xs": ((spec.rows, spec.k // KSTEP), torch.float32)}
+
+
+def workspaces(spec: GemmSpec, target: Target) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The call's scratch tensors (written by one launch, read by a later one of the same call, dead after it):
+    with :func:`uses_prequant` ``{"xq": f16 [C, K], "xs": fp32 [C, K/128]}``, else ``{}``. 16-byte aligned,
+    contiguous.
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    if not uses_prequant(spec, target):
+        return {}
+    sh = arg_shapes(spec)
+    return {"xq": sh["xq"], "xs": sh["xs"]}
+
+
+def workspace_bytes(spec: GemmSpec, target: Target) -> int:
+    """Bytes of :func:`workspaces`: ``2 C K + 4 C K / 128`` with prequant, else 0."""
+    return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in workspaces(spec, target).values())
 
 
 def flops(spec: GemmSpec) -> int:

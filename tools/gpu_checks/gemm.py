@@ -10,7 +10,11 @@ N = 1000), the SIMT engine (the HIP body) on CUDA, and ``x_prequant`` kernels on
 their us with the same shapes' default kernels: the price of the in-kernel e4m3 rounding), and 128-row weight
 tiles (``bn=128``, 256 threads) against the default 64. Two "twin" rows run a ``sw_quant`` kernel (software
 e4m3 rounding) and its default twin (``cvt.rn.satfinite.e4m3x2.f32``) on the same inputs: the outputs must be
-equal bit for bit.
+equal bit for bit. ``pq_*`` rows are prequant calls (``GemmSpec.prequant``: the actq launch writes x's e4m3
+values as f16 and the per-128 scales once, the GEMM copies its X tiles by cp.async): ``us`` times the two
+launches together, ``us_gemm`` the GEMM alone and ``us_actq`` the actq launch alone (printed after the spec);
+their workspaces are poisoned with NaN too, and :data:`PQ_TWINS` compares each with its in-tile-quant twin bit
+for bit on the same inputs.
 
 Per case: fresh random inputs (``gemm.random_x``: per-(row, 128-block) magnitudes 1e-2..1e2 and a row of
 magnitude 1e-6 under the 1e-4 amax floor; ``gemm.random_weight``), the output poisoned with NaN and followed
@@ -83,13 +87,26 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             # the software e4m3 rounding: TWINS compares each bit for bit with its cvt.rn.satfinite twin
             ("swq_wq_a_c512", GM.GemmSpec(512, 1024, 4096, "q8_0", sw_quant=True)),
             ("swq_mxfp4_f32out_c512", GM.GemmSpec(512, 2048, 4096, "mxfp4", "fp8act", out_dtype="f32",
-                                                  sw_quant=True))]
+                                                  sw_quant=True)),
+            # prequant: actq (f16 e4m3 values + fp32 scales, once) + the GEMM copying its X tiles (cp.async);
+            # against the same shapes' in-tile rows above (PQ_TWINS: bit for bit)
+            ("pq_wq_a_c512", GM.GemmSpec(512, 1024, 4096, "q8_0", prequant=True)),
+            ("pq_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", prequant=True)),
+            ("pq_wq_b_c4096", GM.GemmSpec(4096, 32768, 1024, "q8_0", prequant=True)),
+            ("pq_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", prequant=True)),
+            ("pq_bn128_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", bn=128, prequant=True)),
+            ("pq_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", prequant=True)),
+            ("pq_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True))]
     return out
 
 
 #: (software-rounding case, its default twin): the same inputs must give the same bits (the check that
 #: cvt.rn.satfinite.e4m3x2.f32 rounds as the reference does, subnormals and saturation included)
 TWINS = [("swq_wq_a_c512", "wq_a_c512"), ("swq_mxfp4_f32out_c512", "mxfp4_f32out_c512")]
+#: (prequant case, its in-tile-quant twin): the same values in the same order, so the same bits
+PQ_TWINS = [("pq_wq_a_c512", "wq_a_c512"), ("pq_wq_a_c4096", "wq_a_c4096"), ("pq_wq_b_c4096", "wq_b_c4096"),
+            ("pq_expert_w1_c4096", "expert_w1_c4096"), ("pq_bn128_expert_w1_c4096", "bn128_expert_w1_c4096"),
+            ("pq_partial_mxfp4_c77", "partial_mxfp4_c77"), ("pq_partial_q8_c77", "partial_q8_c77")]
 
 
 def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
@@ -107,6 +124,25 @@ def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
     return x, w, ybuf
 
 
+def workspace_buffers(spec: GM.GemmSpec, tgt: Any, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """The call's workspaces (:func:`ds4c.runtime.families.gemm.workspaces`: prequant's ``xq``, ``xs``) on
+    ``device``, NaN-poisoned (a GEMM reading what actq did not write shows)."""
+    return {n: torch.full(sh, float("nan"), dtype=dt, device=device) for n, (sh, dt) in GM.workspaces(spec, tgt).items()}
+
+
+def _caller(spec: GM.GemmSpec, tgt: Any, kerns: list) -> Any:
+    """``go(bufs, only=None)``: launch the call's kernels (:func:`GM.launch_shapes` order; ``only``: that kernel
+    alone) on ``bufs`` (argument name -> tensor)."""
+    lns, names = GM.launch_shapes(spec, tgt), GM.arg_names(spec, tgt)
+
+    def go(bufs: dict, only: str | None = None) -> None:
+        for k, ln in zip(kerns, lns):
+            if only is None or ln.kernel == only:
+                k(ln.grid, ln.block, [bufs[a] for a in names[ln.kernel]], ln.smem)
+
+    return go
+
+
 def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> float:
     """Worst over the rows of ||got - want|| / ||want|| (rows differ in magnitude by 1e8)."""
     g, w = got.double(), want.double()
@@ -114,25 +150,30 @@ def _rel_rows(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((d / w.norm(dim=-1).clamp(min=1e-300)).max())
 
 
-def _case(name: str, spec: GM.GemmSpec, kern: Any, use: dict, csec: float, g: torch.Generator, tgt: Any) -> dict:
+def _case(name: str, spec: GM.GemmSpec, kerns: list, use: dict, csec: float, g: torch.Generator, tgt: Any) -> dict:
     ln = GM.launch_shape(spec, tgt)
+    go = _caller(spec, tgt, kerns)
     x, w, ybuf = case_buffers(spec, g)
     y = ybuf[:spec.rows]
-    kern(ln.grid, ln.block, [x, w, y], ln.smem)
+    bufs = {"x": x, "w": w, "y": y, **workspace_buffers(spec, tgt)}
+    go(bufs)
     torch.cuda.synchronize()
     want = GM.reference(spec, x, w)
     written = not bool(torch.isnan(y).any())
     guard = bool(torch.isnan(ybuf[spec.rows:]).all())
     e = _rel_rows(y, want)
     y2 = torch.full_like(y, float("nan"))
-    kern(ln.grid, ln.block, [x, w, y2], ln.smem)
+    go({**bufs, "y": y2})
     torch.cuda.synchronize()
     iv = torch.int16 if y.dtype == torch.bfloat16 else torch.int32
     same = torch.equal(y.view(iv), y2.view(iv))
     ok = written and guard and same and e < TOL[spec.out_dtype]
-    us = _median_us(lambda: kern(ln.grid, ln.block, [x, w, y], ln.smem))
+    us = _median_us(lambda: go(bufs))
+    extra = {}
+    if len(kerns) > 1:  # prequant: each launch alone too
+        extra = {"us_gemm": _median_us(lambda: go(bufs, "gemm")), "us_actq": _median_us(lambda: go(bufs, "actq"))}
     nbytes = GM.weight_bytes(spec) + x.numel() * 2 + y.numel() * y.element_size()
-    return {"spec": f"{name:18s}", "detail": spec.short(), "ok": ok, "all_written": written, "guard_ok": guard,
+    return {**extra, "spec": f"{name:18s}", "detail": spec.short(), "ok": ok, "all_written": written, "guard_ok": guard,
             "deterministic": same, "rel_err": e, "us": us, "TFLOPs": GM.flops(spec) / (us * 1e-6) / 1e12,
             "GBps": nbytes / (us * 1e-6) / 1e9, "bytes": nbytes, "grid": ln.grid, "smem": ln.smem,
             "regs": use.get("registers"), "spills": use.get("spills"), "compile_s": csec}
@@ -146,7 +187,8 @@ def _median_us(fn: Any) -> float:
 
 def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case: spec, detail, ok, all_written, guard_ok, deterministic, rel_err, us,
-    TFLOPs, GBps, bytes, grid, smem, regs, spills, compile_s."""
+    TFLOPs, GBps, bytes, grid, smem, regs, spills, compile_s (prequant cases also us_gemm, us_actq); then one
+    per twin pair (:data:`TWINS`, :data:`PQ_TWINS`)."""
     from tools.gpu_checks.common import compile_source, load
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -154,54 +196,57 @@ def run(arch: str = "sm_90") -> list[dict]:
     tgt = make_target(arch)
     tmp = Path(tempfile.mkdtemp(prefix="ds4c-gemm-"))
     specs = dict(cases())
-    srcs = {n: GM.render_gemm(s, tgt, f"gemm_{n}") for n, s in specs.items()}
+    # every case's kernels in launch order (a prequant call: actq, then the GEMM)
+    srcs = {n: GM.render_call(s, tgt, f"gemm_{n}") for n, s in specs.items()}
 
-    def job(item: tuple[str, Any]) -> tuple[str, Any]:
-        n, k = item
-        d = tmp / k.entry
-        d.mkdir()
+    def job(n: str) -> tuple[str, Any]:
         try:
-            return n, compile_source(k, d)
+            out = []
+            for k in srcs[n]:
+                d = tmp / k.entry
+                d.mkdir()
+                out.append(compile_source(k, d))
+            return n, out
         except Exception as e:  # reported per case
             return n, e
 
+    def kernels(n: str) -> list:
+        b = built[n]
+        if isinstance(b, Exception):
+            raise b
+        return [load(img).function(k.entry, ln.smem)
+                for (img, _, _), k, ln in zip(b, srcs[n], GM.launch_shapes(specs[n], tgt))]
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as ex:
-        built = dict(ex.map(job, srcs.items()))
+        built = dict(ex.map(job, list(srcs)))
     compile_s = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(1234)
     rows: list[dict] = []
     for n, spec in specs.items():
         try:
-            b = built[n]
-            if isinstance(b, Exception):
-                raise b
-            img, use, secs = b
-            kern = load(img).function(srcs[n].entry, GM.launch_shape(spec, tgt).smem)
-            rows.append(_case(n, spec, kern, use, secs, g, tgt))
+            ks = kernels(n)
+            _, use, secs = built[n][-1]  # the GEMM's resources
+            rows.append(_case(n, spec, ks, use, secs + sum(b[2] for b in built[n][:-1]), g, tgt))
         except Exception as ex:
             traceback.print_exc()
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
                          "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
         torch.cuda.empty_cache()
-    for sw, hw in TWINS:
+    for sw, hw in TWINS + PQ_TWINS:
+        what = ("software vs cvt e4m3 rounding" if (sw, hw) in TWINS else "prequant vs in-tile quant") + \
+            ", bit for bit"
         try:
-            ks = []
-            for n in (sw, hw):
-                b = built[n]
-                if isinstance(b, Exception):
-                    raise b
-                ks.append(load(b[0]).function(srcs[n].entry, GM.launch_shape(specs[n], tgt).smem))
             spec = specs[sw]
-            ln = GM.launch_shape(spec, tgt)
             x, w, ybuf = case_buffers(spec, g)
             y2 = torch.full_like(ybuf[:spec.rows], float("nan"))
-            ks[0](ln.grid, ln.block, [x, w, ybuf[:spec.rows]], ln.smem)
-            ks[1](ln.grid, ln.block, [x, w, y2], GM.launch_shape(specs[hw], tgt).smem)
+            _caller(spec, tgt, kernels(sw))({"x": x, "w": w, "y": ybuf[:spec.rows],
+                                              **workspace_buffers(spec, tgt)})
+            _caller(specs[hw], tgt, kernels(hw))({"x": x, "w": w, "y": y2, **workspace_buffers(specs[hw], tgt)})
             torch.cuda.synchronize()
             iv = torch.int16 if y2.dtype == torch.bfloat16 else torch.int32
             same = torch.equal(ybuf[:spec.rows].view(iv), y2.view(iv))
-            rows.append({"spec": f"twin {sw} = {hw}", "detail": "software vs cvt e4m3 rounding, bit for bit",
+            rows.append({"spec": f"twin {sw} = {hw}", "detail": what,
                          "ok": same, "rel_err": _rel_rows(y2, ybuf[:spec.rows]), "us": float("nan"),
                          "GBps": float("nan")})
         except Exception as ex:
@@ -221,6 +266,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('us', float('nan')):9.1f} {r.get('TFLOPs', float('nan')):8.1f} "
               f"{r.get('GBps', float('nan')):7.0f} {r.get('smem', 0):6d} {str(r.get('regs')):>4s}  "
               f"{r['spec']}  {r.get('detail', '')}"
+              + (f"  (gemm alone {r['us_gemm']:.1f} us, actq {r['us_actq']:.1f} us)" if "us_gemm" in r else "")
               + (f"  ERROR {r['error']}" if "error" in r else "")
               + ("" if r.get("all_written", True) else "  (unwritten outputs)")
               + ("" if r.get("guard_ok", True) else "  (wrote past row C)")
