@@ -377,6 +377,31 @@ def reference_h(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: 
     return out
 
 
+def reference_down(spec: MoeGemmSpec, hbuf: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The down phase and the combine of the reference applied to a given ``hbuf`` bf16 [C*k, I] (rows in
+    :func:`routing_tables` order, e.g. the kernel's own): per pair ``y = linear_q(h, W2_e)`` (bf16), per row the
+    fp32 sum in ascending expert id from 0.0. Isolates the down phase's numerics from the up phase's bf16 flips
+    (one flipped h element moves every output of its pair). Returns fp32 [C, D] (CPU)."""
+    from ds4c.reference import primitives as P
+
+    D, I, k = spec.hidden, spec.inter, spec.k
+    perm, _ = routing_tables(spec, ids)
+    flat = ids.reshape(-1).cpu()
+    y = torch.zeros(spec.pairs, D, dtype=torch.float32)
+    ws: dict[int, torch.Tensor] = {}
+    for p, pair in enumerate(perm.tolist()):
+        e = int(flat[pair])
+        if e not in ws:
+            ws[e] = dequantize_weight(spec.down_fmt, w2, D, I, e)
+        y[pair] = P.linear_q(hbuf[p:p + 1].to(torch.bfloat16).cpu(), ws[e], spec.act_quant).to(torch.float32)[0]
+    y = y.view(spec.rows, k, D)
+    out = torch.zeros(spec.rows, D, dtype=torch.float32)
+    order = torch.argsort(ids.cpu(), dim=-1)
+    for j in range(k):
+        out += y.gather(1, order[:, j:j + 1, None].expand(spec.rows, 1, D))[:, 0]
+    return out
+
+
 # ------------------------------------------------------------------------------------------ random inputs
 def random_routing(spec: MoeGemmSpec, generator: torch.Generator | None = None,
                    skew: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
