@@ -185,7 +185,7 @@ def test_unsupported_target_raises(arch: str) -> None:
 
 
 @pytest.mark.parametrize("kw", [dict(fmt="bf16"), dict(down_fmt="q4_k"), dict(hidden=200), dict(inter=0),
-                                dict(k=0), dict(rows=0), dict(rows=30000), dict(act_quant=False),
+                                dict(k=0), dict(n_experts=513), dict(rows=0), dict(rows=30000), dict(act_quant=False),
                                 dict(limit=float("inf"))])
 def test_bad_spec_raises(kw: dict) -> None:
     base = dict(rows=64, **TINY)

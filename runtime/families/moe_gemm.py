@@ -104,7 +104,7 @@ class MoeGemmSpec:
         hidden: D (4096 flash; a multiple of 128).
         inter: I, the expert intermediate width (2048 flash; a multiple of 128).
         k: routed experts per row (6 flash; 1..16).
-        n_experts: E (256 flash; 1..4096).
+        n_experts: E (256 flash; 1..512: the route kernel's static shared memory, 76 E bytes).
         fmt: storage of w1 / w3: ``mxfp4`` (official) | ``q8_0``.
         down_fmt: storage of w2; None = ``fmt``.
         limit: the SwiGLU clamp L (P11; 10.0).
@@ -136,8 +136,8 @@ class MoeGemmSpec:
             v = getattr(self, nm)
             if not (isinstance(v, int) and v >= KSTEP and v % KSTEP == 0):
                 bad.append(f"{nm} {v!r} (expected a positive multiple of {KSTEP})")
-        if not (isinstance(self.n_experts, int) and 1 <= self.n_experts <= 4096):
-            bad.append(f"n_experts {self.n_experts!r} (expected an int in 1..4096)")
+        if not (isinstance(self.n_experts, int) and 1 <= self.n_experts <= 512):
+            bad.append(f"n_experts {self.n_experts!r} (expected an int in 1..512: route keeps 2 x 8 x E words of masks and bases in static shared memory)")
         for nm in ("fmt", "down_fmt"):
             if getattr(self, nm) not in FORMATS:
                 bad.append(f"{nm} {getattr(self, nm)!r} (the grouped GEMM supports {FORMATS} only)")
