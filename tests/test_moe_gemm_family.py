@@ -11,7 +11,7 @@
 * device compiles for sm_90 (nvcc: no spills, no stack), skipped with the reason when nvcc is missing;
 * RenderError (one line) for HIP, sm_80, unsupported formats and bad sizes; the GPU check's cases build on the CPU.
 
-Noise floor (emulation, D = 256, I = 128, E = 16, k = 3): kernel and reference have the same products (codes,
+Noise floor (emulation, D = 256, I = 128, E = 16, k = 3; and D = 384, I = 256, E = 8, k = 2): kernel and reference have the same products (codes,
 scales and e4m3 values exact in f16 / fp32) and differ only in fp32 summation order inside each projection.
 MXFP4 x e4m3 products and their 32-block sums are exact in fp32 here (a few significant bits each, power-of-two
 scales, two 128-blocks per row), so the MXFP4 runs are bit-identical to the reference (out rel-L2 0). Q8_0's
@@ -24,7 +24,8 @@ ulp(h) * W2[:, i], and some of those y roundings flip in turn: out vs the full r
 intermediates (the reference's own choice of fp32 order would move it the same way). Tolerances: vs
 ``reference_down`` rel-L2 < 1e-5 and per element ``|out - ref| <= 2^-7 * sum_j |ybuf_j| + 1e-6`` (one bf16 ulp of
 each expert output); vs ``reference`` rel-L2 < 1e-5 with no h flip, else < 1e-3; h: at most 1% of the elements
-differing, each by at most one bf16 ulp.
+differing, each by at most 2^-4 relative (a flipped bf16 g or u moves h by up to a few ulps: silu's relative slope
+1 + g (1 - sigmoid(g)) reaches ~4 near g = -5; observed 1-2 ulps).
 """
 
 from __future__ import annotations
@@ -91,21 +92,23 @@ def test_tile_slots_bound_is_reached() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- emulation
-EMU_CASES = [  # (C, fmt, down_fmt, routing)
-    (77, "mxfp4", "mxfp4", "uneven"),
-    (77, "q8_0", "q8_0", "uneven"),
-    (37, "mxfp4", "q8_0", "skew"),
+SMALL = dict(hidden=384, inter=256, k=2, n_experts=8)  # two K steps in the down phase, three in up
+EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
+    (77, "mxfp4", "mxfp4", "uneven", TINY),
+    (77, "q8_0", "q8_0", "uneven", TINY),
+    (37, "mxfp4", "q8_0", "skew", TINY),
+    (70, "q8_0", "mxfp4", "skew", SMALL),
 ]
 
 
-@pytest.mark.parametrize("C,fmt,down_fmt,routing", EMU_CASES)
-def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str) -> None:
+@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes", EMU_CASES)
+def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict) -> None:
     from tools import moe_gemm_emu as EMU
 
     why = EMU.host_unavailable()
     if why:
         pytest.skip(why)
-    spec = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, **TINY)
+    spec = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, **sizes)
     g = torch.Generator().manual_seed(3)
     inp = MG.random_inputs(spec, g, skew=routing == "skew")
     if routing == "uneven":
@@ -121,12 +124,13 @@ def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str) -> None:
         assert int((tiles[:, 0][tiles[:, 2] > 0] == 5).sum()) == 2
     for n in ("xq", "xs", "hbuf", "hq", "hs", "ybuf", "out"):
         assert bool(torch.isfinite(got[n].float()).all()), f"{n}: unwritten (NaN poison left) elements"
-    # h: the same bf16 values up to rare one-ulp rounding flips
+    # h: the same bf16 values up to rare rounding flips (a flipped g or u moves silu(g) * u by up to a few ulps:
+    # silu's relative slope 1 + g (1 - sigmoid(g)) reaches ~4 for g around -5)
     hr = MG.reference_h(spec, inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"]).float()
     hg = got["hbuf"].float()
     diff = hg != hr
     assert int(diff.sum()) <= 0.01 * hr.numel()
-    assert bool(((hg - hr).abs()[diff] <= hr.abs()[diff] * 2.0 ** -7 + 1e-30).all())
+    assert bool(((hg - hr).abs()[diff] <= hr.abs()[diff] * 2.0 ** -4 + 1e-30).all())
     # the combine: the fp32 sum of the row's expert outputs in ascending expert id, from 0.0, bit for bit
     y = got["ybuf"].float()
     order = torch.argsort(inp["ids"], dim=-1)
