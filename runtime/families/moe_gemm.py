@@ -52,8 +52,12 @@ output ``out`` fp32 [C, D] (every element written). Pointers 16-byte aligned, te
 Numerics vs :func:`reference` (per row ``routed_sum`` / ``expert_ffn`` of ds4c.reference.blocks on the
 dequantized weights): the same operands and products (codes, scales and e4m3 values are exact in f16 / fp32);
 the fp32 summation order inside each projection differs (per-32-block MMA partials, then scales), ~1e-7
-relative, so a bf16 rounding of g, u, h or y flips for about one element in a few thousand; the combine's fp32
-sums are the reference's exactly. tests/test_moe_gemm_family.py states the floor it sees.
+relative, so a bf16 rounding of g, u, h or y flips for about one element in 10^3-10^4 (more with a longer K);
+the combine's fp32 sums are the reference's exactly. Every differing output element is within one bf16 ulp of
+one expert output of the reference's down phase on the kernel's own h (:func:`reference_down`); against the
+full reference a flipped h element also moves all D outputs of its pair. Observed on the CPU emulator: out
+rel-L2 0 (MXFP4, D 256) to 2.4e-5 vs :func:`reference_down` and 1.4e-4 vs :func:`reference` (Q8_0, D 1024,
+I 512); tests/test_moe_gemm_family.py states its floor and tolerances.
 """
 
 from __future__ import annotations

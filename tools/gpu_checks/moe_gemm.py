@@ -41,9 +41,11 @@ from ds4c.runtime.targets import target as make_target
 
 ITERS = 20
 WARMUP = 3
-#: relative L2 of out vs the reference on the sampled rows (emulation sees <= 1e-6; the hardware MMA's fp32
-#: accumulation flips a few more bf16 roundings of g, u, h, y)
-TOL = 1e-3
+#: relative L2 of out vs the reference on the sampled rows: the CPU emulation sees 0 (MXFP4, small K) to 1.4e-4
+#: (Q8_0 gate/up at D = 1024, I = 512: 61 flipped bf16 h elements, each moving all D outputs of its pair); the
+#: floor grows with K and the hardware MMA's fp32 accumulation flips a few more roundings; a wrong expert, row or
+#: scale gives O(1)
+TOL = 2e-3
 #: rows of a case compared with the per-row reference (all when C is smaller)
 REF_ROWS = 96
 TINY = dict(hidden=256, inter=128, k=3, n_experts=16)
