@@ -1,0 +1,450 @@
+"""The grouped experts GEMM family (issue 12, batched prefill): the routed experts of one MoE layer for a chunk of
+``C`` rows (the IR op ``routed_experts``: spec ds4-flash.md 5.2 o.5-o.7, 2.3 quantized linear, P11 clamped
+SwiGLU), as per-expert tensor-core GEMMs over the rows that picked each expert. Template:
+``templates/moe_gemm/moe_gemm.cu.j2``; the activation quant launches are ``templates/actq/act_quant.cu.j2``
+form ``f16s``. Standalone: not wired into runtime/lower.py (the shared expert and ``moe_sum`` stay separate ops,
+for the GEMM family).
+
+Launches, in order on one stream (:func:`kernel_names`, :func:`launch_shapes`); every shape depends on ``C``,
+``k``, ``E``, ``D``, ``I`` only, never on the routing (CUDA-graph capturable):
+
+* ``route``: grid (1,), 256 threads. From ``ids`` int64 [C, k] builds ``perm`` int32 [C*k] (the pair indices
+  ``row*k + slot`` grouped by expert in ascending id, by ascending row inside an expert) and ``tiles`` int32
+  [T, 4] (``expert, first pair position, count (1..TM), 0``; the slots past the last tile have count 0) with
+  ``T = floor(C*k / TM) + min(E, C*k)`` (:func:`tile_slots`: every expert's last tile partially filled).
+  Deterministic: per group of 32 rows a 32-bit mask per expert (bit r = row r picked it) built with shared
+  ``atomicOr`` (bits commute: the masks do not depend on the atomics' order), counts = popcounts, exclusive
+  scans by one thread, the rank of a pair = earlier groups' counts + the popcount of its expert's mask below
+  its row.
+* ``actq_x``: grid (D/128, C), x bf16 [C, D] -> ``xq`` f16 [C, D] (the e4m3 values) + ``xs`` fp32 [C, D/128].
+* ``up``: grid (T, I/32), 128 threads. CTA = one tile of <= 64 pairs x 32 intermediate columns: a 64 x 64 MMA
+  tile of the gathered x rows against 32 rows of W1_e then the same 32 rows of W3_e; epilogue ``g = bf16(.)``,
+  ``u = bf16(.)``, ``h = silu(min(g, L)) * clamp(u, -L, L)`` (fp32), ``h *= weight[row, slot]`` (fp32),
+  ``hbuf[pair position] = bf16(h)``: bf16 [C*k, I], rows in ``perm`` order (a tile's rows are contiguous).
+* ``actq_h``: grid (I/128, C*k): hbuf -> ``hq`` f16 [C*k, I] + ``hs`` fp32 [C*k, I/128] (linear_q's FP8
+  quant of h per (pair, 128-block)).
+* ``down``: grid (T, D/64), 128 threads: ``y = bf16(W2_e . qa(h))`` -> ``ybuf`` bf16 [C, k, D] at (row, slot).
+  bf16, not fp32: the reference rounds every expert's output to bf16 (``linear_q``) before its fp32 sum, so
+  bf16 holds it exactly at half the bytes (C = 4096: 200 MB instead of 400).
+* ``combine``: grid (D/128, C), 128 threads: ``out[row] = sum_j fp32(ybuf[row, slot_j])`` over the row's slots
+  in ascending expert id, from 0.0 (the order of :func:`ds4c.reference.blocks.routed_sum`), no atomics.
+
+GEMM engine (CUDA ``mma.sync`` m16n8k16 f16, sm_89+: form 0 of :mod:`ds4c.runtime.families.gemm`, whose module
+docstring is the design): A = the weight codes as exact f16 (MXFP4 through e4m3 codes of e2m1 * 2^-6 and
+``cvt.rn.f16x2.e4m3x2``, the 2^6 folded into the block scale; Q8_0 through the 0x6400 magic), B = the
+activation's e4m3 values (exact f16); per 32-block the fp32 MMA result times the weight block scale (fp32),
+summed over the 128-block, then times the activation's per-128 scale. 4 warps (2 x 2, each 32 x 32 = 2 x 4
+MMA tiles), K steps of 128, weights and activations of step k+1 prefetched into registers while step k is
+computed from the other shared-memory stage (two stages: 45.5 KB MXFP4, 52.5 KB Q8_0). Activation rows of the
+up phase are gathered (``perm[p] / k``), of the down phase contiguous. Rows of a tile past its count are zeros
+(scale 0) and are not stored.
+
+Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4`` or ``q8_0`` (w1 and w3 in one
+format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``). Anything else
+(HIP, sm_80, bf16 or K-quant weights, ``emulate=False``) raises :class:`RenderError` with a one-line message.
+
+Arguments (:func:`arg_names`, shapes :func:`arg_shapes`): ``ids`` int64 [C, k] (distinct per row, in [0, E);
+an id outside is skipped by ``route`` and leaves that (row, slot)'s ybuf unwritten, so ``combine`` reads
+garbage), ``weights`` fp32 [C, k], ``x`` bf16 [C, D], ``w1``/``w3`` [E, I, D/32*bb] uint8, ``w2`` [E, D,
+I/32*bb] uint8, the workspaces ``perm``, ``tiles``, ``xq``, ``xs``, ``hbuf``, ``hq``, ``hs``, ``ybuf`` and the
+output ``out`` fp32 [C, D] (every element written). Pointers 16-byte aligned, tensors contiguous.
+
+Numerics vs :func:`reference` (per row ``routed_sum`` / ``expert_ffn`` of ds4c.reference.blocks on the
+dequantized weights): the same operands and products (codes, scales and e4m3 values are exact in f16 / fp32);
+the fp32 summation order inside each projection differs (per-32-block MMA partials, then scales), ~1e-7
+relative, so a bf16 rounding of g, u, h or y flips for about one element in 10^3-10^4 (more with a longer K);
+the combine's fp32 sums are the reference's exactly. Every differing output element is within one bf16 ulp of
+one expert output of the reference's down phase on the kernel's own h (:func:`reference_down`); against the
+full reference a flipped h element also moves all D outputs of its pair. Observed on the CPU emulator: out
+rel-L2 0 (MXFP4, D 256) to 2.4e-5 vs :func:`reference_down` and 1.4e-4 vs :func:`reference` (Q8_0, D 1024,
+I 512); tests/test_moe_gemm_family.py states its floor and tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds4c.runtime.families import Launch
+from ds4c.runtime.families.experts import E4M3_ARCHS, _float_literal, dequantize_weight
+from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.targets import Target
+
+TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
+ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
+FAMILY = "moe_gemm"
+FORMATS = ("mxfp4", "q8_0")
+FMT_ID = {"mxfp4": 0, "q8_0": 1}
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34}
+TM = 64            # pairs per tile (the MMA tile's pair side)
+KSTEP = 128
+XST = 272
+ROUTE_THREADS = 256
+GEMM_THREADS = 128
+#: registers per thread the GEMM kernels may use: __launch_bounds__(128, 65536 // (128 * this))
+REG_BUDGET = 255
+SMEM_LIMIT = 227 * 1024
+KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
+
+
+def row_bytes(fmt: str, n_in: int) -> int:
+    """Bytes of one stored weight row of ``n_in`` values."""
+    return n_in // 32 * BLOCK_BYTES[fmt]
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class MoeGemmSpec:
+    """The routed experts of one MoE layer over ``rows`` rows (all render-time).
+
+    Attributes:
+        rows: C, the prefill chunk's rows (1..65535 / k: the actq_h grid's y).
+        hidden: D (4096 flash; a multiple of 128).
+        inter: I, the expert intermediate width (2048 flash; a multiple of 128).
+        k: routed experts per row (6 flash; 1..16).
+        n_experts: E (256 flash; 1..512: the route kernel's static shared memory, 76 E bytes).
+        fmt: storage of w1 / w3: ``mxfp4`` (official) | ``q8_0``.
+        down_fmt: storage of w2; None = ``fmt``.
+        limit: the SwiGLU clamp L (P11; 10.0).
+        act_quant: FP8 activation quant of x and h (the reference's ``emulate``); only True is supported.
+
+    Raises:
+        RenderError: a field out of range or unsupported; the message names it and what was expected.
+    """
+
+    rows: int
+    hidden: int = 4096
+    inter: int = 2048
+    k: int = 6
+    n_experts: int = 256
+    fmt: str = "mxfp4"
+    down_fmt: str | None = None
+    limit: float = 10.0
+    act_quant: bool = True
+
+    def __post_init__(self) -> None:
+        if self.down_fmt is None:
+            object.__setattr__(self, "down_fmt", self.fmt)
+        bad = []
+        if not (isinstance(self.k, int) and 1 <= self.k <= 16):
+            bad.append(f"k {self.k!r} (expected an int in 1..16)")
+        elif not (isinstance(self.rows, int) and 1 <= self.rows * self.k <= 65535):
+            bad.append(f"rows {self.rows!r} (expected an int >= 1 with rows * k <= 65535)")
+        for nm in ("hidden", "inter"):
+            v = getattr(self, nm)
+            if not (isinstance(v, int) and v >= KSTEP and v % KSTEP == 0):
+                bad.append(f"{nm} {v!r} (expected a positive multiple of {KSTEP})")
+        if not (isinstance(self.n_experts, int) and 1 <= self.n_experts <= 512):
+            bad.append(f"n_experts {self.n_experts!r} (expected an int in 1..512: route keeps 2 x 8 x E words of masks and bases in static shared memory)")
+        for nm in ("fmt", "down_fmt"):
+            if getattr(self, nm) not in FORMATS:
+                bad.append(f"{nm} {getattr(self, nm)!r} (the grouped GEMM supports {FORMATS} only)")
+        if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
+            bad.append(f"limit {self.limit!r} (expected a positive finite float)")
+        if self.act_quant is not True:
+            bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
+        if bad:
+            raise RenderError("MoeGemmSpec: bad " + "; ".join(bad))
+
+    @property
+    def pairs(self) -> int:
+        """C * k, the (row, slot) pairs."""
+        return self.rows * self.k
+
+    def key(self) -> str:
+        return (f"c{self.rows}_d{self.hidden}_i{self.inter}_k{self.k}_e{self.n_experts}_{self.fmt}"
+                + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
+                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
+
+    def short(self) -> str:
+        return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
+                f"{self.fmt}/{self.down_fmt}")
+
+
+def tile_slots(spec: MoeGemmSpec) -> int:
+    """T, the tile table's rows: ``sum_e ceil(n_e / TM) <= floor(C*k / TM) + min(E, C*k)`` for any routing."""
+    return spec.pairs // TM + min(spec.n_experts, spec.pairs)
+
+
+def check_target(target: Target) -> None:
+    """Raises RenderError (one line) for a target the family does not build: not CUDA sm_89+ with the e4m3 cvt."""
+    if target.vendor != "cuda" or target.arch not in E4M3_ARCHS:
+        raise RenderError(f"moe_gemm: {target.slug} is not supported (needs CUDA {'/'.join(E4M3_ARCHS)}: the f16 "
+                          f"mma.sync on e4m3 activations; no SIMT body yet)")
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """Geometry of the ``up`` / ``down`` GEMM: reduction ``kin``, output width ``nout``, weight ``fmt``, row bytes
+    ``rs``, vector load bytes ``v``, padded shared row stride ``rbp``, ``stage_bytes`` (two stages), ``smem``,
+    ``grid``, ``block``."""
+
+    kin: int
+    nout: int
+    fmt: str
+    rs: int
+    v: int
+    rbp: int
+    stage_bytes: int
+    smem: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
+    """The geometry of GEMM phase ``up`` or ``down``.
+
+    Raises:
+        RenderError: an unsupported target, an unknown phase, or the shared memory exceeds the limit."""
+    check_target(target)
+    if phase not in ("up", "down"):
+        raise RenderError(f"moe_gemm: unknown GEMM phase {phase!r} (expected 'up' or 'down')")
+    kin, nout, fmt = (spec.hidden, spec.inter, spec.fmt) if phase == "up" else (spec.inter, spec.hidden, spec.down_fmt)
+    sb, rs = 4 * BLOCK_BYTES[fmt], row_bytes(fmt, kin)
+    v = max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
+    rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
+    while (rbp // 4) % 8 != 4:  # the 8 rows g of a fragment read on distinct banks
+        rbp += 16
+    stage = _round16(TM * XST + TM * 4 + 64 * rbp)
+    smem = max(2 * stage, TM * (64 + 4) * 4)
+    if smem > SMEM_LIMIT:
+        raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
+                          f"{SMEM_LIMIT}")
+    ny = spec.inter // 32 if phase == "up" else spec.hidden // 64
+    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (GEMM_THREADS, 1, 1))
+
+
+def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
+    """The launches in order: route, actq_x, up, actq_h, down, combine (:data:`KERNELS`)."""
+    check_target(target)
+    return list(KERNELS)
+
+
+def _common(spec: MoeGemmSpec) -> dict[str, Any]:
+    return dict(rows=spec.rows, k=spec.k, n_experts=spec.n_experts, hidden=spec.hidden, inter=spec.inter, tm=TM,
+                tiles=tile_slots(spec))
+
+
+def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
+    """The kernels of ``spec`` for ``target`` in launch order (:func:`kernel_names`), named ``name + "_" +``
+    the kernel (default name ``"moe_gemm_" + spec.key()``).
+
+    Raises:
+        RenderError: see :func:`plan`.
+    """
+    name = name or f"moe_gemm_{spec.key()}"
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "actq_x":
+            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": spec.hidden, "form": "f16s"}))
+        elif kn == "actq_h":
+            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": spec.inter, "form": "f16s"}))
+        elif kn in ("up", "down"):
+            pl = plan(spec, target, kn)
+            params = dict(_common(spec), kernel=kn, kin=pl.kin, nout=pl.nout, fmt_id=FMT_ID[pl.fmt],
+                          bb=BLOCK_BYTES[pl.fmt], rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
+                          stage_bytes=pl.stage_bytes, limit=_float_literal(spec.limit),
+                          min_blocks=max(1, 65536 // (GEMM_THREADS * REG_BUDGET)))
+            out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
+        else:
+            out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, dict(_common(spec), kernel=kn)))
+    return out
+
+
+def launch_shapes(spec: MoeGemmSpec, target: Target) -> list[Launch]:
+    """One launch per kernel of :func:`kernel_names` (dynamic shared memory only for up / down; above 48 KiB it
+    needs the function attribute, ``CudaModule.function(entry, smem)``).
+
+    Raises:
+        RenderError: see :func:`plan`."""
+    out = []
+    for kn in kernel_names(spec, target):
+        if kn == "route":
+            out.append(Launch((1, 1, 1), (ROUTE_THREADS, 1, 1), 0, kernel=kn))
+        elif kn == "actq_x":
+            out.append(Launch((spec.hidden // 128, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+        elif kn == "actq_h":
+            out.append(Launch((spec.inter // 128, spec.pairs, 1), (128, 1, 1), 0, kernel=kn))
+        elif kn == "combine":
+            out.append(Launch((spec.hidden // 128, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+        else:
+            pl = plan(spec, target, kn)
+            out.append(Launch(pl.grid, pl.block, pl.smem, kernel=kn))
+    return out
+
+
+def arg_names(spec: MoeGemmSpec | None = None) -> dict[str, list[str]]:
+    """Kernel argument names in order, per kernel."""
+    return {"route": ["ids", "perm", "tiles"],
+            "actq_x": ["x", "xq", "xs"],
+            "up": ["xq", "xs", "weights", "w1", "w3", "perm", "tiles", "hbuf"],
+            "actq_h": ["hbuf", "hq", "hs"],
+            "down": ["hq", "hs", "w2", "perm", "tiles", "ybuf"],
+            "combine": ["ids", "ybuf", "out"]}
+
+
+#: the arguments written by the call: workspaces, then the output
+WORKSPACES = ("perm", "tiles", "xq", "xs", "hbuf", "hq", "hs", "ybuf")
+
+
+def arg_shapes(spec: MoeGemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every argument (inputs, the workspaces of :data:`WORKSPACES`, ``out``)."""
+    C, D, I, k, E, P = spec.rows, spec.hidden, spec.inter, spec.k, spec.n_experts, spec.pairs
+    u8 = torch.uint8
+    return {"ids": ((C, k), torch.int64), "weights": ((C, k), torch.float32), "x": ((C, D), torch.bfloat16),
+            "w1": ((E, I, row_bytes(spec.fmt, D)), u8), "w3": ((E, I, row_bytes(spec.fmt, D)), u8),
+            "w2": ((E, D, row_bytes(spec.down_fmt, I)), u8),
+            "perm": ((P,), torch.int32), "tiles": ((tile_slots(spec), 4), torch.int32),
+            "xq": ((C, D), torch.float16), "xs": ((C, D // 128), torch.float32),
+            "hbuf": ((P, I), torch.bfloat16), "hq": ((P, I), torch.float16), "hs": ((P, I // 128), torch.float32),
+            "ybuf": ((C, k, D), torch.bfloat16), "out": ((C, D), torch.float32)}
+
+
+def flops(spec: MoeGemmSpec) -> int:
+    """Useful FLOPs: ``2 * C*k * 3 * D * I`` (gate, up, down per pair)."""
+    return 2 * spec.pairs * 3 * spec.hidden * spec.inter
+
+
+def expert_bytes(spec: MoeGemmSpec) -> int:
+    """Stored bytes of one expert (w1 + w3 + w2)."""
+    return 2 * spec.inter * row_bytes(spec.fmt, spec.hidden) + spec.hidden * row_bytes(spec.down_fmt, spec.inter)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def routing_tables(spec: MoeGemmSpec, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``route`` computes, in torch (CPU): ``perm`` int32 [C*k] and ``tiles`` int32 [T, 4] (module
+    docstring). ids int64 [C, k] in [0, E)."""
+    E = spec.n_experts
+    flat = ids.reshape(-1).to(torch.int64).cpu()
+    order = torch.sort(flat, stable=True).indices  # by expert, then by pair index (= row, then slot)
+    perm = order.to(torch.int32)
+    counts = torch.bincount(flat, minlength=E)
+    tiles = torch.zeros(tile_slots(spec), 4, dtype=torch.int32)
+    t, off = 0, 0
+    for e in range(E):
+        n = int(counts[e])
+        for j in range(0, n, TM):
+            tiles[t] = torch.tensor([e, off + j, min(TM, n - j), 0], dtype=torch.int32)
+            t += 1
+        off += n
+    return perm, tiles
+
+
+def reference(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+              w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``routed_experts`` of ``x`` bf16 [C, D] with ``ids`` int64 [C, k], ``weights`` fp32 [C, k] and the stored
+    weights (:func:`arg_shapes`): per row :func:`ds4c.reference.blocks.routed_sum` (``expert_ffn`` in ascending
+    expert id, fp32 sum) of the dequantized experts, ``emulate = spec.act_quant``. Returns fp32 [C, D] on
+    ``x``'s device."""
+    from ds4c.reference import blocks as B
+
+    D, I, dev = spec.hidden, spec.inter, x.device
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if e not in cache:
+            cache[e] = tuple(dequantize_weight(f, w, r, c, e).to(dev)  # type: ignore[assignment]
+                             for f, w, r, c in ((spec.fmt, w1, I, D), (spec.fmt, w3, I, D), (spec.down_fmt, w2, D, I)))
+        return cache[e]
+
+    x = x.to(torch.bfloat16)
+    ids_c, wts = ids.to(torch.int64).cpu(), weights.to(torch.float32).to(dev)
+    return torch.cat([B.routed_sum(x[i:i + 1], ids_c[i], wts[i], expert, spec.limit, spec.act_quant)
+                      for i in range(x.shape[0])])
+
+
+def reference_h(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+    """The ``hbuf`` the up phase writes: bf16 [C*k, I], row ``p`` = ``bf16(weight * clamped_swiglu(g, u))`` of
+    pair ``perm[p]`` (:func:`routing_tables`), with ``g``, ``u`` as ``expert_ffn`` forms them."""
+    from ds4c.reference import primitives as P
+
+    D, I = spec.hidden, spec.inter
+    perm, _ = routing_tables(spec, ids)
+    flat, wf = ids.reshape(-1).cpu(), weights.reshape(-1).to(torch.float32).cpu()
+    out = torch.empty(spec.pairs, I, dtype=torch.bfloat16)
+    ws: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for p, pair in enumerate(perm.tolist()):
+        e, row = int(flat[pair]), pair // spec.k
+        if e not in ws:
+            ws[e] = (dequantize_weight(spec.fmt, w1, I, D, e), dequantize_weight(spec.fmt, w3, I, D, e))
+        xr = x[row:row + 1].to(torch.bfloat16).cpu()
+        g = P.linear_q(xr, ws[e][0], spec.act_quant).to(torch.float32)
+        u = P.linear_q(xr, ws[e][1], spec.act_quant).to(torch.float32)
+        out[p] = (wf[pair] * P.clamped_swiglu(g, u, spec.limit)).to(torch.bfloat16)[0]
+    return out
+
+
+def reference_down(spec: MoeGemmSpec, hbuf: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The down phase and the combine of the reference applied to a given ``hbuf`` bf16 [C*k, I] (rows in
+    :func:`routing_tables` order, e.g. the kernel's own): per pair ``y = linear_q(h, W2_e)`` (bf16), per row the
+    fp32 sum in ascending expert id from 0.0. Isolates the down phase's numerics from the up phase's bf16 flips
+    (one flipped h element moves every output of its pair). Returns fp32 [C, D] (CPU)."""
+    from ds4c.reference import primitives as P
+
+    D, I, k = spec.hidden, spec.inter, spec.k
+    perm, _ = routing_tables(spec, ids)
+    flat = ids.reshape(-1).cpu()
+    y = torch.zeros(spec.pairs, D, dtype=torch.float32)
+    ws: dict[int, torch.Tensor] = {}
+    for p, pair in enumerate(perm.tolist()):
+        e = int(flat[pair])
+        if e not in ws:
+            ws[e] = dequantize_weight(spec.down_fmt, w2, D, I, e)
+        y[pair] = P.linear_q(hbuf[p:p + 1].to(torch.bfloat16).cpu(), ws[e], spec.act_quant).to(torch.float32)[0]
+    y = y.view(spec.rows, k, D)
+    out = torch.zeros(spec.rows, D, dtype=torch.float32)
+    order = torch.argsort(ids.cpu(), dim=-1)
+    for j in range(k):
+        out += y.gather(1, order[:, j:j + 1, None].expand(spec.rows, 1, D))[:, 0]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ random inputs
+def random_routing(spec: MoeGemmSpec, generator: torch.Generator | None = None,
+                   skew: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [C, k], weights fp32 [C, k]) on the CPU: distinct ids per row, uniformly random experts, or with
+    ``skew`` a Zipf-like preference (expert e drawn with weight 1/(e+1)^1.2, so a few experts get many rows and
+    some none); weights as the router makes them, ``s[ids] / sum * 1.5`` with ``s = sqrtsoftplus(z)``."""
+    from ds4c.reference import primitives as P
+
+    g = generator or torch.Generator().manual_seed(0)
+    C, k, E = spec.rows, spec.k, spec.n_experts
+    if skew:
+        pw = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        ids = torch.stack([torch.multinomial(pw, k, replacement=False, generator=g) for _ in range(C)])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(C)])
+    s = P.sqrtsoftplus(torch.randn(C, E, generator=g) * 2.0)
+    w = s.gather(-1, ids)
+    return ids.to(torch.int64), (w / w.sum(-1, keepdim=True) * 1.5).to(torch.float32)
+
+
+def random_inputs(spec: MoeGemmSpec, generator: torch.Generator | None = None, device: torch.device | str = "cpu",
+                  skew: bool = False) -> dict[str, torch.Tensor]:
+    """``x`` (bf16 N(0, 1)), ``ids``, ``weights`` (:func:`random_routing`) and random stored ``w1``, ``w3``, ``w2``
+    (:func:`ds4c.runtime.families.experts.random_weight`) on ``device``; ``generator`` is a CPU generator."""
+    from ds4c.runtime.families.experts import random_weight
+
+    g = generator or torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    gd = g if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+    D, I, E = spec.hidden, spec.inter, spec.n_experts
+    ids, wts = random_routing(spec, g, skew)
+    return {"x": torch.randn(spec.rows, D, generator=g).to(torch.bfloat16).to(dev), "ids": ids.to(dev),
+            "weights": wts.to(dev), "w1": random_weight(spec.fmt, I, D, E, gd, dev),
+            "w3": random_weight(spec.fmt, I, D, E, gd, dev), "w2": random_weight(spec.down_fmt, D, I, E, gd, dev)}
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` (fp64), infinite when ``got`` is not finite."""
+    g, w = got.double(), want.double()
+    if not bool(torch.isfinite(g).all()):
+        return math.inf
+    return float((g - w).norm() / w.norm().clamp(min=1e-300))

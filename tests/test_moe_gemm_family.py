@@ -1,0 +1,209 @@
+"""The grouped experts GEMM family (runtime/families/moe_gemm.py, templates/moe_gemm/moe_gemm.cu.j2), on the CPU:
+
+* the torch routing tables (``routing_tables``): grouped by expert, rows ascending, tiles of <= 64 pairs, the
+  tile-slot bound ``tile_slots`` for random and adversarial routings;
+* the whole call (route, actq_x, up, actq_h, down, combine) emulated on CPU fibers (tools/moe_gemm_emu.py,
+  ``mma.sync`` from its fragment layouts), every workspace and the output poisoned: the device routing tables
+  equal the torch ones exactly, every ``hbuf`` / ``ybuf`` row and every output element written (finite), the
+  unused tile slots have count 0, ``hbuf`` against ``reference_h``, ``out`` against ``reference``
+  (``ds4c.reference.blocks.routed_sum`` per row) and bit-exactly against the ordered fp32 sum of ``ybuf``;
+  rows routed unevenly (one expert picked by ~90% of the rows: two tiles; one expert picked by none);
+* device compiles for sm_90 (nvcc: no spills, no stack), skipped with the reason when nvcc is missing;
+* RenderError (one line) for HIP, sm_80, unsupported formats and bad sizes; the GPU check's cases build on the CPU.
+
+Noise floor (emulation, D = 256, I = 128, E = 16, k = 3; and D = 384, I = 256, E = 8, k = 2): kernel and reference have the same products (codes,
+scales and e4m3 values exact in f16 / fp32) and differ only in fp32 summation order inside each projection.
+MXFP4 x e4m3 products and their 32-block sums are exact in fp32 here (a few significant bits each, power-of-two
+scales, two 128-blocks per row), so the MXFP4 runs are bit-identical to the reference (out rel-L2 0). Q8_0's
+fp16 block scales are not powers of two, so its per-block products round: ~1e-7 relative differences flip the
+bf16 rounding of about 1 in 10^4 h elements (observed 3-4 of 29568) and of a few y elements. A flipped y element
+moves one output by one bf16 ulp of y: out vs ``reference_down`` (the reference's down phase + combine on the
+kernel's own h) rel-L2 ~9e-7, worst row 8e-6. A flipped h element moves all D outputs of its pair by
+ulp(h) * W2[:, i], and some of those y roundings flip in turn: out vs the full reference rel-L2 up to 1.1e-4
+(worst row 1e-3) when an h flip happens, ~1e-6 when none does; that chained floor is inherent to the bf16
+intermediates (the reference's own choice of fp32 order would move it the same way). Tolerances: vs
+``reference_down`` rel-L2 < 1e-5 and per element ``|out - ref| <= 2^-7 * sum_j |ybuf_j| + 1e-6`` (one bf16 ulp of
+each expert output); vs ``reference`` rel-L2 < 1e-5 with no h flip, else < 1e-3; h: at most 1% of the elements
+differing, each by at most 2^-4 relative (a flipped bf16 g or u moves h by up to a few ulps: silu's relative slope
+1 + g (1 - sigmoid(g)) reaches ~4 near g = -5; observed 1-2 ulps).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4c.runtime.families import moe_gemm as MG
+from ds4c.runtime.render import RenderError
+from ds4c.runtime.targets import target
+from kernel_compile import assert_no_spills, compile_kernel, compiler_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TINY = dict(hidden=256, inter=128, k=3, n_experts=16)
+
+
+def _uneven_ids(C: int, k: int, E: int, g: torch.Generator, hot: int = 5, cold: int = 9) -> torch.Tensor:
+    """ids int64 [C, k]: expert ``hot`` in every row but those with r % 11 == 3 (> 64 rows at C >= 77: two
+    tiles), ``cold`` in none, the other slots random distinct, slots shuffled per row."""
+    rows = []
+    for r in range(C):
+        pick = [hot] if r % 11 != 3 else []
+        pool = [e for e in torch.randperm(E, generator=g).tolist() if e not in (hot, cold) and e not in pick]
+        row = torch.tensor(pick + pool[:k - len(pick)])
+        rows.append(row[torch.randperm(k, generator=g)])
+    return torch.stack(rows).to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------- routing tables
+@pytest.mark.parametrize("C,E,k,skew", [(37, 16, 3, False), (200, 16, 6, True), (512, 256, 6, False)])
+def test_routing_tables(C: int, E: int, k: int, skew: bool) -> None:
+    spec = MG.MoeGemmSpec(rows=C, hidden=128, inter=128, k=k, n_experts=E)
+    ids, _ = MG.random_routing(spec, torch.Generator().manual_seed(C), skew)
+    perm, tiles = MG.routing_tables(spec, ids)
+    flat = ids.reshape(-1)
+    assert sorted(perm.tolist()) == list(range(C * k))
+    ex = flat[perm.long()]
+    assert bool((ex[1:] >= ex[:-1]).all())  # grouped by ascending expert
+    same = ex[1:] == ex[:-1]
+    assert bool((perm[1:][same] > perm[:-1][same]).all())  # rows ascending inside an expert
+    used = tiles[tiles[:, 2] > 0]
+    assert int(used[:, 2].sum()) == C * k and int(used[:, 2].max()) <= MG.TM
+    assert tiles.shape[0] == MG.tile_slots(spec) and bool((tiles[len(used):] == 0).all())
+    for e, p0, n, _ in used.tolist():
+        assert bool((ex[p0:p0 + n] == e).all())
+
+
+def test_tile_slots_bound_is_reached() -> None:
+    """The worst case: every expert's count is 1 mod TM (all last tiles hold one pair)."""
+    E, k = 8, 2
+    C = (MG.TM + 1) * E // k  # 260 rows: each expert 65 pairs
+    spec = MG.MoeGemmSpec(rows=C, hidden=128, inter=128, k=k, n_experts=E)
+    ids = torch.tensor([[(2 * r) % E, (2 * r + 1) % E] for r in range(C)], dtype=torch.int64)
+    _, tiles = MG.routing_tables(spec, ids)
+    assert int((tiles[:, 2] > 0).sum()) == 2 * E <= MG.tile_slots(spec)
+
+
+# ----------------------------------------------------------------------------------------------- emulation
+SMALL = dict(hidden=384, inter=256, k=2, n_experts=8)  # two K steps in the down phase, three in up
+EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
+    (77, "mxfp4", "mxfp4", "uneven", TINY),
+    (77, "q8_0", "q8_0", "uneven", TINY),
+    (37, "mxfp4", "q8_0", "skew", TINY),
+    (70, "q8_0", "mxfp4", "skew", SMALL),
+]
+
+
+@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes", EMU_CASES)
+def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict) -> None:
+    from tools import moe_gemm_emu as EMU
+
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    spec = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, **sizes)
+    g = torch.Generator().manual_seed(3)
+    inp = MG.random_inputs(spec, g, skew=routing == "skew")
+    if routing == "uneven":
+        inp["ids"] = _uneven_ids(C, spec.k, spec.n_experts, g)
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    perm, tiles = MG.routing_tables(spec, inp["ids"])
+    assert torch.equal(got["perm"], perm)
+    assert torch.equal(got["tiles"], tiles)
+    if routing == "uneven":
+        counts = torch.bincount(inp["ids"].reshape(-1), minlength=spec.n_experts)
+        assert int(counts[9]) == 0 and int(counts[5]) > MG.TM
+        assert int((tiles[:, 0][tiles[:, 2] > 0] == 5).sum()) == 2
+    for n in ("xq", "xs", "hbuf", "hq", "hs", "ybuf", "out"):
+        assert bool(torch.isfinite(got[n].float()).all()), f"{n}: unwritten (NaN poison left) elements"
+    # h: the same bf16 values up to rare rounding flips (a flipped g or u moves silu(g) * u by up to a few ulps:
+    # silu's relative slope 1 + g (1 - sigmoid(g)) reaches ~4 for g around -5)
+    hr = MG.reference_h(spec, inp["x"], inp["ids"], inp["weights"], inp["w1"], inp["w3"]).float()
+    hg = got["hbuf"].float()
+    diff = hg != hr
+    assert int(diff.sum()) <= 0.01 * hr.numel()
+    assert bool(((hg - hr).abs()[diff] <= hr.abs()[diff] * 2.0 ** -4 + 1e-30).all())
+    # the combine: the fp32 sum of the row's expert outputs in ascending expert id, from 0.0, bit for bit
+    y = got["ybuf"].float()
+    order = torch.argsort(inp["ids"], dim=-1)
+    want_sum = torch.zeros(C, spec.hidden)
+    for j in range(spec.k):
+        want_sum += y.gather(1, order[:, j:j + 1, None].expand(C, 1, spec.hidden))[:, 0]
+    assert torch.equal(got["out"], want_sum)
+    # the down phase + combine against the reference's, on the kernel's own h
+    out = got["out"]
+    ref_d = MG.reference_down(spec, got["hbuf"], inp["ids"], inp["w2"])
+    assert MG.rel_l2(out, ref_d) < 1e-5
+    assert bool(((out - ref_d).abs() <= 2.0 ** -7 * y.abs().sum(1) + 1e-6).all())
+    # the whole call against the reference: also carries the h flips (each moves all D outputs of its pair)
+    ref = MG.reference(spec, **inp)
+    assert MG.rel_l2(out, ref) < (1e-5 if int(diff.sum()) == 0 else 1e-3)
+
+
+# ------------------------------------------------------------------------------------------ device compile
+def test_device_compile_sm90(tmp_path: Path) -> None:
+    """Flash-sized kernels (C 2048, D 4096, I 2048, E 256, k 6; MXFP4, Q8_0 down, all Q8_0) compile for sm_90 with no
+    spills and no stack frame."""
+    why = compiler_missing("sm_90")
+    if why:
+        pytest.skip(f"no compiler for sm_90: {why}")
+    tgt = target("sm_90")
+    for spec in (MG.MoeGemmSpec(rows=2048), MG.MoeGemmSpec(rows=512, down_fmt="q8_0"), MG.MoeGemmSpec(rows=64, fmt="q8_0")):
+        srcs = MG.render_moe_gemm(spec, tgt)
+        assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == ["route", "x", "up", "h", "down", "combine"]
+        for s in srcs:
+            d = tmp_path / s.entry
+            d.mkdir()
+            c = compile_kernel(s, d)
+            assert_no_spills(c.usage, s, c.log)
+            print(s.entry, c.usage.get("registers"), "registers")
+
+
+def test_launch_shapes_fixed_by_sizes() -> None:
+    spec = MG.MoeGemmSpec(rows=2048)
+    ls = MG.launch_shapes(spec, target("sm_90"))
+    T = 2048 * 6 // 64 + 256
+    assert [(l.kernel, l.grid) for l in ls] == [
+        ("route", (1, 1, 1)), ("actq_x", (32, 2048, 1)), ("up", (T, 64, 1)), ("actq_h", (16, 2048 * 6, 1)),
+        ("down", (T, 64, 1)), ("combine", (32, 2048, 1))]
+    assert all(l.smem <= 48 * 1024 for l in ls)  # MXFP4: no opt-in attribute needed
+    shapes = MG.arg_shapes(spec)
+    for kn, names in MG.arg_names(spec).items():
+        assert all(n in shapes for n in names), kn
+
+
+# -------------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("arch", ["gfx942", "sm_80"])
+def test_unsupported_target_raises(arch: str) -> None:
+    with pytest.raises(RenderError) as ei:
+        MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **TINY), target(arch))
+    assert "\n" not in str(ei.value) and "moe_gemm" in str(ei.value)
+
+
+@pytest.mark.parametrize("kw", [dict(fmt="bf16"), dict(down_fmt="q4_k"), dict(hidden=200), dict(inter=0),
+                                dict(k=0), dict(n_experts=513), dict(rows=0), dict(rows=30000), dict(act_quant=False),
+                                dict(limit=float("inf"))])
+def test_bad_spec_raises(kw: dict) -> None:
+    base = dict(rows=64, **TINY)
+    base.update(kw)
+    with pytest.raises(RenderError) as ei:
+        MG.MoeGemmSpec(**base)
+    assert "\n" not in str(ei.value)
+
+
+def test_gpu_check_imports_on_cpu() -> None:
+    m = importlib.import_module("tools.gpu_checks.moe_gemm")
+    cs = m.cases()
+    assert {512, 2048, 4096} <= {s.rows for _, s, _ in cs}
+    name, spec, routing = next(c for c in cs if c[1].rows < 100)
+    bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
+    assert bufs["out"].isnan().all() and tuple(bufs["ids"].shape) == (spec.rows, spec.k)
+    assert set(MG.arg_shapes(spec)) <= set(bufs)
