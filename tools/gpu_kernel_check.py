@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FAMILIES = ("gemv", "gemm", "attention", "hc", "compressor", "indexer", "router", "experts", "rowchain", "tap")
+FAMILIES = ("gemv", "gemm", "moe_gemm", "attention", "hc", "compressor", "indexer", "router", "experts", "rowchain", "tap")
 
 
 def main() -> int:
