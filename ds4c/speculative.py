@@ -211,7 +211,8 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
         if arg:
             return MTPDrafter(arg, seed=seed, target=config, target_file=target_file)
         if text != "mtp":
-            raise StepError(f"--draft {text!r}: expected mtp (the target's own MTP block) or mtp:PATH")
+            raise StepError(f"--draft {text!r}: expected mtp (the target's own MTP block) or mtp:PATH, found "
+                            f"{'an empty path' if text == 'mtp:' else repr(text)}")
         if target_file is None:
             raise StepError("--draft mtp uses the target file's own MTP block: expected the target's model file "
                             "(make_drafter(..., target_file=...)), found none")
@@ -229,7 +230,7 @@ def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, 
             raise ModelFileError(f"{path}: the drafter's vocabulary has {d.file.config.vocab_size} tokens, the "
                                  f"target's {vocab_size}")
         return d
-    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA, dspark:PATH or PATH.gguf (a DSpark drafter "
+    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA[:SEP], dspark:PATH or PATH.gguf (a DSpark drafter "
                     f"file), dspark:synthetic:PRESET[:FORMATS[:SEED]] (the synthetic DSpark drafter, no file), mtp (the target's own MTP block) or mtp:PATH (an MTP file)")
 
 

@@ -249,7 +249,7 @@ def test_damaged_files_and_wrong_targets(tmp_path, dspark5, tiny_path):
         with pytest.raises(StepError, match="expected dspark:PATH .* found an empty path") as ei:
             make_drafter(spec, 512)
         _one_line(ei)
-    with pytest.raises(StepError, match="unknown drafter 'mtpx': expected oracle:ALPHA, dspark:PATH") as ei:
+    with pytest.raises(StepError, match=r"unknown drafter 'mtpx': expected oracle:ALPHA\[:SEP\], dspark:PATH") as ei:
         make_drafter("mtpx", 512)
     _one_line(ei)
     assert isinstance(make_drafter(f"dspark:{dspark5}", 512), DSparkDrafter)
