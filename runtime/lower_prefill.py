@@ -41,6 +41,9 @@ from ds4c.quant import GGMLType
 from ds4c.runtime import lower as L
 from ds4c.runtime.families import compressor as _cmp
 from ds4c.runtime.families import gemm as _gm
+from ds4c.runtime.families import hc as _hc
+from ds4c.runtime.families import rowchain as _rc
+from ds4c.runtime.families import takerow as _tr
 from ds4c.runtime.lower import Arg, Launch, LoweredKernel, LoweringError, _Ctx, _launch
 from ds4c.runtime.targets import Target
 from ds4c.tensors import storage_types
@@ -126,11 +129,54 @@ def _lower_linears(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
-    """The HC kernels at C rows (``HcSpec.row_block``); the head's ``take_row`` is pending."""
+    """The HC kernels at C rows (``HcSpec.row_block``); the head with ``take_row``: :func:`_lower_head`."""
     if any(b.kind == "take_row" for b in (op.body or [])):
-        raise PendingLowering("hc_post_head with take_row: no kernel selects the device-side row n_valid-1 for the "
-                              "1-row head yet (an all_logits graph's head lowers)")
+        return _lower_head(c, op)
     return L._lower_hc(c, op)
+
+
+def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
+    """``hc_post_head`` of a prefill chunk whose head reads row ``n_valid - 1`` (``hc_post`` on C rows, then
+    ``take_row``, then the 1-row mix / gate / pre-mix / norm): the take-row family copies row ``n_valid - 1`` of
+    the HC post's four inputs (out bf16 [C, D], x bf16 [C, hc, D], post f32 [C, hc], comb f32 [C, hc, hc]) into
+    the workspaces ``ds4c_head_{out,x,post,comb}``, then the decode ``post_head`` HC kernel at q = 1 runs on them
+    (the post of one row does not depend on the others, so this is the row of the C-row post).
+
+    Raises:
+        PendingLowering: the last layer's streams are also a kernel output (a DSpark tap / record_hc reads all C
+            rows of them).
+    """
+    body = op.body or []
+    post = next(b for b in body if b.kind == "hc_post")
+    if post.outputs[0] in op.outputs:
+        raise PendingLowering("hc_post_head with take_row whose C-row streams are also read (taps / record_hc)")
+    mix = next(b for b in body if b.kind == "hc_mix")
+    norm = next(b for b in body if b.kind == "rms_norm")
+    gate = next(b for b in body if b.kind == "hc_head_gate")
+    premix = next((b for b in body if b.kind == "hc_premix"), None)
+    head_out = premix is not None and premix.outputs[0] in op.outputs
+    cfg = c.cfg
+    srcs_in = post.inputs[:4]
+    tspec = _tr.TakeRowSpec(c.q, tuple(v.type.nbytes() // c.q for v in srcs_in))
+    ws = [Arg("workspace", f"ds4c_head_{n}", nbytes=b) for n, b in zip(("out", "x", "post", "comb"), tspec.row_bytes)]
+    tb = {"n_valid": Arg("step", "n_valid")}
+    for k, (v, w) in enumerate(zip(srcs_in, ws)):
+        tb[f"src{k}"], tb[f"dst{k}"] = c.arg(v), w
+    la = _tr.launch_shape(tspec)
+    out = [_launch(_tr.render_take_row(tspec, c.target, c.name(op, "take_row")), la.grid, la.block, la.smem,
+                   [tb[n] for n in _tr.arg_names(tspec)])]
+    spec = _hc.HcSpec("post_head", 1, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, head_out=head_out)
+    b = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
+         "norm_w": c.arg(norm.inputs[1]), "y": Arg("value", c.names[norm.outputs[0]]),
+         "ws": Arg("workspace", c.name(op, "hc_ws"), nbytes=4 * max(_hc.workspace_floats(spec), 1)),
+         "out": ws[0], "x": ws[1], "post": ws[2], "comb": ws[3]}
+    if head_out:
+        b["y_pre"] = Arg("value", c.names[premix.outputs[0]])
+    names = _hc.arg_names(spec)
+    for s, la in zip(_hc.render_hc(spec, c.target, c.name(op, "post_head")), _hc.launch_shapes(spec)):
+        out.append(_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
+    return out
 
 
 def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
@@ -148,6 +194,64 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
     la = _cmp.launch_shape(specs)
     return [_launch(src, la.grid, la.block, la.smem, binding)]
+
+
+def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
+    """``grouped_linear`` (wo_a, spec 5.2(j),(k)) with its fused ring write (5.2(h.1)) at C rows, three launches:
+
+    1. the ring write: a row chain with no ops and ``ring_valid`` (x = out = kv bf16 ``[C, head_dim]``, in
+       place), row ``i`` writing slot ``(pos + i) % window`` only when ``n_valid - window <= i < n_valid``: one
+       writer per slot, the ring left as token-wise decoding leaves it (after attention, which read the old ring);
+    2. the inverse RoPE of the attention output: a row chain over ``[C, H, head_dim]`` into the workspace
+       ``ds4c_wo_a_x`` (bf16 ``[C, H * head_dim]``, the grouped kernel's prologue as its own launch);
+    3. the projection: one grouped GEMM call (``GemmSpec(groups=G)``, bf16 weights as the grouped family reads
+       them, mode bf16, fp32 accumulation): ``z[:, g] = x[:, g*K:(g+1)*K] @ wo_a[g*R:(g+1)*R]^T``, z bf16
+       ``[C, G, R]``.
+
+    The decode kernel (runtime/families/rowchain.py GroupedSpec) is not used: it stages all rows of a group in
+    static shared memory (``GL_Q * K * 2`` bytes: 8 KB per row at K = 4096) and its ring write has no n_valid.
+
+    Raises:
+        LoweringError: a ring write without its ``n_valid`` input.
+    """
+    body = op.body or [op]
+    gl = next(b for b in body if b.kind == "grouped_linear")
+    rope = next((b for b in body if b.kind == "rope"), None)
+    ring = next((b for b in body if b.kind == "ring_write"), None)
+    cfg, launches = c.cfg, []
+    if ring is not None:
+        if len(ring.inputs) < 4:
+            raise LoweringError(f"grouped_linear (layer {op.layer}): a prefill ring write without its n_valid input")
+        kv = ring.inputs[1]
+        spec = _rc.RowChainSpec(1, int(kv.type.shape[-1]), (), ring_window=int(ring.attrs["window"]), pos_dtype="i64",
+                                ring_valid=True)
+        b = {"x": c.arg(kv), "out": c.arg(kv), "pos": Arg("step", "pos"), "ring": c.arg(ring.inputs[0]),
+             "n_valid": Arg("step", "n_valid")}
+        la = _rc.rowchain_launch(spec, c.q)
+        launches.append(_launch(_rc.render_rowchain(spec, c.target, c.name(op, "ring_write")), la.grid, la.block,
+                                la.smem, [b[a.name] for a in _rc.rowchain_args(spec)]))
+    o = rope.inputs[0] if rope is not None else gl.inputs[0]
+    rows, heads, hd = (int(d) for d in o.type.shape)
+    groups = int(gl.attrs["groups"])
+    x = c.arg(o)
+    if rope is not None:
+        spec = _rc.RowChainSpec(heads, hd, (_rc.rope(cfg.rope_dim, inverse=rope.attrs["inverse"]),), pos_dtype="i64")
+        x = Arg("workspace", "ds4c_wo_a_x", nbytes=2 * rows * heads * hd)
+        b = {"x": c.arg(o), "out": x, "pos": Arg("step", "pos"), "freqs0": c.arg(rope.inputs[2])}
+        la = _rc.rowchain_launch(spec, rows)
+        launches.append(_launch(_rc.render_rowchain(spec, c.target, c.name(op, "wo_a_rope")), la.grid, la.block,
+                                la.smem, [b[a.name] for a in _rc.rowchain_args(spec)]))
+    w = c.weight_name(gl.inputs[1])
+    if w is None:
+        raise LoweringError(f"grouped_linear (layer {op.layer}): its weight is not a model tensor")
+    k = heads // groups * hd
+    spec = _gm.GemmSpec(rows, int(gl.outputs[0].type.shape[-1]), k, "bf16", "bf16",
+                        out_dtype=gl.outputs[0].type.dtype, groups=groups)
+    b = {"x": x, "w": Arg("weight", w, form="bf16"), "y": Arg("value", c.names[gl.outputs[0]])}
+    names = _gm.arg_names(spec, c.target)
+    for src, la in zip(_gm.render_call(spec, c.target, c.name(op, "wo_a_gemm")), _gm.launch_shapes(spec, c.target)):
+        launches.append(_launch(src, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
+    return launches
 
 
 def _pending(message: str):
@@ -174,15 +278,13 @@ _PATTERNS = {
     "multi_gemv": _lower_linears, "linear": _lower_linears,
     "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": L._lower_attention,
     "route": L._lower_route, "moe_experts": lower_routed_experts,
-    "grouped_linear": _pending("grouped_linear (wo_a + ring write) at C rows: the grouped kernel stages all C rows "
-                               "of a group in static shared memory and its ring write has no n_valid and races "
-                               "for C > window"),
+    "grouped_linear": _lower_grouped,
     "dspark_tap": _pending("dspark_tap with n_valid: the tap kernel has no n_valid and asserts C <= window"),
     "record_hc": _pending("record_hc with n_valid: the tap kernel's copy mode has no n_valid"),
 }
 
 #: the family of each prefill plan kernel's launches (a GEMM group's launches are GEMMs and row chains)
-FAMILY_OF = {**L.FAMILY_OF, "multi_gemv": "gemm", "linear": "gemm"}
+FAMILY_OF = {**L.FAMILY_OF, "multi_gemv": "gemm", "linear": "gemm", "grouped_linear": "gemm"}
 
 
 def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[str, GGMLType] | None = None,
@@ -224,5 +326,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
                 raise PendingLowering(f"{name}: {e}") from None
             pending.append(PendingKernel(name, pattern, op.layer, str(e)))
             continue
-        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, launches))
+        fam = FAMILY_OF[pattern]
+        if fam == "gemm" and not any(la.kernel.family == "gemm" for la in launches):
+            fam = "gemv"  # a group of fewer than GEMM_MIN_ROWS rows (the 1-row head)
+        out.append(LoweredKernel(name, fam, op.layer, launches))
     return out

@@ -26,7 +26,7 @@ from ds4c.runtime.targets import target
 from ds4c.tensors import tensor_specs
 
 STEP = {"pos", "positions", "tokens", "n_valid"}
-PENDING = {"moe_experts", "grouped_linear", "hc_post_head"}
+PENDING = {"moe_experts"}
 _CACHE: dict = {}
 
 
@@ -55,10 +55,9 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     plan = [op for op in g.ops if op.kind == "fused"]
     assert len(ks) + len(pend) == len(plan) and all(k.launches for k in ks)
     assert "rollback" not in {k.name for k in ks}
-    # exactly the pending kernels: one routed-experts and one wo_a per layer, and the take_row head
+    # exactly the pending kernels: one routed-experts per layer
     assert {p.pattern for p in pend} == PENDING
     assert sum(p.pattern == "moe_experts" for p in pend) == cfg.n_layers
-    assert sum(p.pattern == "grouped_linear" for p in pend) == cfg.n_layers
     assert all("moe_gemm" in p.message for p in pend if p.pattern == "moe_experts")
     names = value_names(g)
     by_name = {n: v for v, n in names.items()}
@@ -78,7 +77,7 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
                     assert a.nbytes > 0
     # every linear of >= 16 rows is one GEMM launch writing its output, sized to its shapes
     gemms = {la.args[-1].name: la for k in ks for la in k.launches
-             if la.kernel.family == "gemm" and not la.kernel.entry.endswith("_actq")}
+             if la.kernel.family == "gemm" and not la.kernel.entry.endswith("_actq") and "wo_a" not in la.kernel.entry}
     n_lin = 0
     for op in plan:
         for lin in (b for b in op.body or [] if b.kind == "linear"):
@@ -106,15 +105,35 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     comps = [la for k in ks if k.family == "compressor" for la in k.launches]
     assert comps and all(la.args[1] == la.args[1].__class__("step", "n_valid") for la in comps)
     assert all("if (i >= nv) break;" in la.kernel.source for la in comps)
-    mixes = [la for k in ks if k.family == "hc" for la in k.launches if la.kernel.entry.endswith("_mix")]
+    mixes = [la for k in ks if k.family == "hc" and k.name != "hc_post_head" for la in k.launches
+             if la.kernel.entry.endswith("_mix")]
     assert mixes and all(la.grid[1] == c // 4 and "ds4c_bid_y() * NQ" in la.kernel.source for la in mixes)
     head = next(k for k in ks if k.name == "linear")  # the logits: 1 row (take_row) -> GEMV
-    assert [la.kernel.family for la in head.launches] == ["gemv"]
+    assert [la.kernel.family for la in head.launches] == ["gemv"] and head.family == "gemv"
+    # the head: row n_valid-1 of the HC post's inputs copied out, then the decode post_head kernel at q = 1
+    hk = next(k for k in ks if k.name == "hc_post_head")
+    assert [la.kernel.family for la in hk.launches] == ["takerow", "hc", "hc"]
+    tr = hk.launches[0]
+    assert tr.args[0] == tr.args[0].__class__("step", "n_valid")
+    d, hcm = cfg.hidden_size, cfg.hc_mult
+    assert [a.nbytes for a in tr.args[2::2]] == [2 * d, 2 * hcm * d, 4 * hcm, 4 * hcm * hcm]
+    assert all(hk.launches[1].kernel.source.count(s) for s in ("#define NQ 1",))
+    # wo_a: the valid-gated ring write, the inverse rope into a workspace, one grouped GEMM writing z
+    for k in (k for k in ks if k.name.endswith("grouped_linear")):
+        ring, rope, gm = k.launches
+        assert ring.args[0] == ring.args[1] and ring.args[3].name == f"l{k.layer}.ring"
+        assert ring.args[4] == ring.args[4].__class__("step", "n_valid") and ring.grid == (1, c, 1)
+        assert f"row + {cfg.window} >= nv" in ring.kernel.source
+        assert rope.args[1].kind == "workspace" and rope.args[1].nbytes == 2 * c * cfg.n_heads * cfg.head_dim
+        assert gm.args[0] == rope.args[1] and gm.args[1].form == "bf16" and gm.args[1].name.endswith("attn_output_a.weight")
+        assert gm.grid == (math.ceil(c / G.BM), cfg.o_groups * math.ceil(cfg.o_lora_rank / G.BN), 1)
+        z = by_name[gm.args[2].name]
+        assert tuple(z.type.shape) == (c, cfg.o_groups, cfg.o_lora_rank)
 
 
 def test_prefill_refused_without_pending_names_the_kernel():
     g = _graph("tiny", 64, 128)
-    with pytest.raises(PendingLowering, match=r"^l0\.grouped_linear: grouped_linear .* n_valid"):
+    with pytest.raises(PendingLowering, match=r"^l0\.moe_experts: moe_experts at 64 rows: .*\(moe_gemm\)"):
         lower_graph(g, preset("tiny"), target("sm_90"))
 
 
@@ -157,6 +176,6 @@ def test_prefill_kernels_compile_sm90(tmp_path):
     ks = lower_graph(_graph("tiny", 64, 128), preset("tiny"), target("sm_90"), pending=[])
     srcs = list({la.kernel.entry: la.kernel for k in ks for la in k.launches}.values())
     fams = {s.family for s in srcs}
-    assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router"} <= fams, fams
+    assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv"} <= fams, fams
     entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
     assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
