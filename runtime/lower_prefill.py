@@ -15,16 +15,23 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   epilogue with a fused ``ring_write`` is refused (pending): the row-chain ring store has no ``n_valid`` and
   races for C > window.
 * ``hc_embed_pre`` / ``hc_post_pre`` / ``hc_pre`` / ``hc_post_out``: the HC family with
-  ``HcSpec.row_block`` (stage mix grid ``(hidden/32, C/row_block)``; stage norm is one block per row already);
-  the FFN-side router linear as a GEMM (above).
-* ``hc_post_head`` with the head's ``take_row`` (the default graph): pending (no kernel picks the device-side
-  row ``n_valid - 1`` yet); an ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows.
+  ``HcSpec.row_block`` (stage mix grid ``(hidden/32, C/row_block)``, row_block 4 for C % 4 == 0; stage norm
+  is one block per row already); the FFN-side router linear as a GEMM (above).
+* ``hc_post_head`` with the head's ``take_row`` (the default graph): a take-row launch
+  (:mod:`ds4c.runtime.families.takerow`: row ``n_valid - 1`` of the HC post's four inputs into 1-row
+  workspaces), then the decode ``post_head`` HC kernel at q = 1; the logits linear (1 row) is the decode GEMV.
+  An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
-  rows ``>= n_valid`` write no state, flush or row); rows in order, every flush the chunk crosses; no undo.
+  rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
+  the chunk crosses happens in place; no undo.
 * ``indexer_topk``, ``sparse_attention``, ``route``: the decode kernels at ``q = C`` unchanged (one block per
-  row, per-row positions and causal limits read on the device; see docs/prefill.md).
-* ``grouped_linear`` (wo_a + the fused ring write): pending; ``moe_experts``: pending, through the one hook
-  :func:`lower_routed_experts`; ``dspark_tap`` / ``record_hc`` with ``n_valid``: pending.
+  row, or per (head, row); per-row positions and causal limits; the window rule ``t < pos``: ring slot, else
+  this chunk's kv row, holds for C > window; splits = 1, so no q-sized workspace).
+* ``grouped_linear`` (wo_a + its fused ring write): :func:`_lower_grouped`: a valid-gated ring-write row chain
+  (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
+  (``GemmSpec.groups``).
+* ``moe_experts``: pending, through the one hook :func:`lower_routed_experts`; ``dspark_tap`` / ``record_hc``
+  with ``n_valid``: pending (the tap kernel has no n_valid and asserts C <= window).
 
 Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid`` valid rows: ``pos``,
 ``tokens`` [C], ``positions`` [C] (``pos + i``), ``n_valid`` and ``live_r<ratio>`` = ``(pos + n_valid) // ratio``

@@ -3,8 +3,9 @@ of ``C`` rows (16..4096 in prefill; any ``C >= 1`` renders) through one projecti
 its stored GGUF form. Spec ds4-flash.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
 128 with power-of-two scales, times the dequantized weight, fp32 accumulation, bf16 out) =
 :func:`ds4c.reference.primitives.linear_q`; modes ``bf16`` / ``f32`` as the GEMV family's
-(:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. Not wired into the lowering
-yet (runtime/lower.py still runs prefill projections as GEMVs).
+(:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. The prefill chunk lowering
+(runtime/lower_prefill.py) runs every projection of >= 16 rows through it (``prequant=True``; wo_a as one
+grouped call, ``GemmSpec.groups``).
 
 Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
