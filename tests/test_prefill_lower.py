@@ -12,6 +12,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from ds4c.config import preset
 from ds4c.ir import build_step
@@ -179,3 +180,192 @@ def test_prefill_kernels_compile_sm90(tmp_path):
     assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv"} <= fams, fams
     entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
     assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
+
+
+# ------------------------------------------------------------------------------- emulated plan kernels (CPU)
+def _emu():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from tools import launch_emu
+    finally:
+        sys.path.pop(0)
+    return launch_emu
+
+
+def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None):
+    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
+    import ds4c.runtime.lower_prefill as LP
+    from ds4c.runtime.lower import _Ctx
+    from ds4c.tensors import storage_types
+
+    cfg = preset(name)
+    g = _graph(name, c, ctx)
+    cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
+    cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
+    cx.linears = LP._gemm_linears
+    op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
+    return cfg, g, cx, op, LP._PATTERNS[pattern](cx, op)
+
+
+def _external(op):
+    made = {v for b in op.body for v in b.outputs}
+    seen, out = set(), []
+    for b in op.body:
+        for v in b.inputs:
+            if v not in made and v not in seen:
+                seen.add(v)
+                out.append(v)
+    return out
+
+
+def _ir_body(op, env: dict) -> dict:
+    """Run the fused op's body leaf by leaf on the IR ops (the interpreter's semantics)."""
+    from ds4c.ir.ops import OPS
+
+    env = dict(env)
+    for b in op.body:
+        outs = OPS[b.kind].run(None, [env[v] for v in b.inputs], b.attrs)
+        env.update(zip(b.outputs, outs))
+    return env
+
+
+def _random_inputs(cx, op, pos: int, n_valid: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    env = {}
+    for v in _external(op):
+        p = cx.prod.get(v)
+        shape, dt = tuple(int(d) for d in v.type.shape), v.type.dtype
+        if p is not None and p.kind == "row_positions":
+            env[v] = torch.arange(pos, pos + shape[0], dtype=torch.int64)
+        elif v.type.shape == () and dt == "i64":
+            env[v] = torch.tensor(n_valid, dtype=torch.int64)
+        elif dt == "f32":
+            env[v] = torch.rand(shape, generator=gen) if p is not None and p.kind == "rope_freqs" else \
+                torch.randn(shape, generator=gen) * 0.5
+        elif dt == "bf16":
+            env[v] = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        else:
+            raise AssertionError(f"no random input for {v.type}")
+    return env
+
+
+def _emulate(cx, launches, env: dict, pos: int, n_valid: int, tmp_path) -> tuple[dict, dict]:
+    """Run ``launches`` on buffers bound the way the lowering bound them; returns (buffers after, key of each
+    Arg)."""
+    bufs = {"step.pos": torch.tensor([pos]), "step.n_valid": torch.tensor([n_valid])}
+    for v, t in env.items():
+        a = cx.arg(v)
+        if a.kind in ("value", "weight"):
+            bufs[f"{a.kind}.{a.name}"] = t.clone()
+        elif a.kind == "step" and a.name == "positions":
+            bufs["step.positions"] = t.clone()
+    seq = []
+    for la in launches:
+        args = []
+        for a in la.args:
+            if a.kind == "int":
+                args.append(a.value)
+                continue
+            key = f"{a.kind}.{a.name}"
+            if key not in bufs:  # an output or scratch the kernel writes: NaN / zero poison of its size
+                bufs[key] = torch.full((max(a.nbytes, 4) // 4,), float("nan")) if a.kind == "workspace" else None
+            args.append(key)
+        seq.append((la.kernel, la.grid, la.block, args))
+    return bufs, seq
+
+
+def _outputs_as_buffers(cx, op, bufs: dict) -> dict:
+    for b in op.body:
+        for v in b.outputs:
+            a = cx.arg(v)
+            key = f"{a.kind}.{a.name}"
+            if a.kind == "value" and bufs.get(key, 0) is None:
+                bufs[key] = torch.full(tuple(int(d) for d in v.type.shape), float("nan")).to(
+                    torch.bfloat16 if v.type.dtype == "bf16" else torch.float32)
+    return bufs
+
+
+def _skip_without_host():
+    why = _emu().host_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("layer,pos,nv", [(2, 5, 37), (3, 9, 64), (3, 0, 20)])
+def test_compressor_with_n_valid_emulated(layer, pos, nv, tmp_path):
+    """The lowered compressor launch of a tiny C=64 chunk (layer 2: the CSA main + indexer compressors; layer 3:
+    HCA ratio 16), run on CPU threads, against the IR compress ops with n_valid: the kv / score state bit for
+    bit (every flush the chunk crosses; padded rows leave their slots alone), every compressed row within one
+    bf16 rounding and the rows no valid row flushes untouched."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "compressor", layer)
+    env = _random_inputs(cx, op, pos, nv, seed=layer * 100 + nv)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    got = _emu().run(seq, bufs, tmp_path)
+    for b in op.body:
+        ins = b.inputs
+        kv, sc, rows = (got[f"value.{cx.arg(ins[i]).name}"] for i in (4, 5, 6))
+        assert torch.equal(kv, want[b.outputs[0]]) and torch.equal(sc, want[b.outputs[1]]), b.attrs["ratio"]
+        w = want[b.outputs[2]].float()
+        flushed = (torch.arange(w.shape[0]) * b.attrs["ratio"] + b.attrs["ratio"] - 1 >= pos) & \
+                  (torch.arange(w.shape[0]) * b.attrs["ratio"] + b.attrs["ratio"] - 1 < pos + nv)
+        assert flushed.any()
+        assert torch.equal(rows[~flushed], env[ins[6]][~flushed])
+        assert torch.allclose(rows.float(), w, rtol=2 ** -7, atol=1e-6), (rows.float() - w).abs().max()
+
+
+def test_ring_write_emulated_for_a_chunk_longer_than_the_window(tmp_path):
+    """The wo_a plan kernel's first launch (the valid-gated ring write) of a tiny C=64 chunk (window 16) on CPU
+    threads: the ring equals the IR's ring_write with n_valid (40 valid rows, 24 padded) bit for bit."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "grouped_linear", 0)
+    ring_op = next(b for b in op.body if b.kind == "ring_write")
+    env = _random_inputs(cx, op, 1003, 40, seed=7)
+    want = _ir_body(op, {v: env[v] for v in env})[ring_op.outputs[0]]
+    bufs, seq = _emulate(cx, launches[:1], env, 1003, 40, tmp_path)
+    got = _emu().run(seq, bufs, tmp_path)
+    assert torch.equal(got[f"value.{cx.arg(ring_op.inputs[0]).name}"], want)
+    assert not torch.equal(want, env[ring_op.inputs[0]])
+
+
+def test_hc_row_blocks_emulated_equal_the_whole_chunk_kernel(tmp_path):
+    """HcSpec.row_block: the tiny C=64 chunk's post_pre HC kernel (mix over 16 blocks of 4 rows, then norm) on
+    CPU threads gives the same bits as the one-block-column kernel over all 64 rows, and the IR ops' values."""
+    _skip_without_host()
+    _, _, cx4, op, l4 = _plan_case("tiny", 64, 128, "hc_post_pre", 1, row_block=4)
+    _, _, cx0, _, l0 = _plan_case("tiny", 64, 128, "hc_post_pre", 1, row_block=0)
+    assert l4[0].grid[1] == 16 and l0[0].grid[1] == 1
+    env = _random_inputs(cx4, op, 3, 64, seed=3)
+    env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
+    res = []
+    for cx, la, sub in ((cx4, l4, "a"), (cx0, l0, "b")):
+        bufs, seq = _emulate(cx, la[:2], env, 3, 64, tmp_path / sub)
+        res.append(_emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path / sub))
+    keys = [k for k in res[0] if k.startswith("value.") and not res[0][k].isnan().all()]
+    assert keys and all(torch.equal(res[0][k], res[1][k]) for k in keys)
+    want = _ir_body(op, env)
+    norm = next(b for b in op.body if b.kind == "rms_norm")
+    y = res[0][f"value.{cx4.names[norm.outputs[0]]}"].float()
+    assert torch.allclose(y, want[norm.outputs[0]].float(), rtol=2 ** -6, atol=1e-3)
+
+
+def test_take_row_head_emulated(tmp_path):
+    """The head of a tiny C=64 chunk with n_valid = 37: the take-row copy of row 36 and the q=1 post_head HC
+    kernel on CPU threads give the IR head's normed row (hc_post, take_row, mix, head gate, pre-mix, norm)."""
+    _skip_without_host()
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "hc_post_head", -1)
+    env = _random_inputs(cx, op, 0, 37, seed=5)
+    env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
+    bufs, seq = _emulate(cx, launches, env, 0, 37, tmp_path)
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    post = next(b for b in op.body if b.kind == "hc_post")
+    assert torch.equal(got["workspace.ds4c_head_x"].view(torch.uint8),
+                       env[post.inputs[1]][36].contiguous().view(torch.uint8).reshape(-1))
+    norm = next(b for b in op.body if b.kind == "rms_norm")
+    want = _ir_body(op, env)[norm.outputs[0]].float()
+    y = got[f"value.{cx.names[norm.outputs[0]]}"].float()
+    assert y.shape == want.shape and torch.allclose(y, want, rtol=2 ** -6, atol=1e-3)
