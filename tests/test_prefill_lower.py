@@ -240,6 +240,10 @@ def _random_inputs(cx, op, pos: int, n_valid: int, seed: int) -> dict:
         shape, dt = tuple(int(d) for d in v.type.shape), v.type.dtype
         if p is not None and p.kind == "row_positions":
             env[v] = torch.arange(pos, pos + shape[0], dtype=torch.int64)
+        elif cx.inputs.get(v) == "tokens":
+            env[v] = torch.randint(0, cx.cfg.vocab_size, shape, generator=gen)
+        elif p is not None and p.kind == "param" and dt == "i64":  # tid2eid: an expert id per (token, slot)
+            env[v] = torch.randint(0, cx.cfg.n_experts, shape, generator=gen)
         elif v.type.shape == () and dt == "i64":
             env[v] = torch.tensor(n_valid, dtype=torch.int64)
         elif dt == "f32":
@@ -260,8 +264,8 @@ def _emulate(cx, launches, env: dict, pos: int, n_valid: int, tmp_path) -> tuple
         a = cx.arg(v)
         if a.kind in ("value", "weight"):
             bufs[f"{a.kind}.{a.name}"] = t.clone()
-        elif a.kind == "step" and a.name == "positions":
-            bufs["step.positions"] = t.clone()
+        elif a.kind == "step" and a.name in ("positions", "tokens"):
+            bufs[f"step.{a.name}"] = t.clone()
     seq = []
     for la in launches:
         args = []
@@ -369,3 +373,64 @@ def test_take_row_head_emulated(tmp_path):
     want = _ir_body(op, env)[norm.outputs[0]].float()
     y = got[f"value.{cx.names[norm.outputs[0]]}"].float()
     assert y.shape == want.shape and torch.allclose(y, want, rtol=2 ** -6, atol=1e-3)
+
+
+@pytest.mark.parametrize("layer,kind", [(0, "swa"), (3, "hca")])
+def test_attention_at_chunk_rows_emulated(layer, kind, tmp_path):
+    """The decode attention kernel at q = C = 64 rows of a tiny chunk (window 16, so every row's window mixes ring
+    slots of positions before the chunk and this chunk's kv rows, and most rows see only chunk rows), on CPU
+    threads, against the IR sparse_attention: every valid row within bf16 tolerance (hca: the compressed rows
+    capped per row by (p+1)//16 and by live = (pos + n_valid)//16)."""
+    _skip_without_host()
+    pos, nv = 40, 50
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer)
+    assert launches[0].kernel.entry == f"ds4c_attn_{kind}" and launches[0].grid[1] == 64
+    env = _random_inputs(cx, op, pos, nv, seed=layer)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    bufs["step.live_r16"] = torch.tensor([(pos + nv) // 16])
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    sa = next(b for b in op.body if b.kind == "sparse_attention")
+    y = got[f"value.{cx.names[sa.outputs[0]]}"].float()[:nv]
+    w = want[sa.outputs[0]].float()[:nv]
+    assert torch.allclose(y, w, rtol=2 ** -6, atol=2e-3), (y - w).abs().max()
+
+
+def test_indexer_at_chunk_rows_emulated(tmp_path):
+    """The decode indexer kernels (scores, select) at q = C = 64 rows of a tiny chunk's CSA layer, on CPU threads,
+    against the IR indexer_topk: every valid row's selected ids (per-row causal limit (p+1)//4, live =
+    (pos + n_valid)//4) equal."""
+    _skip_without_host()
+    pos, nv = 21, 50
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "indexer_topk", 2)
+    assert [la.grid[1] for la in launches] == [64, 1] and launches[1].grid[0] == 64
+    env = _random_inputs(cx, op, pos, nv, seed=11)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    bufs["step.live_r4"] = torch.tensor([(pos + nv) // 4])
+    it = next(b for b in op.body if b.kind == "indexer_topk")
+    bufs[f"value.{cx.names[it.outputs[0]]}"] = torch.full(tuple(int(d) for d in it.outputs[0].type.shape), -7)
+    got = _emu().run(seq, bufs, tmp_path)
+    ids = got[f"value.{cx.names[it.outputs[0]]}"][:nv]
+    w = want[it.outputs[0]][:nv]
+    assert (w >= 0).any() and (w < 0).any()  # rows with fewer visible keys than top-k pad with -1
+    assert torch.equal(ids, w)
+
+
+@pytest.mark.parametrize("layer", [3, 0])
+def test_router_at_chunk_rows_emulated(layer, tmp_path):
+    """The decode router kernel at q = C = 64 rows (layer 3: scored routing with the selection bias; layer 0: hash
+    routing by token id), on CPU threads, against the IR router_scores + route: ids equal, weights within fp32
+    rounding."""
+    _skip_without_host()
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "route", layer)
+    assert launches[0].grid[0] == 64
+    env = _random_inputs(cx, op, 0, 64, seed=layer)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, 0, 64, tmp_path)
+    r = next(b for b in op.body if b.kind == "route")
+    bufs[f"value.{cx.names[r.outputs[0]]}"] = torch.full((64, cx.cfg.n_active_experts), -7)
+    bufs[f"value.{cx.names[r.outputs[1]]}"] = torch.full((64, cx.cfg.n_active_experts), float("nan"))
+    got = _emu().run(seq, bufs, tmp_path)
+    assert torch.equal(got[f"value.{cx.names[r.outputs[0]]}"], want[r.outputs[0]])
+    assert torch.allclose(got[f"value.{cx.names[r.outputs[1]]}"], want[r.outputs[1]], rtol=1e-5, atol=1e-7)
