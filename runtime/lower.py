@@ -141,6 +141,11 @@ class _Ctx:
             elif leaf.kind in ("ring_write", "dspark_tap", "record_hc"):
                 self.alias[leaf.outputs[0]] = leaf.inputs[0]
         self.inputs = {v: k for k, v in g.inputs.items()}
+        # what a prefill chunk graph changes (runtime/lower_prefill.py sets them; decode / verify keep these):
+        #: HcSpec.row_block of the HC kernels (0: every stage-mix block loops over all q rows)
+        self.row_block = 0
+        #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
+        self.linears = _gemv
 
     # -- bindings
     def weight_name(self, v: Value) -> str | None:
@@ -161,7 +166,7 @@ class _Ctx:
             return self.arg(p.inputs[0])
         if p is not None and p.kind == "row_positions":
             return Arg("step", "positions")
-        if v in self.inputs and self.inputs[v] in ("tokens", "pos") or (v in self.inputs and self.inputs[v].startswith("live_r")):
+        if v in self.inputs and self.inputs[v] in ("tokens", "pos", "n_valid") or (v in self.inputs and self.inputs[v].startswith("live_r")):
             return Arg("step", self.inputs[v])
         return Arg("value", self.names[v])
 
@@ -208,12 +213,14 @@ def _launch(src: KernelSource, grid: Any, block: Any, smem: int, args: list[Arg]
 PREQUANT_MIN_Q = 2
 
 
-def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> list[Launch]:
+def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool, q: int | None = None) -> list[Launch]:
     """One multi-output GEMV over ``x``. With FP8-quantized activations (``fp8act`` outputs, ``act_quant``) the
     activation is quantized either by each block into shared memory (q below :data:`PREQUANT_MIN_Q`), or once
     into a bf16 workspace by a small kernel (``templates/actq``; e4m3 values times powers of two are exact in
     bf16) that the GEMV then reads in plain bf16 mode: the same products and sums. The second form is also the
-    fallback when the quantized activation does not fit in shared memory (HIP: 64 KiB, e.g. K = 8192 at q = 5)."""
+    fallback when the quantized activation does not fit in shared memory (HIP: 64 KiB, e.g. K = 8192 at q = 5).
+    ``q``: the rows of ``x`` (default: the graph's width; a prefill chunk's 1-row head passes 1)."""
+    qq = c.q if q is None else q
     k = int(linears[0].inputs[0].type.shape[-1])
     outs = []
     for lin in linears:
@@ -223,9 +230,9 @@ def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> l
         outs.append(_gv.GemvOutput(int(lin.outputs[0].type.shape[-1]), c.fmt(w), lin.attrs["mode"]))
     wargs = [Arg("weight", c.weight_name(l.inputs[1]) or "", form="raw") for l in linears] + \
         [Arg("value", c.names[l.outputs[0]]) for l in linears]
-    spec = _gv.GemvSpec(k, c.q, tuple(outs), act_quant)
+    spec = _gv.GemvSpec(k, qq, tuple(outs), act_quant)
     can_prequant = act_quant and any(o.mode == "fp8act" for o in outs) and all(o.mode != "f32" for o in outs)
-    if not (can_prequant and c.q >= PREQUANT_MIN_Q):
+    if not (can_prequant and qq >= PREQUANT_MIN_Q):
         try:
             src = _gv.render_gemv(spec, c.target, name)
             grid, block, smem = _gv.launch_shape(spec, c.target)
@@ -233,11 +240,11 @@ def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> l
         except RenderError:
             if not can_prequant:
                 raise
-    xq = Arg("workspace", name + "_xq", nbytes=2 * c.q * k)
+    xq = Arg("workspace", name + "_xq", nbytes=2 * qq * k)
     pre = _launch(render("actq/act_quant.cu.j2", name + "_actq", "gemv", c.target, {"k": k}),
-                  (k // 128, c.q), (128,), 0, [c.arg(x), xq])
+                  (k // 128, qq), (128,), 0, [c.arg(x), xq])
     plain = tuple(_gv.GemvOutput(o.n, o.fmt, "bf16" if o.mode == "fp8act" else o.mode, o.out_dtype) for o in outs)
-    spec = _gv.GemvSpec(k, c.q, plain, False)
+    spec = _gv.GemvSpec(k, qq, plain, False)
     src = _gv.render_gemv(spec, c.target, name)
     grid, block, smem = _gv.launch_shape(spec, c.target)
     return [pre, _launch(src, grid, block, smem, [xq] + wargs)]
@@ -314,7 +321,7 @@ def _lower_gemv_group(c: _Ctx, op: Op) -> list[Launch]:
     if pre is not None and pre in body and pre.kind == "rms_norm":  # prologue norm (q_norm)
         launches.append(_rowchain(c, c.name(op, "qnorm"), pre.inputs[0], [pre]))
     act = all(l.attrs.get("act_quant", True) for l in linears if l.attrs["mode"] == "fp8act")
-    launches += _gemv(c, c.name(op, "gemv"), x, linears, act)
+    launches += c.linears(c, c.name(op, "gemv"), x, linears, act)
     rings = {b.inputs[1]: b for b in body if b.kind == "ring_write"}  # fused by partition (no attention after)
     for j, lin in enumerate(linears):
         for k, chain in enumerate(_chains_from(c, body, lin.outputs[0])):
@@ -336,7 +343,7 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     if variant == "post_out":  # a layer-split shard's last HC post: its streams are the shard's output
         post = next(x for x in body if x.kind == "hc_post")
         spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult,
-                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps)
+                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, row_block=c.row_block)
         (src,) = _hc.render_hc(spec, c.target, c.name(op, variant))
         (la,) = _hc.launch_shapes(spec)
         args = {"out": c.arg(post.inputs[0]), "x": c.arg(post.inputs[1]), "post": c.arg(post.inputs[2]),
@@ -350,7 +357,8 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
     premix = next((b for b in body if b.kind == "hc_premix"), None)
     head_out = variant == "post_head" and premix is not None and premix.outputs[0] in op.outputs  # 7.3.4's input
     spec = _hc.HcSpec(variant, c.q, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
-                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, streams=streams, head_out=head_out)
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, streams=streams, head_out=head_out,
+                      row_block=c.row_block)
     srcs = _hc.render_hc(spec, c.target, c.name(op, variant + ("_streams" if streams else "")))
     gate = next(b for b in body if b.kind in ("sinkhorn", "hc_head_gate"))
     b: dict[str, Arg] = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
@@ -375,7 +383,7 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
                 for s, la in zip(srcs, _hc.launch_shapes(spec))]
     router = [x for x in body if x.kind == "linear"]
     if router:  # router with the FFN norm: its GEMV follows the norm stage
-        launches += _gemv(c, c.name(op, "router_gemv"), norm.outputs[0], router, True)
+        launches += c.linears(c, c.name(op, "router_gemv"), norm.outputs[0], router, True)
     return launches
 
 
@@ -638,22 +646,27 @@ def _reference_hint(t: object) -> str:
 
 
 def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
-                weight_types: dict[str, GGMLType] | None = None) -> list[LoweredKernel]:
+                weight_types: dict[str, GGMLType] | None = None, pending: list | None = None) -> list[LoweredKernel]:
     """The launches of every plan kernel of ``g`` (after the default pipeline) for ``target``.
 
     Args:
         weight_types: GGUF storage type per weight name (default: the official formats of ``cfg``).
 
+        pending: prefill chunk graphs only (``meta["prefill"]``, :mod:`ds4c.runtime.lower_prefill`): a list that
+            receives a :class:`~ds4c.runtime.lower_prefill.PendingKernel` for every plan kernel whose C-row
+            kernel is not written yet (the routed experts, ...) instead of raising on the first; the kernels that
+            do lower are returned. Ignored for decode / verify graphs.
+
     Raises:
-        LoweringError: a plan kernel whose pattern no family implements (or the graph was not partitioned, or is a
-            prefill chunk graph, which has no kernels yet).
+        LoweringError: a plan kernel whose pattern no family implements (or the graph was not partitioned); for
+            a prefill chunk graph without ``pending``, the first plan kernel whose C-row kernel is pending.
     """
     if "partition" not in g.meta.get("passes", ()):
         raise LoweringError("lower_graph needs a partitioned graph (run the default pipeline first)")
     if g.meta.get("prefill"):
-        raise LoweringError(f"a prefill chunk graph ({g.meta.get('width')} rows) has no kernels yet: its GEMM, "
-                            f"grouped-experts and chunk-attention families are not written; it runs on the IR "
-                            f"interpreter, and prompts on the compiled step are prefilled as verify steps")
+        from ds4c.runtime.lower_prefill import lower_prefill
+
+        return lower_prefill(g, cfg, target, weight_types, pending)
     types = weight_types or storage_types(cfg, "official")
     check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)

@@ -216,6 +216,35 @@ def test_kernel_emulated(i: int, emu_exes: dict[int, Path], tmp_path: Path) -> N
         assert e < 1e-5, e
 
 
+@pytest.mark.parametrize("engine,kw", [
+    ("mma", dict(rows=70, n=72, k=256, fmt="bf16", mode="bf16", groups=3)),  # the prefill wo_a form
+    ("mma", dict(rows=64, n=64, k=128, fmt="q8_0", groups=2)),
+    ("simt", dict(rows=20, n=40, k=128, fmt="mxfp4", out_dtype="f32", groups=2))])
+def test_grouped_kernel_emulated(engine: str, kw: dict, tmp_path: Path) -> None:
+    """GemmSpec.groups (the prefill chunk's wo_a): G GEMMs on x's column slices and w's row slices in one launch,
+    each group's y columns equal to the ungrouped reference of its slices, nothing past row C written; groups = 1
+    renders the ungrouped kernel."""
+    why = _emu().host_unavailable()
+    if why:
+        pytest.skip(why)
+    spec = GM.GemmSpec(**kw, engine=engine)
+    x, w = _inputs(spec, 11)
+    assert tuple(x.shape) == (spec.rows, spec.groups * spec.k) and w.shape[0] == spec.groups * spec.n
+    y, guard = _emu().run(spec, x, w, tmp_path)
+    assert not torch.isnan(y.float()).any(), "unwritten output elements"
+    assert torch.isnan(guard.float()).all(), "the kernel wrote rows beyond C"
+    one = dataclasses.replace(spec, groups=1)
+    for g in range(spec.groups):
+        want = GM.reference(one, x[:, g * spec.k:(g + 1) * spec.k].contiguous(), w[g * spec.n:(g + 1) * spec.n])
+        assert _rel_rows(y[:, g * spec.n:(g + 1) * spec.n], want) < (1e-3 if spec.out_dtype == "bf16" else 1e-5), g
+    t = target("sm_90")
+    assert GM.render_gemm(one, t, "e").source == GM.render_gemm(GM.GemmSpec(**{**kw, "groups": 1}, engine=engine), t,
+                                                                  "e").source
+    assert "GM_NTN" in GM.render_gemm(spec, t, "e").source and "GM_NTN" not in GM.render_gemm(one, t, "e").source
+    with pytest.raises(RenderError, match="groups"):
+        GM.GemmSpec(**{**kw, "prequant": True})
+
+
 @pytest.mark.parametrize("engine,fmt", [("mma", "q8_0"), ("simt", "mxfp4")])
 def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -> None:
     """An X already quantized by actq: the default kernel (full in-tile quant) gives the same bits as on the raw

@@ -153,6 +153,30 @@ def test_rendered_source_matches_args():
     assert pos == sorted(pos)
 
 
+@pytest.mark.parametrize("c,nv", [(40, 37), (40, 5), (40, 16), (16, 16)])
+def test_ring_valid_equals_the_ir_ring_write(c, nv):
+    """RowChainSpec.ring_valid (a prefill chunk): only rows n_valid-window .. n_valid-1 write their slot, so a
+    chunk longer than the window has one writer per slot and padded rows none; that leaves the ring exactly as
+    the IR's ring_write with n_valid (rows written in order) does. The kernel's source has the same rule, an
+    n_valid argument after the ring, and the decode kernel (ring_valid off) none of it."""
+    w, d = 16, 64
+    spec = R.RowChainSpec(1, d, (), ring_window=w, pos_dtype="i64", ring_valid=True)
+    g = torch.Generator().manual_seed(c + nv)
+    x = torch.randn(c, 1, d, generator=g).to(torch.bfloat16)
+    ring0 = torch.randn(w, d, generator=g).to(torch.bfloat16)
+    pos = 1003
+    got = R.rowchain_reference(spec, {"x": x, "pos": torch.tensor([pos]), "ring": ring0,
+                                      "n_valid": torch.tensor([nv])})["ring"]
+    want = _ir("ring_write", [ring0, x.reshape(c, d), torch.arange(pos, pos + c), torch.tensor(nv)], window=w)
+    assert torch.equal(got, want)
+    src = R.render_rowchain(spec, target("sm_90"), "rw").source
+    assert f"if (row < nv && row + {w} >= nv)" in src and [a.name for a in spec.args()][-2:] == ["ring", "n_valid"]
+    dec = R.render_rowchain(R.RowChainSpec(1, d, (), ring_window=w, pos_dtype="i64"), target("sm_90"), "rw").source
+    assert "n_valid" not in dec
+    with pytest.raises(RenderError, match="ring_valid"):
+        R.RowChainSpec(1, d, (R.mul_scalar(2.0),), ring_valid=True)
+
+
 # ------------------------------------------------------------------------------------------ references
 def _ir(kind: str, ins: list, **attrs):
     return OPS[kind].run(None, ins, attrs)[0]

@@ -82,7 +82,7 @@ def build(spec: GM.GemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
     names = GM.arg_names(spec, tgt)
     outb = 4 if spec.out_dtype == "f32" else 2
     ytype = "float" if spec.out_dtype == "f32" else "u16"
-    ny = (spec.rows + GUARD_ROWS) * spec.n
+    ny = (spec.rows + GUARD_ROWS) * spec.n * spec.groups
     poison = "std::numeric_limits<float>::quiet_NaN()" if outb == 4 else "(u16)0x7fc1"
     expr = {"x": "(const u16*)x.data()", "w": "w.data()", "y": "y.data()", "xq": "xq.data()", "xs": "xs.data()"}
     spaces, calls = [], []
@@ -126,7 +126,7 @@ def run(spec: GM.GemmSpec, x: torch.Tensor, w: torch.Tensor, workdir: Path, arch
         a = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy())
     else:
         a = torch.from_numpy(np.frombuffer(raw, dtype=np.int16).copy()).view(torch.bfloat16)
-    a = a.view(spec.rows + GUARD_ROWS, spec.n)
+    a = a.view(spec.rows + GUARD_ROWS, spec.n * spec.groups)
     return a[:spec.rows], a[spec.rows:]
 
 

@@ -67,6 +67,10 @@ class CompressorSpec:
         undo: also save what a verify step's rollback needs into ``undo{k}`` (``runtime/families/undo.py``):
             ratio 4: the state before row 0 and each row's slot values (the state after any prefix is rebuilt
             from them); ratio > 4: the old values of each overwritten slot.
+        valid: a prefill chunk (issue 12): the launch takes a device-side ``n_valid`` (i64 [1], after ``pos``)
+            and processes rows ``0 .. min(q, n_valid) - 1`` only, so padded rows write no state, no flush and
+            no compressed row. Every compressor of one launch must agree; False renders the decode / verify
+            kernel byte for byte as before.
     """
 
     ratio: int
@@ -80,10 +84,13 @@ class CompressorSpec:
     slots: int = 0
     width: int = 0
     undo: bool = False
+    valid: bool = False
 
     def __post_init__(self) -> None:
         bad = []
         r, d = self.ratio, self.d
+        if self.valid and self.undo:
+            bad.append("valid with undo (a prefill chunk is never rolled back)")
         if r < 4 or r % 4:
             bad.append(f"ratio {r} (expected 4 or a multiple of 4 >= 8)")
         if d < 32 or d % 32:
@@ -202,7 +209,10 @@ def params(specs: Sequence[CompressorSpec], threads: int = 0) -> dict[str, Any]:
                       "eps_lit": _float_literal(s.eps), "hscale_lit": _float_literal(_hscale(s.d)), "split": sp,
                       "undo": s.undo})
     splits = [c["d"] * c["split"] for c in comps if c["split"] > 1]
-    return {"threads": nt, "q": q, "comps": comps, "dmax": max(s.d for s in specs),
+    valid = {s.valid for s in specs}
+    if len(valid) > 1:
+        raise RenderError("compressor launch: every spec must agree on valid (one n_valid argument per launch)")
+    return {"threads": nt, "q": q, "comps": comps, **({"valid": True} if True in valid else {}), "dmax": max(s.d for s in specs),
             "ropemax": max(s.rope_dim for s in specs), "partmax": max(splits or [0])}
 
 
@@ -242,10 +252,10 @@ def launch_shape(specs: Sequence[CompressorSpec] | CompressorSpec, threads: int 
 
 
 def arg_names(specs: Sequence[CompressorSpec] | CompressorSpec) -> list[str]:
-    """Kernel argument names in order: ``pos``, then ``v{k}, g{k}, ape{k}, norm{k}, kv{k}, score{k}, rows{k},
+    """Kernel argument names in order: ``pos`` (then ``n_valid`` with ``valid``), then ``v{k}, g{k}, ape{k}, norm{k}, kv{k}, score{k}, rows{k},
     freqs{k}`` (and ``undo{k}`` for a compressor with ``undo``) per compressor."""
     specs = [specs] if isinstance(specs, CompressorSpec) else list(specs)
-    return ["pos"] + [f"{a}{k}" for k, s in enumerate(specs)
+    return ["pos"] + (["n_valid"] if specs and specs[0].valid else []) + [f"{a}{k}" for k, s in enumerate(specs)
                       for a in ARGS_PER_COMPRESSOR + (("undo",) if s.undo else ())]
 
 

@@ -3,8 +3,9 @@ of ``C`` rows (16..4096 in prefill; any ``C >= 1`` renders) through one projecti
 its stored GGUF form. Spec ds4-flash.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
 128 with power-of-two scales, times the dequantized weight, fp32 accumulation, bf16 out) =
 :func:`ds4c.reference.primitives.linear_q`; modes ``bf16`` / ``f32`` as the GEMV family's
-(:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. Not wired into the lowering
-yet (runtime/lower.py still runs prefill projections as GEMVs).
+(:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. The prefill chunk lowering
+(runtime/lower_prefill.py) runs every projection of >= 16 rows through it (``prequant=True``; wo_a as one
+grouped call, ``GemmSpec.groups``).
 
 Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
@@ -175,6 +176,12 @@ class GemmSpec:
     bn: int = 0
     sw_quant: bool = False
     prequant: bool = False
+    groups: int = 1
+    """G > 1: a grouped call (the grouped output projection wo_a of a prefill chunk, spec 5.2(k)): G independent
+    GEMMs ``y[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] @ w[g*N:(g+1)*N]^T`` in one launch, ``x`` ``[C, G*K]``, ``w``
+    ``[G*N, .]`` (group-major rows), ``y`` ``[C, G*N]``; grid ``(ceil(C/64), G * ceil(N/bn))`` (CTA column ``y`` is
+    tile ``y % ceil(N/bn)`` of group ``y // ceil(N/bn)``). Not with ``prequant`` / ``x_prequant`` (their x is
+    ``[C, K]``). 1 renders the ungrouped kernel byte for byte."""
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -208,6 +215,10 @@ class GemmSpec:
         elif self.prequant and self.x_prequant:
             bad.append("prequant with x_prequant (expected at most one: prequant's x is actq's f16 values and "
                        "scales, x_prequant's its bf16 output)")
+        if not (isinstance(self.groups, int) and 1 <= self.groups <= 1024):
+            bad.append(f"groups {self.groups!r} (expected an int in 1..1024)")
+        elif self.groups > 1 and (self.prequant or self.x_prequant):
+            bad.append(f"groups {self.groups} with prequant / x_prequant (expected groups 1: their x is [C, K])")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -224,7 +235,8 @@ class GemmSpec:
         """Short name of the kernel variant (without the engine)."""
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
                 + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
-                + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "") + f"_{self.out_dtype}")
+                + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "")
+                + (f"_g{self.groups}" if self.groups > 1 else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
@@ -289,7 +301,7 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     if smem > lim:
         raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
                           f"is {lim}")
-    grid = (-(-spec.rows // BM), -(-spec.n // bn), 1)
+    grid = (-(-spec.rows // BM), spec.groups * -(-spec.n // bn), 1)
     return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1))
 
 
@@ -310,7 +322,8 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
         out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)))
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)),
+        **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
 
 
@@ -328,8 +341,8 @@ def launch_shape(spec: GemmSpec, target: Target) -> Launch:
 def weight_shape(spec: GemmSpec) -> tuple[tuple[int, ...], torch.dtype]:
     """Storage shape and dtype of ``w``: uint8 ``[N, row_bytes]`` for the block formats, bf16 ``[N, K]``."""
     if spec.fmt == "bf16":
-        return (spec.n, spec.k), torch.bfloat16
-    return (spec.n, row_bytes(spec.fmt, spec.k)), torch.uint8
+        return (spec.groups * spec.n, spec.k), torch.bfloat16
+    return (spec.groups * spec.n, row_bytes(spec.fmt, spec.k)), torch.uint8
 
 
 def arg_order(spec: GemmSpec, target: Target | None = None) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
@@ -413,8 +426,9 @@ def arg_names(spec: GemmSpec, target: Target | None = None) -> dict[str, list[st
 def arg_shapes(spec: GemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every argument name of :func:`arg_names`: ``x`` bf16 ``[C, K]``, ``w``
     :func:`weight_shape`, ``y`` ``[C, N]`` in ``out_dtype``, ``xq`` f16 ``[C, K]``, ``xs`` fp32 ``[C, K/128]``."""
-    return {"x": ((spec.rows, spec.k), torch.bfloat16), "w": weight_shape(spec),
-            "y": ((spec.rows, spec.n), spec.torch_out_dtype),
+    g = spec.groups
+    return {"x": ((spec.rows, g * spec.k), torch.bfloat16), "w": weight_shape(spec),
+            "y": ((spec.rows, g * spec.n), spec.torch_out_dtype),
             "xq": ((spec.rows, spec.k), torch.float16), "xs": ((spec.rows, spec.k // KSTEP), torch.float32)}
 
 
@@ -438,13 +452,13 @@ def workspace_bytes(spec: GemmSpec, target: Target) -> int:
 
 
 def flops(spec: GemmSpec) -> int:
-    """``2 * C * N * K``."""
-    return 2 * spec.rows * spec.n * spec.k
+    """``2 * C * N * K`` (times G for a grouped call)."""
+    return 2 * spec.rows * spec.n * spec.k * spec.groups
 
 
 def weight_bytes(spec: GemmSpec) -> int:
     """Stored bytes of ``w``."""
-    return spec.n * row_bytes(spec.fmt, spec.k)
+    return spec.groups * spec.n * row_bytes(spec.fmt, spec.k)
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -475,6 +489,16 @@ def reference(spec: GemmSpec, x: torch.Tensor, w_raw: torch.Tensor) -> torch.Ten
     from ds4c.quant import act_quant_dequant
     from ds4c.reference import primitives as P
 
+    if spec.groups > 1:  # G independent GEMMs on column / row slices (GemmSpec.groups)
+        import dataclasses
+
+        one, gk = dataclasses.replace(spec, groups=1), spec.k
+        if tuple(x.shape) != (spec.rows, spec.groups * gk) or x.dtype != torch.bfloat16:
+            raise RenderError(f"gemm reference: x must be bf16 [{spec.rows}, {spec.groups * gk}], found {x.dtype} "
+                              f"{tuple(x.shape)}")
+        rows = w_raw.shape[0] // spec.groups
+        return torch.cat([reference(one, x[:, g * gk:(g + 1) * gk].contiguous(), w_raw[g * rows:(g + 1) * rows])
+                          for g in range(spec.groups)], dim=1)
     if tuple(x.shape) != (spec.rows, spec.k) or x.dtype != torch.bfloat16:
         raise RenderError(f"gemm reference: x must be bf16 [{spec.rows}, {spec.k}], found {x.dtype} "
                           f"{tuple(x.shape)}")
@@ -497,19 +521,19 @@ def random_weight(spec: GemmSpec, generator: torch.Generator | None = None,
     118..124 (:func:`ds4c.runtime.families.gemv.random_weight`)."""
     from ds4c.runtime.families import gemv as G
 
-    return G.random_weight(G.GemvOutput(spec.n, spec.fmt), spec.k, generator, device)
+    return G.random_weight(G.GemvOutput(spec.groups * spec.n, spec.fmt), spec.k, generator, device)
 
 
 def random_x(spec: GemmSpec, generator: torch.Generator | None = None,
              device: torch.device | str = "cpu") -> torch.Tensor:
     """bf16 ``[C, K]``: N(0, 1) times a per-(row, 128-block) magnitude 10^U(-2, 2) (varied activation
     scales); with C > 1 row 1 has magnitude 1e-6 (every block under the 1e-4 amax floor)."""
-    c, nb = spec.rows, spec.k // KSTEP
+    c, nb = spec.rows, spec.groups * spec.k // KSTEP
     mag = 10.0 ** (torch.rand(c, nb, 1, generator=generator, device=device) * 4 - 2)
     if c > 1:
         mag[1] = 1e-6
     x = torch.randn(c, nb, KSTEP, generator=generator, device=device) * mag
-    return x.reshape(c, spec.k).to(torch.bfloat16)
+    return x.reshape(c, nb * KSTEP).to(torch.bfloat16)
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:

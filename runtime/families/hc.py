@@ -109,9 +109,17 @@ class HcSpec:
     head_out: bool = False
     """``post_head`` only: also write the pre-mix before the RMSNorm to ``y_pre`` bf16 [q, D] (the DSpark
     drafter's confidence input, spec 7.3.4)."""
+    row_block: int = 0
+    """Stage mix rows per block (a prefill chunk, issue 12): 0 = every mix block loops over all ``q`` rows (the
+    decode / verify kernel, unchanged); ``n`` (1..5, dividing ``q``) = mix grid ``(n_blocks, q / n)``, block row
+    ``y`` owning rows ``y*n .. y*n+n-1``: the unrolled row loop and the ``red[NW][n][NV]`` shared array then stay
+    at decode size for any ``q`` (at ``q = C`` they would be ``C`` iterations and ``200 C`` bytes: over the 48 KiB
+    static limit from C = 246). The per-row arithmetic is the same, so the outputs are the same bits."""
 
     def __post_init__(self) -> None:
         bad = []
+        if self.row_block and not (1 <= self.row_block <= 5 and self.q % self.row_block == 0):
+            bad.append(f"row_block {self.row_block} (expected 0 or 1..5 dividing q {self.q})")
         if self.streams and self.variant != "post_head":
             bad.append(f"streams with variant {self.variant!r} (only post_head has the choice: post_pre / embed_pre "
                        f"always write their streams, pre / post_out have fixed outputs)")
@@ -176,7 +184,8 @@ class HcSpec:
                 "n_mix": self.n_mix, "npad": self.npad, "iters": self.iters, "threads_mix": MIX_THREADS,
                 "vec_mix": MIX_VEC, "threads_norm": nt, "vec_norm": vec, "eps_lit": _float_literal(self.eps),
                 "norm_eps_lit": _float_literal(self.norm_eps), "hc_eps_lit": _float_literal(self.hc_eps),
-                "streams": self.streams, **({"head_out": True} if self.head_out else {})}
+                "streams": self.streams, **({"head_out": True} if self.head_out else {}),
+                **({"row_block": self.row_block} if self.row_block else {})}
 
 
 def _float_literal(x: float) -> str:
@@ -206,12 +215,14 @@ def render_hc(spec: HcSpec, target: Target, name: str) -> list[KernelSource]:
 
 
 def launch_shapes(spec: HcSpec) -> list[Launch]:
-    """Launches in order (the same on every target): mix on grid (hidden / 32) x 64 threads, then norm on
+    """Launches in order (the same on every target): mix on grid (hidden / 32) x 64 threads (with ``row_block``
+    n: (hidden / 32, q / n)), then norm on
     grid (q, 2) (head: (q, 1)) x 256 threads (64 at D = 256). Both on the same stream; norm reads what mix
     wrote."""
     nt, _ = spec.norm_geometry()
     ny = 1 if spec.variant == "post_head" else 2
-    mix = Launch((spec.n_blocks, 1, 1), (MIX_THREADS, 1, 1), kernel="mix")
+    mix = Launch((spec.n_blocks, spec.q // spec.row_block if spec.row_block else 1, 1), (MIX_THREADS, 1, 1),
+                 kernel="mix")
     if spec.variant == "post_out":
         return [mix]
     return [mix, Launch((spec.q, ny, 1), (nt, 1, 1), kernel="norm")]

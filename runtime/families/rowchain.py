@@ -146,6 +146,11 @@ class RowChainSpec:
             ``[ring_window, G*W]``); 0: no ring.
         pos_mode / pos_dtype: how positions are read (module docstring).
         per_thread: elements per thread (1, 2, 4 or 8); 0 = automatic (:meth:`per_thread_elems`).
+        ring_valid: with ``ring_window`` (a prefill chunk, issue 12): the kernel also takes ``n_valid`` (i64 [1],
+            device, last argument) and row ``i`` writes its ring slot only when ``n_valid - ring_window <= i <
+            n_valid``: padded rows write nothing, and of the valid rows only the last ``ring_window`` (one
+            writer per slot, so no race when the chunk is longer than the window), which leaves the ring as
+            token-wise decoding does. False renders the decode / verify kernel byte for byte.
     """
 
     groups: int
@@ -155,6 +160,7 @@ class RowChainSpec:
     pos_mode: str = "base"
     pos_dtype: str = "i32"
     per_thread: int = 0
+    ring_valid: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -170,6 +176,8 @@ class RowChainSpec:
             bad.append(f"ring_window {self.ring_window} (expected >= 0)")
         if not self.ops and not self.ring_window:
             bad.append("an empty chain without a ring write")
+        if self.ring_valid and not self.ring_window:
+            bad.append("ring_valid without a ring write")
         for op in self.ops:
             if op.kind == "rope" and (op.rope_dim <= 0 or op.rope_dim % 2 or op.rope_dim > W):
                 bad.append(f"rope_dim {op.rope_dim} (expected even, 0 < rope_dim <= W={W})")
@@ -257,6 +265,8 @@ class RowChainSpec:
                                f"fp32 [{op.rope_dim // 2}] rope frequencies of op {i}"))
         if self.ring_window:
             out.append(Arg("ring", "u16* DS4C_RESTRICT ring", f"bf16 [{self.ring_window}, {G * W}] (updated in place)"))
+        if self.ring_valid:
+            out.append(Arg("n_valid", "const i64* DS4C_RESTRICT n_valid", "i64 [1]: rows 0 .. n_valid-1 are tokens"))
         return out
 
     def params(self) -> dict[str, Any]:
@@ -287,7 +297,8 @@ class RowChainSpec:
                 "red_size": (t // 32 if t % 32 == 0 else t) or 1,
                 "need_group_max": bool({"kv_fq", "fp4_fq"} & set(self.kinds)),
                 "need_e4m3": "kv_fq" in self.kinds, "need_e2m1": "fp4_fq" in self.kinds,
-                "need_pos": self.needs_pos, "pos_mode": self.pos_mode, "ring_window": self.ring_window}
+                "need_pos": self.needs_pos, "pos_mode": self.pos_mode, "ring_window": self.ring_window,
+                **({"ring_valid": True} if self.ring_valid else {})}
 
 
 def render_rowchain(spec: RowChainSpec, target: Target, name: str) -> KernelSource:
@@ -322,7 +333,7 @@ def rowchain_reference(spec: RowChainSpec, inputs: dict[str, torch.Tensor]) -> d
 
     Args:
         inputs: tensors by argument name (:meth:`RowChainSpec.args`); ``out`` is ignored; ``ring`` (when the
-            spec writes one) is not modified.
+            spec writes one) is not modified; ``n_valid`` (i64 [1]) with ``ring_valid``.
     Returns:
         ``{"out": bf16 [q, G, W]}`` plus ``{"ring": the updated ring copy}`` when ``ring_window``.
     """
@@ -356,8 +367,10 @@ def rowchain_reference(spec: RowChainSpec, inputs: dict[str, torch.Tensor]) -> d
     if spec.ring_window:
         ring = inputs["ring"].clone()
         flat = y.reshape(q, G * W)
+        nv = int(inputs["n_valid"].reshape(-1)[0]) if spec.ring_valid else q
         for i, p in enumerate(pos.tolist()):
-            ring[p % spec.ring_window] = flat[i]
+            if not spec.ring_valid or nv - spec.ring_window <= i < nv:  # the kernel's rule (RowChainSpec.ring_valid)
+                ring[p % spec.ring_window] = flat[i]
         out["ring"] = ring
     return out
 

@@ -1,0 +1,340 @@
+"""Lowering of a prefill chunk graph (issue 12: ``build_step(cfg, C, max_ctx, prefill=True)`` after the default
+pipeline) to family launches over C rows. Entered through :func:`ds4c.runtime.lower.lower_graph`, which hands
+every graph with ``meta["prefill"]`` to :func:`lower_prefill`; the decode / verify lowering is untouched.
+
+What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md, with file:line evidence):
+
+* ``multi_gemv`` / ``linear`` (projections): the prologue norm (q_norm) and the epilogue chains as row-chain
+  launches over C rows (grid ``(groups, C)``, one block per (group, row); the row-chain source does not depend
+  on C), the linears as GEMM-family calls (:mod:`ds4c.runtime.families.gemm`, ``GemmSpec(prequant=True)``):
+  per group one ``actq`` launch (x quantized once: ``xq`` f16 ``[C, K]``, ``xs`` fp32 ``[C, K/128]``, workspaces
+  ``ds4c_gemm_xq`` / ``ds4c_gemm_xs``) shared by every output that uses it (:func:`gemm.uses_prequant`: MXFP4 /
+  Q8_0 fp8act on sm_89+ CUDA), then one GEMM launch per output; bf16 weights and modes ``bf16`` / ``f32``
+  (indexer head weights, compressor kv / gate, router) are the in-tile GEMM on bf16 ``x``. A group whose
+  input has fewer than :data:`GEMM_MIN_ROWS` rows (the head's ``take_row`` output, 1 row) stays a GEMV. An
+  epilogue with a fused ``ring_write`` is refused (pending): the row-chain ring store has no ``n_valid`` and
+  races for C > window.
+* ``hc_embed_pre`` / ``hc_post_pre`` / ``hc_pre`` / ``hc_post_out``: the HC family with
+  ``HcSpec.row_block`` (stage mix grid ``(hidden/32, C/row_block)``, row_block 4 for C % 4 == 0; stage norm
+  is one block per row already); the FFN-side router linear as a GEMM (above).
+* ``hc_post_head`` with the head's ``take_row`` (the default graph): a take-row launch
+  (:mod:`ds4c.runtime.families.takerow`: row ``n_valid - 1`` of the HC post's four inputs into 1-row
+  workspaces), then the decode ``post_head`` HC kernel at q = 1; the logits linear (1 row) is the decode GEMV.
+  An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
+* ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
+  rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
+  the chunk crosses happens in place; no undo.
+* ``indexer_topk``, ``sparse_attention``, ``route``: the decode kernels at ``q = C`` unchanged (one block per
+  row, or per (head, row); per-row positions and causal limits; the window rule ``t < pos``: ring slot, else
+  this chunk's kv row, holds for C > window; splits = 1, so no q-sized workspace).
+* ``grouped_linear`` (wo_a + its fused ring write): :func:`_lower_grouped`: a valid-gated ring-write row chain
+  (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
+  (``GemmSpec.groups``).
+* ``moe_experts``: pending, through the one hook :func:`lower_routed_experts`; ``dspark_tap`` / ``record_hc``
+  with ``n_valid``: pending (the tap kernel has no n_valid and asserts C <= window).
+
+Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid`` valid rows: ``pos``,
+``tokens`` [C], ``positions`` [C] (``pos + i``), ``n_valid`` and ``live_r<ratio>`` = ``(pos + n_valid) // ratio``
+(the IR's ``live_rows`` with ``n_valid``). Not GPU-run yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds4c.config import Ds4Config
+from ds4c.ir.graph import Graph, Op, Value
+from ds4c.quant import GGMLType
+from ds4c.runtime import lower as L
+from ds4c.runtime.families import compressor as _cmp
+from ds4c.runtime.families import gemm as _gm
+from ds4c.runtime.families import hc as _hc
+from ds4c.runtime.families import rowchain as _rc
+from ds4c.runtime.families import takerow as _tr
+from ds4c.runtime.lower import Arg, Launch, LoweredKernel, LoweringError, _Ctx, _launch
+from ds4c.runtime.targets import Target
+from ds4c.tensors import storage_types
+
+#: inputs with fewer rows than this run as GEMVs (the GEMM's 64-row tiles would be mostly padding): the head's
+#: 1-row input after ``take_row``
+GEMM_MIN_ROWS = 16
+
+#: the family the routed experts at C rows wait for (built on another branch: runtime/families/moe_gemm.py)
+GROUPED_EXPERTS_FAMILY = "moe_gemm"
+
+
+class PendingLowering(LoweringError):
+    """A plan kernel of a prefill chunk graph whose C-row kernel is not written yet (the message names it)."""
+
+
+@dataclass(frozen=True)
+class PendingKernel:
+    """A plan kernel :func:`lower_prefill` skipped: its name (as :class:`LoweredKernel` names it), pattern, layer
+    and the one-line reason."""
+
+    name: str
+    pattern: str
+    layer: int
+    message: str
+
+
+def _hc_row_block(q: int) -> int:
+    """Stage-mix rows per block at ``q`` rows: the largest of 4, 2, 1 dividing ``q`` (decode-size loops)."""
+    return next(n for n in (4, 2, 1) if q % n == 0)
+
+
+def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool) -> list[Launch]:
+    """Linears sharing ``x`` (bf16 ``[rows, K]``) as GEMM calls: one ``actq`` launch for every output whose call
+    uses prequant (they all quantize the same ``x``), then one GEMM per output (``y`` its IR output, bf16 or
+    fp32 ``[rows, N]``). Fewer than :data:`GEMM_MIN_ROWS` rows: the GEMV lowering (``q = rows``).
+
+    Raises:
+        LoweringError: a weight that is not a model tensor or whose storage the GEMM family does not read
+            (K-quants, F32), or ``K`` not a multiple of 128.
+    """
+    rows, k = (int(d) for d in x.type.shape)
+    if rows < GEMM_MIN_ROWS:
+        return L._gemv(c, name, x, linears, act_quant, q=rows)
+    gname = name.replace("gemv", "gemm")
+    out: list[Launch] = []
+    xq = xs = None
+    for j, lin in enumerate(linears):
+        w = c.weight_name(lin.inputs[1])
+        if w is None:
+            raise LoweringError(f"{name}: linear weight is not a model tensor")
+        fmt = c.fmt(w)
+        if fmt not in _gm.FORMATS:
+            raise LoweringError(f"{name}: weight {w} is stored as {fmt}; the GEMM family reads {_gm.FORMATS}")
+        mode = lin.attrs["mode"]
+        spec = _gm.GemmSpec(rows, int(lin.outputs[0].type.shape[-1]), k, fmt, mode,
+                            act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
+                            out_dtype=lin.outputs[0].type.dtype, prequant=True)
+        srcs = _gm.render_call(spec, c.target, f"{gname}{j}")
+        names = _gm.arg_names(spec, c.target)
+        ws = _gm.workspaces(spec, c.target)
+        b = {"x": c.arg(x), "w": Arg("weight", w, form="raw"), "y": Arg("value", c.names[lin.outputs[0]])}
+        if ws:
+            nb = {n: sh[0][0] * sh[0][1] * (2 if n == "xq" else 4) for n, sh in ws.items()}
+            b["xq"] = Arg("workspace", "ds4c_gemm_xq", nbytes=nb["xq"])
+            b["xs"] = Arg("workspace", "ds4c_gemm_xs", nbytes=nb["xs"])
+        for src, la in zip(srcs, _gm.launch_shapes(spec, c.target)):
+            if la.kernel == "actq":
+                if xq is not None:  # x already quantized by this group's first prequant call
+                    continue
+                xq = xs = True
+            out.append(_launch(src, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
+    return out
+
+
+def _lower_linears(c: _Ctx, op: Op) -> list[Launch]:
+    """``multi_gemv`` / ``linear`` at C rows: :func:`ds4c.runtime.lower._lower_gemv_group` with the GEMM calls of
+    :func:`_gemm_linears`. Pending: a fused ``ring_write`` epilogue."""
+    if any(b.kind == "ring_write" for b in (op.body or [])):
+        raise PendingLowering("a ring write fused into a projection epilogue: the row-chain ring store has no "
+                              "n_valid and races for C > window")
+    return L._lower_gemv_group(c, op)
+
+
+def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
+    """The HC kernels at C rows (``HcSpec.row_block``); the head with ``take_row``: :func:`_lower_head`."""
+    if any(b.kind == "take_row" for b in (op.body or [])):
+        return _lower_head(c, op)
+    return L._lower_hc(c, op)
+
+
+def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
+    """``hc_post_head`` of a prefill chunk whose head reads row ``n_valid - 1`` (``hc_post`` on C rows, then
+    ``take_row``, then the 1-row mix / gate / pre-mix / norm): the take-row family copies row ``n_valid - 1`` of
+    the HC post's four inputs (out bf16 [C, D], x bf16 [C, hc, D], post f32 [C, hc], comb f32 [C, hc, hc]) into
+    the workspaces ``ds4c_head_{out,x,post,comb}``, then the decode ``post_head`` HC kernel at q = 1 runs on them
+    (the post of one row does not depend on the others, so this is the row of the C-row post).
+
+    Raises:
+        PendingLowering: the last layer's streams are also a kernel output (a DSpark tap / record_hc reads all C
+            rows of them).
+    """
+    body = op.body or []
+    post = next(b for b in body if b.kind == "hc_post")
+    if post.outputs[0] in op.outputs:
+        raise PendingLowering("hc_post_head with take_row whose C-row streams are also read (taps / record_hc)")
+    mix = next(b for b in body if b.kind == "hc_mix")
+    norm = next(b for b in body if b.kind == "rms_norm")
+    gate = next(b for b in body if b.kind == "hc_head_gate")
+    premix = next((b for b in body if b.kind == "hc_premix"), None)
+    head_out = premix is not None and premix.outputs[0] in op.outputs
+    cfg = c.cfg
+    srcs_in = post.inputs[:4]
+    tspec = _tr.TakeRowSpec(c.q, tuple(v.type.nbytes() // c.q for v in srcs_in))
+    ws = [Arg("workspace", f"ds4c_head_{n}", nbytes=b) for n, b in zip(("out", "x", "post", "comb"), tspec.row_bytes)]
+    tb = {"n_valid": Arg("step", "n_valid")}
+    for k, (v, w) in enumerate(zip(srcs_in, ws)):
+        tb[f"src{k}"], tb[f"dst{k}"] = c.arg(v), w
+    la = _tr.launch_shape(tspec)
+    out = [_launch(_tr.render_take_row(tspec, c.target, c.name(op, "take_row")), la.grid, la.block, la.smem,
+                   [tb[n] for n in _tr.arg_names(tspec)])]
+    spec = _hc.HcSpec("post_head", 1, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, head_out=head_out)
+    b = {"fn": c.arg(mix.inputs[1]), "scale": c.arg(gate.inputs[1]), "base": c.arg(gate.inputs[2]),
+         "norm_w": c.arg(norm.inputs[1]), "y": Arg("value", c.names[norm.outputs[0]]),
+         "ws": Arg("workspace", c.name(op, "hc_ws"), nbytes=4 * max(_hc.workspace_floats(spec), 1)),
+         "out": ws[0], "x": ws[1], "post": ws[2], "comb": ws[3]}
+    if head_out:
+        b["y_pre"] = Arg("value", c.names[premix.outputs[0]])
+    names = _hc.arg_names(spec)
+    for s, la in zip(_hc.render_hc(spec, c.target, c.name(op, "post_head")), _hc.launch_shapes(spec)):
+        out.append(_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
+    return out
+
+
+def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
+    """The compressor family over C rows with the device-side ``n_valid`` (``CompressorSpec.valid``), no undo:
+    rows processed in order by one block per compressor, so every flush inside the chunk happens in place."""
+    comps = [b for b in (op.body or [op]) if b.kind == "compress"]
+    specs, binding = [], [Arg("step", "pos"), Arg("step", "n_valid")]
+    for b in comps:
+        a = b.attrs
+        if len(b.inputs) < 10:
+            raise LoweringError(f"compressor (layer {op.layer}): a prefill compress op without its n_valid input")
+        specs.append(_cmp.CompressorSpec(a["ratio"], a["d"], a["indexer"], a["emulate"], a["nope"], c.cfg.rope_dim,
+                                         c.q, a["eps"], valid=True))
+        binding += [c.arg(b.inputs[i]) for i in (0, 1, 2, 3, 4, 5, 6, 8)]
+    src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
+    la = _cmp.launch_shape(specs)
+    return [_launch(src, la.grid, la.block, la.smem, binding)]
+
+
+def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
+    """``grouped_linear`` (wo_a, spec 5.2(j),(k)) with its fused ring write (5.2(h.1)) at C rows, three launches:
+
+    1. the ring write: a row chain with no ops and ``ring_valid`` (x = out = kv bf16 ``[C, head_dim]``, in
+       place), row ``i`` writing slot ``(pos + i) % window`` only when ``n_valid - window <= i < n_valid``: one
+       writer per slot, the ring left as token-wise decoding leaves it (after attention, which read the old ring);
+    2. the inverse RoPE of the attention output: a row chain over ``[C, H, head_dim]`` into the workspace
+       ``ds4c_wo_a_x`` (bf16 ``[C, H * head_dim]``, the grouped kernel's prologue as its own launch);
+    3. the projection: one grouped GEMM call (``GemmSpec(groups=G)``, bf16 weights as the grouped family reads
+       them, mode bf16, fp32 accumulation): ``z[:, g] = x[:, g*K:(g+1)*K] @ wo_a[g*R:(g+1)*R]^T``, z bf16
+       ``[C, G, R]``.
+
+    The decode kernel (runtime/families/rowchain.py GroupedSpec) is not used: it stages all rows of a group in
+    static shared memory (``GL_Q * K * 2`` bytes: 8 KB per row at K = 4096) and its ring write has no n_valid.
+
+    Raises:
+        LoweringError: a ring write without its ``n_valid`` input.
+    """
+    body = op.body or [op]
+    gl = next(b for b in body if b.kind == "grouped_linear")
+    rope = next((b for b in body if b.kind == "rope"), None)
+    ring = next((b for b in body if b.kind == "ring_write"), None)
+    cfg, launches = c.cfg, []
+    if ring is not None:
+        if len(ring.inputs) < 4:
+            raise LoweringError(f"grouped_linear (layer {op.layer}): a prefill ring write without its n_valid input")
+        kv = ring.inputs[1]
+        spec = _rc.RowChainSpec(1, int(kv.type.shape[-1]), (), ring_window=int(ring.attrs["window"]), pos_dtype="i64",
+                                ring_valid=True)
+        b = {"x": c.arg(kv), "out": c.arg(kv), "pos": Arg("step", "pos"), "ring": c.arg(ring.inputs[0]),
+             "n_valid": Arg("step", "n_valid")}
+        la = _rc.rowchain_launch(spec, c.q)
+        launches.append(_launch(_rc.render_rowchain(spec, c.target, c.name(op, "ring_write")), la.grid, la.block,
+                                la.smem, [b[a.name] for a in _rc.rowchain_args(spec)]))
+    o = rope.inputs[0] if rope is not None else gl.inputs[0]
+    rows, heads, hd = (int(d) for d in o.type.shape)
+    groups = int(gl.attrs["groups"])
+    x = c.arg(o)
+    if rope is not None:
+        spec = _rc.RowChainSpec(heads, hd, (_rc.rope(cfg.rope_dim, inverse=rope.attrs["inverse"]),), pos_dtype="i64")
+        x = Arg("workspace", "ds4c_wo_a_x", nbytes=2 * rows * heads * hd)
+        b = {"x": c.arg(o), "out": x, "pos": Arg("step", "pos"), "freqs0": c.arg(rope.inputs[2])}
+        la = _rc.rowchain_launch(spec, rows)
+        launches.append(_launch(_rc.render_rowchain(spec, c.target, c.name(op, "wo_a_rope")), la.grid, la.block,
+                                la.smem, [b[a.name] for a in _rc.rowchain_args(spec)]))
+    w = c.weight_name(gl.inputs[1])
+    if w is None:
+        raise LoweringError(f"grouped_linear (layer {op.layer}): its weight is not a model tensor")
+    k = heads // groups * hd
+    spec = _gm.GemmSpec(rows, int(gl.outputs[0].type.shape[-1]), k, "bf16", "bf16",
+                        out_dtype=gl.outputs[0].type.dtype, groups=groups)
+    b = {"x": x, "w": Arg("weight", w, form="bf16"), "y": Arg("value", c.names[gl.outputs[0]])}
+    names = _gm.arg_names(spec, c.target)
+    for src, la in zip(_gm.render_call(spec, c.target, c.name(op, "wo_a_gemm")), _gm.launch_shapes(spec, c.target)):
+        launches.append(_launch(src, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
+    return launches
+
+
+def _pending(message: str):
+    def fn(c: _Ctx, op: Op) -> list[Launch]:
+        raise PendingLowering(message)
+    return fn
+
+
+def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
+    """The hook where the grouped-experts family plugs in: the ``moe_experts`` plan kernel of a prefill chunk
+    (``routed_experts`` over C rows grouped by expert, the shared expert, ``moe_sum``; inputs x bf16
+    ``[C, hidden]``, ids i64 ``[C, k]``, weights fp32 ``[C, k]``; output bf16 ``[C, hidden]``).
+
+    Raises:
+        PendingLowering: always, until :data:`GROUPED_EXPERTS_FAMILY` exists.
+    """
+    raise PendingLowering(f"moe_experts at {c.q} rows: the grouped-experts family ({GROUPED_EXPERTS_FAMILY}) is "
+                          f"not written yet")
+
+
+_PATTERNS = {
+    "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
+    "hc_post_out": _lower_hc,
+    "multi_gemv": _lower_linears, "linear": _lower_linears,
+    "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": L._lower_attention,
+    "route": L._lower_route, "moe_experts": lower_routed_experts,
+    "grouped_linear": _lower_grouped,
+    "dspark_tap": _pending("dspark_tap with n_valid: the tap kernel has no n_valid and asserts C <= window"),
+    "record_hc": _pending("record_hc with n_valid: the tap kernel's copy mode has no n_valid"),
+}
+
+#: the family of each prefill plan kernel's launches (a GEMM group's launches are GEMMs and row chains)
+FAMILY_OF = {**L.FAMILY_OF, "multi_gemv": "gemm", "linear": "gemm", "grouped_linear": "gemm"}
+
+
+def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[str, GGMLType] | None = None,
+                  pending: list[PendingKernel] | None = None) -> list[LoweredKernel]:
+    """The launches of every plan kernel of the prefill chunk graph ``g`` (C = ``meta["width"]`` rows, after the
+    default pipeline) for ``target``; no rollback kernel (a chunk is never rolled back).
+
+    Args:
+        pending: when given, each plan kernel whose C-row kernel is pending (:class:`PendingLowering`) is
+            appended to it as a :class:`PendingKernel` and skipped; otherwise the first one raises.
+
+    Raises:
+        PendingLowering: (without ``pending``) the first pending plan kernel, e.g. ``"l0.grouped_linear: ..."``.
+        LoweringError: a pattern with no prefill lowering, a weight no kernel reads, or a spec that does not fit.
+    """
+    if not g.meta.get("prefill"):
+        raise LoweringError("lower_prefill needs a prefill chunk graph (build_step(..., prefill=True))")
+    types = weight_types or storage_types(cfg, "official")
+    L.check_expert_formats(types)
+    c = _Ctx(g, cfg, target, types)
+    c.row_block = _hc_row_block(c.q)
+    c.linears = _gemm_linears
+    out: list[LoweredKernel] = []
+    seen: dict[str, int] = {}
+    for op in g.ops:
+        if op.kind != "fused":
+            continue
+        pattern = op.attrs.get("pattern", "")
+        fn = _PATTERNS.get(pattern)
+        base = f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}.{seen[base]}"
+        if fn is None:
+            raise LoweringError(f"no prefill lowering for the plan kernel pattern {pattern!r} (layer {op.layer})")
+        try:
+            launches = fn(c, op)
+        except PendingLowering as e:
+            if pending is None:
+                raise PendingLowering(f"{name}: {e}") from None
+            pending.append(PendingKernel(name, pattern, op.layer, str(e)))
+            continue
+        fam = FAMILY_OF[pattern]
+        if fam == "gemm" and not any(la.kernel.family == "gemm" for la in launches):
+            fam = "gemv"  # a group of fewer than GEMM_MIN_ROWS rows (the 1-row head)
+        out.append(LoweredKernel(name, fam, op.layer, launches))
+    return out

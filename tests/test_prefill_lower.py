@@ -1,0 +1,439 @@
+"""Lowering prefill chunk graphs (runtime/lower_prefill.py, issue 12): every plan kernel of a C-row chunk graph
+lowers to family launches whose arguments bind to graph values, weights, step scalars and sized workspaces that
+exist, except the pending ones (routed experts, wo_a + ring write, the take_row head), which are reported with a
+one-line reason; projections are GEMM calls (one shared actq, one GEMM per output, sized to C rows); the
+compressor reads n_valid; HC stage mix runs over row blocks; a representative subset compiles for sm_90.
+CPU only: nothing here runs a kernel (docs/prefill.md says what needs the GPU)."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import pytest
+import torch
+
+from ds4c.config import preset
+from ds4c.ir import build_step
+from ds4c.ir.printer import value_names
+from ds4c.passes.manager import run_pipeline
+from ds4c.runtime.families import gemm as G
+from ds4c.runtime.families.compressor import CompressorSpec, render_compressor
+from ds4c.runtime.families.hc import HcSpec, launch_shapes as hc_launch_shapes, render_hc
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lower_prefill import PendingLowering
+from ds4c.runtime.targets import target
+from ds4c.tensors import tensor_specs
+
+STEP = {"pos", "positions", "tokens", "n_valid"}
+PENDING = {"moe_experts"}
+_CACHE: dict = {}
+
+
+def _graph(name: str, c: int, ctx: int):
+    key = (name, c, ctx)
+    if key not in _CACHE:
+        _CACHE[key] = run_pipeline(build_step(preset(name), c, max_ctx=ctx, prefill=True), "default",
+                                   context=ctx).graph
+    return _CACHE[key]
+
+
+def _n_params(la) -> int:
+    src = re.sub(r"//[^\n]*", "", la.kernel.source)
+    sig = re.search(r"\b" + la.kernel.entry + r"\s*\(([^)]*)\)", src)
+    assert sig, la.kernel.entry
+    return len([p for p in sig.group(1).split(",") if p.strip()])
+
+
+@pytest.mark.parametrize("name,c,ctx", [("tiny", 64, 128), ("tiny", 256, 512), ("flash-l4", 64, 4096),
+                                        ("flash-l4", 256, 8192)])
+def test_prefill_plan_lowers_except_pending(name, c, ctx):
+    cfg = preset(name)
+    g = _graph(name, c, ctx)
+    pend: list = []
+    ks = lower_graph(g, cfg, target("sm_90"), pending=pend)
+    plan = [op for op in g.ops if op.kind == "fused"]
+    assert len(ks) + len(pend) == len(plan) and all(k.launches for k in ks)
+    assert "rollback" not in {k.name for k in ks}
+    # exactly the pending kernels: one routed-experts per layer
+    assert {p.pattern for p in pend} == PENDING
+    assert sum(p.pattern == "moe_experts" for p in pend) == cfg.n_layers
+    assert all("moe_gemm" in p.message for p in pend if p.pattern == "moe_experts")
+    names = value_names(g)
+    by_name = {n: v for v, n in names.items()}
+    weights = {s.name for s in tensor_specs(cfg)}
+    for k in ks:
+        for la in k.launches:
+            assert _n_params(la) == len(la.args), (k.name, la.kernel.entry)
+            assert all(1 <= d <= 2 ** 31 - 1 for d in la.grid) and la.grid[1] <= 65535 and la.grid[2] <= 65535
+            for a in la.args:
+                if a.kind == "value":
+                    assert a.name in by_name, (k.name, a)
+                elif a.kind == "weight":
+                    assert a.name in weights, (k.name, a)
+                elif a.kind == "step":
+                    assert a.name in STEP or a.name.startswith("live_r"), a
+                elif a.kind == "workspace":
+                    assert a.nbytes > 0
+    # every linear of >= 16 rows is one GEMM launch writing its output, sized to its shapes
+    gemms = {la.args[-1].name: la for k in ks for la in k.launches
+             if la.kernel.family == "gemm" and not la.kernel.entry.endswith("_actq") and "wo_a" not in la.kernel.entry}
+    n_lin = 0
+    for op in plan:
+        for lin in (b for b in op.body or [] if b.kind == "linear"):
+            rows, kk = (int(d) for d in lin.inputs[0].type.shape)
+            if rows < 16 or op.attrs["pattern"] in PENDING:
+                continue
+            n_lin += 1
+            y = names[lin.outputs[0]]
+            la = gemms.pop(y)
+            n = int(lin.outputs[0].type.shape[-1])
+            assert rows == c and la.grid[0] == math.ceil(c / G.BM) and la.grid[1] == math.ceil(n / G.BN), (y, la.grid)
+            assert la.args[-2].kind == "weight" and la.args[-2].form == "raw"
+            if la.args[0].kind == "workspace":  # prequant: xq f16 [C, K], xs f32 [C, K/128]
+                assert la.args[0].nbytes == 2 * c * kk and la.args[1].nbytes == 4 * c * kk // 128
+            else:
+                assert by_name[la.args[0].name] is lin.inputs[0] or la.args[0].name == names[lin.inputs[0]]
+    assert n_lin > 0 and not gemms  # no GEMM writes anything but a linear's output
+    # one actq per prequant group, launched before its GEMMs
+    for k in ks:
+        ents = [la.kernel.entry for la in k.launches]
+        for i, e in enumerate(ents):
+            if e.endswith("_actq"):
+                assert ents.count(e) == 1 and any(x.startswith("ds4c_gemm") or "router_gemm" in x for x in ents[i + 1:])
+    # the compressor reads n_valid; the HC stage mix runs over C / row_block row blocks; the head stays a GEMV
+    comps = [la for k in ks if k.family == "compressor" for la in k.launches]
+    assert comps and all(la.args[1] == la.args[1].__class__("step", "n_valid") for la in comps)
+    assert all("if (i >= nv) break;" in la.kernel.source for la in comps)
+    mixes = [la for k in ks if k.family == "hc" and k.name != "hc_post_head" for la in k.launches
+             if la.kernel.entry.endswith("_mix")]
+    assert mixes and all(la.grid[1] == c // 4 and "ds4c_bid_y() * NQ" in la.kernel.source for la in mixes)
+    head = next(k for k in ks if k.name == "linear")  # the logits: 1 row (take_row) -> GEMV
+    assert [la.kernel.family for la in head.launches] == ["gemv"] and head.family == "gemv"
+    # the head: row n_valid-1 of the HC post's inputs copied out, then the decode post_head kernel at q = 1
+    hk = next(k for k in ks if k.name == "hc_post_head")
+    assert [la.kernel.family for la in hk.launches] == ["takerow", "hc", "hc"]
+    tr = hk.launches[0]
+    assert tr.args[0] == tr.args[0].__class__("step", "n_valid")
+    d, hcm = cfg.hidden_size, cfg.hc_mult
+    assert [a.nbytes for a in tr.args[2::2]] == [2 * d, 2 * hcm * d, 4 * hcm, 4 * hcm * hcm]
+    assert all(hk.launches[1].kernel.source.count(s) for s in ("#define NQ 1",))
+    # wo_a: the valid-gated ring write, the inverse rope into a workspace, one grouped GEMM writing z
+    for k in (k for k in ks if k.name.endswith("grouped_linear")):
+        ring, rope, gm = k.launches
+        assert ring.args[0] == ring.args[1] and ring.args[3].name == f"l{k.layer}.ring"
+        assert ring.args[4] == ring.args[4].__class__("step", "n_valid") and ring.grid == (1, c, 1)
+        assert f"row + {cfg.window} >= nv" in ring.kernel.source
+        assert rope.args[1].kind == "workspace" and rope.args[1].nbytes == 2 * c * cfg.n_heads * cfg.head_dim
+        assert gm.args[0] == rope.args[1] and gm.args[1].form == "bf16" and gm.args[1].name.endswith("attn_output_a.weight")
+        assert gm.grid == (math.ceil(c / G.BM), cfg.o_groups * math.ceil(cfg.o_lora_rank / G.BN), 1)
+        z = by_name[gm.args[2].name]
+        assert tuple(z.type.shape) == (c, cfg.o_groups, cfg.o_lora_rank)
+
+
+def test_prefill_refused_without_pending_names_the_kernel():
+    g = _graph("tiny", 64, 128)
+    with pytest.raises(PendingLowering, match=r"^l0\.moe_experts: moe_experts at 64 rows: .*\(moe_gemm\)"):
+        lower_graph(g, preset("tiny"), target("sm_90"))
+
+
+def test_routed_experts_hook_message():
+    from ds4c.runtime.lower import _Ctx
+    from ds4c.runtime.lower_prefill import lower_routed_experts
+    from ds4c.tensors import storage_types
+
+    cfg = preset("tiny")
+    g = _graph("tiny", 64, 128)
+    op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == "moe_experts")
+    with pytest.raises(PendingLowering, match=r"^moe_experts at 64 rows: the grouped-experts family \(moe_gemm\)"):
+        lower_routed_experts(_Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official")), op)
+
+
+def test_prefill_options_leave_decode_kernels_alone():
+    """valid=False / row_block=0 render the decode sources (tests/test_lower.py covers the step as a whole); the
+    prefill variants differ only by the n_valid argument and loop bound, or the row-block pointer offsets."""
+    t = target("sm_90")
+    a = dict(ratio=4, d=128, indexer=True, emulate=True, nope=0, rope_dim=64, q=64)
+    dec = render_compressor(CompressorSpec(**a), t, "c").source
+    pf = render_compressor(CompressorSpec(**a, valid=True), t, "c").source
+    assert "n_valid" not in dec and "const i64* DS4C_RESTRICT n_valid" in pf and "if (i >= nv) break;" in pf
+    with pytest.raises(Exception, match="valid with undo"):
+        CompressorSpec(**a, valid=True, undo=True)
+    h0, h4 = HcSpec("post_pre", 64, 256), HcSpec("post_pre", 64, 256, row_block=4)
+    (m0, n0), (m4, n4) = render_hc(h0, t, "h"), render_hc(h4, t, "h")
+    assert n0.source == n4.source and "#define NQ 64" in m0.source and "#define NQ 4" in m4.source
+    assert [l.grid for l in hc_launch_shapes(h4)][0] == (8, 16, 1) and hc_launch_shapes(h0)[0].grid == (8, 1, 1)
+    with pytest.raises(Exception, match="row_block"):
+        HcSpec("post_pre", 6, 256, row_block=4)
+
+
+@pytest.mark.parametrize("arch,tool", [("sm_90", "nvcc"), ("gfx1151", "clang-19")])
+def test_prefill_kernels_compile(arch, tool, tmp_path):
+    """Every distinct source of the tiny C=64 chunk (HC row blocks, GEMM + actq, grouped GEMM, row chains
+    incl. the valid-gated ring write, compressor with n_valid, indexer, attention, router at q=64, take-row)
+    compiles for sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body)."""
+    if not shutil.which(tool):
+        pytest.skip(f"{tool} is not installed")
+    from ds4c.runtime.cache import KernelCache
+
+    ks = lower_graph(_graph("tiny", 64, 128), preset("tiny"), target(arch), pending=[])
+    srcs = list({la.kernel.digest(): la.kernel for k in ks for la in k.launches}.values())
+    fams = {s.family for s in srcs}
+    assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv"} <= fams, fams
+    entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
+    assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
+
+
+# ------------------------------------------------------------------------------- emulated plan kernels (CPU)
+def _emu():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from tools import launch_emu
+    finally:
+        sys.path.pop(0)
+    return launch_emu
+
+
+def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None):
+    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
+    import ds4c.runtime.lower_prefill as LP
+    from ds4c.runtime.lower import _Ctx
+    from ds4c.tensors import storage_types
+
+    cfg = preset(name)
+    g = _graph(name, c, ctx)
+    cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
+    cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
+    cx.linears = LP._gemm_linears
+    op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
+    return cfg, g, cx, op, LP._PATTERNS[pattern](cx, op)
+
+
+def _external(op):
+    made = {v for b in op.body for v in b.outputs}
+    seen, out = set(), []
+    for b in op.body:
+        for v in b.inputs:
+            if v not in made and v not in seen:
+                seen.add(v)
+                out.append(v)
+    return out
+
+
+def _ir_body(op, env: dict) -> dict:
+    """Run the fused op's body leaf by leaf on the IR ops (the interpreter's semantics)."""
+    from ds4c.ir.ops import OPS
+
+    env = dict(env)
+    for b in op.body:
+        outs = OPS[b.kind].run(None, [env[v] for v in b.inputs], b.attrs)
+        env.update(zip(b.outputs, outs))
+    return env
+
+
+def _random_inputs(cx, op, pos: int, n_valid: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    env = {}
+    for v in _external(op):
+        p = cx.prod.get(v)
+        shape, dt = tuple(int(d) for d in v.type.shape), v.type.dtype
+        if p is not None and p.kind == "row_positions":
+            env[v] = torch.arange(pos, pos + shape[0], dtype=torch.int64)
+        elif cx.inputs.get(v) == "tokens":
+            env[v] = torch.randint(0, cx.cfg.vocab_size, shape, generator=gen)
+        elif p is not None and p.kind == "param" and dt == "i64":  # tid2eid: an expert id per (token, slot)
+            env[v] = torch.randint(0, cx.cfg.n_experts, shape, generator=gen)
+        elif v.type.shape == () and dt == "i64":
+            env[v] = torch.tensor(n_valid, dtype=torch.int64)
+        elif dt == "f32":
+            env[v] = torch.rand(shape, generator=gen) if p is not None and p.kind == "rope_freqs" else \
+                torch.randn(shape, generator=gen) * 0.5
+        elif dt == "bf16":
+            env[v] = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        else:
+            raise AssertionError(f"no random input for {v.type}")
+    return env
+
+
+def _emulate(cx, launches, env: dict, pos: int, n_valid: int, tmp_path) -> tuple[dict, dict]:
+    """Run ``launches`` on buffers bound the way the lowering bound them; returns (buffers after, key of each
+    Arg)."""
+    bufs = {"step.pos": torch.tensor([pos]), "step.n_valid": torch.tensor([n_valid])}
+    for v, t in env.items():
+        a = cx.arg(v)
+        if a.kind in ("value", "weight"):
+            bufs[f"{a.kind}.{a.name}"] = t.clone()
+        elif a.kind == "step" and a.name in ("positions", "tokens"):
+            bufs[f"step.{a.name}"] = t.clone()
+    seq = []
+    for la in launches:
+        args = []
+        for a in la.args:
+            if a.kind == "int":
+                args.append(a.value)
+                continue
+            key = f"{a.kind}.{a.name}"
+            if key not in bufs:  # an output or scratch the kernel writes: NaN / zero poison of its size
+                bufs[key] = torch.full((max(a.nbytes, 4) // 4,), float("nan")) if a.kind == "workspace" else None
+            args.append(key)
+        seq.append((la.kernel, la.grid, la.block, args))
+    return bufs, seq
+
+
+def _outputs_as_buffers(cx, op, bufs: dict) -> dict:
+    for b in op.body:
+        for v in b.outputs:
+            a = cx.arg(v)
+            key = f"{a.kind}.{a.name}"
+            if a.kind == "value" and bufs.get(key, 0) is None:
+                bufs[key] = torch.full(tuple(int(d) for d in v.type.shape), float("nan")).to(
+                    torch.bfloat16 if v.type.dtype == "bf16" else torch.float32)
+    return bufs
+
+
+def _skip_without_host():
+    why = _emu().host_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("layer,pos,nv", [(2, 5, 37), (3, 9, 64), (3, 0, 20)])
+def test_compressor_with_n_valid_emulated(layer, pos, nv, tmp_path):
+    """The lowered compressor launch of a tiny C=64 chunk (layer 2: the CSA main + indexer compressors; layer 3:
+    HCA ratio 16), run on CPU threads, against the IR compress ops with n_valid: the kv / score state bit for
+    bit (every flush the chunk crosses; padded rows leave their slots alone), every compressed row within one
+    bf16 rounding and the rows no valid row flushes untouched."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "compressor", layer)
+    env = _random_inputs(cx, op, pos, nv, seed=layer * 100 + nv)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    got = _emu().run(seq, bufs, tmp_path)
+    for b in op.body:
+        ins = b.inputs
+        kv, sc, rows = (got[f"value.{cx.arg(ins[i]).name}"] for i in (4, 5, 6))
+        assert torch.equal(kv, want[b.outputs[0]]) and torch.equal(sc, want[b.outputs[1]]), b.attrs["ratio"]
+        w = want[b.outputs[2]].float()
+        flushed = (torch.arange(w.shape[0]) * b.attrs["ratio"] + b.attrs["ratio"] - 1 >= pos) & \
+                  (torch.arange(w.shape[0]) * b.attrs["ratio"] + b.attrs["ratio"] - 1 < pos + nv)
+        assert flushed.any()
+        assert torch.equal(rows[~flushed], env[ins[6]][~flushed])
+        assert torch.allclose(rows.float(), w, rtol=2 ** -7, atol=1e-6), (rows.float() - w).abs().max()
+
+
+def test_ring_write_emulated_for_a_chunk_longer_than_the_window(tmp_path):
+    """The wo_a plan kernel's first launch (the valid-gated ring write) of a tiny C=64 chunk (window 16) on CPU
+    threads: the ring equals the IR's ring_write with n_valid (40 valid rows, 24 padded) bit for bit."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "grouped_linear", 0)
+    ring_op = next(b for b in op.body if b.kind == "ring_write")
+    env = _random_inputs(cx, op, 1003, 40, seed=7)
+    want = _ir_body(op, {v: env[v] for v in env})[ring_op.outputs[0]]
+    bufs, seq = _emulate(cx, launches[:1], env, 1003, 40, tmp_path)
+    got = _emu().run(seq, bufs, tmp_path)
+    assert torch.equal(got[f"value.{cx.arg(ring_op.inputs[0]).name}"], want)
+    assert not torch.equal(want, env[ring_op.inputs[0]])
+
+
+def test_hc_row_blocks_emulated_equal_the_whole_chunk_kernel(tmp_path):
+    """HcSpec.row_block: the tiny C=64 chunk's post_pre HC kernel (mix over 16 blocks of 4 rows, then norm) on
+    CPU threads gives the same bits as the one-block-column kernel over all 64 rows, and the IR ops' values."""
+    _skip_without_host()
+    _, _, cx4, op, l4 = _plan_case("tiny", 64, 128, "hc_post_pre", 1, row_block=4)
+    _, _, cx0, _, l0 = _plan_case("tiny", 64, 128, "hc_post_pre", 1, row_block=0)
+    assert l4[0].grid[1] == 16 and l0[0].grid[1] == 1
+    env = _random_inputs(cx4, op, 3, 64, seed=3)
+    env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
+    res = []
+    for cx, la, sub in ((cx4, l4, "a"), (cx0, l0, "b")):
+        bufs, seq = _emulate(cx, la[:2], env, 3, 64, tmp_path / sub)
+        res.append(_emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path / sub))
+    keys = [k for k in res[0] if k.startswith("value.") and not res[0][k].isnan().all()]
+    assert keys and all(torch.equal(res[0][k], res[1][k]) for k in keys)
+    want = _ir_body(op, env)
+    norm = next(b for b in op.body if b.kind == "rms_norm")
+    y = res[0][f"value.{cx4.names[norm.outputs[0]]}"].float()
+    assert torch.allclose(y, want[norm.outputs[0]].float(), rtol=2 ** -6, atol=1e-3)
+
+
+def test_take_row_head_emulated(tmp_path):
+    """The head of a tiny C=64 chunk with n_valid = 37: the take-row copy of row 36 and the q=1 post_head HC
+    kernel on CPU threads give the IR head's normed row (hc_post, take_row, mix, head gate, pre-mix, norm)."""
+    _skip_without_host()
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "hc_post_head", -1)
+    env = _random_inputs(cx, op, 0, 37, seed=5)
+    env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
+    bufs, seq = _emulate(cx, launches, env, 0, 37, tmp_path)
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    post = next(b for b in op.body if b.kind == "hc_post")
+    assert torch.equal(got["workspace.ds4c_head_x"].view(torch.uint8),
+                       env[post.inputs[1]][36].contiguous().view(torch.uint8).reshape(-1))
+    norm = next(b for b in op.body if b.kind == "rms_norm")
+    want = _ir_body(op, env)[norm.outputs[0]].float()
+    y = got[f"value.{cx.names[norm.outputs[0]]}"].float()
+    assert y.shape == want.shape and torch.allclose(y, want, rtol=2 ** -6, atol=1e-3)
+
+
+@pytest.mark.parametrize("layer,kind", [(0, "swa"), (3, "hca")])
+def test_attention_at_chunk_rows_emulated(layer, kind, tmp_path):
+    """The decode attention kernel at q = C = 64 rows of a tiny chunk (window 16, so every row's window mixes ring
+    slots of positions before the chunk and this chunk's kv rows, and most rows see only chunk rows), on CPU
+    threads, against the IR sparse_attention: every valid row within bf16 tolerance (hca: the compressed rows
+    capped per row by (p+1)//16 and by live = (pos + n_valid)//16)."""
+    _skip_without_host()
+    pos, nv = 40, 50
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer)
+    assert launches[0].kernel.entry == f"ds4c_attn_{kind}" and launches[0].grid[1] == 64
+    env = _random_inputs(cx, op, pos, nv, seed=layer)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    bufs["step.live_r16"] = torch.tensor([(pos + nv) // 16])
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    sa = next(b for b in op.body if b.kind == "sparse_attention")
+    y = got[f"value.{cx.names[sa.outputs[0]]}"].float()[:nv]
+    w = want[sa.outputs[0]].float()[:nv]
+    assert torch.allclose(y, w, rtol=2 ** -6, atol=2e-3), (y - w).abs().max()
+
+
+def test_indexer_at_chunk_rows_emulated(tmp_path):
+    """The decode indexer kernels (scores, select) at q = C = 64 rows of a tiny chunk's CSA layer, on CPU threads,
+    against the IR indexer_topk: every valid row's selected ids (per-row causal limit (p+1)//4, live =
+    (pos + n_valid)//4) equal."""
+    _skip_without_host()
+    pos, nv = 21, 50
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "indexer_topk", 2)
+    assert [la.grid[1] for la in launches] == [64, 1] and launches[1].grid[0] == 64
+    env = _random_inputs(cx, op, pos, nv, seed=11)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
+    bufs["step.live_r4"] = torch.tensor([(pos + nv) // 4])
+    it = next(b for b in op.body if b.kind == "indexer_topk")
+    bufs[f"value.{cx.names[it.outputs[0]]}"] = torch.full(tuple(int(d) for d in it.outputs[0].type.shape), -7)
+    got = _emu().run(seq, bufs, tmp_path)
+    ids = got[f"value.{cx.names[it.outputs[0]]}"][:nv]
+    w = want[it.outputs[0]][:nv]
+    assert (w >= 0).any() and (w < 0).any()  # rows with fewer visible keys than top-k pad with -1
+    assert torch.equal(ids, w)
+
+
+@pytest.mark.parametrize("layer", [3, 0])
+def test_router_at_chunk_rows_emulated(layer, tmp_path):
+    """The decode router kernel at q = C = 64 rows (layer 3: scored routing with the selection bias; layer 0: hash
+    routing by token id), on CPU threads, against the IR router_scores + route: ids equal, weights within fp32
+    rounding."""
+    _skip_without_host()
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "route", layer)
+    assert launches[0].grid[0] == 64
+    env = _random_inputs(cx, op, 0, 64, seed=layer)
+    want = _ir_body(op, env)
+    bufs, seq = _emulate(cx, launches, env, 0, 64, tmp_path)
+    r = next(b for b in op.body if b.kind == "route")
+    bufs[f"value.{cx.names[r.outputs[0]]}"] = torch.full((64, cx.cfg.n_active_experts), -7)
+    bufs[f"value.{cx.names[r.outputs[1]]}"] = torch.full((64, cx.cfg.n_active_experts), float("nan"))
+    got = _emu().run(seq, bufs, tmp_path)
+    assert torch.equal(got[f"value.{cx.names[r.outputs[0]]}"], want[r.outputs[0]])
+    assert torch.allclose(got[f"value.{cx.names[r.outputs[1]]}"], want[r.outputs[1]], rtol=1e-5, atol=1e-7)
