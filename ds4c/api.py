@@ -191,6 +191,9 @@ class Model:
         record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``), so
             ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
             records it itself.
+        prefill_chunks: compiled engine: prefill chunk graph sizes (e.g. ``(256, 2048)`` or ``"256,2048"``):
+            prompts are then prefilled in chunks (``CompiledStep.prefill``, issue 12; not yet validated on a
+            GPU, so empty by default: verify steps); not with a split, taps, ``record_hc`` or an artifact.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -206,7 +209,7 @@ class Model:
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
-                 taps: Sequence[int] = (), record_hc: bool = False):
+                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = ()):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -227,7 +230,7 @@ class Model:
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
                                    devices=devices, layer_split=layer_split, taps=tuple(taps),
-                                   record_hc=bool(record_hc))
+                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self.load_s = time.perf_counter() - t0
 

@@ -525,22 +525,35 @@ def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...]
         cmd = [str(exe), "-m", str(model)] + [str(c) if a == "CTX" else a for a in args]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
-            recs = json.loads(r.stdout) if r.returncode == 0 else None
-            if recs is not None and not (isinstance(recs, list) and all(isinstance(x, dict) for x in recs)):
+            head = (r.stdout.strip().splitlines() or ["(nothing)"])[0][:80]
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+                raise ValueError(f"llama-bench exited {r.returncode}: {last}")
+            try:
+                recs = json.loads(r.stdout)
+            except json.JSONDecodeError:
+                raise ValueError(f"expected llama-bench's JSON (-o json) on stdout, found {head!r}") from None
+            if not (isinstance(recs, list) and all(isinstance(x, dict) for x in recs)):
                 raise ValueError(f"expected llama-bench's JSON list of test records, found {type(recs).__name__} "
                                  f"{str(recs)[:60]}")
-            tg = [x for x in recs or [] if x.get("n_gen") == n_gen and x.get("n_depth") == c]
-            ppr = [x for x in recs or [] if x.get("n_prompt") == pp and not x.get("n_gen") and x.get("n_depth") == c]
+            tg = [x for x in recs if x.get("n_gen") == n_gen and x.get("n_depth") == c]
+            ppr = [x for x in recs if x.get("n_prompt") == pp and not x.get("n_gen") and x.get("n_depth") == c]
             if not tg:
-                last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-                raise ValueError(f"no tg result (exit {r.returncode}): {last}")
+                raise ValueError(f"expected a test record with n_gen {n_gen} and n_depth {c}, found {len(recs)} "
+                                 f"record(s): {str(recs)[:80]}")
             out["tg_tok_s"][c] = _rate(tg[0])
             if ppr:
                 out["pp_tok_s"][c] = _rate(ppr[0])
             say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s; pp{pp}: "
                 f"{_f(out['pp_tok_s'].get(c), '.1f')} tokens/s")
-        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-            out["errors"][c] = f"{type(e).__name__}: {e}".splitlines()[0]
+        except ValueError as e:
+            out["errors"][c] = str(e).splitlines()[0]
+            say(f"llama.cpp at depth {c}: {out['errors'][c]}")
+        except OSError as e:
+            out["errors"][c] = f"cannot run {exe}: {e.strerror or e}"
+            say(f"llama.cpp at depth {c}: {out['errors'][c]}")
+        except subprocess.TimeoutExpired:
+            out["errors"][c] = f"{exe} ran past 1800 s"
             say(f"llama.cpp at depth {c}: {out['errors'][c]}")
     return out
 

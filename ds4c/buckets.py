@@ -124,3 +124,61 @@ def _ratio_unit(cfg: Ds4Config) -> int:
 def span_capacity(context: int, ratio: int) -> int:
     """Compressed rows of one ratio a bucket of ``context`` tokens holds."""
     return context // ratio
+
+
+#: the narrowest prefill chunk graph: below it a chunk's projections would be GEMVs of more rows than the GEMV
+#: family takes (runtime/lower_prefill.py ``GEMM_MIN_ROWS``), and a tail this short is as cheap as verify steps
+MIN_PREFILL_CHUNK = 16
+
+
+def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
+    """Prefill chunk sizes (issue 12: the row counts C of the prefill chunk graphs), validated and sorted.
+
+    Args:
+        chunks: ints in ``MIN_PREFILL_CHUNK .. MAX_PREFILL_ROWS`` (a tuple or list; duplicates are an error),
+            or a comma-separated string such as ``"256,2048"`` (the CLI's ``--prefill``). Empty: none.
+
+    Returns:
+        The sizes, ascending.
+
+    Raises:
+        StepError: a size that is not an int in range, a duplicate, or a string that is not comma-separated
+            ints (one line naming what was found).
+    """
+    from ds4c.config import MAX_PREFILL_ROWS
+
+    want = f"prefill chunk sizes: expected distinct ints in {MIN_PREFILL_CHUNK}..{MAX_PREFILL_ROWS}"
+    if isinstance(chunks, str):
+        text = chunks.strip()
+        parts = [p.strip() for p in text.split(",")] if text else []
+        if any(not p.isdigit() for p in parts):
+            raise StepError(f"{want} separated by commas (e.g. 256,2048), found {chunks!r}")
+        chunks = [int(p) for p in parts]
+    if not isinstance(chunks, (tuple, list)):
+        raise StepError(f"{want}, found {chunks!r}")
+    bad = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int)
+           or not MIN_PREFILL_CHUNK <= c <= MAX_PREFILL_ROWS]
+    if bad:
+        raise StepError(f"{want}, found {bad[0]!r}")
+    if len(set(chunks)) != len(chunks):
+        raise StepError(f"{want}, found a duplicate in {list(chunks)}")
+    return tuple(sorted(chunks))
+
+
+def prefill_chunk_for(chunks: tuple[int, ...], remaining: int, pos: int, max_ctx: int) -> int | None:
+    """The chunk graph to run next when ``remaining`` prompt tokens start at ``pos`` (the prefill policy):
+
+    * the largest chunk ``C <= remaining`` (full, no padding);
+    * else, with at least ``MIN_PREFILL_CHUNK`` tokens left, the smallest chunk above them (padded: its rows past
+      ``remaining`` are masked by ``n_valid``);
+    * else None: the tail goes as verify steps.
+
+    Only chunks whose rows all fit the context (``pos + C <= max_ctx``) are candidates, padded rows included.
+    ``chunks`` ascending (:func:`check_prefill_chunks`)."""
+    fit = [c for c in chunks if pos + c <= max_ctx]
+    full = [c for c in fit if c <= remaining]
+    if full:
+        return full[-1]
+    if remaining >= MIN_PREFILL_CHUNK:
+        return next((c for c in fit if c > remaining), None)
+    return None

@@ -20,7 +20,7 @@ import click
 
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
-from ds4c.errors import Ds4cError
+from ds4c.errors import Ds4cError, StepError
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
 
@@ -177,14 +177,20 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
     from ds4c.gguf_file import ArchitectureError, open_model
 
+    def dspark(path: str) -> None:
+        if show_plan:  # the drafter's compiled graphs live in the target's engine (runtime/dspark_exec.py)
+            raise Ds4cError(f"{path}: a DSpark drafter has no compiled step of its own to plan (--plan): plan its "
+                            f"target model instead")
+        return _info_dspark(path, as_json)
+
     if file and file.startswith("dspark:synthetic:"):
-        return _info_dspark(file[len("dspark:"):], as_json)
+        return dspark(file[len("dspark:"):])
     try:
         mf = open_model(_model_path(file), allow_mtp_only=True)
     except ArchitectureError as e:
         if e.arch != "dflash":
             raise
-        return _info_dspark(_model_path(file), as_json)
+        return dspark(_model_path(file))
     if show_plan:
         return _info_plan(mf, as_json, max_ctx, free_gib, arch, devices, layer_split)
     ctx = click.get_current_context()
@@ -312,6 +318,29 @@ def _mtp_summary(mf) -> dict | None:
                        "compress_ratio": (mf.config.compress_ratios[b] if b < len(mf.config.compress_ratios) else 0),
                        "nextn": nextn})
     return {"mtp_only": mf.mtp_only, "blocks": blocks}
+
+
+def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, artifact: str | None,
+                    draft: str | None) -> tuple[int, ...]:
+    """``--prefill``: the chunk sizes (:func:`~ds4c.buckets.check_prefill_chunks`), checked before the engine
+    starts; one-line errors for the combinations the chunk graphs do not serve yet."""
+    if text is None:
+        return ()
+    from ds4c.buckets import check_prefill_chunks
+    from ds4c.engine import resolve_engine
+
+    try:
+        chunks = check_prefill_chunks(text)
+    except StepError as e:
+        raise Ds4cError(f"--prefill: {e}") from None
+    if resolve_engine(device, engine, dataflow) != "compiled":
+        raise Ds4cError(f"--prefill {text}: prefill chunk graphs run on the compiled engine (--device cuda); found "
+                        f"--device {device} --engine {engine}")
+    for what, on in (("--artifact", artifact is not None), ("--draft", draft is not None)):
+        if on:
+            raise Ds4cError(f"--prefill {text} with {what}: artifacts hold no chunk graphs yet and drafters need "
+                            f"taps or the final HC state, which chunk graphs do not record yet; drop one of them")
+    return chunks
 
 
 def _spec_width(text: str) -> int | str:
@@ -453,6 +482,11 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
                    "the acceptance so far and each width's measured step cost; with a drafter's confidence head "
                    "(greedy), the most drafts are proposed and the verified count picked from their calibrated "
                    "confidences.")
+@click.option("--prefill", "prefill", default=None, metavar="C,C,...",
+              help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (e.g. "
+                   "256,2048; the largest full chunk first, the last one padded, a tail under 16 tokens as verify "
+                   "steps; not with --artifact, a split or --draft). Default: verify steps of 5 rows (the chunk "
+                   "graphs are not yet validated on a GPU: docs/prefill.md).")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
@@ -461,7 +495,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                  seed: int,
                  stops: tuple[str, ...], ignore_eos: bool, threads: int | None, no_quant_emulation: bool,
                  dataflow: str, engine: str, artifact: str | None, draft: str | None, spec_width: str,
-                 devices: str | None, layer_split: str | None, as_json: bool) -> None:
+                 prefill: str | None, devices: str | None, layer_split: str | None, as_json: bool) -> None:
     """Generate text (greedy by default, streamed as tokens arrive; stops at eos): with the compiled step on
     cuda, the PyTorch reference on cpu. With --prompt-ids the prompt and the output are printed as ids."""
     import time
@@ -542,6 +576,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
             raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
                             f"run without --artifact (the step then compiles with the drafter's taps)")
     spec_width = _spec_width(spec_width)
+    chunks = _prefill_chunks(prefill, device, engine, dataflow, artifact, draft)
     if drafter is None and click.get_current_context().get_parameter_source("spec_width") \
             is not click.core.ParameterSource.DEFAULT:
         click.echo("ds4c: note: --spec-width sets the verify rows of speculative decoding; without --draft every "
@@ -562,7 +597,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
                   layer_split=layer_split, taps=taps if drafter is not None and compiled else (),
-                  record_hc=record_hc)
+                  record_hc=record_hc, prefill_chunks=chunks)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     plan = getattr(model.stepper, "plan", None)

@@ -120,7 +120,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
                 devices: str | list[str] | None = None, layer_split: str | list[int] | None = None,
-                taps: tuple[int, ...] = (), record_hc: bool = False) -> Any:
+                taps: tuple[int, ...] = (), record_hc: bool = False, prefill_chunks: Any = ()) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -150,6 +150,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
         devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
             the HC state handed from shard to shard.
+        prefill_chunks: compiled engine: the prefill chunk graphs' row counts (issue 12, e.g. ``(256, 2048)`` or
+            ``"256,2048"``: :func:`~ds4c.buckets.check_prefill_chunks`); prompts are then prefilled in chunks
+            (``CompiledStep.prefill``). Empty (the default, until the chunk graphs are validated on a GPU):
+            verify steps. The reference engine prefills token-wise (its verify steps) and refuses them.
 
     Returns:
         a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep` (split:
@@ -167,6 +171,12 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             does not serve this model: ``ArtifactError``).
     """
     name = resolve_engine(device, engine, dataflow)
+    from ds4c.buckets import check_prefill_chunks
+
+    chunks = check_prefill_chunks(prefill_chunks)
+    if chunks and name != "compiled":
+        raise Ds4cError("prefill chunks are graphs of the compiled engine (--device cuda); the reference prefills "
+                        f"with verify steps, found engine {name!r}")
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise Ds4cError(f"threads must be an int >= 1, found {threads!r}")
@@ -199,10 +209,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 
+            if chunks:
+                raise Ds4cError("prefill chunks run on an unsplit compiled step; found a layer split "
+                                f"({plan.describe()})")
             step = ShardedStep(mf, buckets, plan, arch, artifact=art, taps=tuple(taps), record_hc=bool(record_hc))
         else:
             step = CompiledStep(mf, buckets, arch, artifact=art, plan=plan, taps=tuple(taps),
-                                record_hc=bool(record_hc))
+                                record_hc=bool(record_hc), prefill_chunks=chunks)
         step.memory_plan = mplan
         if prepare:
             step.prepare_all(progress=progress)

@@ -1,4 +1,5 @@
-"""Token generation on any stepper: prefill as verify steps of the widest width, then q = 1 decodes.
+"""Token generation on any stepper: prefill as verify steps of the widest width (or the compiled step's prefill
+chunk graphs, :meth:`~ds4c.runtime.executor.CompiledStep.prefill`), then q = 1 decodes.
 
 Spec ds4-flash.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
 (:class:`~ds4c.reference.Reference`, CPU or CUDA) or the compiled step
@@ -227,8 +228,12 @@ class TokenStream:
         ref.reset()
         t0 = time.perf_counter()
         logits = None
-        for s in range(0, len(prompt), self._width):
-            logits = ref.verify(prompt[s:s + self._width], s)
+        chunked = getattr(ref, "prefill_chunks", ())
+        if chunked and prompt:  # the compiled step's prefill chunk graphs (CompiledStep.prefill)
+            logits = ref.prefill(prompt, 0)
+        else:
+            for s in range(0, len(prompt), self._width):
+                logits = ref.verify(prompt[s:s + self._width], s)
         t1 = time.perf_counter()
         self._prefill_s = t1 - t0
         if self._n == 0:
@@ -309,7 +314,9 @@ def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempe
     ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
     ``decode(token, pos)`` and ``max_ctx`` (the compiled step's :class:`~ds4c.runtime.executor.CompiledStep`;
     :func:`ds4c.engine.open_engine` opens either). The prompt runs as verify steps of ``width`` rows (the last
-    may be narrower); the last row's logits give the first new token; each further token is one decode step.
+    may be narrower), or, on a stepper with ``prefill_chunks`` (the compiled step opened with prefill chunk
+    graphs), through its ``prefill(tokens, pos)``; the last row's logits give the first new token; each further
+    token is one decode step.
 
     Sampling: greedy when ``temperature == 0`` (``top_k`` / ``top_p`` change nothing then); else the logits are
     filtered by ``top_k`` and ``top_p`` (:func:`filter_logits`) and sampled by P12 with a CPU generator seeded by

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ds4c.buckets import BucketSpec
+from ds4c.buckets import BucketSpec, check_prefill_chunks, prefill_chunk_for
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.quant import GGMLType
@@ -174,16 +174,25 @@ class CompiledStep:
             ``t % (window + MAX_WIDTH)`` of :attr:`final_hc_ring` (one copy-mode kernel of the tap family);
             :meth:`final_hc` reads the committed ones (:attr:`records_final_hc`). False (the default): the graphs
             are those of a step without it.
+        prefill_chunks: the prefill chunk graphs' row counts C (issue 12; each in ``MIN_PREFILL_CHUNK ..
+            MAX_PREFILL_ROWS``, e.g. ``(256, 2048)``): :meth:`prefill` then ingests a prompt in chunks of these
+            sizes (the last one padded, masked by ``n_valid``; a tail under ``MIN_PREFILL_CHUNK`` rows as verify
+            steps), one graph per chunk size and context bucket, built from ``build_step(..., prefill=True)``
+            (docs/prefill.md). Empty (the default): :meth:`prefill` runs verify steps of the widest width.
+            Not with a layer split, taps, ``record_hc`` (their chunk kernels are not written) or an artifact
+            (artifacts hold no chunk graphs yet).
 
     Raises:
-        StepError: no CUDA device; taps that are not distinct layer ids.
+        StepError: no CUDA device; taps that are not distinct layer ids; prefill chunk sizes out of range, or
+            asked for with a split, taps, ``record_hc`` or an artifact.
         ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
             format differs is named), or was compiled with other taps or another ``record_hc``.
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
                  use_graphs: bool = True, artifact: str | None = None, plan: ShardPlan | None = None,
-                 shard: int = 0, taps: tuple[int, ...] = (), record_hc: bool = False):
+                 shard: int = 0, taps: tuple[int, ...] = (), record_hc: bool = False,
+                 prefill_chunks: tuple[int, ...] = ()):
         self.taps: tuple[int, ...] = check_taps(mf.config, taps)
         """The DSpark tap layers every step records (empty: none), in ``main_hidden`` order."""
         self.record_hc = bool(record_hc)
@@ -209,6 +218,15 @@ class CompiledStep:
             self.dev = torch.device("cuda", torch.cuda.current_device())
         if self.dev.index >= torch.cuda.device_count():
             raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        self.prefill_chunks = check_prefill_chunks(prefill_chunks)
+        """The prefill chunk sizes :meth:`prefill` uses (ascending; empty: verify steps only)."""
+        if self.prefill_chunks and (self._split or self.taps or self.record_hc or artifact is not None):
+            raise StepError("prefill chunks (" + ",".join(map(str, self.prefill_chunks)) + ") run on an unsplit step "
+                            "without taps or record_hc, compiled here (their chunk kernels are not written for the "
+                            "others, and artifacts hold no chunk graphs yet); found "
+                            + ", ".join(w for w, on in (("a layer split", self._split), ("taps", bool(self.taps)),
+                                                        ("record_hc", self.record_hc),
+                                                        ("an artifact", artifact is not None)) if on))
         with torch.cuda.device(self.dev):
             self._init(arch, cache, use_graphs, artifact)
 
@@ -236,17 +254,19 @@ class CompiledStep:
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
         self.state: dict[str, torch.Tensor] = {}
         self._workspaces: dict[str, torch.Tensor] = {}
-        maxq = max(buckets.widths)
-        # step buffer: [pos, live_r..., positions (maxq), tokens (maxq)]
+        maxq = max(buckets.widths)  # the logits, hand-over and acceptance buffers' rows
+        rows = max((maxq,) + self.prefill_chunks)  # the step buffer's: a prefill chunk's positions and tokens
+        # step buffer: [pos, live_r..., positions (rows), tokens (rows), accepted, keep, n_valid]
         self._ratios = sorted({r for r in self.cfg.compress_ratios[: self.cfg.n_layers] if r})
         self._off = {"pos": 0}
         for k, r in enumerate(self._ratios):
             self._off[f"live_r{r}"] = 1 + k
         self._off["positions"] = 1 + len(self._ratios)
-        self._off["tokens"] = self._off["positions"] + maxq
-        self._off["accepted"] = self._off["tokens"] + maxq  # a rollback's accepted rows (undo family)
+        self._off["tokens"] = self._off["positions"] + rows
+        self._off["accepted"] = self._off["tokens"] + rows  # a rollback's accepted rows (undo family)
         self._off["keep"] = self._off["accepted"] + 1  # the most rows a device-side acceptance keeps
-        n_step = self._off["keep"] + 1
+        self._off["n_valid"] = self._off["keep"] + 1  # a prefill chunk's real rows (the rest is padding)
+        n_step = self._off["n_valid"] + 1
         self._step_hosts = [torch.zeros(n_step, dtype=torch.int64).pin_memory() for _ in range(2)]
         # numpy views of the same pinned memory: the per-step scalars are written through them (a torch
         # element assignment costs microseconds: ~110 us per q=5 upload, measured on the H200)
@@ -736,6 +756,8 @@ class CompiledStep:
         last = self.buckets.bucket(limit - 1, 1)  # buckets are contiguous: every one up to the last position's
         contexts = [c for c in self.buckets.contexts if c <= last]
         keys = [(w, c) for w in widths for c in contexts if (w, c) not in self._graphs]
+        if not any(w in self.prefill_chunks for w in widths):  # default: every prefill chunk graph too
+            keys += [(n, c) for n in self.prefill_chunks for c in contexts if n <= c and (n, c) not in self._graphs]
         mem0 = torch.cuda.memory_allocated(self.dev)
         t0 = time.perf_counter()
         built = {k: self._build(*k) for k in keys}
@@ -757,7 +779,8 @@ class CompiledStep:
             self._capture(self._graphs[k])
         if self.is_last and self.use_graphs:  # the greedy acceptance behind each step (speculative decoding)
             for k in keys:
-                self._capture_accept(self._graphs[k])
+                if k[0] not in self.prefill_chunks:  # a prefill chunk is never verified
+                    self._capture_accept(self._graphs[k])
         if 1 in widths:  # the decode loop's graphs: the q=1 step + the sampler, per bucket (a shard before
             for (w, c) in keys:  # the last of a split: the step + advancing its scalars)
                 if w == 1:
@@ -776,11 +799,17 @@ class CompiledStep:
         return out
 
     def _build(self, width: int, context: int) -> tuple[Graph, list[LoweredKernel]]:
-        if width not in self.buckets.widths or context not in self.buckets.contexts:
+        """The graph and kernels of key (``width``, ``context``): a step of ``width`` rows, or with ``width`` one of
+        :attr:`prefill_chunks` (always above the verify widths) the prefill chunk graph of that many rows."""
+        chunk = width in self.prefill_chunks
+        if not (width in self.buckets.widths or chunk) or context not in self.buckets.contexts \
+                or (chunk and width > context):
             raise StepError(f"no compiled graph for (width {width}, context {context}): compiled widths "
-                            f"{list(self.buckets.widths)}, contexts {list(self.buckets.contexts)}")
+                            f"{list(self.buckets.widths)}, prefill chunks {list(self.prefill_chunks)}, contexts "
+                            f"{list(self.buckets.contexts)}")
         g = run_pipeline(build_step(self.cfg, width, self.capacity, self.layers if self._split else None,
-                                    taps=self.taps, record_hc=self.record_hc), "default", context=context).graph
+                                    taps=self.taps, record_hc=self.record_hc, prefill=chunk),
+                         "default", context=context).graph
         return g, lower_graph(g, self.cfg, self.target, self._types)
 
     def _binaries(self, graphs: list[tuple[tuple[int, int], list[LoweredKernel]]],
@@ -838,8 +867,8 @@ class CompiledStep:
             self._arena = torch.zeros(max(need, 1), dtype=torch.uint8, device=self.dev)
         for name, (off, n, shape, dt) in slots.items():
             sg.values[name] = self._arena[off:off + n].view(dt).view(shape)
-        if self._logits is not None:
-            sg.values["logits"] = self._logits[:width]
+        if self._logits is not None:  # a prefill chunk's head reads its last valid row only: one logits row
+            sg.values["logits"] = self._logits[:1 if width in self.prefill_chunks else width]
         for name, buf in (("hc_in", self.hc_in), ("hc_out", self.hc_out)):
             if buf is not None:
                 sg.values[name] = buf[:width]
@@ -869,33 +898,39 @@ class CompiledStep:
         self._upload(tokens, pos)
         return sg
 
-    def _upload(self, tokens: list[int], pos: int) -> None:
-        """Write the step's scalars into the pinned host buffer and copy them to the device (one copy)."""
-        q = len(tokens)
+    def _upload(self, tokens: list[int], pos: int, rows: int | None = None) -> None:
+        """Write the step's scalars into the pinned host buffer and copy them to the device (one copy);
+        ``rows``: a prefill chunk's row count (:meth:`fill_scalars`)."""
         # two pinned host buffers used in turn; a buffer is rewritten only after its last copy has run
         self._host_turn ^= 1
         h, done = self._step_hosts[self._host_turn], self._host_done[self._host_turn]
         done.synchronize()
-        self.fill_scalars(self._step_np[self._host_turn], tokens, pos)
+        self.fill_scalars(self._step_np[self._host_turn], tokens, pos, rows=rows)
         self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
         done.record()
 
-    def fill_scalars(self, a: np.ndarray, tokens: list[int], pos: int, keep: int | None = None) -> None:
-        """Write a step's scalars (``pos``, ``live_r`` = (pos + q) // r, the rows' positions and tokens, and
-        ``keep``, the most rows :meth:`accept_on_device` may keep: default all) into ``a``, an int64 numpy view
-        of a host copy of the step buffer (layout :attr:`step_offsets`)."""
+    def fill_scalars(self, a: np.ndarray, tokens: list[int], pos: int, keep: int | None = None,
+                     rows: int | None = None) -> None:
+        """Write a step's scalars (``pos``, ``live_r`` = (pos + q) // r, the rows' positions and tokens, ``keep``,
+        the most rows :meth:`accept_on_device` may keep: default all, and ``n_valid`` = q) into ``a``, an int64
+        numpy view of a host copy of the step buffer (layout :attr:`step_offsets`). ``rows`` (a prefill chunk
+        of C >= q rows): the padded rows q..C-1 get positions pos + q .. pos + C - 1 and token 0 (computed,
+        never kept: the chunk's kernels write no state past ``n_valid``)."""
         q, off = len(tokens), self._off
+        n = q if rows is None else rows
         a[off["pos"]] = pos
         a[off["keep"]] = q if keep is None else keep
+        a[off["n_valid"]] = q
         for r in self._ratios:
             a[off[f"live_r{r}"]] = (pos + q) // r
-        a[off["positions"]:off["positions"] + q] = range(pos, pos + q)
+        a[off["positions"]:off["positions"] + n] = range(pos, pos + n)
         a[off["tokens"]:off["tokens"] + q] = tokens
+        a[off["tokens"] + q:off["tokens"] + n] = 0
 
     @property
     def step_offsets(self) -> dict[str, int]:
         """Where each scalar sits in the int64 step buffer the kernels read (``pos``, ``live_r{r}``,
-        ``positions``, ``tokens``, ``accepted``, ``keep``)."""
+        ``positions``, ``tokens``, ``accepted``, ``keep``, ``n_valid``)."""
         return dict(self._off)
 
     @_on_device
@@ -920,6 +955,56 @@ class CompiledStep:
         self.pos = pos + len(tokens)
         self._tap_end = max(self._tap_end, self.pos)
         return sg.values["logits"] if self.is_last else sg.values["hc_out"]
+
+    @_on_device
+    def prefill(self, tokens: list[int], pos: int) -> torch.Tensor:
+        """Ingest ``tokens`` at ``pos..`` (a prompt, or the rest of one) and return the fp32 logits of the last
+        one, ``[1, vocab]`` (a device tensor, valid until the next step). With :attr:`prefill_chunks`: chunk
+        graphs picked by :func:`~ds4c.buckets.prefill_chunk_for` (the largest full chunk, else a padded one,
+        a tail under ``MIN_PREFILL_CHUNK`` tokens as verify steps of the widest width); without: verify steps
+        only. The state afterwards is what token-wise decoding leaves (the chunk kernels write no state past
+        ``n_valid``; docs/prefill.md). Nothing here can be rolled back.
+
+        Raises:
+            StepError: ``pos`` is not the sequence's next position, no tokens, or positions past max_ctx.
+        """
+        if pos != self.pos:
+            raise StepError(f"prefill at position {pos}, but the sequence's next position is {self.pos}")
+        n = len(tokens)
+        if n == 0:
+            raise StepError("prefill of no tokens (expected at least one)")
+        if pos + n > self.buckets.max_ctx:
+            raise StepError(f"positions {pos}..{pos + n - 1} exceed max_ctx={self.buckets.max_ctx}")
+        self._undo = None  # a rollback after this would restore what the chunk overwrote: nothing to restore
+        widest, i, logits = max(self.buckets.widths), 0, None
+        while i < n:
+            c = prefill_chunk_for(self.prefill_chunks, n - i, pos + i, self.buckets.max_ctx)
+            if c is None:
+                q = min(widest, n - i)
+                logits = self.step(tokens[i:i + q], pos + i)[-1:]
+                i += q
+                continue
+            k = min(c, n - i)
+            logits = self._chunk(tokens[i:i + k], pos + i, c)
+            i += k
+        return logits
+
+    def _chunk(self, tokens: list[int], pos: int, rows: int) -> torch.Tensor:
+        """One prefill chunk graph of ``rows`` rows over ``tokens`` (``len(tokens) <= rows``; the rest padding) at
+        ``pos``; returns its logits ``[1, vocab]``."""
+        context = next(c for c in self.buckets.contexts if pos + rows <= c)
+        sg = self.prepare(rows, context)
+        self._upload(tokens, pos, rows=rows)
+        if self.use_graphs:
+            if sg.cuda_graph is None:
+                self._capture(sg)
+            else:
+                sg.cuda_graph.replay()
+        else:
+            self._run(sg)
+        self.pos = pos + len(tokens)
+        self._tap_end = max(self._tap_end, self.pos)
+        return sg.values["logits"]
 
     # the stepper interface of ds4c.generate.generate
     @property

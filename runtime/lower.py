@@ -410,6 +410,10 @@ def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
     it = next(b for b in (op.body or [op]) if b.kind == "indexer_topk")
     qi, keys, hw = it.inputs[0], it.inputs[1], it.inputs[2]
     cap = int(keys.type.shape[0])
+    if cap > _idx.MAX_CAP:  # the context, not a kernel parameter, is what the user chose: say so in one line
+        raise LoweringError(f"a context bucket of {cap * 4} positions needs {cap} indexer keys per CSA layer; the "
+                            f"compiled indexer holds at most {_idx.MAX_CAP}, so the compiled step serves max_ctx <= "
+                            f"{_idx.MAX_CAP * 4} (ask for a smaller --max-ctx)")
     spec = _idx.IndexerSpec(c.q, int(qi.type.shape[1]), int(qi.type.shape[2]), it.attrs["topk"], cap, 4)
     srcs = _idx.render_indexer(spec, c.target, c.name(op, "indexer"))
     b = {"qi": c.arg(qi), "keys": c.arg(keys), "hw": c.arg(hw), "positions": Arg("step", "positions"),

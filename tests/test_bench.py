@@ -138,12 +138,16 @@ def test_llama_bench_tg_parses_and_records_failures(tmp_path):
     assert llama_step_ms(out, 5, 4096) == pytest.approx(5e3 / 1146.8)
     assert llama_step_ms(out, 3, 4096) is None and llama_step_ms(out, 1, 999) is None
     for body, why in (('{"a": 1}', "expected llama-bench's JSON list"), ("[1, 2]", "expected llama-bench's JSON list"),
-                      ('[{"n_prompt": 0, "n_gen": 128, "n_depth": 64, "avg_ts": -5}]', "expected a positive rate")):
+                      ('[{"n_prompt": 0, "n_gen": 128, "n_depth": 64, "avg_ts": -5}]', "expected a positive rate"),
+                      ('[{"n_gen": 128, "avg_ts": "fast"}]', "expected a test record with n_gen 128 and n_depth 64, "
+                                                             "found 1 record(s): [{'n_gen': 128"),
+                      ("garbage", "expected llama-bench's JSON (-o json) on stdout, found 'garbage'")):
         odd = tmp_path / "odd-bench"
         odd.write_text(f"#!/bin/sh\necho '{body}'\n")
         odd.chmod(0o755)
         res = llama_bench_tg(str(odd), "m.gguf", (64,), say=lambda m: None)
         assert res["tg_tok_s"] == {} and why in res["errors"][64] and "\n" not in res["errors"][64], res
+        assert "Error" not in res["errors"][64], res  # no Python exception names
     missing = llama_bench_tg(str(tmp_path / "nope"), "m.gguf", (64,), say=lambda m: None)
     assert missing["tg_tok_s"] == {} and "No such file" in missing["errors"][64]
 

@@ -1,0 +1,206 @@
+"""Prompts through the compiled step's prefill chunk graphs (issue 12; ``CompiledStep(prefill_chunks=...)``,
+``CompiledStep.prefill``, docs/prefill.md).
+
+CPU: the chunk sizes' validation and the chunk policy (:func:`ds4c.buckets.prefill_chunk_for`), ``generate`` handing
+the prompt to a stepper's ``prefill``, the CLI's one-line refusals. GPU (``-m gpu``; skipped without CUDA): on the
+tiny model (window 16, CSA ratio 4, HCA ratio 16) prompts of 1 to 20x the window prefilled with chunks of 16 and 64
+rows (full, padded, and a verify tail) against token-wise decoding: the next-token logits and every state buffer
+against the reference's token-wise state within the compiled step's own noise floor (its token-wise decode against
+the same reference, measured in the same test), then decoding on from the prefilled state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ds4c.buckets import MIN_PREFILL_CHUNK, check_prefill_chunks, prefill_chunk_for
+from ds4c.cli import main
+from ds4c.errors import StepError
+
+
+@pytest.mark.parametrize("given, want", [((2048, 256), (256, 2048)), ("256,2048", (256, 2048)), ("", ()), ((), ()),
+                                         ("16", (16,)), ([4096], (4096,))])
+def test_chunk_sizes_are_validated_and_sorted(given, want):
+    assert check_prefill_chunks(given) == want
+
+
+@pytest.mark.parametrize("given, found", [((8,), "found 8"), ((4097,), "found 4097"), ((True,), "found True"),
+                                          ((64, 64), "a duplicate"), ("64,abc", "'64,abc'"), ("64,,128", "'64,,128'"),
+                                          (64, "found 64"), ((64.0,), "found 64.0")])
+def test_bad_chunk_sizes_are_one_line_errors(given, found):
+    with pytest.raises(StepError, match="expected distinct ints in 16..4096") as ei:
+        check_prefill_chunks(given)
+    assert found in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_the_chunk_policy():
+    """The largest full chunk, else a padded one when >= MIN_PREFILL_CHUNK tokens are left, else verify steps;
+    only chunks whose rows (padding included) fit the context."""
+    ch = (16, 64, 256)
+    assert prefill_chunk_for(ch, 1000, 0, 4096) == 256
+    assert prefill_chunk_for(ch, 256, 0, 4096) == 256
+    assert prefill_chunk_for(ch, 255, 0, 4096) == 64
+    assert prefill_chunk_for(ch, 63, 0, 4096) == 16
+    assert prefill_chunk_for(ch, 15, 0, 4096) is None  # a tail under MIN_PREFILL_CHUNK: verify steps
+    assert prefill_chunk_for((64, 256), 40, 0, 4096) == 64  # padded: 24 masked rows
+    assert prefill_chunk_for((64, 256), 10, 0, 4096) is None
+    assert prefill_chunk_for(ch, 1000, 4096 - 100, 4096) == 64  # 256 rows would not fit the context
+    assert prefill_chunk_for((64,), 40, 4096 - 50, 4096) is None  # the padded 64 would not fit either
+    assert prefill_chunk_for((), 1000, 0, 4096) is None
+    assert MIN_PREFILL_CHUNK == 16
+
+
+def test_generate_hands_the_prompt_to_a_steppers_prefill(tiny_weights):
+    """A stepper with prefill_chunks gets the whole prompt in one prefill call, and the tokens are what verify
+    steps give (this stepper's prefill runs verify steps: only the hand-over is under test here)."""
+    from ds4c.generate import generate
+    from ds4c.reference import Reference
+
+    class Chunked(Reference):
+        prefill_chunks = (16,)
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.calls: list[tuple[int, int]] = []
+
+        def prefill(self, tokens, pos):
+            self.calls.append((len(tokens), pos))
+            out = None
+            for s in range(0, len(tokens), 5):
+                out = self.verify(tokens[s:s + 5], pos + s)
+            return out[-1:]
+
+    prompt = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = generate(Reference(tiny_weights, max_ctx=64), prompt, 4).tokens
+    ch = Chunked(tiny_weights, max_ctx=64)
+    assert generate(ch, prompt, 4).tokens == want and ch.calls == [(23, 0)]
+
+
+@pytest.mark.parametrize("args, found", [
+    (["--prefill", "8"], "found 8"),
+    (["--prefill", "64,x"], "'64,x'"),
+    (["--prefill", "64"], "run on the compiled engine (--device cuda); found --device cpu"),
+])
+def test_cli_refuses_bad_prefill_options_in_one_line(tiny_path, args, found):
+    r = CliRunner().invoke(main, ["generate", str(tiny_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "1", *args])
+    assert r.exit_code != 0 and found in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_reference_engine_refuses_prefill_chunks(tiny_path):
+    from ds4c.api import Model
+    from ds4c.errors import Ds4cError
+
+    with pytest.raises(Ds4cError, match="prefill chunks are graphs of the compiled engine"):
+        Model(tiny_path, prefill_chunks=(16,))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+LENGTHS = (1, 15, 16, 17, 40, 64, 100, 129, 320)  # 320 = 20x the tiny window; 16-row and 64-row chunks, padding
+
+
+@pytest.fixture(scope="module")
+def gpu_env(tiny_path, tmp_path_factory):
+    from ds4c.buckets import BucketSpec
+    from ds4c.gguf_file import open_model
+    from ds4c.reference import Reference, ReferenceWeights
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    mf = open_model(tiny_path)
+    buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512, contexts=(64, 128, 256, 512))
+    cache = KernelCache(tmp_path_factory.mktemp("kcache"))
+    chunked = CompiledStep(mf, buckets, device_arch(), cache, prefill_chunks=(16, 64))
+    chunked.prepare_all(progress=False)
+    plain = CompiledStep(mf, buckets, device_arch(), cache)
+    plain.prepare_all(progress=False)
+    ref = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=512)
+    return chunked, plain, ref
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _state_errors(step, ref) -> dict[str, float]:
+    from ds4c.ir.interpreter import state_to_inputs
+
+    want = state_to_inputs(ref.state)
+    out = {}
+    for name, w in want.items():
+        g = step.state[name]
+        fin = torch.isfinite(w.float())  # compressor scores start at -inf
+        out[name] = 0.0 if not fin.any() else _rel(g[fin], w[fin]) if bool((w[fin] != 0).any()) else \
+            float((g[fin].float() - w[fin].float()).abs().max())
+    return out
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+def test_chunked_prefill_equals_token_wise_decoding(gpu_env, n):
+    """A prompt of n tokens through the chunk graphs: its next-token logits and every state buffer are the
+    reference's token-wise ones within 3x the compiled step's own token-wise error against the same reference
+    (its noise floor; at least 1e-2 relative L2), the same argmax unless the reference's top two are within 1e-2,
+    the sequence at position n; then 8 greedy decode steps from the prefilled state, both from the reference's next token, give the
+    tokens the token-wise compiled step gives (up to a near-tie, reported with its margin)."""
+    chunked, plain, ref = gpu_env
+    prompt = torch.randint(0, chunked.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    ref.reset()
+    for i, t in enumerate(prompt):
+        want = ref.decode(t, i)[-1]
+    plain.reset()
+    for i, t in enumerate(prompt):
+        base = plain.step([t], i)[-1].clone()
+    floor = _rel(base, want)
+    base_state = _state_errors(plain, ref)
+    chunked.reset()
+    got = chunked.prefill(prompt, 0)
+    assert got.shape == (1, chunked.cfg.vocab_size) and chunked.pos == n
+    e = _rel(got[0], want)
+    assert e <= max(3 * floor, 1e-2), f"prefill logits rel err {e:.3g}, token-wise compiled {floor:.3g}"
+    top2 = torch.topk(want.float(), 2).values
+    if float(top2[0] - top2[1]) > 1e-2:
+        assert int(got[0].argmax()) == int(want.argmax())
+    for name, err in _state_errors(chunked, ref).items():
+        assert err <= max(3 * base_state[name], 1e-2), f"{name}: {err:.3g} (token-wise compiled {base_state[name]:.3g})"
+    a = c = int(want.argmax())  # both decode on from the same token
+    toks_a, toks_b = [], []
+    for k in range(8):
+        la = chunked.step([a], n + k)[-1]
+        lb = plain.step([c], n + k)[-1]
+        a, c = int(la.argmax()), int(lb.argmax())
+        toks_a.append(a)
+        toks_b.append(c)
+        if a != c:
+            v = torch.topk(lb.float(), 2).values
+            assert float(v[0] - v[1]) < 5e-2, f"decode after prefill diverges at {k}: {toks_a} vs {toks_b}"
+            break
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
+    """Every chunk graph is captured by prepare_all (none after); a prefill not at the next position, of nothing,
+    or past max_ctx is a one-line StepError; chunks with taps / record_hc / a split / an artifact are refused."""
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    chunked, _, _ = gpu_env
+    chunked.reset()
+    before = chunked.captures
+    chunked.prefill(list(range(1, 200)), 0)
+    assert chunked.captures == before
+    for call, what in ((lambda: chunked.prefill([1, 2], 0), "next position is 199"),
+                       (lambda: chunked.prefill([], 199), "no tokens"),
+                       (lambda: chunked.prefill([1] * 400, 199), "exceed max_ctx")):
+        with pytest.raises(StepError, match=what) as ei:
+            call()
+        assert "\n" not in str(ei.value)
+    mf = open_model(tiny_path)
+    with pytest.raises(StepError, match="found record_hc"):
+        CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True, prefill_chunks=(16,))
