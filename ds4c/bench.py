@@ -503,6 +503,37 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
                        e2e, None if plan is None else plan.describe())
 
 
+def llama_records(exe: str, model: str | os.PathLike, args: list[str], timeout: float = 1800) -> list[dict[str, Any]]:
+    """One ``llama-bench -m MODEL ARGS`` run (``-o json`` among ``args``): its JSON list of test records.
+
+    Raises:
+        ValueError: it exited non-zero (its last stderr line), printed no JSON or not a list of records (what it
+            printed, shortened), ran past ``timeout`` seconds, or could not be started; one line each.
+    """
+    import json
+    import subprocess
+
+    try:
+        r = subprocess.run([str(exe), "-m", str(model)] + args, capture_output=True, text=True, errors="replace",
+                           timeout=timeout)
+    except OSError as e:
+        raise ValueError(f"cannot run {exe}: {e.strerror or e}") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"{exe} ran past {timeout:.0f} s") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        raise ValueError(f"llama-bench exited {r.returncode}: {last}")
+    try:
+        recs = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        head = (r.stdout.strip().splitlines() or ["(nothing)"])[0][:80]
+        raise ValueError(f"expected llama-bench's JSON (-o json) on stdout, found {head!r}") from None
+    if not (isinstance(recs, list) and all(isinstance(x, dict) for x in recs)):
+        raise ValueError(f"expected llama-bench's JSON list of test records, found {type(recs).__name__} "
+                         f"{str(recs)[:60]}")
+    return recs
+
+
 def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...], say: Callable[[str], None] = print,
                    n_gen: int = 128, reps: int = 3, pp: int = 5) -> dict[str, Any]:
     """llama.cpp's decode and small-batch rates on ``model``: ``llama-bench -m MODEL -p PP -n N_GEN -d CTX -r REPS
@@ -515,50 +546,29 @@ def llama_bench_tg(exe: str, model: str | os.PathLike, contexts: tuple[int, ...]
         line}}``; a failing run (llama.cpp cannot load the file, no such binary) is recorded per context, never
         raised (a run with tg but no pp result keeps the tg).
     """
-    import json
-    import subprocess
-
     args = ["-p", str(pp), "-n", str(n_gen), "-d", "CTX", "-r", str(reps), "-ngl", "99", "-o", "json"]
     out: dict[str, Any] = {"cmd": " ".join([str(exe), "-m", "MODEL"] + args), "tg_tok_s": {}, "pp_tok_s": {},
                            "pp": pp, "errors": {}}
     for c in contexts:
-        cmd = [str(exe), "-m", str(model)] + [str(c) if a == "CTX" else a for a in args]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
-            head = (r.stdout.strip().splitlines() or ["(nothing)"])[0][:80]
-            if r.returncode != 0:
-                last = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-                raise ValueError(f"llama-bench exited {r.returncode}: {last}")
-            try:
-                recs = json.loads(r.stdout)
-            except json.JSONDecodeError:
-                raise ValueError(f"expected llama-bench's JSON (-o json) on stdout, found {head!r}") from None
-            if not (isinstance(recs, list) and all(isinstance(x, dict) for x in recs)):
-                raise ValueError(f"expected llama-bench's JSON list of test records, found {type(recs).__name__} "
-                                 f"{str(recs)[:60]}")
+            recs = llama_records(exe, model, [str(c) if a == "CTX" else a for a in args])
             tg = [x for x in recs if x.get("n_gen") == n_gen and x.get("n_depth") == c]
             ppr = [x for x in recs if x.get("n_prompt") == pp and not x.get("n_gen") and x.get("n_depth") == c]
             if not tg:
                 raise ValueError(f"expected a test record with n_gen {n_gen} and n_depth {c}, found {len(recs)} "
                                  f"record(s): {str(recs)[:80]}")
-            out["tg_tok_s"][c] = _rate(tg[0])
+            out["tg_tok_s"][c] = record_rate(tg[0])
             if ppr:
-                out["pp_tok_s"][c] = _rate(ppr[0])
+                out["pp_tok_s"][c] = record_rate(ppr[0])
             say(f"llama.cpp tg{n_gen} at depth {c}: {out['tg_tok_s'][c]:.1f} tokens/s; pp{pp}: "
                 f"{_f(out['pp_tok_s'].get(c), '.1f')} tokens/s")
         except ValueError as e:
             out["errors"][c] = str(e).splitlines()[0]
             say(f"llama.cpp at depth {c}: {out['errors'][c]}")
-        except OSError as e:
-            out["errors"][c] = f"cannot run {exe}: {e.strerror or e}"
-            say(f"llama.cpp at depth {c}: {out['errors'][c]}")
-        except subprocess.TimeoutExpired:
-            out["errors"][c] = f"{exe} ran past 1800 s"
-            say(f"llama.cpp at depth {c}: {out['errors'][c]}")
     return out
 
 
-def _rate(rec: dict[str, Any]) -> float:
+def record_rate(rec: dict[str, Any]) -> float:
     """A llama-bench record's ``avg_ts`` (tokens/s); ValueError unless a positive finite number."""
     try:
         ts = float(rec["avg_ts"])

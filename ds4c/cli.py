@@ -919,14 +919,23 @@ def _resources_of(rec: dict, entry: str) -> dict:
                    "the weights (a model that fills the device, e.g. synthetic:flash:q3_k on one H200).")
 @click.option("--generate/--no-generate", "end_to_end", default=True, show_default=True,
               help="After the step timings, run generate end to end at each --ctx (TTFT, the loop's tokens/s).")
+@click.option("--prefill", "prefill", default=None, metavar="L,L,...",
+              help="Instead of the step table: prefill prompts of these lengths (e.g. 4096,32768): tokens/s and "
+                   "TTFT through the prefill chunk graphs and as verify steps, the compute roofline from the "
+                   "card's measured GEMM rate, and with --llama-bench llama.cpp's pp at each length.")
+@click.option("--prefill-chunks", default=",".join(map(str, (256, 2048))), show_default=True, metavar="C,C,...",
+              help="With --prefill: the chunk graph sizes compiled.")
+@click.option("--prefill-baseline/--no-prefill-baseline", default=True, show_default=True,
+              help="With --prefill: also time the verify-step path once per length.")
 @_split_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
               compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
-              reference: bool, end_to_end: bool, devices: str | None, layer_split: str | None,
-              json_out: str | None) -> None:
+              reference: bool, end_to_end: bool, prefill: str | None, prefill_chunks: str, prefill_baseline: bool,
+              devices: str | None, layer_split: str | None, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
-    of the reference, the transformers port when importable, and the HBM roofline; ratios printed last."""
+    of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
+    With --prefill: prompt ingestion instead (ds4c/prefill_bench.py)."""
     from ds4c.bench import format_report, run_bench
     from ds4c.gguf_file import open_model
 
@@ -940,9 +949,28 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
                         f"(../shared/peers/build_llama.sh builds it), found no executable file")
+    chunks: tuple[int, ...] = ()
+    if prefill is not None:
+        lengths = tuple(_parse_ints(prefill, "--prefill"))
+        if not lengths or min(lengths) < 1:
+            raise Ds4cError(f"--prefill: expected prompt lengths in 1.. (tokens), found {prefill!r}")
+        if devices or layer_split or artifact:
+            raise Ds4cError("--prefill times the unsplit compiled step built here: drop --devices / --layer-split / "
+                            "--artifact")
+        if device == "cuda":
+            chunks = _prefill_chunks(prefill_chunks, device, "auto", "bf16", None, None)
     mf = open_model(_model_path(file))
     if llama_bench is not None and getattr(mf, "generates_on_device", False):
         raise Ds4cError(f"--llama-bench reads a GGUF file; {mf.path} has none (write it with ds4c make-model)")
+    if prefill is not None:
+        from ds4c.prefill_bench import format_prefill_report, run_prefill_bench
+
+        prep = run_prefill_bench(mf, lengths, device, chunks, llama_bench, baseline=prefill_baseline,
+                                 say=lambda m: click.echo(m, err=True))
+        click.echo(format_prefill_report(prep))
+        if json_out:
+            write_json_atomic(json_out, prep.as_dict())
+        return
     rep = run_bench(mf, _device_of(device, devices), ws, cs, repeats, ref_repeats, modes, artifact,
                     transformers=transformers, llama_bench=llama_bench, devices=devices, layer_split=layer_split,
                     reference=reference, end_to_end=end_to_end, say=lambda m: click.echo(m, err=True))

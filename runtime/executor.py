@@ -957,17 +957,22 @@ class CompiledStep:
         return sg.values["logits"] if self.is_last else sg.values["hc_out"]
 
     @_on_device
-    def prefill(self, tokens: list[int], pos: int) -> torch.Tensor:
+    def prefill(self, tokens: list[int], pos: int, chunks: tuple[int, ...] | None = None) -> torch.Tensor:
         """Ingest ``tokens`` at ``pos..`` (a prompt, or the rest of one) and return the fp32 logits of the last
         one, ``[1, vocab]`` (a device tensor, valid until the next step). With :attr:`prefill_chunks`: chunk
         graphs picked by :func:`~ds4c.buckets.prefill_chunk_for` (the largest full chunk, else a padded one,
         a tail under ``MIN_PREFILL_CHUNK`` tokens as verify steps of the widest width); without: verify steps
         only. The state afterwards is what token-wise decoding leaves (the chunk kernels write no state past
-        ``n_valid``; docs/prefill.md). Nothing here can be rolled back.
+        ``n_valid``; docs/prefill.md). Nothing here can be rolled back. ``chunks``: a subset of
+        :attr:`prefill_chunks` to use instead (``()``: verify steps only; the benchmark's baseline).
 
         Raises:
-            StepError: ``pos`` is not the sequence's next position, no tokens, or positions past max_ctx.
+            StepError: ``pos`` is not the sequence's next position, no tokens, positions past max_ctx, or
+                ``chunks`` not among the prepared chunk sizes.
         """
+        use = self.prefill_chunks if chunks is None else tuple(sorted(chunks))
+        if not set(use) <= set(self.prefill_chunks):
+            raise StepError(f"prefill chunks {list(use)}: this step holds chunk graphs of {list(self.prefill_chunks)}")
         if pos != self.pos:
             raise StepError(f"prefill at position {pos}, but the sequence's next position is {self.pos}")
         n = len(tokens)
@@ -978,7 +983,7 @@ class CompiledStep:
         self._undo = None  # a rollback after this would restore what the chunk overwrote: nothing to restore
         widest, i, logits = max(self.buckets.widths), 0, None
         while i < n:
-            c = prefill_chunk_for(self.prefill_chunks, n - i, pos + i, self.buckets.max_ctx)
+            c = prefill_chunk_for(use, n - i, pos + i, self.buckets.max_ctx)
             if c is None:
                 q = min(widest, n - i)
                 logits = self.step(tokens[i:i + q], pos + i)[-1:]
