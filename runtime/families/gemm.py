@@ -96,6 +96,7 @@ from typing import Any
 import torch
 
 from ds4c.runtime.families import Launch
+from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import E4M3_ARCHS, KQUANTS
 from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
 from ds4c.runtime.targets import Target
@@ -357,7 +358,6 @@ def arg_order(spec: GemmSpec, target: Target | None = None) -> list[tuple[str, s
 
 # ------------------------------------------------------------------------------------------------ prequant
 #: the activation quant of a prequant call (form ``f16s``)
-ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
 
 
 def uses_prequant(spec: GemmSpec, target: Target) -> bool:
@@ -390,7 +390,7 @@ def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq":
-            out.append(render(ACTQ_TEMPLATE, f"{name}_actq", FAMILY, target, {"k": spec.k, "form": "f16s"}))
+            out.append(render_actq(f"{name}_actq", FAMILY, target, spec.k, spec.rows))
         else:
             out.append(render_gemm(spec, target, name))
     return out
@@ -398,8 +398,8 @@ def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list
 
 def launch_shapes(spec: GemmSpec, target: Target) -> list[Launch]:
     """One :class:`Launch` per kernel of :func:`kernel_names` (``kernel`` set), to be launched in that order on
-    one stream: ``actq`` grid ``(K/128, C, 1)``, 128 threads, no dynamic shared memory; ``gemm``
-    :func:`launch_shape`. The GEMM reads what actq wrote (the prelude's PDL entry waits for it).
+    one stream: ``actq`` (:func:`~ds4c.runtime.families.actq.actq_launch`: the ``warp`` layout from 64 rows on,
+    no dynamic shared memory); ``gemm`` :func:`launch_shape`. The GEMM reads what actq wrote (the prelude's PDL entry waits for it).
 
     Raises:
         RenderError: see :func:`plan`.
@@ -407,7 +407,7 @@ def launch_shapes(spec: GemmSpec, target: Target) -> list[Launch]:
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq":
-            out.append(Launch((spec.k // KSTEP, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+            out.append(actq_launch(spec.k, spec.rows, target, kernel=kn))
         else:
             ln = launch_shape(spec, target)
             out.append(Launch(ln.grid, ln.block, ln.smem, kernel=kn))
