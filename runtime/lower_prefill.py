@@ -319,7 +319,8 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     try:
         _mg.check_target(c.target)
     except _RenderError as e:
-        raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
+        raise PendingLowering(f"moe_experts at {c.q} rows: the grouped-experts family ({GROUPED_EXPERTS_FAMILY}) "
+                              f"does not build for {c.target.slug} ({e})") from None
     body = op.body or []
     try:
         re_ = next(b for b in body if b.kind == "routed_experts")
@@ -351,11 +352,12 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     rows, d = (int(v) for v in x.type.shape)
     k = int(re_.inputs[1].type.shape[-1])
     ex = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
+    fmts = (_experts_fmt(c, tuple(ex[:2]), "routed gate/up"), _experts_fmt(c, (ex[2],), "routed down"),
+            _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
-        rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, _experts_fmt(c, tuple(ex[:2]), "routed gate/up"),
-                                _experts_fmt(c, (ex[2],), "routed down"), limit=re_.attrs["limit"], shared=True)
-        dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1,
-                                _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"),
+        rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
+                                shared=True)
+        dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
                                 limit=sw.attrs["limit"], dense=True)
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
