@@ -299,3 +299,9 @@ def test_gpu_check_imports_on_cpu() -> None:
     bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
     assert bufs["out"].isnan().all() and tuple(bufs["ids"].shape) == (spec.rows, spec.k)
     assert set(MG.arg_shapes(spec)) <= set(bufs)
+    # the prefill lowering's two options: the dense shared-expert call at flash shapes, the fused shared combine
+    name, spec, routing = next(c for c in cs if c[1].dense)
+    assert (spec.hidden, spec.inter, spec.k, spec.n_experts, spec.fmt) == (4096, 2048, 1, 1, "q8_0")
+    bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
+    assert set(bufs) == set(MG.arg_shapes(spec)) and bufs["out"].dtype == torch.bfloat16 and bufs["out"].isnan().all()
+    assert any(c[1].shared and c[1].n_experts == 256 for c in cs)
