@@ -30,8 +30,10 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
 * ``grouped_linear`` (wo_a + its fused ring write): :func:`_lower_grouped`: a valid-gated ring-write row chain
   (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
   (``GemmSpec.groups``).
-* ``moe_experts``: pending, through the one hook :func:`lower_routed_experts`; ``dspark_tap`` / ``record_hc``
-  with ``n_valid``: pending (the tap kernel has no n_valid and asserts C <= window).
+* ``moe_experts``: :func:`lower_routed_experts`: the grouped-experts family (:mod:`ds4c.runtime.families.moe_gemm`):
+  the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+;
+  HIP / sm_80 pending); ``dspark_tap`` / ``record_hc`` with ``n_valid``: pending (the tap kernel has no n_valid
+  and asserts C <= window).
 
 Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid`` valid rows: ``pos``,
 ``tokens`` [C], ``positions`` [C] (``pos + i``), ``n_valid`` and ``live_r<ratio>`` = ``(pos + n_valid) // ratio``
@@ -62,7 +64,7 @@ from ds4c.tensors import storage_types
 #: 1-row input after ``take_row``
 GEMM_MIN_ROWS = 16
 
-#: the family the routed experts at C rows wait for (built on another branch: runtime/families/moe_gemm.py)
+#: the family of the experts at C rows (runtime/families/moe_gemm.py), named in the refusals
 GROUPED_EXPERTS_FAMILY = "moe_gemm"
 
 
