@@ -30,8 +30,10 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
 * ``grouped_linear`` (wo_a + its fused ring write): :func:`_lower_grouped`: a valid-gated ring-write row chain
   (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
   (``GemmSpec.groups``).
-* ``moe_experts``: pending, through the one hook :func:`lower_routed_experts`; ``dspark_tap`` / ``record_hc``
-  with ``n_valid``: pending (the tap kernel has no n_valid and asserts C <= window).
+* ``moe_experts``: :func:`lower_routed_experts`: the grouped-experts family (:mod:`ds4c.runtime.families.moe_gemm`):
+  the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+;
+  HIP / sm_80 pending); ``dspark_tap`` / ``record_hc`` with ``n_valid``: pending (the tap kernel has no n_valid
+  and asserts C <= window).
 
 Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid`` valid rows: ``pos``,
 ``tokens`` [C], ``positions`` [C] (``pos + i``), ``n_valid`` and ``live_r<ratio>`` = ``(pos + n_valid) // ratio``
@@ -40,6 +42,7 @@ Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ds4c.config import Ds4Config
@@ -49,9 +52,11 @@ from ds4c.runtime import lower as L
 from ds4c.runtime.families import compressor as _cmp
 from ds4c.runtime.families import gemm as _gm
 from ds4c.runtime.families import hc as _hc
+from ds4c.runtime.families import moe_gemm as _mg
 from ds4c.runtime.families import rowchain as _rc
 from ds4c.runtime.families import takerow as _tr
 from ds4c.runtime.lower import Arg, Launch, LoweredKernel, LoweringError, _Ctx, _launch
+from ds4c.runtime.render import RenderError as _RenderError
 from ds4c.runtime.targets import Target
 from ds4c.tensors import storage_types
 
@@ -59,7 +64,7 @@ from ds4c.tensors import storage_types
 #: 1-row input after ``take_row``
 GEMM_MIN_ROWS = 16
 
-#: the family the routed experts at C rows wait for (built on another branch: runtime/families/moe_gemm.py)
+#: the family of the experts at C rows (runtime/families/moe_gemm.py), named in the refusals
 GROUPED_EXPERTS_FAMILY = "moe_gemm"
 
 
@@ -267,16 +272,118 @@ def _pending(message: str):
     return fn
 
 
-def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
-    """The hook where the grouped-experts family plugs in: the ``moe_experts`` plan kernel of a prefill chunk
-    (``routed_experts`` over C rows grouped by expert, the shared expert, ``moe_sum``; inputs x bf16
-    ``[C, hidden]``, ids i64 ``[C, k]``, weights fp32 ``[C, k]``; output bf16 ``[C, hidden]``).
+def _experts_fmt(c: _Ctx, names: tuple[str, ...], what: str) -> str:
+    """The one moe_gemm storage format (``mxfp4`` | ``q8_0``) of the weights ``names``.
 
     Raises:
-        PendingLowering: always, until :data:`GROUPED_EXPERTS_FAMILY` exists.
+        PendingLowering: a weight stored otherwise (BF16, K-quants, IQ4_XS: moe_gemm has no decoder for them),
+            or the names in different formats."""
+    fmts = {c.fmt(n) for n in names}
+    if len(fmts) != 1 or next(iter(fmts)) not in _mg.FORMATS:
+        raise PendingLowering(f"moe_experts at {c.q} rows: the {what} weights are stored as {sorted(fmts)}; the "
+                              f"grouped-experts family ({GROUPED_EXPERTS_FAMILY}) reads {'/'.join(_mg.FORMATS)} only")
+    return next(iter(fmts))
+
+
+def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
+    """The ``moe_experts`` plan kernel of a prefill chunk (spec 5.2 o.5-o.7) on the grouped-experts family
+    (:mod:`ds4c.runtime.families.moe_gemm`). The fused op's body: ``routed_experts`` (x bf16 ``[C, D]``, ids i64
+    ``[C, k]``, weights fp32 ``[C, k]`` -> fp32 ``[C, D]``), the shared expert (``linear`` fp8act gate / up on
+    the same x, bf16 ``[C, I_sh]``; ``swiglu`` fp32; ``cast`` bf16; ``linear`` fp8act down, bf16 ``[C, D]``) and
+    ``moe_sum`` (``bf16(routed + fp32(shared))``, the plan kernel's output bf16 ``[C, D]``). Nine launches:
+
+    1. the routed call (``MoeGemmSpec(shared=True)``, ``ffn_{gate,up,down}_exps`` stored [E, rows, row bytes]):
+       route, actq_x, up, actq_h, down;
+    2. the shared expert as a dense call (``MoeGemmSpec(dense=True)``: E = 1, k = 1, every row its own pair of
+       weight 1, no routing, no weight multiply), ``ffn_{gate,up,down}_shexp`` (one [rows, row bytes] matrix =
+       expert 0): up, actq_h, down, reading the routed call's quantized x (the same x, quantized once) and
+       writing the workspace ``ds4c_moe_shared`` bf16 ``[C, D]``; its actq_x launch is dropped;
+    3. the routed combine with the shared output fused (``moe_sum``): the sum over the row's slots in ascending
+       expert id, + fp32(shared), one bf16 rounding, into the plan kernel's output.
+
+    The IR's shared expert and a weight-1 routed expert are the same computation (both fp8act with act_quant,
+    g / u rounded to bf16, swiglu in fp32, h rounded to bf16 before the down linear, y bf16), so the dense call
+    is exact up to fp32 summation order, like the routed one. Every row of the chunk is computed, padded ones
+    too (their ids come from the router on the padded rows: valid distinct expert ids in the IR; but no launch
+    reads out of bounds for any id value: ``route`` skips ids outside [0, E) and ``combine`` indexes ``ybuf`` by
+    (row, slot), so a bad id only spoils its own, never kept, row).
+
+    Workspaces (shared by name across layers, sized for C rows): ``ds4c_moe_{perm,tiles,xq,xs,h,hq,hs,y}`` (the
+    routed call, :func:`moe_gemm.arg_shapes`), ``ds4c_moe_sh_{h,hq,hs}`` and ``ds4c_moe_shared`` (the dense
+    call).
+
+    Raises:
+        PendingLowering: a target moe_gemm does not build (HIP, sm_80: no e4m3 cvt), expert weights not
+            MXFP4 / Q8_0, or the FP8 activation quant off (``emulate`` / ``act_quant`` False).
+        LoweringError: a body that is not routed_experts + the SwiGLU shared expert + moe_sum, a shared weight
+            that is not a model tensor, or sizes the family refuses.
     """
-    raise PendingLowering(f"moe_experts at {c.q} rows: the grouped-experts family ({GROUPED_EXPERTS_FAMILY}) is "
-                          f"not written yet")
+    try:
+        _mg.check_target(c.target)
+    except _RenderError as e:
+        raise PendingLowering(f"moe_experts at {c.q} rows: the grouped-experts family ({GROUPED_EXPERTS_FAMILY}) "
+                              f"does not build for {c.target.slug} ({e})") from None
+    body = op.body or []
+    try:
+        re_ = next(b for b in body if b.kind == "routed_experts")
+        moe = next(b for b in body if b.kind == "moe_sum")
+        sw = next(b for b in body if b.kind == "swiglu")
+        lin = [b for b in body if b.kind == "linear"]
+        gate = next(l for l in lin if l.outputs[0] is sw.inputs[0])
+        up = next(l for l in lin if l.outputs[0] is sw.inputs[1])
+        down = next(l for l in lin if l not in (gate, up))
+        cast = next(b for b in body if b.kind == "cast" and b.inputs[0] is sw.outputs[0])
+    except StopIteration:
+        raise LoweringError(f"moe_experts (layer {op.layer}): the body is not routed_experts + a SwiGLU shared "
+                            f"expert + moe_sum") from None
+    x = re_.inputs[0]
+    if not (gate.inputs[0] is x and up.inputs[0] is x and down.inputs[0] is cast.outputs[0]
+            and cast.attrs.get("dtype") == "bf16" and moe.inputs[0] is re_.outputs[0]
+            and moe.inputs[1] is down.outputs[0] and moe.outputs[0] in op.outputs):
+        raise LoweringError(f"moe_experts (layer {op.layer}): the shared expert does not read the routed x, or "
+                            f"moe_sum does not add the two (a dataflow moe_gemm does not implement)")
+    if not (re_.attrs["emulate"] and all(l.attrs["mode"] == "fp8act" and l.attrs.get("act_quant", True)
+                                          for l in (gate, up, down))):
+        raise PendingLowering(f"moe_experts at {c.q} rows: the FP8 activation quant is off (emulate=False); "
+                              f"{GROUPED_EXPERTS_FAMILY} builds the quantized path only")
+    cfg, layer = c.cfg, re_.attrs["layer"]
+    p = f"blk.{layer}."
+    sh = [c.weight_name(l.inputs[1]) for l in (gate, up, down)]
+    if any(w is None for w in sh):
+        raise LoweringError(f"moe_experts (layer {op.layer}): a shared expert weight is not a model tensor")
+    rows, d = (int(v) for v in x.type.shape)
+    k = int(re_.inputs[1].type.shape[-1])
+    ex = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
+    fmts = (_experts_fmt(c, tuple(ex[:2]), "routed gate/up"), _experts_fmt(c, (ex[2],), "routed down"),
+            _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
+    try:
+        rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
+                                shared=True)
+        dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
+                                limit=sw.attrs["limit"], dense=True)
+    except _RenderError as e:
+        raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
+
+    def ws(spec: _mg.MoeGemmSpec, arg: str, name: str) -> Arg:
+        shape, dt = _mg.arg_shapes(spec)[arg]
+        return Arg("workspace", c.name(op, name), nbytes=math.prod(shape) * dt.itemsize)
+
+    shared = ws(dspec, "out", "moe_shared")
+    rb = {"ids": c.arg(re_.inputs[1]), "weights": c.arg(re_.inputs[2]), "x": c.arg(x),
+          **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), ex)},
+          **{n: ws(rspec, n, "moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n)) for n in _mg.workspaces(rspec)},
+          "shared": shared, "out": Arg("value", c.names[moe.outputs[0]])}
+    db = {"x": rb["x"], "xq": rb["xq"], "xs": rb["xs"], **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), sh)},
+          **{n: ws(dspec, n, "moe_sh_" + {"hbuf": "h"}.get(n, n)) for n in ("hbuf", "hq", "hs")}, "out": shared}
+    calls = []
+    for spec, b, nm in ((rspec, rb, "moe_gemm"), (dspec, db, "moe_shexp")):
+        names = _mg.arg_names(spec)
+        calls.append({la.kernel: _launch(src, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
+                      for src, la in zip(_mg.render_moe_gemm(spec, c.target, c.name(op, nm)),
+                                         _mg.launch_shapes(spec, c.target))})
+    r, dn = calls
+    return [r["route"], r["actq_x"], r["up"], r["actq_h"], r["down"], dn["up"], dn["actq_h"], dn["down"],
+            r["combine"]]
 
 
 _PATTERNS = {
@@ -291,7 +398,7 @@ _PATTERNS = {
 }
 
 #: the family of each prefill plan kernel's launches (a GEMM group's launches are GEMMs and row chains)
-FAMILY_OF = {**L.FAMILY_OF, "multi_gemv": "gemm", "linear": "gemm", "grouped_linear": "gemm"}
+FAMILY_OF = {**L.FAMILY_OF, "multi_gemv": "gemm", "linear": "gemm", "grouped_linear": "gemm", "moe_experts": "moe_gemm"}
 
 
 def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[str, GGMLType] | None = None,

@@ -148,17 +148,109 @@ def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str, sizes: dic
     assert MG.rel_l2(out, ref) < (1e-5 if int(diff.sum()) == 0 else 1e-3)
 
 
+@pytest.mark.parametrize("C,fmt,down_fmt", [(77, "q8_0", "q8_0"), (64, "mxfp4", "q8_0")])
+def test_emulated_dense_call(C: int, fmt: str, down_fmt: str) -> None:
+    """``dense`` (the shared expert: E = 1, k = 1, no routing, no weight multiply): four launches, every hbuf / out
+    element written; ``out`` bf16 [C, D] against ``reference`` (``expert_ffn`` of the one expert, no weight: the IR
+    shared expert's linear / swiglu / cast / linear): the same bf16 values up to the documented flips (Q8_0: rare
+    fp32-order flips of g / u / y roundings), rel-L2 < 1e-3; equal to the routed call with every row routed to
+    expert 0 at weight 1.0 (ids 0, weights 1) bit for bit (x * 1.0 is exact)."""
+    from tools import moe_gemm_emu as EMU
+
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    spec = MG.MoeGemmSpec(rows=C, hidden=256, inter=128, k=1, n_experts=1, fmt=fmt, down_fmt=down_fmt, dense=True)
+    assert MG.kernel_names(spec, target("sm_90")) == ["actq_x", "up", "actq_h", "down"]
+    assert MG.tile_slots(spec) == -(-C // MG.TM)
+    inp = MG.random_inputs(spec, torch.Generator().manual_seed(5))
+    assert set(inp) == {"x", "w1", "w3", "w2"}
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    assert set(got) == {"xq", "xs", "hbuf", "hq", "hs", "out"} and got["out"].dtype == torch.bfloat16
+    for n, t in got.items():
+        assert bool(torch.isfinite(t.float()).all()), f"{n}: unwritten (NaN poison left) elements"
+    ref = MG.reference(spec, **inp)
+    assert ref.dtype == torch.bfloat16 and ref.shape == got["out"].shape
+    assert MG.rel_l2(got["out"], ref) < 1e-3
+    assert float((got["out"] != ref).float().mean()) < 0.02
+    # the same as a routed call of expert 0 with weight 1.0 on every row
+    rspec = MG.MoeGemmSpec(rows=C, hidden=256, inter=128, k=1, n_experts=1, fmt=fmt, down_fmt=down_fmt)
+    rin = dict(inp, ids=torch.zeros(C, 1, dtype=torch.int64), weights=torch.ones(C, 1))
+    with tempfile.TemporaryDirectory() as d:
+        r = EMU.run(rspec, rin, Path(d))
+    assert torch.equal(r["hbuf"].view(torch.int16), got["hbuf"].view(torch.int16))
+    assert torch.equal(r["out"], got["out"].float())
+
+
+def test_emulated_combine_with_shared() -> None:
+    """``shared`` (moe_sum fused into the combine): ``out`` bf16 = bf16(ordered fp32 sum of ybuf + fp32(shared))
+    bit for bit, and against ``reference`` with ``shared`` (``moe_sum`` of the per-row routed_sum) within the routed
+    call's floor (MXFP4 here: bit for bit); dropping the shared add would miss by the shared values (checked)."""
+    from tools import moe_gemm_emu as EMU
+
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    spec = MG.MoeGemmSpec(rows=77, shared=True, **TINY)
+    assert MG.arg_names(spec)["combine"] == ["ids", "ybuf", "shared", "out"]
+    g = torch.Generator().manual_seed(9)
+    inp = MG.random_inputs(spec, g)
+    inp["ids"] = _uneven_ids(77, spec.k, spec.n_experts, g)
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    out = got["out"]
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out.float()).all())
+    y = got["ybuf"].float()
+    order = torch.argsort(inp["ids"], dim=-1)
+    acc = torch.zeros(77, spec.hidden)
+    for j in range(spec.k):
+        acc += y.gather(1, order[:, j:j + 1, None].expand(77, 1, spec.hidden))[:, 0]
+    want = (acc + inp["shared"].float()).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(out, acc.to(torch.bfloat16))  # the shared add is there
+    ref = MG.reference(spec, **inp)
+    assert ref.dtype == torch.bfloat16 and MG.rel_l2(out, ref) < 1e-3
+
+
+def test_dense_and_shared_options_render_nothing_when_off() -> None:
+    """Both options off: the sources carry no trace of them (the measured kernels); on: the dense up / down take no
+    routing arguments and skip the weight multiply, the shared combine takes ``shared`` and stores bf16."""
+    t = target("sm_90")
+    off = {s.entry.rsplit("_", 1)[-1]: s.source for s in MG.render_moe_gemm(MG.MoeGemmSpec(64, **TINY), t, "m")}
+    assert all("DS4C_RESTRICT shared" not in src and "dense" not in src and "weight 1" not in src for src in off.values())
+    d = MG.MoeGemmSpec(64, hidden=256, inter=128, k=1, n_experts=1, fmt="q8_0", dense=True)
+    dn = {s.entry.rsplit("_", 1)[-1]: s.source for s in MG.render_moe_gemm(d, t, "m")}
+    assert set(dn) == {"x", "up", "h", "down"}
+    def sig(src: str) -> str:
+        return src[src.index("__launch_bounds__(MG_NT"):].split(") {", 1)[0]
+
+    assert "weights" not in sig(dn["up"]) and "perm" not in sig(dn["up"]) and "tiles" not in sig(dn["down"])
+    assert "wv * hv" not in dn["up"] and "perm[" not in dn["up"] and "perm[" not in dn["down"]
+    sh = MG.render_moe_gemm(MG.MoeGemmSpec(64, shared=True, **TINY), t, "m")[-1].source
+    assert "const u16* DS4C_RESTRICT shared, u16* DS4C_RESTRICT out" in sh and "ds4c_bf16_to_f32(shared[" in sh
+    for kw in (dict(k=2), dict(n_experts=2), dict(shared=True)):
+        with pytest.raises(RenderError, match="dense"):
+            MG.MoeGemmSpec(64, **{**dict(hidden=256, inter=128, k=1, n_experts=1, dense=True), **kw})
+
+
 # ------------------------------------------------------------------------------------------ device compile
 def test_device_compile_sm90(tmp_path: Path) -> None:
-    """Flash-sized kernels (C 2048, D 4096, I 2048, E 256, k 6; MXFP4, Q8_0 down, all Q8_0) compile for sm_90 with no
-    spills and no stack frame."""
+    """Flash-sized kernels (C 2048, D 4096, I 2048, E 256, k 6; MXFP4, Q8_0 down, all Q8_0; the combine with
+    ``shared``; the dense Q8_0 shared-expert call) compile for sm_90 with no spills and no stack frame."""
     why = compiler_missing("sm_90")
     if why:
         pytest.skip(f"no compiler for sm_90: {why}")
     tgt = target("sm_90")
-    for spec in (MG.MoeGemmSpec(rows=2048), MG.MoeGemmSpec(rows=512, down_fmt="q8_0"), MG.MoeGemmSpec(rows=64, fmt="q8_0")):
+    dense = MG.MoeGemmSpec(rows=2048, k=1, n_experts=1, fmt="q8_0", dense=True)  # flash's shared expert
+    for spec in (MG.MoeGemmSpec(rows=2048), MG.MoeGemmSpec(rows=512, down_fmt="q8_0"), MG.MoeGemmSpec(rows=64, fmt="q8_0"),
+                 MG.MoeGemmSpec(rows=2048, shared=True), dense):
         srcs = MG.render_moe_gemm(spec, tgt)
-        assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == ["route", "x", "up", "h", "down", "combine"]
+        if spec.shared:
+            srcs = srcs[-1:]  # only the combine differs
+        assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == (
+            ["x", "up", "h", "down"] if spec.dense else ["combine"] if spec.shared
+            else ["route", "x", "up", "h", "down", "combine"])
         for s in srcs:
             d = tmp_path / s.entry
             d.mkdir()
@@ -207,3 +299,9 @@ def test_gpu_check_imports_on_cpu() -> None:
     bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
     assert bufs["out"].isnan().all() and tuple(bufs["ids"].shape) == (spec.rows, spec.k)
     assert set(MG.arg_shapes(spec)) <= set(bufs)
+    # the prefill lowering's two options: the dense shared-expert call at flash shapes, the fused shared combine
+    name, spec, routing = next(c for c in cs if c[1].dense)
+    assert (spec.hidden, spec.inter, spec.k, spec.n_experts, spec.fmt) == (4096, 2048, 1, 1, "q8_0")
+    bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
+    assert set(bufs) == set(MG.arg_shapes(spec)) and bufs["out"].dtype == torch.bfloat16 and bufs["out"].isnan().all()
+    assert any(c[1].shared and c[1].n_experts == 256 for c in cs)

@@ -1,7 +1,7 @@
 """Lowering prefill chunk graphs (runtime/lower_prefill.py, issue 12): every plan kernel of a C-row chunk graph
 lowers to family launches whose arguments bind to graph values, weights, step scalars and sized workspaces that
-exist, except the pending ones (routed experts, wo_a + ring write, the take_row head), which are reported with a
-one-line reason; projections are GEMM calls (one shared actq, one GEMM per output, sized to C rows); the
+exist, except the pending ones (taps / record_hc with n_valid; none in these graphs), which are reported with a
+one-line reason; the routed + shared experts and moe_sum are moe_gemm calls; projections are GEMM calls (one shared actq, one GEMM per output, sized to C rows); the
 compressor reads n_valid; HC stage mix runs over row blocks; a representative subset compiles for sm_90.
 CPU only: nothing here runs a kernel (docs/prefill.md says what needs the GPU)."""
 
@@ -27,7 +27,8 @@ from ds4c.runtime.targets import target
 from ds4c.tensors import tensor_specs
 
 STEP = {"pos", "positions", "tokens", "n_valid"}
-PENDING = {"moe_experts"}
+#: plan kernels still pending at C rows (for other reasons than the experts): taps / record_hc with n_valid
+PENDING = {"dspark_tap", "record_hc"}
 _CACHE: dict = {}
 
 
@@ -56,10 +57,9 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     plan = [op for op in g.ops if op.kind == "fused"]
     assert len(ks) + len(pend) == len(plan) and all(k.launches for k in ks)
     assert "rollback" not in {k.name for k in ks}
-    # exactly the pending kernels: one routed-experts per layer
-    assert {p.pattern for p in pend} == PENDING
-    assert sum(p.pattern == "moe_experts" for p in pend) == cfg.n_layers
-    assert all("moe_gemm" in p.message for p in pend if p.pattern == "moe_experts")
+    # nothing pending but taps / record_hc; one moe_gemm plan kernel per layer
+    assert {p.pattern for p in pend} <= PENDING, [p.message for p in pend]
+    assert sum(k.family == "moe_gemm" for k in ks) == cfg.n_layers
     names = value_names(g)
     by_name = {n: v for v, n in names.items()}
     weights = {s.name for s in tensor_specs(cfg)}
@@ -83,7 +83,7 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     for op in plan:
         for lin in (b for b in op.body or [] if b.kind == "linear"):
             rows, kk = (int(d) for d in lin.inputs[0].type.shape)
-            if rows < 16 or op.attrs["pattern"] in PENDING:
+            if rows < 16 or op.attrs["pattern"] in PENDING | {"moe_experts"}:  # the shared expert: moe_gemm dense
                 continue
             n_lin += 1
             y = names[lin.outputs[0]]
@@ -119,6 +119,7 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     d, hcm = cfg.hidden_size, cfg.hc_mult
     assert [a.nbytes for a in tr.args[2::2]] == [2 * d, 2 * hcm * d, 4 * hcm, 4 * hcm * hcm]
     assert all(hk.launches[1].kernel.source.count(s) for s in ("#define NQ 1",))
+    _check_moe_experts(cfg, g, ks, c, names)
     # wo_a: the valid-gated ring write, the inverse rope into a workspace, one grouped GEMM writing z
     for k in (k for k in ks if k.name.endswith("grouped_linear")):
         ring, rope, gm = k.launches
@@ -132,13 +133,65 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
         assert tuple(z.type.shape) == (c, cfg.o_groups, cfg.o_lora_rank)
 
 
+MOE_ORDER = ["gemm_route", "gemm_actq_x", "gemm_up", "gemm_actq_h", "gemm_down", "shexp_up", "shexp_actq_h",
+             "shexp_down", "gemm_combine"]
+
+
+def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
+    """Each layer's moe_experts plan kernel: the nine launches in order (routed route / actq_x / up / actq_h /
+    down, the shared expert's dense up / actq_h / down on the routed call's quantized x, the combine with the
+    shared output fused), bound to the fused op's x / ids / weights / output, the layer's routed and shared
+    weights (raw), and workspaces of exactly moe_gemm.arg_shapes' sizes, one size per name."""
+    from ds4c.runtime.families import moe_gemm as MG
+
+    ops = {o.layer: o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == "moe_experts"}
+    sizes: dict[str, int] = {}
+    for k in (k for k in ks if k.family == "moe_gemm"):
+        op = ops[k.layer]
+        re_ = next(b for b in op.body if b.kind == "routed_experts")
+        sh_i = int(next(b for b in op.body if b.kind == "swiglu").outputs[0].type.shape[-1])
+        assert [la.kernel.entry.removeprefix("ds4c_moe_") for la in k.launches] == MOE_ORDER
+        assert all(la.kernel.family == "moe_gemm" for la in k.launches)
+        rs = MG.MoeGemmSpec(c, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts, "mxfp4",
+                            shared=True)
+        ds = MG.MoeGemmSpec(c, cfg.hidden_size, sh_i, 1, 1, "q8_0", dense=True)
+        route, actq_x, up, actq_h, down, s_up, s_actq, s_down, comb = k.launches
+        want = {"ds4c_moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n): MG.arg_shapes(rs)[n] for n in MG.workspaces(rs)}
+        want.update({"ds4c_moe_sh_" + {"hbuf": "h"}.get(n, n): MG.arg_shapes(ds)[n] for n in ("hbuf", "hq", "hs")})
+        want["ds4c_moe_shared"] = MG.arg_shapes(ds)["out"]
+        for la in k.launches:
+            for a in la.args:
+                if a.kind == "workspace":
+                    shape, dt = want[a.name]
+                    assert a.nbytes == math.prod(shape) * dt.itemsize, (a.name, a.nbytes)
+                    assert sizes.setdefault(a.name, a.nbytes) == a.nbytes
+        x, ids, wts = (names[v] for v in re_.inputs[:3])
+        assert route.args[0].name == ids and comb.args[0].name == ids and up.args[2].name == wts
+        assert actq_x.args[0].name == x and s_up.args[:2] == actq_x.args[1:] == up.args[:2]
+        assert comb.args[2] == s_down.args[-1] and comb.args[-1].name == names[op.outputs[0]]
+        p = f"blk.{k.layer}."
+        assert [(a.name, a.form) for a in up.args[3:5] + down.args[2:3]] == [
+            (p + f"ffn_{n}_exps.weight", "raw") for n in ("gate", "up", "down")]
+        assert [(a.name, a.form) for a in s_up.args[2:4] + s_down.args[2:3]] == [
+            (p + f"ffn_{n}_shexp.weight", "raw") for n in ("gate", "up", "down")]
+        assert up.grid == (MG.tile_slots(rs), cfg.moe_inter // 32, 1) and s_up.grid == (-(-c // MG.TM), sh_i // 32, 1)
+        assert comb.grid == (cfg.hidden_size // 128, c, 1)
+
+
 def test_prefill_refused_without_pending_names_the_kernel():
+    """tiny lowers whole for sm_90; for gfx1151 (no moe_gemm there) the first refusal names l0.moe_experts."""
     g = _graph("tiny", 64, 128)
-    with pytest.raises(PendingLowering, match=r"^l0\.moe_experts: moe_experts at 64 rows: .*\(moe_gemm\)"):
-        lower_graph(g, preset("tiny"), target("sm_90"))
+    assert lower_graph(g, preset("tiny"), target("sm_90"))
+    with pytest.raises(PendingLowering, match=r"^l0\.moe_experts: moe_experts at 64 rows: the grouped-experts family "
+                                              r"\(moe_gemm\) does not build for hip-gfx1151"):
+        lower_graph(g, preset("tiny"), target("gfx1151"))
 
 
-def test_routed_experts_hook_message():
+def test_routed_experts_hook_refusals():
+    """lower_routed_experts: a one-line PendingLowering for expert weights moe_gemm cannot read (BF16) and for
+    the FP8 activation quant off."""
+    from ds4c.ir.graph import Op
+    from ds4c.quant import GGMLType
     from ds4c.runtime.lower import _Ctx
     from ds4c.runtime.lower_prefill import lower_routed_experts
     from ds4c.tensors import storage_types
@@ -146,8 +199,14 @@ def test_routed_experts_hook_message():
     cfg = preset("tiny")
     g = _graph("tiny", 64, 128)
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == "moe_experts")
-    with pytest.raises(PendingLowering, match=r"^moe_experts at 64 rows: the grouped-experts family \(moe_gemm\)"):
-        lower_routed_experts(_Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official")), op)
+    types = dict(storage_types(cfg, "official"), **{"blk.0.ffn_down_shexp.weight": GGMLType.BF16})
+    with pytest.raises(PendingLowering, match=r"^moe_experts at 64 rows: the shared down weights are stored as"):
+        lower_routed_experts(_Ctx(g, cfg, target("sm_90"), types), op)
+    body = [Op(b.kind, b.inputs, b.outputs, dict(b.attrs, emulate=False)) if b.kind == "routed_experts" else b
+            for b in op.body]
+    op2 = Op(op.kind, op.inputs, op.outputs, op.attrs, layer=op.layer, body=body)
+    with pytest.raises(PendingLowering, match="FP8 activation quant is off"):
+        lower_routed_experts(_Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official")), op2)
 
 
 def test_prefill_options_leave_decode_kernels_alone():
@@ -181,6 +240,7 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
     srcs = list({la.kernel.digest(): la.kernel for k in ks for la in k.launches}.values())
     fams = {s.family for s in srcs}
     assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv"} <= fams, fams
+    assert ("moe_gemm" in fams) == (arch == "sm_90"), fams  # the routed + shared experts (CUDA sm_89+ only)
     entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
     assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
 
@@ -280,7 +340,7 @@ def _emulate(cx, launches, env: dict, pos: int, n_valid: int, tmp_path) -> tuple
             if key not in bufs:  # an output or scratch the kernel writes: NaN / zero poison of its size
                 bufs[key] = torch.full((max(a.nbytes, 4) // 4,), float("nan")) if a.kind == "workspace" else None
             args.append(key)
-        seq.append((la.kernel, la.grid, la.block, args))
+        seq.append((la.kernel, la.grid, la.block, args, la.smem))
     return bufs, seq
 
 
@@ -437,3 +497,78 @@ def test_router_at_chunk_rows_emulated(layer, tmp_path):
     got = _emu().run(seq, bufs, tmp_path)
     assert torch.equal(got[f"value.{cx.names[r.outputs[0]]}"], want[r.outputs[0]])
     assert torch.allclose(got[f"value.{cx.names[r.outputs[1]]}"], want[r.outputs[1]], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layer,nv", [(0, 40), (3, 64)])
+def test_moe_experts_plan_kernel_emulated(layer, nv, tmp_path):
+    """The whole moe_experts plan kernel of a tiny C=64 chunk (routed MXFP4 experts E 16 / k 4, the Q8_0 shared
+    expert, moe_sum; layer 0 a hash layer, 3 a scored one; n_valid 40 or 64: the kernel computes every row, so all
+    64 are compared), its nine launches on CPU threads with the stored (raw) weights, against the IR ops of the
+    same fused op (routed_experts, linear / swiglu / cast / linear, moe_sum) on the dequantized weights:
+
+    * the routed fp32 sum (the combine's ordered sum of the emulated ybuf) equals the IR's routed_experts bit for
+      bit (MXFP4 x e4m3 products and their sums are exact in fp32 here: moe_gemm's documented floor is 0);
+    * the shared expert's bf16 output (workspace ds4c_moe_shared) equals the IR's within Q8_0's documented floor
+      (fp32-order flips of single bf16 roundings: < 1% of the elements, rel-L2 < 1e-3);
+    * the plan kernel's output equals moe_sum(IR routed, emulated shared) bit for bit (the fused combine is the
+      IR's moe_sum exactly) and the IR's ffn_out within the shared floor. Dropping the shared add, or adding it
+      outside the fp32 sum, fails these (the shared values are O(0.1), the floor 1e-3)."""
+    _skip_without_host()
+    from ds4c.runtime.families import moe_gemm as MG
+    from ds4c.runtime.families.experts import dequantize_weight, random_weight
+
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "moe_experts", layer)
+    C, D, I, k, E = 64, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts
+    gen = torch.Generator().manual_seed(40 + layer)
+    re_ = next(b for b in op.body if b.kind == "routed_experts")
+    lin = [b for b in op.body if b.kind == "linear"]
+    x, ids_v, wts_v, bank = re_.inputs
+    p = f"blk.{layer}."
+    raw = {p + "ffn_gate_exps.weight": random_weight("mxfp4", I, D, E, gen), p + "ffn_up_exps.weight":
+           random_weight("mxfp4", I, D, E, gen), p + "ffn_down_exps.weight": random_weight("mxfp4", D, I, E, gen)}
+    deq: dict = {}
+    env = {x: torch.randn(C, D, generator=gen).to(torch.bfloat16)}
+    spec = MG.MoeGemmSpec(C, D, I, k, E)
+    env[ids_v], env[wts_v] = MG.random_routing(spec, gen)
+    for l in lin:  # the shared expert's Q8_0 weights: raw for the kernel, dequantized for the IR
+        w = l.inputs[1]
+        n_out, n_in = (int(d) for d in w.type.shape)
+        name = cx.weight_name(w)
+        raw[name] = random_weight("q8_0", n_out, n_in, 1, gen)
+        env[w] = dequantize_weight("q8_0", raw[name], n_out, n_in, 0)
+
+    class Ctx:  # the interpreter's expert bank: the layer's dequantized routed experts
+        def expert(self, lay, e):
+            assert lay == layer
+            if e not in deq:
+                deq[e] = tuple(dequantize_weight("mxfp4", raw[p + f"ffn_{n}_exps.weight"], r, cc, e)
+                               for n, r, cc in (("gate", I, D), ("up", I, D), ("down", D, I)))
+            return deq[e]
+
+    from ds4c.ir.ops import OPS
+
+    want = dict(env)
+    for b in op.body:
+        want.update(zip(b.outputs, OPS[b.kind].run(Ctx(), [want.get(v) for v in b.inputs], b.attrs)))
+    bufs, seq = _emulate(cx, launches, {v: t for v, t in env.items()}, 0, nv, tmp_path)
+    for name, t in raw.items():
+        bufs[f"weight.{name}"] = t.contiguous()
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    moe = next(b for b in op.body if b.kind == "moe_sum")
+    shared_ir = want[moe.inputs[1]]
+    routed_ir = want[re_.outputs[0]]
+    # the routed sum: the combine's order on the emulated ybuf, equal to the IR's routed_experts
+    y = got["workspace.ds4c_moe_y"].view(torch.bfloat16)[:C * k * D].view(C, k, D).float()
+    order = torch.argsort(env[ids_v], dim=-1)
+    acc = torch.zeros(C, D)
+    for j in range(k):
+        acc += y.gather(1, order[:, j:j + 1, None].expand(C, 1, D))[:, 0]
+    assert torch.equal(acc, routed_ir)
+    sh = got["workspace.ds4c_moe_shared"].view(torch.bfloat16)[:C * D].view(C, D)
+    assert float((sh != shared_ir).float().mean()) < 0.01 and MG.rel_l2(sh, shared_ir) < 1e-3
+    out = got[f"value.{cx.names[moe.outputs[0]]}"]
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out.float()).all())
+    assert torch.equal(out.view(torch.int16), (routed_ir + sh.float()).to(torch.bfloat16).view(torch.int16))
+    ffn = want[moe.outputs[0]]
+    assert MG.rel_l2(out, ffn) < 1e-3 and float((out != ffn).float().mean()) < 0.01
+    assert MG.rel_l2(routed_ir.to(torch.bfloat16), ffn) > 1e-2  # the shared add matters at this floor

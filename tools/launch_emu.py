@@ -48,9 +48,14 @@ def _param_types(src: Any) -> list[str]:
     return out
 
 
-def build(launches: Sequence[tuple[Any, tuple, tuple, list]], buffers: dict[str, int], workdir: Path) -> Path:
-    """Compile a host program running ``launches`` (``(KernelSource, grid, block, args)``, args: buffer names or
-    ints, in kernel order) over the buffers ``{name: nbytes}``.
+_EXTERN_SHARED = re.compile(r"extern DS4C_SHARED (__attribute__\(\(aligned\(\d+\)\)\) )?(\w+) (\w+)\[\];")
+
+
+def build(launches: Sequence[tuple], buffers: dict[str, int], workdir: Path) -> Path:
+    """Compile a host program running ``launches`` (``(KernelSource, grid, block, args)`` or ``(..., args,
+    smem)``, args: buffer names or ints, in kernel order) over the buffers ``{name: nbytes}``. A kernel's dynamic
+    shared memory (``extern DS4C_SHARED T name[];``, e.g. the grouped experts GEMM's) becomes a static array of
+    ``smem + 64`` bytes, one for the running block's fibers.
 
     Raises:
         RuntimeError: a 3-d grid, an argument count that is not the signature's, or the host compile failed.
@@ -58,13 +63,17 @@ def build(launches: Sequence[tuple[Any, tuple, tuple, list]], buffers: dict[str,
     names = sorted(buffers)
     ident = {n: f"b{i}" for i, n in enumerate(names)}
     spaces, calls = [], []
-    for i, (src, grid, block, args) in enumerate(launches):
+    for i, (src, grid, block, args, *rest) in enumerate(launches):
         if len(grid) > 2 and grid[2] != 1:
             raise RuntimeError("launch_emu: 3-d grids are not emulated")
         types = _param_types(src)
         if len(types) != len(args):
             raise RuntimeError(f"launch_emu: {src.entry} takes {len(types)} arguments, {len(args)} given")
-        spaces.append(f"namespace k{i}_ns {{\n{SHARED_STATIC}{host_body(src)}\n}}\n")
+        body = host_body(src)
+        if _EXTERN_SHARED.search(body):
+            smem = int(rest[0]) if rest else 0
+            body = _EXTERN_SHARED.sub(lambda m: f"alignas(16) static {m.group(2)} {m.group(3)}[{smem} + 64];", body)
+        spaces.append(f"namespace k{i}_ns {{\n{SHARED_STATIC}{body}\n}}\n")
         cargs = ", ".join(str(int(a)) if isinstance(a, int) else f"({t}){ident[a]}.data()" for a, t in zip(args, types))
         calls.append(f"  run_grid({grid[0]}, {grid[1]}, {block[0]}, [&] {{ k{i}_ns::{src.entry}({cargs}); }});\n")
     loads = "".join(f'  auto {ident[n]} = load(d, "{n}");\n' for n in names)
@@ -78,7 +87,7 @@ int main(int argc, char** argv) {{
     return compile_host(main, workdir, "launch_emu")
 
 
-def run(launches: Sequence[tuple[Any, tuple, tuple, list]], buffers: dict[str, torch.Tensor],
+def run(launches: Sequence[tuple], buffers: dict[str, torch.Tensor],
         workdir: Path) -> dict[str, torch.Tensor]:
     """Emulate ``launches`` on CPU copies of ``buffers`` (contiguous tensors by name); returns every buffer after the
     last launch (same dtypes and shapes)."""

@@ -30,13 +30,26 @@ from tools.experts_emu import compile_host, host_body, host_unavailable, run_hos
 _ARG = {"ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()", "x": "(const u16*)x.data()",
         "w1": "w1.data()", "w3": "w3.data()", "w2": "w2.data()", "perm": "perm.data()", "tiles": "tiles.data()",
         "xq": "xq.data()", "xs": "xs.data()", "hbuf": "hbuf.data()", "hq": "hq.data()", "hs": "hs.data()",
-        "ybuf": "ybuf.data()", "out": "out.data()"}
+        "ybuf": "ybuf.data()", "out": "out.data()", "shared": "(const u16*)shared.data()"}
 #: (C type, element bytes, poison literal) of every written buffer
 _OUT = {"perm": ("int", 4, "0x7f7f7f7f"), "tiles": ("int", 4, "0x7f7f7f7f"), "xq": ("u16", 2, "(u16)0x7e01"),
         "xs": ("float", 4, "NAN"), "hbuf": ("u16", 2, "(u16)0x7fc1"), "hq": ("u16", 2, "(u16)0x7e01"),
         "hs": ("float", 4, "NAN"), "ybuf": ("u16", 2, "(u16)0x7fc1"), "out": ("float", 4, "NAN")}
 _DT = {"perm": np.int32, "tiles": np.int32, "xq": np.float16, "xs": np.float32, "hbuf": np.int16, "hq": np.float16,
        "hs": np.float32, "ybuf": np.int16, "out": np.float32}
+
+
+def _outputs(spec: MG.MoeGemmSpec) -> dict[str, tuple[str, int, str]]:
+    """The written buffers of ``spec``'s call (:func:`moe_gemm.workspaces` and ``out``, bf16 when dense / shared)."""
+    out = {n: _OUT[n] for n in MG.workspaces(spec)}
+    out["out"] = ("u16", 2, "(u16)0x7fc1") if spec.dense or spec.shared else _OUT["out"]
+    return out
+
+
+def _inputs(spec: MG.MoeGemmSpec) -> tuple[str, ...]:
+    """The input names of ``spec``'s call (dense: no ids / weights; shared: + ``shared``)."""
+    base = ("x", "w1", "w3", "w2") if spec.dense else ("x", "ids", "weights", "w1", "w3", "w2")
+    return base + (("shared",) if spec.shared else ())
 
 
 def build(spec: MG.MoeGemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
@@ -58,14 +71,14 @@ def build(spec: MG.MoeGemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
         spaces.append(f"namespace k{i}_ns {{\n{body}\n{extra}}}\n")
         args = ", ".join(_ARG[n] for n in names[la.kernel])
         calls.append(f"  run_grid({la.grid[0]}, {la.grid[1]}, {la.block[0]}, [&] {{ k{i}_ns::{src.entry}({args}); }});\n")
-    bufs = "".join(f"  std::vector<{ct}> {n}({int(np.prod(shapes[n][0]))}, {pz});\n" for n, (ct, _, pz) in _OUT.items())
-    saves = "".join(f"  save(d, \"{n}\", {n}.data(), {n}.size() * {b});\n" for n, (_, b, _) in _OUT.items())
+    outs = _outputs(spec)
+    bufs = "".join(f"  std::vector<{ct}> {n}({int(np.prod(shapes[n][0]))}, {pz});\n" for n, (ct, _, pz) in outs.items())
+    saves = "".join(f"  save(d, \"{n}\", {n}.data(), {n}.size() * {b});\n" for n, (_, b, _) in outs.items())
+    loads = "".join(f'  auto {"wts" if n == "weights" else n} = load(d, "{n}");\n' for n in _inputs(spec))
     main = "".join(spaces) + f"""
 int main(int argc, char** argv) {{
   const char* d = argv[1];
-  auto ids = load(d, "ids"), wts = load(d, "weights"), x = load(d, "x"), w1 = load(d, "w1"), w3 = load(d, "w3"),
-       w2 = load(d, "w2");
-{bufs}{"".join(calls)}{saves}  return 0;
+{loads}{bufs}{"".join(calls)}{saves}  return 0;
 }}
 """
     return compile_host(main, workdir, "moe_gemm_emu")
@@ -74,15 +87,17 @@ int main(int argc, char** argv) {{
 def run(spec: MG.MoeGemmSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
         exe: Path | None = None) -> dict[str, torch.Tensor]:
     """Emulate one call on CPU ``inputs`` (``x``, ``ids``, ``weights``, ``w1``, ``w3``, ``w2``; names of
-    :func:`ds4c.runtime.families.moe_gemm.random_inputs`). Returns every written buffer (:data:`_OUT` names,
-    shapes :func:`~ds4c.runtime.families.moe_gemm.arg_shapes`; ``hbuf`` / ``ybuf`` as bf16)."""
-    keys = ("x", "ids", "weights", "w1", "w3", "w2")
-    run_host(exe or build(spec, workdir, arch), workdir, {k: inputs[k] for k in keys}, "moe_gemm_emu", timeout=1800)
+    :func:`ds4c.runtime.families.moe_gemm.random_inputs`; dense: no ids / weights; shared: + ``shared`` bf16
+    [C, D]). Returns every written buffer (:func:`moe_gemm.workspaces` and ``out``, shapes
+    :func:`~ds4c.runtime.families.moe_gemm.arg_shapes`; ``hbuf`` / ``ybuf`` and a bf16 ``out`` as bf16)."""
+    run_host(exe or build(spec, workdir, arch), workdir, {k: inputs[k] for k in _inputs(spec)}, "moe_gemm_emu",
+             timeout=1800)
     shapes = MG.arg_shapes(spec)
     out = {}
-    for n in _OUT:
-        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=_DT[n]).copy())
-        if n in ("hbuf", "ybuf"):
+    for n, (ct, _, _) in _outputs(spec).items():
+        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=np.int16 if ct == "u16" and n == "out"
+                                           else _DT[n]).copy())
+        if n in ("hbuf", "ybuf") or (n == "out" and ct == "u16"):
             a = a.view(torch.bfloat16)
         out[n] = a.view(shapes[n][0])
     return out

@@ -2,8 +2,10 @@
 ``C`` rows (the IR op ``routed_experts``: spec ds4-flash.md 5.2 o.5-o.7, 2.3 quantized linear, P11 clamped
 SwiGLU), as per-expert tensor-core GEMMs over the rows that picked each expert. Template:
 ``templates/moe_gemm/moe_gemm.cu.j2``; the activation quant launches are ``templates/actq/act_quant.cu.j2``
-form ``f16s``. Standalone: not wired into runtime/lower.py (the shared expert and ``moe_sum`` stay separate ops,
-for the GEMM family).
+form ``f16s``. Lowered from a prefill chunk's ``moe_experts`` plan kernel by
+:func:`ds4c.runtime.lower_prefill.lower_routed_experts`: the routed call with ``shared`` (``moe_sum`` fused into
+the combine) and a ``dense`` call for the shared expert (options below; both off render the measured sources
+byte for byte).
 
 Launches, in order on one stream (:func:`kernel_names`, :func:`launch_shapes`); every shape depends on ``C``,
 ``k``, ``E``, ``D``, ``I`` only, never on the routing (CUDA-graph capturable):
@@ -27,7 +29,18 @@ Launches, in order on one stream (:func:`kernel_names`, :func:`launch_shapes`); 
   bf16, not fp32: the reference rounds every expert's output to bf16 (``linear_q``) before its fp32 sum, so
   bf16 holds it exactly at half the bytes (C = 4096: 200 MB instead of 400).
 * ``combine``: grid (D/128, C), 128 threads: ``out[row] = sum_j fp32(ybuf[row, slot_j])`` over the row's slots
-  in ascending expert id, from 0.0 (the order of :func:`ds4c.reference.blocks.routed_sum`), no atomics.
+  in ascending expert id, from 0.0 (the order of :func:`ds4c.reference.blocks.routed_sum`), no atomics. With
+  ``MoeGemmSpec.shared``: an input ``shared`` bf16 [C, D] after ``ybuf`` and ``out`` bf16 [C, D] =
+  ``bf16(sum + fp32(shared[row]))``, the IR's ``moe_sum`` (the same fp32 sum, one more fp32 add, one RNE
+  rounding: exact against ``moe_sum`` of the same two inputs).
+
+``MoeGemmSpec.dense`` (``k = 1``, ``E = 1``: a plain SwiGLU FFN, the shared expert): four launches, actq_x, up,
+actq_h, down; pair ``p`` is row ``p`` and tile ``t`` rows ``[64 t, min(64 t + 64, C))`` (grid ``ceil(C/64)``
+tiles, no route, no ``perm`` / ``tiles`` / ``ids`` / ``weights`` arguments); the up epilogue stores
+``bf16(silu(min(g, L)) * clamp(u, -L, L))`` without the weight multiply (weight 1: ``1.0 * h`` is ``h``, so
+skipping it is exact); down writes ``out`` bf16 [C, D]. That is the IR's shared expert op for op: ``linear``
+fp8act gate / up (bf16 out), ``swiglu`` (fp32 from the bf16 g / u), ``cast`` bf16, ``linear`` fp8act down (bf16
+out); same numerics as a routed expert of weight 1.
 
 GEMM engine (CUDA ``mma.sync`` m16n8k16 f16, sm_89+: form 0 of :mod:`ds4c.runtime.families.gemm`, whose module
 docstring is the design): A = the weight codes as exact f16 (MXFP4 through e4m3 codes of e2m1 * 2^-6 and
@@ -113,6 +126,13 @@ class MoeGemmSpec:
         down_fmt: storage of w2; None = ``fmt``.
         limit: the SwiGLU clamp L (P11; 10.0).
         act_quant: FP8 activation quant of x and h (the reference's ``emulate``); only True is supported.
+        dense: a plain SwiGLU FFN (the shared expert, ``k = 1``, ``n_experts = 1``): every row is its own pair
+            routed to expert 0 with weight 1; launches actq_x, up, actq_h, down only (:func:`kernel_names`), no
+            ``ids`` / ``weights`` / ``perm`` / ``tiles``, the up epilogue skips the weight multiply (``h * 1.0``
+            is ``h``: exact), tiles fixed by the row count (``ceil(C / TM)``); the down phase writes ``out``
+            bf16 [C, D] (the FFN's bf16 output, ``linear_q``'s rounding).
+        shared: ``moe_sum`` fused into the combine: the extra input ``shared`` bf16 [C, D] and ``out`` bf16
+            [C, D] = ``bf16(routed fp32 sum + fp32(shared))`` (the IR op ``moe_sum``); not with ``dense``.
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -127,6 +147,8 @@ class MoeGemmSpec:
     down_fmt: str | None = None
     limit: float = 10.0
     act_quant: bool = True
+    dense: bool = False
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -149,6 +171,9 @@ class MoeGemmSpec:
             bad.append(f"limit {self.limit!r} (expected a positive finite float)")
         if self.act_quant is not True:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
+        if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
+            bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
+                       f"k = 1, n_experts = 1, shared False)")
         if bad:
             raise RenderError("MoeGemmSpec: bad " + "; ".join(bad))
 
@@ -160,15 +185,19 @@ class MoeGemmSpec:
     def key(self) -> str:
         return (f"c{self.rows}_d{self.hidden}_i{self.inter}_k{self.k}_e{self.n_experts}_{self.fmt}"
                 + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
-                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p")))
+                + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
+                + ("_dense" if self.dense else "") + ("_sh" if self.shared else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
-                f"{self.fmt}/{self.down_fmt}")
+                f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else ""))
 
 
 def tile_slots(spec: MoeGemmSpec) -> int:
-    """T, the tile table's rows: ``sum_e ceil(n_e / TM) <= floor(C*k / TM) + min(E, C*k)`` for any routing."""
+    """T, the tile table's rows: ``sum_e ceil(n_e / TM) <= floor(C*k / TM) + min(E, C*k)`` for any routing; a
+    dense call's tiles are fixed: ``ceil(C / TM)``."""
+    if spec.dense:
+        return -(-spec.rows // TM)
     return spec.pairs // TM + min(spec.n_experts, spec.pairs)
 
 
@@ -221,14 +250,15 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
-    """The launches in order: route, actq_x, up, actq_h, down, combine (:data:`KERNELS`)."""
+    """The launches in order: route, actq_x, up, actq_h, down, combine (:data:`KERNELS`); dense: actq_x, up,
+    actq_h, down."""
     check_target(target)
-    return list(KERNELS)
+    return [k for k in KERNELS if k not in ("route", "combine")] if spec.dense else list(KERNELS)
 
 
 def _common(spec: MoeGemmSpec) -> dict[str, Any]:
     return dict(rows=spec.rows, k=spec.k, n_experts=spec.n_experts, hidden=spec.hidden, inter=spec.inter, tm=TM,
-                tiles=tile_slots(spec))
+                tiles=tile_slots(spec), dense=spec.dense, shared=spec.shared)
 
 
 def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
@@ -280,30 +310,50 @@ def launch_shapes(spec: MoeGemmSpec, target: Target) -> list[Launch]:
 
 
 def arg_names(spec: MoeGemmSpec | None = None) -> dict[str, list[str]]:
-    """Kernel argument names in order, per kernel."""
+    """Kernel argument names in order, per kernel (of :func:`kernel_names`); ``spec`` None: the routed call
+    without ``shared``."""
+    if spec is not None and spec.dense:
+        return {"actq_x": ["x", "xq", "xs"], "up": ["xq", "xs", "w1", "w3", "hbuf"], "actq_h": ["hbuf", "hq", "hs"],
+                "down": ["hq", "hs", "w2", "out"]}
+    comb = ["ids", "ybuf", "shared", "out"] if spec is not None and spec.shared else ["ids", "ybuf", "out"]
     return {"route": ["ids", "perm", "tiles"],
             "actq_x": ["x", "xq", "xs"],
             "up": ["xq", "xs", "weights", "w1", "w3", "perm", "tiles", "hbuf"],
             "actq_h": ["hbuf", "hq", "hs"],
             "down": ["hq", "hs", "w2", "perm", "tiles", "ybuf"],
-            "combine": ["ids", "ybuf", "out"]}
+            "combine": comb}
 
 
 #: the arguments written by the call: workspaces, then the output
 WORKSPACES = ("perm", "tiles", "xq", "xs", "hbuf", "hq", "hs", "ybuf")
+DENSE_WORKSPACES = ("xq", "xs", "hbuf", "hq", "hs")
+
+
+def workspaces(spec: MoeGemmSpec) -> tuple[str, ...]:
+    """The workspaces of ``spec``'s call (:data:`WORKSPACES`, or :data:`DENSE_WORKSPACES`); ``out`` is the
+    output (written, every element)."""
+    return DENSE_WORKSPACES if spec.dense else WORKSPACES
 
 
 def arg_shapes(spec: MoeGemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every argument (inputs, the workspaces of :data:`WORKSPACES`, ``out``)."""
+    """Shape and dtype of every argument of ``spec``'s call (inputs, :func:`workspaces`, ``out``: fp32 [C, D],
+    bf16 [C, D] when ``dense`` or ``shared``; ``shared`` bf16 [C, D] with ``shared``)."""
     C, D, I, k, E, P = spec.rows, spec.hidden, spec.inter, spec.k, spec.n_experts, spec.pairs
     u8 = torch.uint8
-    return {"ids": ((C, k), torch.int64), "weights": ((C, k), torch.float32), "x": ((C, D), torch.bfloat16),
+    if spec.dense:
+        return {"x": ((C, D), torch.bfloat16), "w1": ((1, I, row_bytes(spec.fmt, D)), u8),
+                "w3": ((1, I, row_bytes(spec.fmt, D)), u8), "w2": ((1, D, row_bytes(spec.down_fmt, I)), u8),
+                "xq": ((C, D), torch.float16), "xs": ((C, D // 128), torch.float32),
+                "hbuf": ((C, I), torch.bfloat16), "hq": ((C, I), torch.float16), "hs": ((C, I // 128), torch.float32),
+                "out": ((C, D), torch.bfloat16)}
+    sh = {"shared": ((C, D), torch.bfloat16)} if spec.shared else {}
+    return {**sh, "ids": ((C, k), torch.int64), "weights": ((C, k), torch.float32), "x": ((C, D), torch.bfloat16),
             "w1": ((E, I, row_bytes(spec.fmt, D)), u8), "w3": ((E, I, row_bytes(spec.fmt, D)), u8),
             "w2": ((E, D, row_bytes(spec.down_fmt, I)), u8),
             "perm": ((P,), torch.int32), "tiles": ((tile_slots(spec), 4), torch.int32),
             "xq": ((C, D), torch.float16), "xs": ((C, D // 128), torch.float32),
             "hbuf": ((P, I), torch.bfloat16), "hq": ((P, I), torch.float16), "hs": ((P, I // 128), torch.float32),
-            "ybuf": ((C, k, D), torch.bfloat16), "out": ((C, D), torch.float32)}
+            "ybuf": ((C, k, D), torch.bfloat16), "out": ((C, D), torch.bfloat16 if spec.shared else torch.float32)}
 
 
 def flops(spec: MoeGemmSpec) -> int:
@@ -336,13 +386,23 @@ def routing_tables(spec: MoeGemmSpec, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return perm, tiles
 
 
-def reference(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-              w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def reference(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None, w1: torch.Tensor | None = None, w3: torch.Tensor | None = None,
+              w2: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """``routed_experts`` of ``x`` bf16 [C, D] with ``ids`` int64 [C, k], ``weights`` fp32 [C, k] and the stored
     weights (:func:`arg_shapes`): per row :func:`ds4c.reference.blocks.routed_sum` (``expert_ffn`` in ascending
     expert id, fp32 sum) of the dequantized experts, ``emulate = spec.act_quant``. Returns fp32 [C, D] on
-    ``x``'s device."""
+    ``x``'s device; with ``spec.shared``: bf16 [C, D] ``moe_sum`` = ``bf16(that + fp32(shared))``; with
+    ``spec.dense`` (``ids`` / ``weights`` ignored): bf16 [C, D], ``expert_ffn`` of expert 0 with no weight per
+    row (the IR's shared expert: linear_q gate / up, swiglu, cast, linear_q down)."""
     from ds4c.reference import blocks as B
+
+    if spec.dense:
+        ws = [dequantize_weight(f, w, r, c, 0).to(x.device) for f, w, r, c in
+              ((spec.fmt, w1, spec.inter, spec.hidden), (spec.fmt, w3, spec.inter, spec.hidden),
+               (spec.down_fmt, w2, spec.hidden, spec.inter))]
+        xb = x.to(torch.bfloat16)
+        return torch.cat([B.expert_ffn(xb[i:i + 1], *ws, None, spec.limit, spec.act_quant) for i in range(x.shape[0])])
 
     D, I, dev = spec.hidden, spec.inter, x.device
     cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -355,8 +415,9 @@ def reference(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: to
 
     x = x.to(torch.bfloat16)
     ids_c, wts = ids.to(torch.int64).cpu(), weights.to(torch.float32).to(dev)
-    return torch.cat([B.routed_sum(x[i:i + 1], ids_c[i], wts[i], expert, spec.limit, spec.act_quant)
-                      for i in range(x.shape[0])])
+    out = torch.cat([B.routed_sum(x[i:i + 1], ids_c[i], wts[i], expert, spec.limit, spec.act_quant)
+                     for i in range(x.shape[0])])
+    return (out + shared.to(dev).to(torch.float32)).to(torch.bfloat16) if spec.shared else out
 
 
 def reference_h(spec: MoeGemmSpec, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -429,7 +490,8 @@ def random_routing(spec: MoeGemmSpec, generator: torch.Generator | None = None,
 def random_inputs(spec: MoeGemmSpec, generator: torch.Generator | None = None, device: torch.device | str = "cpu",
                   skew: bool = False) -> dict[str, torch.Tensor]:
     """``x`` (bf16 N(0, 1)), ``ids``, ``weights`` (:func:`random_routing`) and random stored ``w1``, ``w3``, ``w2``
-    (:func:`ds4c.runtime.families.experts.random_weight`) on ``device``; ``generator`` is a CPU generator."""
+    (:func:`ds4c.runtime.families.experts.random_weight`) on ``device``; ``generator`` is a CPU generator. Dense: no
+    ``ids`` / ``weights``; shared: + ``shared`` (bf16 N(0, 1) / 8, the order of a shared expert's output)."""
     from ds4c.runtime.families.experts import random_weight
 
     g = generator or torch.Generator().manual_seed(0)
@@ -437,9 +499,14 @@ def random_inputs(spec: MoeGemmSpec, generator: torch.Generator | None = None, d
     gd = g if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
     D, I, E = spec.hidden, spec.inter, spec.n_experts
     ids, wts = random_routing(spec, g, skew)
-    return {"x": torch.randn(spec.rows, D, generator=g).to(torch.bfloat16).to(dev), "ids": ids.to(dev),
-            "weights": wts.to(dev), "w1": random_weight(spec.fmt, I, D, E, gd, dev),
-            "w3": random_weight(spec.fmt, I, D, E, gd, dev), "w2": random_weight(spec.down_fmt, D, I, E, gd, dev)}
+    out = {"x": torch.randn(spec.rows, D, generator=g).to(torch.bfloat16).to(dev), "ids": ids.to(dev),
+           "weights": wts.to(dev), "w1": random_weight(spec.fmt, I, D, E, gd, dev),
+           "w3": random_weight(spec.fmt, I, D, E, gd, dev), "w2": random_weight(spec.down_fmt, D, I, E, gd, dev)}
+    if spec.dense:
+        del out["ids"], out["weights"]
+    if spec.shared:
+        out["shared"] = (torch.randn(spec.rows, D, generator=g) / 8).to(torch.bfloat16).to(dev)
+    return out
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:

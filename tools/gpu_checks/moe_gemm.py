@@ -5,8 +5,11 @@ combine).
 
 Cases (:func:`cases`): a tiny uneven routing (C = 77, D = 256, I = 128, E = 16, k = 3: one expert in ~90% of
 the rows, two tiles; one expert unused), the flash shapes (D = 4096, I = 2048, E = 256, k = 6, MXFP4) at
-C = 512, 2048 and 4096 with uniformly random routing, C = 2048 with a skewed (Zipf-like) routing, and C = 512
-with Q8_0 down weights.
+C = 512, 2048 and 4096 with uniformly random routing, C = 2048 with a skewed (Zipf-like) routing, C = 512
+with Q8_0 down weights, and the two options the prefill lowering uses (runtime/lower_prefill.py
+``lower_routed_experts``): the shared expert as a ``dense`` call at flash shapes (C = 2048, D = 4096, I = 2048,
+E = 1, k = 1, Q8_0: four launches, no routing; ``out`` bf16 against ``expert_ffn`` per row) and the routed call
+with ``shared`` (moe_sum fused into the combine: ``out`` bf16 = bf16(routed sum + fp32(shared)), C = 2048).
 
 Per case: fresh random inputs (``moe_gemm.random_inputs``), every workspace and the output poisoned with NaN
 (``perm`` / ``tiles`` with 0x7f7f7f7f), the six launches in order, then: the routing tables equal the torch
@@ -59,7 +62,9 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_c2048", MG.MoeGemmSpec(2048), "uniform"),
             ("flash_c4096", MG.MoeGemmSpec(4096), "uniform"),
             ("flash_skew_c2048", MG.MoeGemmSpec(2048), "skew"),
-            ("flash_q8down_c512", MG.MoeGemmSpec(512, down_fmt="q8_0"), "uniform")]
+            ("flash_q8down_c512", MG.MoeGemmSpec(512, down_fmt="q8_0"), "uniform"),
+            ("flash_shexp_dense_c2048", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True), "dense"),
+            ("flash_shared_c2048", MG.MoeGemmSpec(2048, shared=True), "uniform")]
 
 
 def _uneven_ids(C: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
@@ -75,11 +80,12 @@ def _uneven_ids(C: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
 def case_buffers(spec: MG.MoeGemmSpec, g: torch.Generator, device: str = "cuda", routing: str = "uniform"
                  ) -> dict[str, torch.Tensor]:
     """Every argument of the call (:func:`moe_gemm.arg_shapes` names) on ``device``: the inputs
-    (``random_inputs``; ``g`` a CPU generator), the workspaces and ``out`` poisoned (NaN; int32 0x7f7f7f7f)."""
+    (``random_inputs``; ``g`` a CPU generator; dense: no ids / weights; shared: + ``shared``), the workspaces
+    (:func:`moe_gemm.workspaces`) and ``out`` poisoned (NaN; int32 0x7f7f7f7f)."""
     inp = MG.random_inputs(spec, g, device, skew=routing == "skew")
     if routing == "uneven":
         inp["ids"] = _uneven_ids(spec.rows, spec.k, spec.n_experts, g).to(device)
-    for n in MG.WORKSPACES + ("out",):
+    for n in MG.workspaces(spec) + ("out",):
         shape, dt = MG.arg_shapes(spec)[n]
         inp[n] = (torch.full(shape, 0x7f7f7f7f, dtype=dt, device=device) if dt == torch.int32
                   else torch.full(shape, float("nan"), dtype=dt, device=device))
@@ -104,17 +110,26 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
 
     call(b)
     torch.cuda.synchronize()
-    perm, tiles = MG.routing_tables(spec, b["ids"])
-    tables = torch.equal(b["perm"].cpu(), perm) and torch.equal(b["tiles"].cpu(), tiles)
-    written = all(bool(torch.isfinite(b[n].float()).all()) for n in ("hbuf", "ybuf", "out"))
+    if spec.dense:  # no routing: tile t = rows [64 t, 64 t + 64)
+        tables, tiles = True, torch.tensor([[0, 0, 1, 0]] * MG.tile_slots(spec))
+    else:
+        perm, tiles = MG.routing_tables(spec, b["ids"])
+        tables = torch.equal(b["perm"].cpu(), perm) and torch.equal(b["tiles"].cpu(), tiles)
+    written = all(bool(torch.isfinite(b[n].float()).all()) for n in ("hbuf", "ybuf", "out") if n in b)
     rows = torch.arange(spec.rows) if spec.rows <= REF_ROWS else torch.randperm(spec.rows, generator=g)[:REF_ROWS]
     rd = rows.to("cuda")
-    want = MG.reference(spec, b["x"][rd], b["ids"][rd], b["weights"][rd], b["w1"], b["w3"], b["w2"])
+    if spec.dense:
+        want = MG.reference(spec, b["x"][rd], w1=b["w1"], w3=b["w3"], w2=b["w2"])
+    else:
+        want = MG.reference(spec, b["x"][rd], b["ids"][rd], b["weights"][rd], b["w1"], b["w3"], b["w2"],
+                            shared=b["shared"][rd] if spec.shared else None)
     e = MG.rel_l2(b["out"][rd], want)
-    b2 = dict(b, out=torch.full_like(b["out"], float("nan")), ybuf=torch.full_like(b["ybuf"], float("nan")))
+    b2 = dict(b, out=torch.full_like(b["out"], float("nan")))
+    if "ybuf" in b:
+        b2["ybuf"] = torch.full_like(b["ybuf"], float("nan"))
     call(b2)
     torch.cuda.synchronize()
-    same = torch.equal(b["out"].view(torch.int32), b2["out"].view(torch.int32))
+    same = torch.equal(b["out"].view(torch.uint8), b2["out"].view(torch.uint8))
     ok = tables and written and same and e < TOL
     per = {}
     for k, ln in zip(kerns, launches):
