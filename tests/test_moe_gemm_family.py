@@ -264,9 +264,10 @@ def test_launch_shapes_fixed_by_sizes() -> None:
     ls = MG.launch_shapes(spec, target("sm_90"))
     T = 2048 * 6 // 64 + 256
     assert [(l.kernel, l.grid) for l in ls] == [
-        ("route", (1, 1, 1)), ("actq_x", (32, 2048, 1)), ("up", (T, 64, 1)), ("actq_h", (16, 2048 * 6, 1)),
+        ("route", (1, 1, 1)), ("actq_x", (1, 2048, 1)), ("up", (T, 64, 1)), ("actq_h", (1, 2048 * 6, 1)),
         ("down", (T, 64, 1)), ("combine", (32, 2048, 1))]
     assert all(l.smem <= 48 * 1024 for l in ls)  # MXFP4: no opt-in attribute needed
+    assert [l.block for l in ls if l.kernel.startswith("actq")] == [(256, 1, 1)] * 2  # actq.py's warp layout
     shapes = MG.arg_shapes(spec)
     for kn, names in MG.arg_names(spec).items():
         assert all(n in shapes for n in names), kn

@@ -18,12 +18,12 @@ Launches, in order on one stream (:func:`kernel_names`, :func:`launch_shapes`); 
   ``atomicOr`` (bits commute: the masks do not depend on the atomics' order), counts = popcounts, exclusive
   scans by one thread, the rank of a pair = earlier groups' counts + the popcount of its expert's mask below
   its row.
-* ``actq_x``: grid (D/128, C), x bf16 [C, D] -> ``xq`` f16 [C, D] (the e4m3 values) + ``xs`` fp32 [C, D/128].
+* ``actq_x`` (runtime/families/actq.py: the ``warp`` layout from 64 rows on): x bf16 [C, D] -> ``xq`` f16 [C, D] (the e4m3 values) + ``xs`` fp32 [C, D/128].
 * ``up``: grid (T, I/32), 128 threads. CTA = one tile of <= 64 pairs x 32 intermediate columns: a 64 x 64 MMA
   tile of the gathered x rows against 32 rows of W1_e then the same 32 rows of W3_e; epilogue ``g = bf16(.)``,
   ``u = bf16(.)``, ``h = silu(min(g, L)) * clamp(u, -L, L)`` (fp32), ``h *= weight[row, slot]`` (fp32),
   ``hbuf[pair position] = bf16(h)``: bf16 [C*k, I], rows in ``perm`` order (a tile's rows are contiguous).
-* ``actq_h``: grid (I/128, C*k): hbuf -> ``hq`` f16 [C*k, I] + ``hs`` fp32 [C*k, I/128] (linear_q's FP8
+* ``actq_h`` (over the C*k pair rows): hbuf -> ``hq`` f16 [C*k, I] + ``hs`` fp32 [C*k, I/128] (linear_q's FP8
   quant of h per (pair, 128-block)).
 * ``down``: grid (T, D/64), 128 threads: ``y = bf16(W2_e . qa(h))`` -> ``ybuf`` bf16 [C, k, D] at (row, slot).
   bf16, not fp32: the reference rounds every expert's output to bf16 (``linear_q``) before its fp32 sum, so
@@ -82,12 +82,12 @@ from typing import Any
 import torch
 
 from ds4c.runtime.families import Launch
+from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import E4M3_ARCHS, _float_literal, dequantize_weight
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
-ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
 FAMILY = "moe_gemm"
 FORMATS = ("mxfp4", "q8_0")
 FMT_ID = {"mxfp4": 0, "q8_0": 1}
@@ -272,9 +272,9 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq_x":
-            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": spec.hidden, "form": "f16s"}))
+            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.hidden, spec.rows))
         elif kn == "actq_h":
-            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": spec.inter, "form": "f16s"}))
+            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.inter, spec.pairs))
         elif kn in ("up", "down"):
             pl = plan(spec, target, kn)
             params = dict(_common(spec), kernel=kn, kin=pl.kin, nout=pl.nout, fmt_id=FMT_ID[pl.fmt],
@@ -298,9 +298,9 @@ def launch_shapes(spec: MoeGemmSpec, target: Target) -> list[Launch]:
         if kn == "route":
             out.append(Launch((1, 1, 1), (ROUTE_THREADS, 1, 1), 0, kernel=kn))
         elif kn == "actq_x":
-            out.append(Launch((spec.hidden // 128, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
+            out.append(actq_launch(spec.hidden, spec.rows, target, kernel=kn))
         elif kn == "actq_h":
-            out.append(Launch((spec.inter // 128, spec.pairs, 1), (128, 1, 1), 0, kernel=kn))
+            out.append(actq_launch(spec.inter, spec.pairs, target, kernel=kn))
         elif kn == "combine":
             out.append(Launch((spec.hidden // 128, spec.rows, 1), (128, 1, 1), 0, kernel=kn))
         else:
