@@ -61,6 +61,7 @@ import torch
 from ds4c.quant import SUPER_BLOCKS
 from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
 from ds4c.runtime.families import Launch
+from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "experts/experts.cu.j2"
@@ -417,8 +418,9 @@ def _reg_budget(spec: ExpertsSpec, phase: str) -> int:
     return REG_BUDGET_KQ if any(f in KQUANTS for f in fmts) else REG_BUDGET
 
 
-#: the activation quantization launches of a prequant call (:func:`kernel_names`): (kernel, K, rows per q row)
-ACTQ_TEMPLATE = "actq/act_quant.cu.j2"
+def _actq_rows(spec: ExpertsSpec, kernel: str) -> int:
+    """Rows of a prequant call's activation quant launch: x's q, or h's q (k + 1) (routed slots + shared)."""
+    return spec.q if kernel == "actq_x" else spec.q * (spec.k + 1)
 
 
 def kernel_names(spec: ExpertsSpec, target: Target) -> list[str]:
@@ -440,7 +442,7 @@ def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -
     for kn in kernel_names(spec, target):
         if kn.startswith("actq_"):
             k = spec.hidden if kn == "actq_x" else spec.inter
-            out.append(render(ACTQ_TEMPLATE, f"{name}_{kn}", FAMILY, target, {"k": k, "form": "f16s"}))
+            out.append(render_actq(f"{name}_{kn}", FAMILY, target, k, _actq_rows(spec, kn)))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, _params(spec, target, kn)))
     return out
@@ -450,13 +452,13 @@ def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -
 
 def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
     """One launch per kernel of :func:`kernel_names`, to be launched in that order on one stream (an ``actq_*``
-    launch: grid ``(K / 128, rows)``, 128 threads, no dynamic shared memory)."""
+    launch: :func:`~ds4c.runtime.families.actq.actq_launch`, at a step's q or q (k + 1) rows the ``block`` layout,
+    grid ``(K / 128, rows)``, 128 threads, no dynamic shared memory)."""
     out = []
     for kn in kernel_names(spec, target):
-        if kn == "actq_x":
-            out.append(Launch((spec.hidden // 128, spec.q, 1), (128, 1, 1), 0, kernel=kn))
-        elif kn == "actq_h":
-            out.append(Launch((spec.inter // 128, spec.q * (spec.k + 1), 1), (128, 1, 1), 0, kernel=kn))
+        if kn.startswith("actq_"):
+            out.append(actq_launch(spec.hidden if kn == "actq_x" else spec.inter, _actq_rows(spec, kn), target,
+                                   kernel=kn))
         else:
             pl = plan(spec, target, kn)
             out.append(Launch(pl.grid, pl.block, pl.smem, kernel=kn))
