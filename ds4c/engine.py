@@ -202,7 +202,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         from ds4c.runtime.memory_plan import plan_parts
 
         arch = device_arch()
-        parts = plan_parts(mf, buckets, arch)
+        parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
         plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
         mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress)
         art = None if artifact is None else str(artifact)

@@ -59,7 +59,9 @@ class Parts:
     Attributes:
         weights: per GGUF tensor the kernels read: ``(layer or -1, kind, bytes)`` in the read form.
         state: per context bucket, per layer: the sequence state's bytes at that capacity.
-        arena: the largest activation arena of the q = 1 and widest graphs (bytes).
+        arena: the largest activation arena of the q = 1 and widest graphs (bytes); with prefill chunks, at least
+            the widest chunk graph's arena plus its kernels' workspaces (the grouped experts' ``[C, k, D]``
+            outputs, the quantized activations: they grow with C, the steps' stay in the fixed overhead).
         hc_rows: one HC boundary buffer (bf16 ``[max width, hc, hidden]``), bytes.
         logits: the logits buffer (fp32 ``[max width, vocab]``), bytes.
     """
@@ -71,10 +73,11 @@ class Parts:
     logits: int
 
 
-def plan_parts(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90") -> Parts:
+def plan_parts(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", prefill_chunks: tuple[int, ...] = ()
+               ) -> Parts:
     """The exact bytes of :class:`Parts` from the lowered q = 1 and widest graphs of the largest bucket (the
     same lowering the compiled step runs; sizes from the tensor inventory and types: nothing is read or
-    generated)."""
+    generated), and with ``prefill_chunks`` the widest chunk graph (at the largest bucket)."""
     import numpy as np
 
     from ds4c.ir import build_step
@@ -88,14 +91,21 @@ def plan_parts(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90") -> Parts
     types = {n: mf.ggml_type(n) for n in mf.specs}
     forms: dict[str, str] = {}
     arena = 0
-    for w in sorted({min(buckets.widths), max(buckets.widths)}):
-        g = run_pipeline(build_step(cfg, w, buckets.contexts[-1]), "default", context=buckets.contexts[-1]).graph
-        arena = max(arena, int(g.meta["memory"]["arena_bytes"]))
+    graphs = [(w, False) for w in sorted({min(buckets.widths), max(buckets.widths)})]
+    if prefill_chunks:
+        graphs.append((max(prefill_chunks), True))
+    for w, chunk in graphs:
+        g = run_pipeline(build_step(cfg, w, buckets.contexts[-1], prefill=chunk), "default",
+                         context=buckets.contexts[-1]).graph
+        ws: dict[str, int] = {}
         for k in lower_graph(g, cfg, target(arch), types):
             for la in k.launches:
                 for a in la.args:
                     if a.kind == "weight":
                         forms[a.name] = a.form or "f32"
+                    elif a.kind == "workspace" and chunk:
+                        ws[a.name] = max(ws.get(a.name, 0), int(a.nbytes))
+        arena = max(arena, int(g.meta["memory"]["arena_bytes"]) + sum(ws.values()))
     weights = {}
     for name, form in forms.items():
         spec = mf.specs[name]

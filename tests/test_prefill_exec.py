@@ -204,3 +204,20 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
     mf = open_model(tiny_path)
     with pytest.raises(StepError, match="found record_hc"):
         CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True, prefill_chunks=(16,))
+
+
+def test_memory_plan_counts_the_widest_chunk_graph():
+    """With prefill chunks the plan's arena holds the widest chunk graph's activations and its workspaces: on
+    flash-l4 at C = 2048 at least the grouped experts' bf16 [C, k, D] outputs and the f16 [C, D] quantized x."""
+    from ds4c.buckets import BucketSpec
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.memory_plan import plan_parts
+
+    mf = open_model("synthetic:flash-l4")
+    cfg = mf.config
+    b = BucketSpec.build(cfg, (1, 2, 3, 4, 5), 4096)
+    base = plan_parts(mf, b)
+    big = plan_parts(mf, b, prefill_chunks=(256, 2048))
+    floor = 2048 * cfg.n_active_experts * cfg.hidden_size * 2 + 2048 * cfg.hidden_size * 2
+    assert big.arena >= base.arena + floor and big.weights.keys() == base.weights.keys()
+    assert plan_parts(mf, b, prefill_chunks=(256,)).arena < big.arena
