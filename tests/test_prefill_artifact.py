@@ -69,7 +69,7 @@ def stub_experts_launch(c, op) -> list[Launch]:
     plan kernel with at least one launch)."""
     src = render("selftest/axpy.cu.j2", "selftest.axpy1", "selftest", c.target, {"threads": 256, "per_thread": 1})
     return [Launch(src, (1, 1, 1), (256, 1, 1), 0,
-                   (Arg("value", op.inputs[0]), Arg("value", op.outputs[0]), Arg("step", "pos"),
+                   (Arg("value", op.inputs[0].name), Arg("value", op.outputs[0].name), Arg("step", "pos"),
                     Arg("int", "n", value=256), Arg("workspace", "total", nbytes=4)))]
 
 
@@ -308,6 +308,9 @@ def test_real_prefill_compile_with_stubbed_experts(tmp_path, cache_env, monkeypa
     step_bins = {ld["binary"] for k in t["graphs"]["q1_c64"]["kernels"] for ld in k["launches"]}
     chunk_bins = {ld["binary"] for k in listed for ld in k["launches"]}
     assert set(t["binaries"]) == step_bins | chunk_bins  # each distinct source stored once
+    shared = step_bins & chunk_bins
+    assert shared, "the chunk's 1-row head kernels are the decode step's sources"
+    assert man["build"]["launches"] > len(t["binaries"])
     assert man["build"]["unique_binaries"] == len(t["binaries"])
     assert len({b["key"] for b in t["binaries"].values()}) == len(t["binaries"])
     paths = art.launch_binaries(man, out, SM90, 16, 64, ks, OFFICIAL, prefill=True)
