@@ -192,8 +192,11 @@ class Model:
             ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
             records it itself.
         prefill_chunks: compiled engine: prefill chunk graph sizes (e.g. ``(256, 2048)`` or ``"256,2048"``):
-            prompts are then prefilled in chunks (``CompiledStep.prefill``, issue 12; not yet validated on a
-            GPU, so empty by default: verify steps); not with a split, taps, ``record_hc`` or an artifact.
+            prompts are then prefilled in chunks (``CompiledStep.prefill``, issue 12); empty: verify steps; not
+            with a split, taps or ``record_hc``. None (the default): an ``artifact``'s own chunk sizes (those it
+            was compiled with, ``ds4c compile --prefill``), else empty (the chunk graphs are not yet validated on
+            a GPU). With an artifact, explicit sizes must be among its chunk sizes
+            (:func:`ds4c.engine.open_engine`).
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -209,7 +212,7 @@ class Model:
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
-                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = ()):
+                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 

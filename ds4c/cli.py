@@ -323,9 +323,12 @@ def _mtp_summary(mf) -> dict | None:
 def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, artifact: str | None,
                     draft: str | None) -> tuple[int, ...]:
     """``--prefill``: the chunk sizes (:func:`~ds4c.buckets.check_prefill_chunks`), checked before the engine
-    starts; one-line errors for the combinations the chunk graphs do not serve yet."""
+    starts; one-line errors for the combinations the chunk graphs do not serve yet. Not given: None (the engine's
+    default: an ``--artifact``'s own chunk graphs, else none), or () with ``--draft`` (drafters need taps or the
+    final HC state, which chunk graphs do not record). With ``--artifact`` the sizes must be among the artifact's
+    (``check_serves`` says so in one line when the engine opens)."""
     if text is None:
-        return ()
+        return () if draft is not None else None
     from ds4c.buckets import check_prefill_chunks
     from ds4c.engine import resolve_engine
 
@@ -336,10 +339,9 @@ def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, a
     if resolve_engine(device, engine, dataflow) != "compiled":
         raise Ds4cError(f"--prefill {text}: prefill chunk graphs run on the compiled engine (--device cuda); found "
                         f"--device {device} --engine {engine}")
-    for what, on in (("--artifact", artifact is not None), ("--draft", draft is not None)):
-        if on:
-            raise Ds4cError(f"--prefill {text} with {what}: artifacts hold no chunk graphs yet and drafters need "
-                            f"taps or the final HC state, which chunk graphs do not record yet; drop one of them")
+    if draft is not None:
+        raise Ds4cError(f"--prefill {text} with --draft: drafters need taps or the final HC state, which chunk "
+                        f"graphs do not record yet; drop one of them")
     return chunks
 
 
@@ -485,8 +487,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--prefill", "prefill", default=None, metavar="C,C,...",
               help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (e.g. "
                    "256,2048; the largest full chunk first, the last one padded, a tail under 16 tokens as verify "
-                   "steps; not with --artifact, a split or --draft). Default: verify steps of 5 rows (the chunk "
-                   "graphs are not yet validated on a GPU: docs/prefill.md).")
+                   "steps; not with a split or --draft; with --artifact, chunks it was compiled with: `ds4c "
+                   "compile --prefill`). Default: with --artifact, the artifact's chunk graphs; else verify steps "
+                   "of 5 rows (the chunk graphs are not yet validated on a GPU: docs/prefill.md).")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
@@ -795,19 +798,25 @@ def _parse_ints(text: str, hint: str) -> list[int]:
                    "against the model (make one with make-model --drafter dspark), or from the synthetic drafter "
                    "dspark:synthetic:PRESET[:FORMATS[:SEED]]; or mtp (also mtp:PATH): every graph records the "
                    "final HC state the MTP drafter reads (spec 7.5; generate --draft mtp on the compiled engine).")
+@click.option("--prefill", "prefill", default=None, metavar="C,C,...",
+              help="Also compile the prefill chunk graphs of these row counts (e.g. 256,2048; each in 16..4096 and "
+                   "<= --max-ctx): one per chunk size and context bucket >= it; the artifact then serves generate "
+                   "--prefill with these sizes (or fewer), and generate --artifact uses them by default. Not with "
+                   "--layer-split, --taps or --draft.")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Artifact folder.")
 def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: str, max_ctx: int,
                 contexts: str | None, jobs: int | None, layer_split: str | None, taps: str | None,
-                draft: str | None, output: str) -> None:
+                draft: str | None, prefill: str | None, output: str) -> None:
     """Compile every (width, context) step graph for the given archs into an artifact folder (no GPU needed).
 
     The config comes from FILE, or --preset, or the built-in default model. Kernels come from (and go to) the
     kernel cache; the artifact is replaced atomically. With --taps (or --draft) every graph also records the
     DSpark taps (spec 5.2(q)) for the compiled drafter; an artifact serves only a step with its own taps. With
     --draft mtp (or mtp:PATH) every graph holding the last layer records the final HC state (spec 7.5) for the MTP
-    drafter; an artifact serves only a step that records it as it does.
+    drafter; an artifact serves only a step that records it as it does. With --prefill C,C the artifact also holds
+    the prefill chunk graphs of those row counts (docs/prefill.md), for every context bucket >= C.
     """
-    from ds4c.buckets import BucketSpec
+    from ds4c.buckets import BucketSpec, check_prefill_chunks
     from ds4c.config import preset
     from ds4c.gguf_file import open_model
     from ds4c.runtime.artifact import build_artifact, load_manifest
@@ -821,6 +830,24 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     targets = parse_targets(archs)
     ws = _parse_ints(widths, "--widths")
     cs = _parse_ints(contexts, "--contexts") if contexts is not None else None
+    chunks: tuple[int, ...] = ()
+    if prefill is not None:  # checked before the model is opened or anything lowered
+        try:
+            chunks = check_prefill_chunks(prefill)
+        except StepError as e:
+            raise Ds4cError(f"--prefill: {e}") from None
+        if not chunks:
+            raise Ds4cError(f"--prefill: expected chunk sizes such as 256,2048, found {prefill!r}")
+        long = [n for n in chunks if n > max_ctx]
+        if long:
+            raise Ds4cError(f"--prefill {prefill}: a chunk of {long[0]} rows is longer than --max-ctx {max_ctx} (its "
+                            f"rows never fit the context); give chunks <= {max_ctx} or a larger --max-ctx")
+        for what, on in (("--layer-split", layer_split is not None), ("--taps", taps is not None),
+                         ("--draft", draft is not None)):
+            if on:
+                raise Ds4cError(f"--prefill {prefill} with {what}: prefill chunk graphs are compiled for the unsplit "
+                                f"step without taps or the final HC state (their chunk kernels are not written for "
+                                f"the others); drop one of them")
     if preset_name:
         cfg, types = preset(preset_name), None
     else:
@@ -837,16 +864,20 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     tap_layers = _compile_taps(cfg, taps, None if record_hc else draft)
     cache = KernelCache()
     out = build_artifact(cfg, targets, buckets, output, cache, jobs=jobs, weight_types=types, layer_split=split,
-                         taps=tap_layers, record_hc=record_hc)
+                         taps=tap_layers, record_hc=record_hc, prefill_chunks=chunks)
     man = load_manifest(out, verify=False)
     b = man["build"]
     tinfo = man["targets"]
     click.echo(f"artifact:  {out}")
     click.echo("targets:   " + ", ".join(f"{s} ({t['toolchain']['name']} {t['toolchain']['version'].split(' (')[0]})"
                                          for s, t in tinfo.items()))
-    click.echo(f"graphs:    {len(man['graphs'])} per target (widths {','.join(map(str, buckets.widths))} x contexts "
-               f"{','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx}"
+    n_chunk = sum(1 for g in man["graphs"].values() if g.get("prefill"))
+    click.echo(f"graphs:    {len(man['graphs']) - n_chunk} per target (widths {','.join(map(str, buckets.widths))} x "
+               f"contexts {','.join(map(str, buckets.contexts))}, max_ctx {buckets.max_ctx}"
                + (f"; layer split {','.join(map(str, split))}: one graph per shard" if split else "") + ")")
+    if chunks:
+        click.echo(f"prefill:   {n_chunk} chunk graph{'s' * (n_chunk != 1)} per target (chunks "
+                   f"{','.join(map(str, chunks))} x the context buckets >= each; keys p<C>_c<context>)")
     if tap_layers:
         click.echo(f"taps:      DSpark taps of layers {','.join(map(str, tap_layers))}")
     if record_hc:
@@ -1053,7 +1084,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             click.echo(f"// layer split {','.join(map(str, man['layer_split']))}: shard graphs "
                        f"{', '.join(k for k in t['graphs'] if k.endswith(gk.split('_', 1)[1]))} (--graph picks one)")
         g = t["graphs"][gk]
-        click.echo(f"// {slug}, graph {gk} (width {g['width']}, context {g['context']}), arena "
+        what = f"prefill chunk of {g['width']} rows" if g.get("prefill") else f"width {g['width']}"
+        click.echo(f"// {slug}, graph {gk} ({what}, context {g['context']}), arena "
                    f"{g['arena_bytes']:,d} bytes")
         by_layer: dict[int, list] = {}
         for k in g["kernels"]:
@@ -1088,6 +1120,10 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
                    f"(every graph writes the tap ring)")
     if man.get("record_hc"):
         click.echo("final HC: recorded (the last layer's graphs write the final HC ring; the MTP drafter's input)")
+    if man.get("prefill_chunks"):
+        pk = [k for k, g in man["graphs"].items() if g.get("prefill")]
+        click.echo(f"prefill:  chunk graphs of {','.join(map(str, man['prefill_chunks']))} rows: {', '.join(pk)} "
+                   f"(compiled with --prefill; generate --artifact prefills with them)")
     b = man.get("build", {})
     if b:
         click.echo(f"build:    {b.get('unique_binaries')} unique binaries ({b.get('compiled')} compiled, "
@@ -1107,7 +1143,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             n_l = sum(len(k["launches"]) for k in g["kernels"])
             layers = " ".join(f"{_layer_name(la)}:{n}" for la, n in sorted(per.items()))
             click.echo(f"  {gk:10s} kernels {len(g['kernels']):4d} launches {n_l:4d} arena {g['arena_bytes']:>12,d} B "
-                       f"graph {g['graph_hash'][:12]}  per layer {layers}")
+                       f"graph {g['graph_hash'][:12]}  per layer {layers}"
+                       + (f"  (prefill chunk, {g['width']} rows)" if g.get("prefill") else ""))
     if graph is not None:
         find_graph(man, slug, graph)
 

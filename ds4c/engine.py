@@ -120,7 +120,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
                 devices: str | list[str] | None = None, layer_split: str | list[int] | None = None,
-                taps: tuple[int, ...] = (), record_hc: bool = False, prefill_chunks: Any = ()) -> Any:
+                taps: tuple[int, ...] = (), record_hc: bool = False, prefill_chunks: Any = None) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -152,8 +152,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             the HC state handed from shard to shard.
         prefill_chunks: compiled engine: the prefill chunk graphs' row counts (issue 12, e.g. ``(256, 2048)`` or
             ``"256,2048"``: :func:`~ds4c.buckets.check_prefill_chunks`); prompts are then prefilled in chunks
-            (``CompiledStep.prefill``). Empty (the default, until the chunk graphs are validated on a GPU):
-            verify steps. The reference engine prefills token-wise (its verify steps) and refuses them.
+            (``CompiledStep.prefill``). Empty: verify steps. ``None`` (the default): with an ``artifact``, the
+            chunk sizes it holds (``ds4c compile --prefill``; none when it was compiled without, or with taps,
+            ``record_hc`` or a split asked for: chunk graphs serve none of those), so an artifact
+            compiled with chunk graphs prefills with them without repeating the sizes; without an artifact, empty
+            (until the chunk graphs are validated on a GPU). With an artifact, sizes given explicitly must be among
+            its chunk sizes (``ArtifactError`` naming both). The reference engine prefills token-wise (its verify
+            steps) and refuses them.
 
     Returns:
         a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep` (split:
@@ -164,7 +169,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
     Raises:
         Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
-            the cpu, an artifact with the reference engine, a compiled step that does not fit its devices' free
+            the cpu, an artifact with the reference engine, prefill chunks with the reference engine or a layer
+            split, chunks an artifact does not hold, a compiled step that does not fit its devices' free
             memory (``ShardPlanError`` naming the shortfall), ``dataflow="fp32"`` with the compiled engine or an
             unknown dataflow, ``threads`` < 1, ``max_ctx`` outside the model's
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
@@ -173,7 +179,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
     name = resolve_engine(device, engine, dataflow)
     from ds4c.buckets import check_prefill_chunks
 
-    chunks = check_prefill_chunks(prefill_chunks)
+    chunks = check_prefill_chunks(() if prefill_chunks is None else prefill_chunks)
     if chunks and name != "compiled":
         raise Ds4cError("prefill chunks are graphs of the compiled engine (--device cuda); the reference prefills "
                         f"with verify steps, found engine {name!r}")
@@ -191,12 +197,15 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)
         mf.config = cfg
         if artifact is not None:
-            from ds4c.runtime.artifact import load_manifest, manifest_buckets
+            from ds4c.runtime.artifact import load_manifest, manifest_buckets, manifest_prefill_chunks
 
-            buckets = manifest_buckets(load_manifest(artifact))
+            man = load_manifest(artifact)
+            buckets = manifest_buckets(man)
             if max_ctx is not None and max_ctx > buckets.max_ctx:
                 raise Ds4cError(f"max_ctx {max_ctx} exceeds the artifact's max_ctx {buckets.max_ctx} ({artifact}); "
                                 f"compile the artifact with a larger --max-ctx or ask for less")
+            if prefill_chunks is None and not (taps or record_hc or devices is not None or layer_split is not None):
+                chunks = manifest_prefill_chunks(man)  # the artifact's chunk graphs (explicit: a subset, check_serves)
         else:
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
         from ds4c.runtime.memory_plan import plan_parts

@@ -1,5 +1,5 @@
-"""Ahead-of-time artifacts (design.md, "Who uses it" 1 and 3): every step graph of a bucket set, lowered for
-every target, compiled through the kernel cache, and published as one folder the runtime loads with no
+"""Ahead-of-time artifacts (design.md, "Who uses it" 1 and 3): every step graph of a bucket set (and, when asked,
+every prefill chunk graph: issue 12, docs/prefill.md), lowered for every target, compiled through the kernel cache, and published as one folder the runtime loads with no
 compiler present. Nothing here queries a device: the targets are always explicit input.
 
 Layout of an artifact folder::
@@ -23,8 +23,14 @@ kernel that many layers (or graphs) share is stored once.
     record_hc                            (only when compiled with it: true) every graph holding the last layer
                                          records the final HC state for the MTP drafter (spec 7.5;
                                          ``build_step(..., record_hc=True)``)
-    graphs:  {"q<w>_c<context>": {width, context, graph_hash, arena_bytes, memory}}
-             (target-independent: the pipelined graph's printer hash and its memory plan, meta["memory"])
+    prefill_chunks                       (only when compiled with them: ``ds4c compile --prefill 256,2048``) the
+                                         prefill chunk sizes C, ascending, each in MIN_PREFILL_CHUNK..max_ctx; the
+                                         artifact then also holds one chunk graph per C and context bucket >= C
+                                         (``build_step(..., prefill=True)``, key ``p<C>_c<context>``)
+    graphs:  {"q<w>_c<context>": {width, context, graph_hash, arena_bytes, memory},
+              "p<C>_c<context>": {width (= C, the chunk's rows), context, prefill: true, graph_hash, ...}}
+             (target-independent: the pipelined graph's printer hash and its memory plan, meta["memory"]; step
+             graphs first, in ``BucketSpec.keys()`` order, then the chunk graphs, by C then context)
     targets: {"<vendor>-<arch>": {vendor, arch, wave, toolchain: {name, version},
               graphs: {"q<w>_c<context>": {width, context, graph_hash, arena_bytes,
                        kernels: [describe(k) whose launches also have "binary" (path in the artifact) and
@@ -39,7 +45,7 @@ the stored GGML type for weights the kernel decodes itself, F32/BF16/I64 for wei
 binary rendered for BF16 weights can never be paired with a model that stores MXFP4.
 
 An artifact serves a model only when the config hash, the bucket spec, the taps, ``record_hc`` and the
-weight-format table all match and
+weight-format table all match, it holds the chunk graphs of every prefill chunk size the caller asks for, and
 every binary's recorded formats are those its launches read in the model (:func:`check_serves`, which
 ``ds4c inspect DIR --model FILE`` runs without a GPU, and the runtime before it loads anything). The manifest
 is checked unchanged on every load (:func:`load_manifest`): each top-level field against its digest, the text
@@ -92,10 +98,33 @@ class ArtifactError(Ds4cError):
     where asked; or a graph, target or kernel asked of it does not exist."""
 
 
-def graph_key(width: int, context: int, shard: int | None = None) -> str:
+def graph_key(width: int, context: int, shard: int | None = None, prefill: bool = False) -> str:
     """The manifest key of the step graph of verify width ``width`` and context bucket ``context``
-    (``q5_c4096``); of shard ``shard`` of a layer split: ``s1_q5_c4096``."""
+    (``q5_c4096``); of shard ``shard`` of a layer split: ``s1_q5_c4096``; with ``prefill``, of the prefill chunk
+    graph of ``width`` = C rows: ``p256_c4096`` (chunk graphs are unsplit: ``shard`` must be None)."""
+    if prefill:
+        if shard is not None:
+            raise ArtifactError(f"graph_key: a prefill chunk graph has no shard, found shard {shard}")
+        return f"p{width}_c{context}"
     return f"q{width}_c{context}" if shard is None else f"s{shard}_q{width}_c{context}"
+
+
+def prefill_keys(chunks: Iterable[int], contexts: Iterable[int]) -> list[tuple[int, int]]:
+    """``[(C, context)]`` of the prefill chunk graphs an artifact (or a ``CompiledStep``) holds for chunk sizes
+    ``chunks`` and context buckets ``contexts``: every chunk size with every context bucket >= it (a chunk's rows
+    must fit its context), by C then context."""
+    ctx = list(contexts)
+    return [(n, c) for n in chunks for c in ctx if n <= c]
+
+
+def manifest_prefill_chunks(man: dict[str, Any]) -> tuple[int, ...]:
+    """The prefill chunk sizes an artifact holds chunk graphs for (ascending; empty when compiled without
+    ``--prefill``), from a :func:`load_manifest` result."""
+    return tuple(man.get("prefill_chunks", ()))
+
+
+def _chunks_text(chunks: Iterable[int]) -> str:
+    return ",".join(map(str, chunks))
 
 
 def split_ranges(cfg: Ds4Config, layer_split: Iterable[int] | None) -> list[tuple[int | None, tuple[int, int] | None]]:
@@ -112,11 +141,14 @@ def split_ranges(cfg: Ds4Config, layer_split: Iterable[int] | None) -> list[tupl
 
 
 def manifest_keys(man: dict[str, Any]) -> list[str]:
-    """Every graph key an artifact must have: per shard of its layer split (if any), per (width, context)."""
+    """Every graph key an artifact must have, in manifest order: per shard of its layer split (if any), per
+    (width, context); then per prefill chunk size and context bucket >= it (:func:`prefill_keys`)."""
     b = man["buckets"]
     split = man.get("layer_split")
     shards = [None] if not split or len(split) <= 1 else list(range(len(split)))
-    return [graph_key(w, x, k) for k in shards for w in b["widths"] for x in b["contexts"]]
+    steps = [graph_key(w, x, k) for k in shards for w in b["widths"] for x in b["contexts"]]
+    return steps + [graph_key(n, x, prefill=True) for n, x in prefill_keys(man.get("prefill_chunks", ()),
+                                                                           b["contexts"])]
 
 
 def _lower_graph(g: Any, cfg: Ds4Config, target: Target, weight_types: dict | None) -> list:
@@ -184,9 +216,10 @@ def _say(progress: bool, msg: str) -> None:
 def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, out_dir: str | os.PathLike,
                    cache: KernelCache, jobs: int | None = None, progress: bool = True,
                    weight_types: dict | None = None, layer_split: Iterable[int] | None = None,
-                   taps: Iterable[int] = (), record_hc: bool = False) -> Path:
-    """Compile every step graph of ``buckets`` for every target in ``targets`` and publish the artifact at
-    ``out_dir`` (layout and manifest: module docstring). Returns ``out_dir`` as an absolute path.
+                   taps: Iterable[int] = (), record_hc: bool = False, prefill_chunks: Iterable[int] = ()) -> Path:
+    """Compile every step graph of ``buckets`` (and every prefill chunk graph of ``prefill_chunks``) for every
+    target in ``targets`` and publish the artifact at ``out_dir`` (layout and manifest: module docstring).
+    Returns ``out_dir`` as an absolute path.
 
     For each graph key ``(width, context)`` of ``buckets``: the default pipeline runs on
     ``build_step(cfg, width, buckets.contexts[-1])`` with ``context``; the result is lowered for each target
@@ -199,12 +232,22 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     builds every graph with the tap kernel (``build_step(..., taps=...)``; the manifest's ``taps``), so the
     artifact serves a step with those taps only. ``record_hc`` (the final HC state of the MTP drafter, spec 7.5)
     builds every graph with ``build_step(..., record_hc=True)`` (the manifest's ``record_hc``), so the artifact
-    serves a step that records it only. Never queries a device.
+    serves a step that records it only. ``prefill_chunks`` (issue 12: chunk row counts C, e.g. ``(256, 2048)``;
+    :func:`ds4c.buckets.check_prefill_chunks`) also compiles, per C and context bucket ``>= C``, the prefill chunk
+    graph ``build_step(cfg, C, buckets.contexts[-1], prefill=True)`` (key ``p{C}_c{context}``; its kernels go
+    through the same de-duplicated compile as the step graphs', so a source both use is compiled and stored once;
+    the manifest's ``prefill_chunks``), so the artifact serves a ``CompiledStep(prefill_chunks=...)`` of those
+    sizes or fewer. Never queries a device.
 
     Raises:
-        StepError: taps that are not distinct layer ids of ``cfg``.
+        StepError: taps that are not distinct layer ids of ``cfg``; prefill chunk sizes that are not distinct ints
+            in ``MIN_PREFILL_CHUNK..MAX_PREFILL_ROWS``.
         ConfigError: ``buckets`` does not fit ``cfg``.
-        ArtifactError: no target, or ``out_dir`` exists and is not a ds4c artifact (nor an empty folder).
+        ArtifactError: no target; prefill chunks longer than ``buckets.max_ctx`` or asked for with a layer split,
+            taps or ``record_hc``; or ``out_dir`` exists and is not a ds4c artifact (nor an empty folder).
+        LoweringError: a graph has a plan kernel with no lowering, e.g. a prefill chunk graph's routed experts
+            while their C-row kernel is pending (``PendingLowering``; one line naming the graph key and the plan
+            kernel; nothing is written, the previous artifact is left as it was).
         ToolchainError, CompileError: no compiler for a target, or a kernel failed to compile (the previous
             artifact at ``out_dir``, if any, is left as it was).
     """
@@ -214,12 +257,27 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     from ds4c.runtime.lower import describe
 
     from ds4c.ir.builder import check_taps
+    from ds4c.buckets import check_prefill_chunks
 
     t0 = time.perf_counter()
     if not targets:
         raise ArtifactError("expected at least one target, e.g. --arch sm_90,gfx1151")
     buckets.validate(cfg)
     taps = check_taps(cfg, taps)
+    chunks = check_prefill_chunks(prefill_chunks if isinstance(prefill_chunks, (str, list, tuple))
+                                  else list(prefill_chunks))
+    if chunks:
+        counts = list(layer_split or ())
+        others = [w for w, on in (("a layer split", len(counts) > 1), ("taps", bool(taps)),
+                                  ("record_hc", bool(record_hc))) if on]
+        if others:
+            raise ArtifactError(f"prefill chunk graphs ({_chunks_text(chunks)}) are compiled for the unsplit step "
+                                f"without taps or record_hc (their chunk kernels are not written for the others); "
+                                f"found {', '.join(others)}")
+        long = [n for n in chunks if n > buckets.max_ctx]
+        if long:
+            raise ArtifactError(f"prefill chunk {long[0]} is longer than max_ctx {buckets.max_ctx}: its rows never "
+                                f"fit the context; ask for chunks <= max_ctx or a larger max_ctx")
     out = Path(out_dir).expanduser().absolute()
     _check_replaceable(out)
     try:
@@ -243,8 +301,10 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
         split = list(validate(ShardPlan(("cuda",) * len(counts), counts), cfg.n_layers).layers)
     shards = split_ranges(cfg, split)
     keys = [(k, r, w, x) for k, r in shards for w, x in buckets.keys()]
-    _say(progress, f"lowering {len(keys)} graph{'s' * (len(keys) != 1)} for "
-                   f"{', '.join(t.slug for t in targets)}")
+    n_chunk = len(prefill_keys(chunks, buckets.contexts))
+    _say(progress, f"lowering {len(keys)} graph{'s' * (len(keys) != 1)}"
+                   + (f" + {n_chunk} prefill chunk graph{'s' * (n_chunk != 1)} (chunks {_chunks_text(chunks)})"
+                      if chunks else "") + f" for {', '.join(t.slug for t in targets)}")
     graphs: dict[str, dict[str, Any]] = {}
     lowered: dict[tuple[str, str], list] = {}  # (slug, graph key) -> [LoweredKernel]
     for shard, layers, width, context in keys:
@@ -258,6 +318,24 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             graphs[gk]["shard"], graphs[gk]["layers"] = shard, list(layers)
         for t in targets:
             lowered[(t.slug, gk)] = _lower_graph(g, cfg, t, weight_types)
+    for rows, context in prefill_keys(chunks, buckets.contexts):
+        from ds4c.runtime.lower import LoweringError
+
+        gk = graph_key(rows, context, prefill=True)
+        g = run_pipeline(build_step(cfg, rows, buckets.contexts[-1], prefill=True), "default", context=context).graph
+        mem = dict(g.meta.get("memory", {}))
+        graphs[gk] = {"width": rows, "context": context, "prefill": True, "graph_hash": graph_hash(g),
+                      "arena_bytes": int(mem.get("arena_bytes", 0)), "memory": mem}
+        for t in targets:
+            try:
+                lowered[(t.slug, gk)] = _lower_graph(g, cfg, t, weight_types)
+            except LoweringError as e:  # one line naming the chunk graph (nothing is written yet)
+                msg = f"prefill chunk graph {gk} ({rows} rows, context {context}) for {t.slug}: {e}"
+                try:
+                    err = type(e)(msg)
+                except Exception:  # an error class with another constructor
+                    err = LoweringError(msg)
+                raise err from None
 
     # ---- compile (each distinct source once)
     uniq: dict[tuple, KernelSource] = {}
@@ -311,6 +389,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
                 n_plan += 1
             g = graphs[gk]
             tinfo[slug]["graphs"][gk] = {"width": g["width"], "context": g["context"],
+                                        **({"prefill": True} if g.get("prefill") else {}),
                                         "graph_hash": g["graph_hash"], "arena_bytes": g["arena_bytes"],
                                         "kernels": kernels}
             if "shard" in g:
@@ -325,6 +404,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
             **({"layer_split": split} if split is not None else {}),
             **({"taps": list(taps)} if taps else {}),
             **({"record_hc": True} if record_hc else {}),
+            **({"prefill_chunks": list(chunks)} if chunks else {}),
             "graphs": graphs,
             "targets": tinfo,
             "build": {"seconds": round(time.perf_counter() - t0, 3), "plan_kernels": n_plan, "launches": n_launch,
@@ -652,14 +732,26 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
             c.fail("taps", "a non-empty list of distinct layer ids", taps)
     if "record_hc" in man and man["record_hc"] is not True:
         c.fail("record_hc", "true (absent: not recorded)", man["record_hc"])
+    if "prefill_chunks" in man:
+        from ds4c.buckets import MIN_PREFILL_CHUNK
+
+        chunks = c.integers(man["prefill_chunks"], "prefill_chunks", lo=MIN_PREFILL_CHUNK, hi=b["max_ctx"])
+        if chunks != sorted(set(chunks)):
+            c.fail("prefill_chunks", "increasing chunk sizes", chunks)
+        if split is not None or "taps" in man or "record_hc" in man:
+            c.fail("prefill_chunks", "no layer_split, taps or record_hc with them (chunk graphs are unsplit, "
+                   "without taps)", [k for k in ("layer_split", "taps", "record_hc") if k in man])
     keys = manifest_keys(man)
     graphs = c.obj(man["graphs"], "graphs")
     if list(graphs) != keys:
         c.fail("graphs", f"the graphs of the buckets {keys}", list(graphs))
     for gk, g in graphs.items():
         c.obj(g, f"graphs.{gk}", ("width", "context", "graph_hash", "arena_bytes"))
-        if graph_key(g["width"], g["context"], g.get("shard")) != gk:
-            c.fail(f"graphs.{gk}", f"width, context and shard of {gk}", (g["width"], g["context"], g.get("shard")))
+        if "prefill" in g and (g["prefill"] is not True or "shard" in g):
+            c.fail(f"graphs.{gk}.prefill", "true on an unsplit graph (absent: a step graph)", g["prefill"])
+        if _entry_key(g) != gk:
+            c.fail(f"graphs.{gk}", f"width, context, shard and prefill of {gk}",
+                   (g["width"], g["context"], g.get("shard"), g.get("prefill", False)))
         if "shard" in g and g.get("layers") != ranges.get(g["shard"]):
             c.fail(f"graphs.{gk}.layers", f"the layer range of shard {g['shard']} {ranges.get(g['shard'])}",
                    g.get("layers"))
@@ -719,9 +811,10 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
         for gk, g in tg.items():
             wg = f"{w}.graphs.{gk}"
             c.obj(g, wg, ("width", "context", "graph_hash", "arena_bytes", "kernels"))
-            for f in ("width", "context", "graph_hash", "arena_bytes", "shard", "layers"):
-                if g.get(f) != graphs[gk].get(f):
-                    c.fail(f"{wg}.{f}", f"graphs.{gk}.{f} = {_short(graphs[gk][f], 20)}", g[f])
+            for f in ("width", "context", "prefill", "graph_hash", "arena_bytes", "shard", "layers"):
+                if (f in g) != (f in graphs[gk]) or (f in g and _ordered_json(g[f]) != _ordered_json(graphs[gk][f])):
+                    c.fail(f"{wg}.{f}", f"graphs.{gk}.{f} = {_short(graphs[gk].get(f, 'absent'), 20)}",
+                           g.get(f, "nothing"))  # (type-exact: true is not 1; absent on one side is a difference)
             if not isinstance(g["kernels"], list) or not g["kernels"]:
                 c.fail(f"{wg}.kernels", "a list of plan kernels", g["kernels"])
             for i, k in enumerate(g["kernels"]):
@@ -734,6 +827,16 @@ def _validate(man: dict[str, Any], mpath: Path) -> None:
                     c.fail(f"{wk}.launches", "a list of launches", k["launches"])
                 for j, ld in enumerate(k["launches"]):
                     _validate_launch(c, ld, f"{wk}.launches[{j}]", bins)
+
+
+def _entry_key(g: dict[str, Any]) -> str:
+    """The graph key a manifest graph entry's fields describe (a malformed entry gives a key no graph has)."""
+    if type(g.get("width")) is not int or type(g.get("context")) is not int:
+        return "?"
+    try:
+        return graph_key(g["width"], g["context"], g.get("shard"), g.get("prefill") is True)
+    except ArtifactError:
+        return "?"
 
 
 def _validate_launch(c: _Schema, ld: Any, w: str, bins: dict[str, Any]) -> None:
@@ -780,7 +883,7 @@ def manifest_buckets(man: dict[str, Any]) -> BucketSpec:
 
 def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Config, weight_types: dict,
                  buckets: BucketSpec | None = None, layer_split: Iterable[int] | None = None,
-                 taps: Iterable[int] = (), record_hc: bool = False) -> None:
+                 taps: Iterable[int] = (), record_hc: bool = False, prefill_chunks: Iterable[int] = ()) -> None:
     """Check that the artifact ``man`` (:func:`load_manifest` of ``artifact``) serves a model: its config hash,
     its bucket spec (when ``buckets`` is given) and its weight-format table all equal the model's, and every
     binary was rendered for the formats its launches read in this model. ``weight_types`` is the model's
@@ -788,12 +891,15 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
     per shard the caller runs (None or one count: unsplit) must be the artifact's. ``taps``: the DSpark tap layers
     the caller's step records (empty: none) must be the artifact's (manifest ``taps``; none when absent): the tap
     kernel is part of every graph. ``record_hc``: whether the caller's step records the final HC state (the MTP
-    drafter's input) must be the artifact's (manifest ``record_hc``). Needs no GPU.
+    drafter's input) must be the artifact's (manifest ``record_hc``). ``prefill_chunks``: the prefill chunk sizes
+    the caller's step runs (ints; empty: none) must be among the artifact's (manifest ``prefill_chunks``): an
+    artifact holding more chunk sizes serves a step that uses fewer. Needs no GPU.
 
     Raises:
         ArtifactError: the first mismatch, in one line: another config (both hashes), another bucket spec
             (both), another layer split, other taps (both, and the compile option that builds them), another
-            ``record_hc`` (likewise), or the
+            ``record_hc`` (likewise), prefill chunks the artifact lacks (what it was compiled with, what was asked,
+            the ``--prefill`` that builds them), or the
             first tensor whose format differs (the artifact's type vs the model's, and how many tensors differ).
     """
     where = f"artifact {artifact} does not serve this model"
@@ -830,6 +936,17 @@ def check_serves(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Confi
         how = "with --draft mtp" if record_hc else "without --draft mtp"
         raise ArtifactError(f"artifact {artifact} was compiled with {rec_name(bool(man.get('record_hc')))}, asked to "
                             f"serve a step with {rec_name(bool(record_hc))}; compile one {how} (`ds4c compile`)")
+    if isinstance(prefill_chunks, str) or not all(type(n) is int for n in (prefill_chunks or ())):
+        raise ArtifactError(f"check_serves: prefill_chunks must be chunk sizes (ints), found {prefill_chunks!r}")
+    want_chunks = sorted(set(prefill_chunks or ()))
+    have_chunks = list(manifest_prefill_chunks(man))
+    lacking = [n for n in want_chunks if n not in have_chunks]
+    if lacking:
+        had = f"with --prefill {_chunks_text(have_chunks)}" if have_chunks else "without --prefill (no chunk graphs)"
+        raise ArtifactError(f"artifact {artifact} was compiled {had}; asked for {_chunks_text(want_chunks)} (it "
+                            f"lacks the chunk graphs of {_chunks_text(lacking)}): compile one with --prefill "
+                            f"{_chunks_text(sorted(set(have_chunks) | set(want_chunks)))} (`ds4c compile`) or ask "
+                            f"for {'a subset of its chunks' if have_chunks else 'no prefill chunks'}")
     types = effective_weight_types(cfg, weight_types)
     diff = first_format_difference(man["weight_types"], types)
     if diff is not None:
@@ -848,7 +965,8 @@ def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Con
     """Pair every graph of every target of the artifact with this model's lowering, as the runtime does before it
     loads a graph (:func:`launch_binaries`): the same plan kernels and launches in the same order, each binary
     rendered for the formats its launch reads. Runs the pass pipeline and the lowering for each (width,
-    context) graph (CPU only; seconds for a 43-layer model). Returns the number of launches checked.
+    context) step graph and each prefill chunk graph (CPU only; seconds for a 43-layer model). Returns the number
+    of launches checked.
 
     Raises:
         ArtifactError: the first graph whose kernels, launches or weight formats differ.
@@ -859,14 +977,17 @@ def check_lowering(man: dict[str, Any], artifact: str | os.PathLike, cfg: Ds4Con
     b = manifest_buckets(man)
     n = 0
     taps, rec = tuple(man.get("taps", ())), bool(man.get("record_hc", False))
-    for shard, layers in split_ranges(cfg, man.get("layer_split")):
-        for width, context in b.keys():
-            g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers, taps=taps, record_hc=rec), "default",
-                             context=context).graph
-            for slug, t in man["targets"].items():
-                tgt = Target(t["vendor"], t["arch"], t["wave"])
-                n += len(launch_binaries(man, artifact, slug, width, context,
-                                         _lower_graph(g, cfg, tgt, weight_types), weight_types, shard))
+    todo = [(shard, layers, width, context, False) for shard, layers in split_ranges(cfg, man.get("layer_split"))
+            for width, context in b.keys()]
+    todo += [(None, None, rows, context, True) for rows, context in prefill_keys(manifest_prefill_chunks(man),
+                                                                                b.contexts)]
+    for shard, layers, width, context, chunk in todo:
+        g = run_pipeline(build_step(cfg, width, b.contexts[-1], layers, taps=taps, record_hc=rec, prefill=chunk),
+                         "default", context=context).graph
+        for slug, t in man["targets"].items():
+            tgt = Target(t["vendor"], t["arch"], t["wave"])
+            n += len(launch_binaries(man, artifact, slug, width, context, _lower_graph(g, cfg, tgt, weight_types),
+                                     weight_types, shard, prefill=chunk))
     return n
 
 
@@ -1002,10 +1123,12 @@ def disassemble(artifact: str | os.PathLike, rel: str, record: dict[str, Any], a
 
 
 def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str, width: int, context: int,
-                    kernels: list, weight_types: dict, shard: int | None = None) -> list[Path]:
+                    kernels: list, weight_types: dict, shard: int | None = None,
+                    prefill: bool = False) -> list[Path]:
     """The binary of every launch of ``kernels`` (``lower_graph`` of the (width, context) graph for ``arch``),
     in launch order, from an artifact: the runtime's path that needs no compiler. ``shard``: the graph of that
-    shard of the artifact's layer split.
+    shard of the artifact's layer split. ``prefill``: the prefill chunk graph of ``width`` = C rows (key
+    ``p{C}_c{context}``; ``CompiledStep`` passes it for its ``prefill_chunks`` keys).
 
     The lowering is deterministic, so the manifest lists the same plan kernels and launches in the same order;
     each pairing is checked by plan-kernel name and entry point, and by the weight formats each launch reads in
@@ -1018,10 +1141,11 @@ def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str,
     """
     types = {k: getattr(v, "name", str(v)) for k, v in weight_types.items()}
     slug = find_target(man, arch)
-    key = graph_key(width, context, shard)
+    key = graph_key(width, context, shard, prefill)
     graphs = man["targets"][slug]["graphs"]
     if key not in graphs:
-        raise ArtifactError(f"the artifact has no step graph {key} (width {width}, context {context}"
+        what = f"prefill chunk graph {key} ({width} rows" if prefill else f"step graph {key} (width {width}"
+        raise ArtifactError(f"the artifact has no {what}, context {context}"
                             f"{'' if shard is None else f', shard {shard}'}) for {slug}: it has {', '.join(graphs)}")
     listed = graphs[key]["kernels"]
     if [k["name"] for k in listed] != [k.name for k in kernels]:

@@ -154,7 +154,8 @@ class CompiledStep:
         use_graphs: capture one CUDA graph per (width, bucket) on first use and replay it.
         artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled.
             It must serve this model (``ds4c.runtime.artifact.check_serves``: config, ``buckets`` and weight
-            formats equal); a missing arch or (width, bucket) graph raises ArtifactError.
+            formats equal, and it holds the chunk graphs of every size in ``prefill_chunks``: ``ds4c compile
+            --prefill``); a missing arch or (width, bucket) graph raises ArtifactError.
         plan, shard: shard ``shard`` of the layer split ``plan`` (``ds4c.shard_plan.ShardPlan``;
             ``ds4c.runtime.sharded.ShardedStep`` chains the shards): only the layers ``plan.ranges[shard]`` --
             their weights, state and kernels -- on the device ``plan.devices[shard]``. A shard after the first
@@ -179,14 +180,16 @@ class CompiledStep:
             sizes (the last one padded, masked by ``n_valid``; a tail under ``MIN_PREFILL_CHUNK`` rows as verify
             steps), one graph per chunk size and context bucket, built from ``build_step(..., prefill=True)``
             (docs/prefill.md). Empty (the default): :meth:`prefill` runs verify steps of the widest width.
-            Not with a layer split, taps, ``record_hc`` (their chunk kernels are not written) or an artifact
-            (artifacts hold no chunk graphs yet).
+            Not with a layer split, taps or ``record_hc`` (their chunk kernels are not written). With an
+            ``artifact``, the chunk graphs (keys ``p{C}_c{context}``) come from it: it must have been compiled
+            with these chunk sizes or more (``ds4c compile --prefill``).
 
     Raises:
         StepError: no CUDA device; taps that are not distinct layer ids; prefill chunk sizes out of range, or
-            asked for with a split, taps, ``record_hc`` or an artifact.
+            asked for with a split, taps or ``record_hc``.
         ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
-            format differs is named), or was compiled with other taps or another ``record_hc``.
+            format differs is named), or was compiled with other taps or another ``record_hc``, or lacks chunk
+            graphs of ``prefill_chunks`` (what it holds and what was asked).
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
@@ -220,13 +223,11 @@ class CompiledStep:
             raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
         """The prefill chunk sizes :meth:`prefill` uses (ascending; empty: verify steps only)."""
-        if self.prefill_chunks and (self._split or self.taps or self.record_hc or artifact is not None):
+        if self.prefill_chunks and (self._split or self.taps or self.record_hc):
             raise StepError("prefill chunks (" + ",".join(map(str, self.prefill_chunks)) + ") run on an unsplit step "
-                            "without taps or record_hc, compiled here (their chunk kernels are not written for the "
-                            "others, and artifacts hold no chunk graphs yet); found "
+                            "without taps or record_hc (their chunk kernels are not written for the others); found "
                             + ", ".join(w for w, on in (("a layer split", self._split), ("taps", bool(self.taps)),
-                                                        ("record_hc", self.record_hc),
-                                                        ("an artifact", artifact is not None)) if on))
+                                                        ("record_hc", self.record_hc)) if on))
         with torch.cuda.device(self.dev):
             self._init(arch, cache, use_graphs, artifact)
 
@@ -248,7 +249,8 @@ class CompiledStep:
 
             self._manifest = load_manifest(artifact)
             check_serves(self._manifest, artifact, self.cfg, self._types, buckets,
-                         None if self.plan is None else self.plan.layers, taps=self.taps, record_hc=self.record_hc)
+                         None if self.plan is None else self.plan.layers, taps=self.taps, record_hc=self.record_hc,
+                         prefill_chunks=self.prefill_chunks)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
         self._modules: dict[str, CudaModule] = {}
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
@@ -816,14 +818,15 @@ class CompiledStep:
                   progress: bool) -> list[list[tuple[str, Any]]]:
         """Per graph ``((width, context), kernels)``, per launch: ``(module key, loader)`` where the loader
         returns the binary image; compiles the cache misses of all graphs in one parallel batch (artifact
-        mode: the artifact's files, nothing compiled)."""
+        mode: the artifact's files, nothing compiled; a key whose width is one of :attr:`prefill_chunks` is the
+        artifact's prefill chunk graph ``p{C}_c{context}``)."""
         if self._manifest is not None:
             from ds4c.runtime.artifact import launch_binaries
 
             out = []
             for (w, c), kernels in graphs:
                 paths = launch_binaries(self._manifest, self.artifact, self.target.arch, w, c, kernels, self._types,
-                                        self.shard if self._split else None)
+                                        self.shard if self._split else None, prefill=w in self.prefill_chunks)
                 out.append([(str(p), p.read_bytes) for p in paths])
             return out
         self.binary_batches += 1
