@@ -20,6 +20,8 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
 * ``hc_post_head`` with the head's ``take_row`` (the default graph): a take-row launch
   (:mod:`ds4c.runtime.families.takerow`: row ``n_valid - 1`` of the HC post's four inputs into 1-row
   workspaces), then the decode ``post_head`` HC kernel at q = 1; the logits linear (1 row) is the decode GEMV.
+  When a tap / ``record_hc`` reads the last layer's streams, an HC ``post_out`` launch over C rows writes them
+  first.
   An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
   rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
