@@ -20,6 +20,8 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
 * ``hc_post_head`` with the head's ``take_row`` (the default graph): a take-row launch
   (:mod:`ds4c.runtime.families.takerow`: row ``n_valid - 1`` of the HC post's four inputs into 1-row
   workspaces), then the decode ``post_head`` HC kernel at q = 1; the logits linear (1 row) is the decode GEMV.
+  When a tap / ``record_hc`` reads the last layer's streams, an HC ``post_out`` launch over C rows writes them
+  first.
   An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
   rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
@@ -32,8 +34,9 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   (``GemmSpec.groups``).
 * ``moe_experts``: :func:`lower_routed_experts`: the grouped-experts family (:mod:`ds4c.runtime.families.moe_gemm`):
   the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+;
-  HIP / sm_80 pending); ``dspark_tap`` / ``record_hc`` with ``n_valid``: pending (the tap kernel has no n_valid
-  and asserts C <= window).
+  HIP / sm_80 pending).
+* ``dspark_tap`` / ``record_hc`` with ``n_valid``: :func:`_lower_tap`: the tap family with ``TapSpec.valid``
+  (device ``n_valid`` after ``pos``; only the last ``R`` valid rows write, R the ring's rows: one writer per slot).
 
 Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid`` valid rows: ``pos``,
 ``tokens`` [C], ``positions`` [C] (``pos + i``), ``n_valid`` and ``live_r<ratio>`` = ``(pos + n_valid) // ratio``
@@ -55,6 +58,7 @@ from ds4c.runtime.families import hc as _hc
 from ds4c.runtime.families import moe_gemm as _mg
 from ds4c.runtime.families import rowchain as _rc
 from ds4c.runtime.families import takerow as _tr
+from ds4c.runtime.families import tap as _tap
 from ds4c.runtime.lower import Arg, Launch, LoweredKernel, LoweringError, _Ctx, _launch
 from ds4c.runtime.render import RenderError as _RenderError
 from ds4c.runtime.targets import Target
@@ -154,20 +158,27 @@ def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
     the workspaces ``ds4c_head_{out,x,post,comb}``, then the decode ``post_head`` HC kernel at q = 1 runs on them
     (the post of one row does not depend on the others, so this is the row of the C-row post).
 
-    Raises:
-        PendingLowering: the last layer's streams are also a kernel output (a DSpark tap / record_hc reads all C
-            rows of them).
+    When the last layer's new streams are also a plan kernel output (a DSpark tap or ``record_hc`` reads all C
+    rows of them), a ``post_out`` HC launch over C rows (``HcSpec.row_block``; the streams ``post_pre`` /
+    the decode head's ``streams`` variant write, bit for bit) writes them first.
     """
     body = op.body or []
     post = next(b for b in body if b.kind == "hc_post")
+    cfg = c.cfg
+    out: list[Launch] = []
     if post.outputs[0] in op.outputs:
-        raise PendingLowering("hc_post_head with take_row whose C-row streams are also read (taps / record_hc)")
+        pspec = _hc.HcSpec("post_out", c.q, cfg.hidden_size, cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult,
+                           cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, row_block=c.row_block)
+        (src,) = _hc.render_hc(pspec, c.target, c.name(op, "post_streams"))
+        (la,) = _hc.launch_shapes(pspec)
+        pb = {"out": c.arg(post.inputs[0]), "x": c.arg(post.inputs[1]), "post": c.arg(post.inputs[2]),
+              "comb": c.arg(post.inputs[3]), "x_new": Arg("value", c.names[post.outputs[0]])}
+        out.append(_launch(src, la.grid, la.block, la.smem, [pb[n] for n in _hc.arg_names(pspec)["mix"]]))
     mix = next(b for b in body if b.kind == "hc_mix")
     norm = next(b for b in body if b.kind == "rms_norm")
     gate = next(b for b in body if b.kind == "hc_head_gate")
     premix = next((b for b in body if b.kind == "hc_premix"), None)
     head_out = premix is not None and premix.outputs[0] in op.outputs
-    cfg = c.cfg
     srcs_in = post.inputs[:4]
     tspec = _tr.TakeRowSpec(c.q, tuple(v.type.nbytes() // c.q for v in srcs_in))
     ws = [Arg("workspace", f"ds4c_head_{n}", nbytes=b) for n, b in zip(("out", "x", "post", "comb"), tspec.row_bytes)]
@@ -175,7 +186,7 @@ def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
     for k, (v, w) in enumerate(zip(srcs_in, ws)):
         tb[f"src{k}"], tb[f"dst{k}"] = c.arg(v), w
     la = _tr.launch_shape(tspec)
-    out = [_launch(_tr.render_take_row(tspec, c.target, c.name(op, "take_row")), la.grid, la.block, la.smem,
+    out += [_launch(_tr.render_take_row(tspec, c.target, c.name(op, "take_row")), la.grid, la.block, la.smem,
                    [tb[n] for n in _tr.arg_names(tspec)])]
     spec = _hc.HcSpec("post_head", 1, cfg.hidden_size, cfg.hc_mult, int(mix.outputs[0].type.shape[-1]),
                       cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, cfg.hc_eps, head_out=head_out)
@@ -264,6 +275,39 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
     for src, la in zip(_gm.render_call(spec, c.target, c.name(op, "wo_a_gemm")), _gm.launch_shapes(spec, c.target)):
         launches.append(_launch(src, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]))
     return launches
+
+
+def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
+    """``dspark_tap`` (spec 5.2(q)) / ``record_hc`` (7.5, the tap family's copy mode) of a prefill chunk: one tap
+    launch with ``TapSpec(valid=True)`` over C rows, ``n_valid`` the step scalar: only rows ``n_valid - R <= i <
+    n_valid`` write (R = the ring's rows: the window for the tap ring, window + MAX_WIDTH for the final HC ring),
+    one writer per ring slot, so the ring is left as token-wise decoding leaves it (the IR ops write rows ``0 ..
+    n_valid - 1`` in order); the grid covers ``min(C, R)`` rows. Bindings as the decode lowering's
+    (:func:`ds4c.runtime.lower._lower_tap`) plus ``n_valid``.
+
+    Raises:
+        LoweringError: a tap op without its ``n_valid`` input (an unpadded graph has no prefill lowering).
+    """
+    t = next(b for b in (op.body or [op]) if b.kind in ("dspark_tap", "record_hc"))
+    copy = t.kind == "record_hc"
+    slots = (0,) if copy else tuple(t.attrs["slots"])
+    xs = t.inputs[2:2 + len(slots)]
+    if len(t.inputs) != 3 + len(slots):
+        raise LoweringError(f"{t.kind} (layer {op.layer}): a prefill tap op without its n_valid input")
+    ring = t.inputs[0]
+    d = int(xs[0].type.shape[-1])
+    layers = tuple(c.prod[x].layer if x in c.prod else -1 for x in xs)
+    n_taps = 1 if copy else int(ring.type.shape[1]) // d
+    try:
+        spec = _tap.TapSpec(c.q, d, int(xs[0].type.shape[1]), int(ring.type.shape[0]), n_taps, slots, layers,
+                            copy=copy, valid=True)
+    except _RenderError as e:
+        raise LoweringError(f"{t.kind} (layer {op.layer}): {e}") from None
+    src = _tap.render_tap(spec, c.target, c.name(op, t.kind))
+    la = _tap.launch_shape(spec)
+    b = {"pos": Arg("step", "pos"), "n_valid": Arg("step", "n_valid"), "ring": c.arg(ring),
+         **{f"x{k}": c.arg(x) for k, x in enumerate(xs)}}
+    return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _tap.arg_names(spec)])]
 
 
 def _pending(message: str):
@@ -393,8 +437,7 @@ _PATTERNS = {
     "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": L._lower_attention,
     "route": L._lower_route, "moe_experts": lower_routed_experts,
     "grouped_linear": _lower_grouped,
-    "dspark_tap": _pending("dspark_tap with n_valid: the tap kernel has no n_valid and asserts C <= window"),
-    "record_hc": _pending("record_hc with n_valid: the tap kernel's copy mode has no n_valid"),
+    "dspark_tap": _lower_tap, "record_hc": _lower_tap,
 }
 
 #: the family of each prefill plan kernel's launches (a GEMM group's launches are GEMMs and row chains)

@@ -1,7 +1,7 @@
 """Lowering prefill chunk graphs (runtime/lower_prefill.py, issue 12): every plan kernel of a C-row chunk graph
 lowers to family launches whose arguments bind to graph values, weights, step scalars and sized workspaces that
-exist, except the pending ones (taps / record_hc with n_valid; none in these graphs), which are reported with a
-one-line reason; the routed + shared experts and moe_sum are moe_gemm calls; projections are GEMM calls (one shared actq, one GEMM per output, sized to C rows); the
+exist, except the pending ones (the experts on targets moe_gemm does not build for), which are reported with a
+one-line reason; the drafters' taps / record_hc are tap launches with n_valid; the routed + shared experts and moe_sum are moe_gemm calls; projections are GEMM calls (one shared actq, one GEMM per output, sized to C rows); the
 compressor reads n_valid; HC stage mix runs over row blocks; a representative subset compiles for sm_90.
 CPU only: nothing here runs a kernel (docs/prefill.md says what needs the GPU)."""
 
@@ -27,16 +27,16 @@ from ds4c.runtime.targets import target
 from ds4c.tensors import tensor_specs
 
 STEP = {"pos", "positions", "tokens", "n_valid"}
-#: plan kernels still pending at C rows (for other reasons than the experts): taps / record_hc with n_valid
-PENDING = {"dspark_tap", "record_hc"}
+#: plan kernels still pending at C rows (for other reasons than the experts): none
+PENDING: set = set()
 _CACHE: dict = {}
 
 
-def _graph(name: str, c: int, ctx: int):
-    key = (name, c, ctx)
+def _graph(name: str, c: int, ctx: int, taps: tuple = (), record_hc: bool = False):
+    key = (name, c, ctx, taps, record_hc)
     if key not in _CACHE:
-        _CACHE[key] = run_pipeline(build_step(preset(name), c, max_ctx=ctx, prefill=True), "default",
-                                   context=ctx).graph
+        _CACHE[key] = run_pipeline(build_step(preset(name), c, max_ctx=ctx, prefill=True, taps=taps,
+                                              record_hc=record_hc), "default", context=ctx).graph
     return _CACHE[key]
 
 
@@ -230,16 +230,19 @@ def test_prefill_options_leave_decode_kernels_alone():
 @pytest.mark.parametrize("arch,tool", [("sm_90", "nvcc"), ("gfx1151", "clang-19")])
 def test_prefill_kernels_compile(arch, tool, tmp_path):
     """Every distinct source of the tiny C=64 chunk (HC row blocks, GEMM + actq, grouped GEMM, row chains
-    incl. the valid-gated ring write, compressor with n_valid, indexer, attention, router at q=64, take-row)
-    compiles for sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body)."""
+    incl. the valid-gated ring write, compressor with n_valid, indexer, attention, router at q=64, take-row; with
+    the drafters' taps and record_hc: the tap kernels with n_valid and the head's C-row streams) compiles for
+    sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body)."""
     if not shutil.which(tool):
         pytest.skip(f"{tool} is not installed")
     from ds4c.runtime.cache import KernelCache
 
-    ks = lower_graph(_graph("tiny", 64, 128), preset("tiny"), target(arch), pending=[])
+    ks = [k for g in (_graph("tiny", 64, 128), _graph("tiny", 64, 128, (3, 4, 5), True))
+          for k in lower_graph(g, preset("tiny"), target(arch), pending=[])]
     srcs = list({la.kernel.digest(): la.kernel for k in ks for la in k.launches}.values())
     fams = {s.family for s in srcs}
-    assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv"} <= fams, fams
+    assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv", "tap"} <= fams, fams
+    assert sum(s.family == "tap" and s.params.get("valid", False) for s in srcs) == 2
     assert ("moe_gemm" in fams) == (arch == "sm_90"), fams  # the routed + shared experts (CUDA sm_89+ only)
     entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
     assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
@@ -258,14 +261,14 @@ def _emu():
     return launch_emu
 
 
-def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None):
+def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None, **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
     import ds4c.runtime.lower_prefill as LP
     from ds4c.runtime.lower import _Ctx
     from ds4c.tensors import storage_types
 
     cfg = preset(name)
-    g = _graph(name, c, ctx)
+    g = _graph(name, c, ctx, **graph_kw)
     cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
@@ -572,3 +575,162 @@ def test_moe_experts_plan_kernel_emulated(layer, nv, tmp_path):
     ffn = want[moe.outputs[0]]
     assert MG.rel_l2(out, ffn) < 1e-3 and float((out != ffn).float().mean()) < 0.01
     assert MG.rel_l2(routed_ir.to(torch.bfloat16), ffn) > 1e-2  # the shared add matters at this floor
+
+
+# ------------------------------------------------------------- the drafters' taps / record_hc at C rows (tap family)
+def _ring_rows(cfg, kind: str) -> int:
+    from ds4c.config import MAX_WIDTH
+
+    return cfg.window + (MAX_WIDTH if kind == "record_hc" else 0)
+
+
+@pytest.mark.parametrize("name,c,ctx,taps,rec", [("tiny", 64, 128, (3, 4, 5), False), ("tiny", 64, 128, (), True),
+                                                 ("tiny", 64, 128, (3, 4, 5), True), ("tiny", 256, 512, (1, 3), True),
+                                                 ("flash-l4", 64, 4096, (1, 2, 3), True)])
+def test_prefill_drafter_graphs_lower_whole(name, c, ctx, taps, rec):
+    """Chunk graphs with DSpark taps and / or record_hc lower with nothing pending on sm_90 (on gfx1151 only the
+    experts): each tap op is one tap-family launch with n_valid (``TapSpec.valid``), bound to pos, n_valid, the
+    tapped layers' C-row streams and the ring, its grid over min(C, ring rows) rows; the head first writes the
+    last layer's C-row streams (HC post_out over row blocks) that the taps read, then take-row + the q = 1 head."""
+    from ds4c.ir.builder import FINAL_HC_RING, TAP_RING
+    from ds4c.runtime.families import tap as TP
+
+    cfg = preset(name)
+    g, plain = _graph(name, c, ctx, taps, rec), _graph(name, c, ctx)
+    pend: list = []
+    ks = lower_graph(g, cfg, target("sm_90"), pending=pend)
+    assert not pend, [p.message for p in pend]
+    assert len(ks) == len([op for op in g.ops if op.kind == "fused"])
+    base = lower_graph(plain, cfg, target("sm_90"))
+    assert [k.name for k in ks if k.family != "tap"] == [k.name for k in base]
+    names = value_names(g)
+    by_name = {n: v for v, n in names.items()}
+    tk = [k for k in ks if k.family == "tap"]
+    assert sorted(k.name.split(".")[1] for k in tk) == sorted((["dspark_tap"] if taps else []) + (["record_hc"] if rec else []))
+    n_tapped = 0
+    for k in tk:
+        (la,) = k.launches
+        kind = k.name.split(".")[1]
+        assert _n_params(la) == len(la.args)
+        assert la.args[0] == la.args[0].__class__("step", "pos") and la.args[1] == la.args[1].__class__("step", "n_valid")
+        ring = la.args[-1]
+        assert ring.kind == "value" and ring.name == (FINAL_HC_RING if kind == "record_hc" else TAP_RING)
+        rows = _ring_rows(cfg, kind)
+        assert int(by_name[ring.name].type.shape[0]) == rows
+        xs = la.args[2:-1]
+        assert all(a.kind == "value" and tuple(by_name[a.name].type.shape) == (c, cfg.hc_mult, cfg.hidden_size)
+                   for a in xs)
+        n_tapped += len(xs) if kind == "dspark_tap" else 0
+        p = la.kernel.params
+        assert p["valid"] and p["q"] == c and p["grid_rows"] == min(c, rows) and "TP_Q <= TP_WIN" not in la.kernel.source
+        nch = -(-p["hidden"] // (64 * p["vec"]))
+        assert la.grid == (min(c, rows) * len(xs) * nch, 1, 1)
+    assert n_tapped == len(taps)
+    head = next(k for k in ks if k.name == "hc_post_head")
+    assert [la.kernel.family for la in head.launches] == ["hc", "takerow", "hc", "hc"]
+    ps = head.launches[0]
+    assert ps.kernel.entry.endswith("post_streams_mix") and ps.grid[1] == c // 4 and "ds4c_bid_y() * NQ" in ps.kernel.source
+    last = f"l{cfg.n_layers - 1}.x"
+    assert ps.args[-1] == ps.args[-1].__class__("value", last)
+    assert any(a.name == last for k in tk for a in k.launches[0].args)  # a tap / record_hc reads what it wrote
+    pend = []
+    lower_graph(g, cfg, target("gfx1151"), pending=pend)
+    assert {p.pattern for p in pend} == {"moe_experts"}
+
+
+def _tap_case(kind: str):
+    taps, rec = ((3, 4, 5), False) if kind == "dspark_tap" else ((), True)
+    return _plan_case("tiny", 64, 128, kind, 5, taps=taps, record_hc=rec)
+
+
+def _run_tap(cx, op, launches, pos: int, nv: int, tmp_path, mutate=None, reverse: bool = False):
+    """The tap plan kernel's launch on CPU threads on a NaN-poisoned ring and random streams (each row distinct);
+    returns (emulated ring, the IR op's ring, the poisoned ring). ``reverse`` runs the grid's blocks in the other
+    order; ``mutate`` rewrites the source."""
+    import dataclasses
+
+    (la,) = launches
+    env = _random_inputs(cx, op, pos, nv, seed=pos * 7 + nv)
+    ring_v = op.body[0].inputs[0] if op.body else op.inputs[0]
+    env[ring_v] = torch.full(tuple(int(d) for d in ring_v.type.shape), float("nan"), dtype=torch.bfloat16)
+    want = _ir_body(op, env)[(op.body or [op])[0].outputs[0]]
+    src = la.kernel.source
+    if reverse:
+        src = src.replace("const int b = ds4c_bid_x();", f"const int b = {la.grid[0] - 1} - ds4c_bid_x();")
+        assert src != la.kernel.source
+    if mutate is not None:
+        src = mutate(src)
+        assert src != la.kernel.source
+    la = dataclasses.replace(la, kernel=dataclasses.replace(la.kernel, source=src))
+    bufs, seq = _emulate(cx, [la], env, pos, nv, tmp_path)
+    got = _emu().run(seq, bufs, tmp_path)[f"value.{cx.arg(ring_v).name}"]
+    return got, want, env[ring_v]
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("kind", ["dspark_tap", "record_hc"])
+@pytest.mark.parametrize("pos,nv", [(77, 40), (3, 9), (1000, 64), (21, 1)])
+def test_tap_plan_kernels_emulated_equal_the_ir_rings(kind, pos, nv, tmp_path):
+    """The tiny C=64 chunk's dspark_tap (taps 3, 4, 5: the mean of each row's streams) and record_hc (a copy)
+    launches on CPU threads, window 16 (record_hc's ring 21 rows) < C, against the IR ops with n_valid: the ring
+    bit for bit (NaN-poisoned: rows no valid row writes keep the poison), with the grid's blocks run in either
+    order (so no padded row and no row that a later valid row of the chunk overwrites writes its slot: one writer
+    per slot)."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _tap_case(kind)
+    rows = _ring_rows(cfg, kind)
+    for rev in (False, True):
+        got, want, ring0 = _run_tap(cx, op, launches, pos, nv, tmp_path / f"r{int(rev)}", reverse=rev)
+        assert torch.equal(_bits(got), _bits(want)), (kind, pos, nv, rev)
+        written = {(pos + i) % rows for i in range(nv)}
+        for s in range(rows):
+            assert torch.isnan(got[s].float()).all() == (s not in written), s  # untouched slots keep the poison
+        assert len(written) == min(nv, rows)
+
+
+@pytest.mark.parametrize("kind", ["dspark_tap", "record_hc"])
+@pytest.mark.parametrize("delta", ["+ 1", "- 1"])
+def test_tap_guard_off_by_one_fails(kind, delta, tmp_path):
+    """Mutation: the row offset of the valid rows moved by one (a padded row writes / the last valid row does not,
+    and the first row of the window writes the slot of the last) gives a ring that differs from the IR op's."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _tap_case(kind)
+    old = "(int)(n_valid[0] - TP_QG)"
+    got, want, _ = _run_tap(cx, op, launches, 77, 40, tmp_path, mutate=lambda s: s.replace(old, f"({old} {delta})"))
+    assert not torch.equal(_bits(got), _bits(want))
+
+
+def test_head_streams_emulated_for_the_taps(tmp_path):
+    """The prefill head of a drafter chunk graph: its first launch (HC post_out over row blocks) writes the last
+    layer's C-row streams that the taps read; on CPU threads they equal the IR's hc_post (all 64 rows)."""
+    _skip_without_host()
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "hc_post_head", -1, taps=(3, 4, 5), record_hc=True)
+    post = next(b for b in op.body if b.kind == "hc_post")
+    env = _random_inputs(cx, op, 3, 40, seed=11)
+    env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
+    want = _ir_body(op, env)[post.outputs[0]]
+    bufs, seq = _emulate(cx, launches[:1], env, 3, 40, tmp_path)
+    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)[f"value.{cx.names[post.outputs[0]]}"]
+    assert got.shape == want.shape == (64, cfg.hc_mult, cfg.hidden_size)
+    assert torch.equal(_bits(got), _bits(want)), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["dspark_tap", "record_hc"])
+def test_every_valid_row_writing_is_caught_by_the_reversed_block_order(kind, tmp_path):
+    """Mutation: every valid row writes its slot (the grid over all C rows: the rule without the window bound, a
+    race on the GPU for C > ring rows). Blocks in grid order still leave the right rows (the emulator runs them
+    one after another), in the reversed order the earliest writer stays: the check the test above relies on."""
+    import dataclasses
+
+    _skip_without_host()
+    cfg, g, cx, op, (la,) = _tap_case(kind)
+    rows = la.kernel.params["grid_rows"]
+    assert rows < 64
+    src = la.kernel.source.replace(f"#define TP_QG {rows}", "#define TP_QG 64").replace("TP_QG <= TP_WIN && ", "")
+    la = dataclasses.replace(la, grid=(la.grid[0] // rows * 64, 1, 1), kernel=dataclasses.replace(la.kernel, source=src))
+    fwd, want, _ = _run_tap(cx, op, [la], 77, 40, tmp_path / "f")
+    rev, want2, _ = _run_tap(cx, op, [la], 77, 40, tmp_path / "r", reverse=True)
+    assert torch.equal(_bits(fwd), _bits(want)) and not torch.equal(_bits(rev), _bits(want2))

@@ -386,3 +386,46 @@ def test_the_gpu_check_covers_the_family():
     assert any(pos + s.q > s.window for _, s, pos in G.CASES)
     for i, s in enumerate(specs):
         assert TP.render_tap(s, target("sm_90"), f"tap_{i}").entry == f"tap_{i}"
+
+
+# ------------------------------------------------------------------- prefill chunks: TapSpec.valid (issue 12)
+@pytest.mark.parametrize("arch", ["sm_90", "gfx1151"])
+@pytest.mark.parametrize("copy", [False, True], ids=["mean", "copy"])
+def test_valid_off_renders_the_decode_kernel_and_on_adds_n_valid(arch, copy):
+    """valid=False is the decode / verify kernel byte for byte; valid=True takes n_valid after pos, drops the
+    static assert on Q <= WINDOW (any C) and covers min(C, window) rows of the grid."""
+    kw = dict(n_taps=1, slots=(0,), copy=True) if copy else dict(n_taps=3, slots=(0, 1, 2))
+    for q, hidden, window in ((5, 256, 16), (1, 4096, 128)):
+        a = TP.TapSpec(q, hidden, 4, window, **kw)
+        b = TP.TapSpec(q, hidden, 4, window, **kw, valid=False)
+        assert TP.render_tap(a, target(arch), "t").source == TP.render_tap(b, target(arch), "t").source
+        assert "n_valid" not in TP.render_tap(a, target(arch), "t").source
+    with pytest.raises(RenderError, match="q 64"):
+        TP.TapSpec(64, 256, 4, 16, **kw)
+    for q, window, rows in ((64, 16, 16), (64, 21, 21), (8, 16, 8), (2048, 128, 128)):
+        s = TP.TapSpec(q, 256, 4, window, **kw, valid=True)
+        src = TP.render_tap(s, target(arch), "t").source
+        assert TP.arg_names(s)[:2] == ["pos", "n_valid"] and s.grid_rows == rows
+        assert TP.launch_shape(s).grid == (rows * len(s.slots) * s.chunks, 1, 1)
+        assert "TP_Q <= TP_WIN" not in src and f"#define TP_QG {rows}" in src
+        assert "const int r = (int)(n_valid[0] - TP_QG) + b / (TP_NCH * TP_NX);" in src
+        assert "if (r < 0 || r >= TP_Q) return;" in src
+
+
+@pytest.mark.parametrize("arch,tool", [("sm_90", "nvcc"), ("gfx1151", "clang-19")])
+@pytest.mark.parametrize("copy", [False, True], ids=["mean", "copy"])
+@pytest.mark.parametrize("hidden,q,window", [(256, 64, 16), (4096, 2048, 128)])
+def test_valid_kernel_compiles_without_spills(arch, tool, copy, hidden, q, window, tmp_path):
+    import shutil
+
+    from kernel_compile import compile_kernel, toolchain_or_skip
+
+    if not shutil.which(tool):
+        pytest.skip(f"{tool} is not installed")
+    kw = dict(n_taps=1, slots=(0,), copy=True) if copy else dict(n_taps=3, slots=(0, 1, 2))
+    rows = window + 5 if copy else window  # record_hc's ring: window + MAX_WIDTH rows
+    spec = TP.TapSpec(q, hidden, 4, rows, **kw, valid=True)
+    src = TP.render_tap(spec, target(arch), f"tap_valid_{hidden}_{'copy' if copy else 'mean'}")
+    toolchain_or_skip(arch)
+    c = compile_kernel(src, tmp_path)
+    assert not c.usage.get("spills"), c.usage
