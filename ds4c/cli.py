@@ -324,9 +324,10 @@ def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, a
                     draft: str | None) -> tuple[int, ...]:
     """``--prefill``: the chunk sizes (:func:`~ds4c.buckets.check_prefill_chunks`), checked before the engine
     starts; one-line errors for the combinations the chunk graphs do not serve yet. Not given: None (the engine's
-    default: an ``--artifact``'s own chunk graphs, else none), or () with ``--draft`` (drafters need taps or the
-    final HC state, which chunk graphs do not record). With ``--artifact`` the sizes must be among the artifact's
-    (``check_serves`` says so in one line when the engine opens)."""
+    default: an ``--artifact``'s own chunk graphs, else none), or () with ``--draft`` (an artifact's chunk graphs
+    record no taps or final HC state). With ``--artifact`` the sizes must be among the artifact's
+    (``check_serves`` says so in one line when the engine opens); ``--draft`` with ``--prefill`` builds the chunk
+    graphs with the drafter's taps / final HC recording, so not from an artifact."""
     if text is None:
         return () if draft is not None else None
     from ds4c.buckets import check_prefill_chunks
@@ -336,12 +337,12 @@ def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, a
         chunks = check_prefill_chunks(text)
     except StepError as e:
         raise Ds4cError(f"--prefill: {e}") from None
+    if draft is not None and artifact is not None:
+        raise Ds4cError(f"--prefill {text} with --draft and --artifact: an artifact's chunk graphs record no taps or "
+                        f"final HC state for a drafter; drop --artifact (the chunk graphs are then built here)")
     if resolve_engine(device, engine, dataflow) != "compiled":
         raise Ds4cError(f"--prefill {text}: prefill chunk graphs run on the compiled engine (--device cuda); found "
                         f"--device {device} --engine {engine}")
-    if draft is not None:
-        raise Ds4cError(f"--prefill {text} with --draft: drafters need taps or the final HC state, which chunk "
-                        f"graphs do not record yet; drop one of them")
     return chunks
 
 
@@ -487,8 +488,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--prefill", "prefill", default=None, metavar="C,C,...",
               help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (e.g. "
                    "256,2048; the largest full chunk first, the last one padded, a tail under 16 tokens as verify "
-                   "steps; not with a split or --draft; with --artifact, chunks it was compiled with: `ds4c "
-                   "compile --prefill`). Default: with --artifact, the artifact's chunk graphs; else verify steps "
+                   "steps; not with a split, nor with --draft from an --artifact; with --artifact, chunks it was "
+                   "compiled with: `ds4c compile --prefill`). Default: with --artifact, the artifact's chunk graphs; else verify steps "
                    "of 5 rows (the chunk graphs are not yet validated on a GPU: docs/prefill.md).")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")

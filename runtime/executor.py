@@ -180,13 +180,14 @@ class CompiledStep:
             sizes (the last one padded, masked by ``n_valid``; a tail under ``MIN_PREFILL_CHUNK`` rows as verify
             steps), one graph per chunk size and context bucket, built from ``build_step(..., prefill=True)``
             (docs/prefill.md). Empty (the default): :meth:`prefill` runs verify steps of the widest width.
-            Not with a layer split, taps or ``record_hc`` (their chunk kernels are not written). With an
+            Not with a layer split (its chunk graphs are not built); with taps or ``record_hc`` the chunk graphs
+            write the tap / final HC rings as token-wise decoding leaves them (``TapSpec.valid``). With an
             ``artifact``, the chunk graphs (keys ``p{C}_c{context}``) come from it: it must have been compiled
             with these chunk sizes or more (``ds4c compile --prefill``).
 
     Raises:
         StepError: no CUDA device; taps that are not distinct layer ids; prefill chunk sizes out of range, or
-            asked for with a split, taps or ``record_hc``.
+            asked for with a layer split.
         ArtifactError: the artifact is corrupt or edited, or does not serve this model (the first tensor whose
             format differs is named), or was compiled with other taps or another ``record_hc``, or lacks chunk
             graphs of ``prefill_chunks`` (what it holds and what was asked).
@@ -223,11 +224,9 @@ class CompiledStep:
             raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
         """The prefill chunk sizes :meth:`prefill` uses (ascending; empty: verify steps only)."""
-        if self.prefill_chunks and (self._split or self.taps or self.record_hc):
+        if self.prefill_chunks and self._split:
             raise StepError("prefill chunks (" + ",".join(map(str, self.prefill_chunks)) + ") run on an unsplit step "
-                            "without taps or record_hc (their chunk kernels are not written for the others); found "
-                            + ", ".join(w for w, on in (("a layer split", self._split), ("taps", bool(self.taps)),
-                                                        ("record_hc", self.record_hc)) if on))
+                            "(a layer split's chunk graphs are not built); found a layer split")
         with torch.cuda.device(self.dev):
             self._init(arch, cache, use_graphs, artifact)
 

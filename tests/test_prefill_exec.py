@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from ds4c.buckets import MIN_PREFILL_CHUNK, check_prefill_chunks, prefill_chunk_for
 from ds4c.cli import _prefill_chunks
 from ds4c.cli import main
-from ds4c.errors import StepError
+from ds4c.errors import Ds4cError, StepError
 
 
 @pytest.mark.parametrize("given, want", [((2048, 256), (256, 2048)), ("256,2048", (256, 2048)), ("", ()), ((), ()),
@@ -92,10 +92,14 @@ def test_cli_refuses_bad_prefill_options_in_one_line(tiny_path, args, found):
 
 def test_cli_prefill_default_leaves_the_choice_to_the_engine():
     """No --prefill: None (open_engine's default: an --artifact's own chunk graphs, else none); with --draft, none
-    (drafters need taps or the final HC state, which chunk graphs do not record)."""
+    (an artifact's chunk graphs record no taps or final HC state); --prefill with --draft builds them here, but not
+    from an artifact (one line)."""
     assert _prefill_chunks(None, "cpu", "auto", "bf16", "some/artifact", None) is None
     assert _prefill_chunks(None, "cpu", "auto", "bf16", None, None) is None
     assert _prefill_chunks(None, "cpu", "auto", "bf16", "some/artifact", "mtp") == ()
+    with pytest.raises(Ds4cError, match="with --draft and --artifact") as ei:
+        _prefill_chunks("64", "cuda", "compiled", "bf16", "some/artifact", "mtp")
+    assert "\n" not in str(ei.value)
 
 
 def test_reference_engine_refuses_prefill_chunks(tiny_path):
@@ -211,9 +215,36 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
         with pytest.raises(StepError, match=what) as ei:
             call()
         assert "\n" not in str(ei.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+def test_chunked_prefill_records_the_final_hc(gpu_env, tiny_path):
+    """With record_hc (the MTP drafter's input) the chunk graphs write the final HC ring as token-wise decoding
+    leaves it: after a 100-token prompt (chunks 64 + 16 + a padded 64, past the 21-row ring) the newest window of
+    rows equals the token-wise compiled step's within the two kernels' rounding (median < 2e-2, max < 0.25: the
+    bound of the other free-running comparisons), and a layer split is refused in one line."""
+    from ds4c.gguf_file import open_model
+    from ds4c.runtime.executor import CompiledStep, device_arch
+
+    chunked, _, _ = gpu_env
     mf = open_model(tiny_path)
-    with pytest.raises(StepError, match="found record_hc"):
-        CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True, prefill_chunks=(16,))
+    a = CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True, prefill_chunks=(16, 64))
+    a.prepare_all(progress=False)
+    b = CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True)
+    b.prepare_all(progress=False)
+    prompt = torch.randint(0, mf.config.vocab_size, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    a.reset()
+    a.final_hc_ring.fill_(float("nan"))
+    a.prefill(prompt, 0)
+    b.reset()
+    for i, t in enumerate(prompt):
+        b.step([t], i)
+    lo = 100 - mf.config.window
+    got, want = a.final_hc(lo, 100).float(), b.final_hc(lo, 100).float()
+    assert not torch.isnan(got).any()
+    e = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+    assert e.median() < 2e-2 and e.max() < 0.25, e
 
 
 def test_memory_plan_counts_the_widest_chunk_graph():
