@@ -946,6 +946,12 @@ class CompiledStep:
                 graph for the (width, bucket) key.
         """
         sg = self._begin(tokens, pos)
+        self._go(sg, pos + len(tokens))
+        return sg.values["logits"] if self.is_last else sg.values["hc_out"]
+
+    def _go(self, sg: _StepGraph, end: int) -> None:
+        """Run ``sg`` (its scalars uploaded): replay its CUDA graph, or launch its kernels without graphs; the
+        sequence then ends at position ``end``."""
         if self.use_graphs:
             if sg.cuda_graph is None:
                 # first use without prepare_all: the warm-up run inside _capture is this step's result
@@ -954,9 +960,8 @@ class CompiledStep:
                 sg.cuda_graph.replay()
         else:
             self._run(sg)
-        self.pos = pos + len(tokens)
+        self.pos = end
         self._tap_end = max(self._tap_end, self.pos)
-        return sg.values["logits"] if self.is_last else sg.values["hc_out"]
 
     @_on_device
     def prefill(self, tokens: list[int], pos: int, chunks: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -1002,15 +1007,7 @@ class CompiledStep:
         context = next(c for c in self.buckets.contexts if pos + rows <= c)
         sg = self.prepare(rows, context)
         self._upload(tokens, pos, rows=rows)
-        if self.use_graphs:
-            if sg.cuda_graph is None:
-                self._capture(sg)
-            else:
-                sg.cuda_graph.replay()
-        else:
-            self._run(sg)
-        self.pos = pos + len(tokens)
-        self._tap_end = max(self._tap_end, self.pos)
+        self._go(sg, pos + len(tokens))
         return sg.values["logits"]
 
     # the stepper interface of ds4c.generate.generate
