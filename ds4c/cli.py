@@ -530,6 +530,13 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
     device = _device_of(device, devices)
+    if prefill is not None:  # a bad value is named before the device is (a machine without a GPU says so too)
+        from ds4c.buckets import check_prefill_chunks
+
+        try:
+            check_prefill_chunks(prefill)
+        except StepError as e:
+            raise Ds4cError(f"--prefill: {e}") from None
     resolve_engine(device, engine, dataflow)  # device / engine / dataflow errors before a model is opened
     t0 = time.perf_counter()
     mf = open_model(_model_path(file))
@@ -658,7 +665,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 @click.option("--width", type=click.IntRange(1, 5), default=1, show_default=True, help="Step width q.")
 @click.option("--prefill", "prefill", type=click.IntRange(1, MAX_PREFILL_ROWS), default=None,
               help="Print the prefill chunk graph of C rows instead of a step (padded rows masked by n_valid; "
-                   "the head reads the last valid row).")
+                   "the head reads the last valid row). The IR takes any C; the compiled chunk graphs (compile / "
+                   "generate --prefill) start at 16 rows.")
 @click.option("--max-ctx", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--context", type=int, default=None, help="Context bucket (default: the largest).")
 @click.option("--pipeline", default="default", show_default=True, help="Pipeline name.")
@@ -982,15 +990,30 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
                         f"(../shared/peers/build_llama.sh builds it), found no executable file")
     chunks: tuple[int, ...] = ()
-    if prefill is not None:
+    src = click.get_current_context().get_parameter_source
+    if prefill is None:
+        given = [o for o, p in (("--prefill-chunks", "prefill_chunks"), ("--no-prefill-baseline", "prefill_baseline"))
+                 if src(p) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise Ds4cError(f"{', '.join(given)}: applies only with --prefill LENGTHS")
+    else:
         lengths = tuple(_parse_ints(prefill, "--prefill"))
-        if not lengths or min(lengths) < 1:
-            raise Ds4cError(f"--prefill: expected prompt lengths in 1.. (tokens), found {prefill!r}")
+        if not lengths or min(lengths) < 1 or len(set(lengths)) != len(lengths):
+            raise Ds4cError(f"--prefill: expected distinct prompt lengths >= 1 (tokens), found {prefill!r}")
         if devices or layer_split or artifact:
             raise Ds4cError("--prefill times the unsplit compiled step built here: drop --devices / --layer-split / "
                             "--artifact")
-        if device == "cuda":
-            chunks = _prefill_chunks(prefill_chunks, device, "auto", "bf16", None, None)
+        try:
+            from ds4c.buckets import check_prefill_chunks
+
+            chunks = check_prefill_chunks(prefill_chunks)
+        except StepError as e:
+            raise Ds4cError(f"--prefill-chunks: {e}") from None
+        if device != "cuda":
+            chunks = ()  # the reference has no chunk graphs: only the verify column runs
+            if not prefill_baseline:
+                raise Ds4cError("--no-prefill-baseline on the cpu leaves nothing to measure (the chunk graphs need "
+                                "--device cuda)")
     mf = open_model(_model_path(file))
     if llama_bench is not None and getattr(mf, "generates_on_device", False):
         raise Ds4cError(f"--llama-bench reads a GGUF file; {mf.path} has none (write it with ds4c make-model)")

@@ -272,7 +272,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
                                   ("record_hc", bool(record_hc))) if on]
         if others:
             raise ArtifactError(f"prefill chunk graphs ({_chunks_text(chunks)}) are compiled for the unsplit step "
-                                f"without taps or record_hc (their chunk kernels are not written for the others); "
+                                f"without taps or record_hc (a drafter's tapped chunk graphs are built at start instead: "
+                                f"generate --draft D --prefill C,C without --artifact); "
                                 f"found {', '.join(others)}")
         long = [n for n in chunks if n > buckets.max_ctx]
         if long:

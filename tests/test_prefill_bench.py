@@ -82,7 +82,12 @@ def test_bench_prefill_on_the_cpu(tiny_path, tmp_path):
 
 
 @pytest.mark.parametrize("args, found", [
-    (["--prefill", "0"], "expected prompt lengths in 1.."),
+    (["--device", "cpu", "--prefill", "0"], "expected distinct prompt lengths >= 1"),
+    (["--device", "cpu", "--prefill", "20,20"], "expected distinct prompt lengths >= 1"),
+    (["--device", "cpu", "--prefill", "20", "--prefill-chunks", "8"], "expected distinct ints in 16..4096"),
+    (["--device", "cpu", "--prefill-chunks", "256"], "--prefill-chunks: applies only with --prefill LENGTHS"),
+    (["--device", "cpu", "--no-prefill-baseline"], "--no-prefill-baseline: applies only with --prefill"),
+    (["--device", "cpu", "--prefill", "20", "--no-prefill-baseline"], "leaves nothing to measure"),
     (["--prefill", "x"], "--prefill"),
     (["--prefill", "64", "--artifact", "A"], "drop --devices / --layer-split / --artifact"),
     (["--device", "cuda", "--prefill", "64", "--prefill-chunks", "8"], "expected distinct ints in 16..4096"),
