@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -675,21 +676,27 @@ def lower_graph(g: Graph, cfg: Ds4Config, target: Target,
     check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)
     out: list[LoweredKernel] = []
+    for name, pattern, op in plan_kernels(g):
+        fn = _PATTERNS.get(pattern)
+        if fn is None:
+            raise LoweringError(f"no kernel family lowers the plan kernel pattern {pattern!r} (layer {op.layer})")
+        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
+    if c.q > 1 and not g.meta.get("dspark"):  # the drafter's graphs are never rolled back (ds4c.ir.dspark)
+        out.append(_lower_rollback(c))
+    return out
+
+
+def plan_kernels(g: Graph) -> Iterator[tuple[str, str, Op]]:
+    """The plan kernels of a partitioned graph in order: ``(name, pattern, op)`` per fused op, named
+    ``l{layer}.{pattern}`` (``{pattern}`` outside the layers), ``.2``, ``.3`` ... for repeats in a layer."""
     seen: dict[str, int] = {}
     for op in g.ops:
         if op.kind != "fused":
             continue
         pattern = op.attrs.get("pattern", "")
-        fn = _PATTERNS.get(pattern)
-        if fn is None:
-            raise LoweringError(f"no kernel family lowers the plan kernel pattern {pattern!r} (layer {op.layer})")
         base = f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern
         seen[base] = seen.get(base, 0) + 1
-        name = base if seen[base] == 1 else f"{base}.{seen[base]}"
-        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
-    if c.q > 1 and not g.meta.get("dspark"):  # the drafter's graphs are never rolled back (ds4c.ir.dspark)
-        out.append(_lower_rollback(c))
-    return out
+        yield (base if seen[base] == 1 else f"{base}.{seen[base]}"), pattern, op
 
 
 ROLLBACK_KERNEL = "rollback"

@@ -310,12 +310,6 @@ def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
     return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _tap.arg_names(spec)])]
 
 
-def _pending(message: str):
-    def fn(c: _Ctx, op: Op) -> list[Launch]:
-        raise PendingLowering(message)
-    return fn
-
-
 def _experts_fmt(c: _Ctx, names: tuple[str, ...], what: str) -> str:
     """The one moe_gemm storage format (``mxfp4`` | ``q8_0``) of the weights ``names``.
 
@@ -465,15 +459,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     c.row_block = _hc_row_block(c.q)
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
-    seen: dict[str, int] = {}
-    for op in g.ops:
-        if op.kind != "fused":
-            continue
-        pattern = op.attrs.get("pattern", "")
+    for name, pattern, op in L.plan_kernels(g):
         fn = _PATTERNS.get(pattern)
-        base = f"l{op.layer}.{pattern}" if op.layer >= 0 else pattern
-        seen[base] = seen.get(base, 0) + 1
-        name = base if seen[base] == 1 else f"{base}.{seen[base]}"
         if fn is None:
             raise LoweringError(f"no prefill lowering for the plan kernel pattern {pattern!r} (layer {op.layer})")
         try:

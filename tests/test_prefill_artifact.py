@@ -321,24 +321,10 @@ def test_real_prefill_compile_with_stubbed_experts(tmp_path, cache_env, monkeypa
     assert r.exit_code == 0 and "serves" in r.stdout, r.output
 
 
-def _experts_pending() -> str | None:
-    """The PendingLowering message of tiny's chunk graph (None once the routed experts' C-row kernel lowers)."""
-    from ds4c.runtime.targets import target
-
-    g = run_pipeline(build_step(TINY, 16, 64, prefill=True), "default", context=64).graph
-    try:
-        lower_mod.lower_graph(g, TINY, target(SM90))
-    except lp.PendingLowering as e:
-        return str(e)
-    return None
-
-
 @needs_nvcc
-@pytest.mark.skipif(_experts_pending() is not None,
-                    reason=f"the routed experts' C-row kernel is pending: {_experts_pending()}")
 def test_real_prefill_compile(tmp_path, cache_env, tiny_path):
-    """Once the grouped-experts kernel lowers: `ds4c compile --prefill 16` of tiny, unstubbed, pairs with the
-    lowering of this model."""
+    """`ds4c compile --prefill 16` of tiny, unstubbed (the real chunk-graph lowering, experts included), pairs with
+    the lowering of this model."""
     out = tmp_path / "art"
     r = run("compile", "--preset", "tiny", "--arch", SM90, "--widths", "1", "--max-ctx", "64", "--prefill", "16",
             "-o", out, env={"DS4C_CACHE": str(cache_env)})

@@ -264,24 +264,6 @@ def test_memory_plan_counts_the_widest_chunk_graph():
     assert plan_parts(mf, b, prefill_chunks=(256,)).arena < big.arena
 
 
-def _experts_pending() -> str | None:
-    """Why tiny's chunk graph does not lower yet (the routed experts' C-row kernel), or None once it does."""
-    from ds4c.config import preset
-    from ds4c.ir import build_step
-    from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.lower import lower_graph
-    from ds4c.runtime.lower_prefill import PendingLowering
-    from ds4c.runtime.targets import target
-
-    cfg = preset("tiny")
-    try:
-        lower_graph(run_pipeline(build_step(cfg, 16, 64, prefill=True), "default", context=64).graph, cfg,
-                    target("sm_90"))
-    except PendingLowering as e:
-        return str(e)
-    return None
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
 def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
@@ -289,9 +271,6 @@ def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
     --prefill 16,64`) serves CompiledStep(prefill_chunks=...) with nothing compiled: its prefill equals the step
     that compiled its own chunk graphs (the same binaries); open_engine defaults to the artifact's chunks; chunks the
     artifact lacks are a one-line ArtifactError naming both."""
-    why = _experts_pending()
-    if why is not None:
-        pytest.skip(f"the routed experts' C-row kernel is pending: {why}")
     from ds4c.engine import open_engine
     from ds4c.gguf_file import open_model
     from ds4c.runtime.artifact import ArtifactError, build_artifact
