@@ -257,18 +257,17 @@ class CompiledStep:
         self._workspaces: dict[str, torch.Tensor] = {}
         maxq = max(buckets.widths)  # the logits, hand-over and acceptance buffers' rows
         rows = max((maxq,) + self.prefill_chunks)  # the step buffer's: a prefill chunk's positions and tokens
-        # step buffer: [pos, live_r..., accepted, keep, n_valid, positions (rows), tokens (rows)]: the scalars
-        # first and the tokens last, so an upload copies only the prefix a graph of q rows reads (scalar_end)
+        # step buffer: [pos, live_r..., positions (rows), tokens (rows), accepted, keep, n_valid]
         self._ratios = sorted({r for r in self.cfg.compress_ratios[: self.cfg.n_layers] if r})
         self._off = {"pos": 0}
         for k, r in enumerate(self._ratios):
             self._off[f"live_r{r}"] = 1 + k
-        self._off["accepted"] = 1 + len(self._ratios)  # a rollback's accepted rows (undo family)
+        self._off["positions"] = 1 + len(self._ratios)
+        self._off["tokens"] = self._off["positions"] + rows
+        self._off["accepted"] = self._off["tokens"] + rows  # a rollback's accepted rows (undo family)
         self._off["keep"] = self._off["accepted"] + 1  # the most rows a device-side acceptance keeps
         self._off["n_valid"] = self._off["keep"] + 1  # a prefill chunk's real rows (the rest is padding)
-        self._off["positions"] = self._off["n_valid"] + 1
-        self._off["tokens"] = self._off["positions"] + rows
-        n_step = self._off["tokens"] + rows
+        n_step = self._off["n_valid"] + 1
         self._step_hosts = [torch.zeros(n_step, dtype=torch.int64).pin_memory() for _ in range(2)]
         # numpy views of the same pinned memory: the per-step scalars are written through them (a torch
         # element assignment costs microseconds: ~110 us per q=5 upload, measured on the H200)
@@ -909,8 +908,7 @@ class CompiledStep:
         h, done = self._step_hosts[self._host_turn], self._host_done[self._host_turn]
         done.synchronize()
         self.fill_scalars(self._step_np[self._host_turn], tokens, pos, rows=rows)
-        end = self.scalar_end(len(tokens) if rows is None else rows)
-        self._step_dev[:end].copy_(h[:end], non_blocking=True)  # the one upload of the step
+        self._step_dev.copy_(h, non_blocking=True)  # the one upload of the step
         done.record()
 
     def fill_scalars(self, a: np.ndarray, tokens: list[int], pos: int, keep: int | None = None,
@@ -930,12 +928,6 @@ class CompiledStep:
         a[off["positions"]:off["positions"] + n] = range(pos, pos + n)
         a[off["tokens"]:off["tokens"] + q] = tokens
         a[off["tokens"] + q:off["tokens"] + n] = 0
-
-    def scalar_end(self, rows: int) -> int:
-        """One past the last step-buffer element a graph of ``rows`` rows reads (the scalars, every row's
-        position slot, then its ``rows`` tokens): the prefix an upload copies (a 2048-row chunk size makes the
-        buffer 4 K elements; a decode step still copies ~30)."""
-        return self._off["tokens"] + rows
 
     @property
     def step_offsets(self) -> dict[str, int]:

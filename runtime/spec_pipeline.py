@@ -126,8 +126,7 @@ class GreedyPipeline:
             self._done[q.slot].synchronize()  # the slot's last step (two back) has read its scalars and ids
             self.flag.wait(q.seq)
             self._queue.append(q)  # from here on the stream waits for it: close() must find it, even on an error
-            end = st.scalar_end(sg.width)
-            st._step_dev[:end].copy_(self._scalars[q.slot][:end], non_blocking=True)
+            st._step_dev.copy_(self._scalars[q.slot], non_blocking=True)
             sg.cuda_graph.replay()
             st.accept_on_device(sg, self._ids[q.slot])
             self._done[q.slot].record()
