@@ -27,12 +27,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
 from ds4c.config import Ds4Config
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
 
 #: the chunk sizes ``ds4c bench --prefill`` compiles when ``--prefill-chunks`` is not given
-DEFAULT_CHUNKS = (256, 2048)
+DEFAULT_CHUNKS = DEFAULT_PREFILL_CHUNKS
 _LOOKUPS = ("token_embd.weight", "_ape.weight", "tid2eid.weight")  # tables read by index or added: no products
 
 
@@ -144,6 +145,8 @@ class PrefillRow:
     llama_tok_s: float | None = None
     roofline_bf16_s: float | None = None
     roofline_fp8_s: float | None = None
+    logits_rel_err: float | None = None
+    argmax_agrees: bool | None = None
     notes: list[str] = field(default_factory=list)
 
     def rate(self, seconds: float | None) -> float | None:
@@ -168,9 +171,10 @@ class PrefillReport:
         return d
 
 
-def _timed(stepper: Any, prompt: list[int], chunks: tuple[int, ...] | None) -> tuple[float, float]:
-    """(prefill seconds, TTFT seconds) of one fresh prompt: ``chunks`` None = verify steps of 5 rows (a stepper
-    without chunk graphs), else the compiled step's prefill with those chunks."""
+def _timed(stepper: Any, prompt: list[int], chunks: tuple[int, ...] | None) -> tuple[float, float, torch.Tensor]:
+    """(prefill seconds, TTFT seconds, the last token's fp32 logits ``[vocab]`` on the host) of one fresh prompt:
+    ``chunks`` None = verify steps of 5 rows (a stepper without chunk graphs), else the compiled step's prefill
+    with those chunks."""
     cuda = isinstance(getattr(stepper, "dev", None), torch.device) and stepper.dev.type == "cuda"
     stepper.reset()
     if cuda:
@@ -185,7 +189,8 @@ def _timed(stepper: Any, prompt: list[int], chunks: tuple[int, ...] | None) -> t
         torch.cuda.synchronize(stepper.dev)
     t1 = time.perf_counter()
     int(logits[-1].argmax())  # the first token, on the host
-    return t1 - t0, time.perf_counter() - t0
+    ttft = time.perf_counter() - t0
+    return t1 - t0, ttft, logits[-1].float().cpu()
 
 
 def run_prefill_bench(mf: ModelFile, lengths: tuple[int, ...], device: str = "cuda",
@@ -235,7 +240,11 @@ def run_prefill_bench(mf: ModelFile, lengths: tuple[int, ...], device: str = "cu
         else:
             row.notes.append("chunk graphs not run: need the compiled engine (--device cuda)")
         if baseline:
-            row.verify_s, row.verify_ttft_s = _timed(stepper, prompt, None)
+            row.verify_s, row.verify_ttft_s, want = _timed(stepper, prompt, None)
+            if cuda:  # the chunk graphs' next-token logits against the verify steps' (the same kernels' noise)
+                got = runs[-1][2]
+                row.logits_rel_err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                row.argmax_agrees = int(got.argmax()) == int(want.argmax())
         row.llama_tok_s = llama.get("pp_tok_s", {}).get(n)
         rows.append(row)
         say(format_prefill_row(row))
@@ -255,7 +264,10 @@ def format_prefill_row(r: PrefillRow) -> str:
     return (f"prefill {r.length}: chunks {_f(r.rate(r.chunks_s), '.0f')} tokens/s (TTFT "
             f"{_f(None if r.chunks_ttft_s is None else r.chunks_ttft_s * 1e3, '.1f')} ms), verify steps "
             f"{_f(r.rate(r.verify_s), '.0f')} tokens/s, llama.cpp {_f(r.llama_tok_s, '.0f')} tokens/s, "
-            f"{r.flops['total'] / 1e12:.2f} TFLOP" + "".join(f"; {m}" for m in r.notes))
+            f"{r.flops['total'] / 1e12:.2f} TFLOP"
+            + (f"; chunks vs verify logits rel err {r.logits_rel_err:.2e}, argmax "
+               f"{'agrees' if r.argmax_agrees else 'DIFFERS'}" if r.logits_rel_err is not None else "")
+            + "".join(f"; {m}" for m in r.notes))
 
 
 def format_prefill_report(rep: PrefillReport) -> str:
