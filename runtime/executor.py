@@ -1146,16 +1146,25 @@ class CompiledStep:
         return g
 
     @_on_device
-    def time_launches(self, tokens: list[int], pos: int, repeats: int = 20) -> list[dict[str, Any]]:
+    def time_launches(self, tokens: list[int], pos: int, repeats: int = 20,
+                      rows: int | None = None) -> list[dict[str, Any]]:
         """Time every launch of the step at (``len(tokens)``, bucket of ``pos``) on its own with CUDA events
         (median of ``repeats`` eager runs of the whole launch list; the state is snapshotted and restored, so
-        the sequence is unchanged). Returns one dict per launch: ``kernel`` (plan name), ``family``,
-        ``layer``, ``entry``, ``us`` (median microseconds).
+        the sequence is unchanged). ``rows``: time the prefill chunk graph of that many rows instead (one of
+        :attr:`prefill_chunks`, ``len(tokens) <= rows``, the rest padding). Returns one dict per launch:
+        ``kernel`` (plan name), ``family``, ``layer``, ``entry``, ``us`` (median microseconds).
 
         Raises:
-            StepError: as :meth:`step`.
+            StepError: as :meth:`step`; ``rows`` not a prepared chunk size, or fewer than ``len(tokens)``.
         """
-        sg = self._begin(tokens, pos)
+        if rows is None:
+            sg = self._begin(tokens, pos)
+        else:
+            if rows not in self.prefill_chunks or len(tokens) > rows or pos != self.pos:
+                raise StepError(f"time_launches: expected a chunk of {list(self.prefill_chunks)} rows holding "
+                                f"{len(tokens)} tokens at the next position {self.pos}, found rows={rows} pos={pos}")
+            sg = self.prepare(rows, next(c for c in self.buckets.contexts if pos + rows <= c))
+            self._upload(tokens, pos, rows=rows)
         snap = self.snapshot()
         pairs = [(k, la) for k in sg.kernels if k.name != ROLLBACK_KERNEL for la in k.launches]  # as sg.launches
         assert len(pairs) == len(sg.launches), (len(pairs), len(sg.launches))

@@ -35,15 +35,17 @@ def main() -> int:
     ap.add_argument("--pos", type=int, default=200)
     ap.add_argument("--max-ctx", type=int, default=4096)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--prefill", default="", help="chunk sizes C,C: profile those prefill chunk graphs at --pos")
     a = ap.parse_args()
     cfg = preset(a.model)
-    path = Path(a.gguf) if a.gguf else make_model(cfg, Path(tempfile.mkdtemp()) / f"{a.model}.gguf", seed=0)
+    path = a.gguf if a.gguf else make_model(cfg, Path(tempfile.mkdtemp()) / f"{a.model}.gguf", seed=0)
     mf = open_model(path)
     widths = tuple(int(w) for w in a.widths.split(","))
-    buckets = BucketSpec.build(mf.config, widths, a.max_ctx)
-    ex = CompiledStep(mf, buckets, a.arch, KernelCache(Path(tempfile.mkdtemp())))
+    chunks = tuple(int(c) for c in a.prefill.split(",") if c)
+    buckets = BucketSpec.build(mf.config, widths, max(a.max_ctx, a.pos + max(chunks, default=0) + 1))
+    ex = CompiledStep(mf, buckets, a.arch, KernelCache(Path(tempfile.mkdtemp())), prefill_chunks=chunks)
     g = torch.Generator().manual_seed(3)
-    toks = torch.randint(0, mf.config.vocab_size, (a.pos + 8,), generator=g).tolist()
+    toks = torch.randint(0, mf.config.vocab_size, (a.pos + max(chunks, default=8) + 8,), generator=g).tolist()
     p = 0
     while p < a.pos:  # fill the sequence up to pos with the widest step
         q = min(max(widths), a.pos - p)
@@ -51,15 +53,20 @@ def main() -> int:
             q = 1 if 1 in widths else min(widths)
         ex.step(toks[p:p + q], p)
         p += q
-    for w in widths:
-        rows = ex.time_launches(toks[p:p + w], p)
+    runs = [(w, None) for w in widths] + [(c, c) for c in chunks]
+    for w, chunk in runs:
+        rows = ex.time_launches(toks[p:p + w], p, rows=chunk)
         total = sum(r["us"] for r in rows)
-        rep = ex.time_replays(toks[p:p + w], p)
+        rep = ex.time_replays(toks[p:p + w], p) if chunk is None else float("nan")
+        if chunk is not None:
+            print(f"== prefill chunk C={chunk}: {total / 1e3:.2f} ms for {chunk} rows = {chunk / total * 1e6:.0f} "
+                  f"tokens/s (sum of launches)")
         fam = defaultdict(lambda: [0.0, 0])
         for r in rows:
             fam[r["family"]][0] += r["us"]
             fam[r["family"]][1] += 1
-        print(f"== {mf.config.name} q={w} pos={p} bucket={buckets.bucket(p, w)}: {len(rows)} launches, "
+        where = f"C={chunk}" if chunk else f"q={w} bucket={buckets.bucket(p, w)}"
+        print(f"== {mf.config.name} {where} pos={p}: {len(rows)} launches, "
               f"sum of launches {total:.1f} us, graph replay {rep * 1e3:.1f} us")
         for f, (us, n) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
             print(f"  {f:12s} {n:4d} launches {us:9.1f} us ({100 * us / total:5.1f}%)")
