@@ -102,6 +102,23 @@ def test_cli_prefill_default_leaves_the_choice_to_the_engine():
     assert "\n" not in str(ei.value)
 
 
+@pytest.mark.parametrize("max_ctx,want", [(4096, [(256, 2048), (256,), ()]), (2048, [(256, 2048), (256,), ()]),
+                                          (1024, [(256,), ()]), (200, [()])])
+def test_default_chunks_fit_the_context_and_fall_back(max_ctx, want):
+    """Without an artifact the compiled engine tries the default chunk graphs that fit max_ctx, then fewer, then
+    none: the first whose memory plan fits is used (open_engine)."""
+    from ds4c.engine import default_prefill_tries
+
+    assert default_prefill_tries(max_ctx) == want
+
+
+@pytest.mark.parametrize("value", ["none", "NONE", ""])
+def test_cli_prefill_none_means_verify_steps(value):
+    from ds4c.cli import _prefill_chunks
+
+    assert _prefill_chunks(value, "cpu", "auto", "bf16", None, None) == ()
+
+
 def test_reference_engine_refuses_prefill_chunks(tiny_path):
     from ds4c.api import Model
     from ds4c.errors import Ds4cError
@@ -131,7 +148,33 @@ def gpu_env(tiny_path, tmp_path_factory):
     plain = CompiledStep(mf, buckets, device_arch(), cache)
     plain.prepare_all(progress=False)
     ref = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=512)
-    return chunked, plain, ref
+    return chunked, plain, ref, _token_wise_floor(plain, ref)
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def _token_wise_floor(plain, ref) -> dict[str, float]:
+    """The noise floor of two valid implementations on tiny: for every buffer (and ``"logits"``) the largest
+    error of the token-wise compiled step against the token-wise reference over the test's prompts. At some
+    lengths the two agree bit for bit, at others one rounding flip (fp32 sums in another order, then a bf16 or
+    FP8 rounding, or a near-tie in the indexer's top-k) grows through the random tiny layers to a few 1e-2 in
+    the deepest buffers (measured on the H200: l5.ring 3.3e-2 at 33 tokens). The GEMM kernels of a chunk sum
+    in yet another order, so the chunked state is held to the floor over all lengths, not to the one
+    length's, which is 0 where the token-wise step happens to be exact."""
+    floor: dict[str, float] = {}
+    for n in LENGTHS:
+        prompt = _prompt(n, plain.cfg.vocab_size)
+        ref.reset()
+        plain.reset()
+        for i, t in enumerate(prompt):
+            want = ref.decode(t, i)[-1]
+            base = plain.step([t], i)[-1]
+        errs = {"logits": _rel(base, want), **_state_errors(plain, ref)}
+        for k, v in errs.items():
+            floor[k] = max(floor.get(k, 0.0), v)
+    return floor
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,30 +200,29 @@ def _state_errors(step, ref) -> dict[str, float]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
 def test_chunked_prefill_equals_token_wise_decoding(gpu_env, n):
     """A prompt of n tokens through the chunk graphs: its next-token logits and every state buffer are the
-    reference's token-wise ones within 3x the compiled step's own token-wise error against the same reference
-    (its noise floor; at least 1e-2 relative L2), the same argmax unless the reference's top two are within 1e-2,
-    the sequence at position n; then 8 greedy decode steps from the prefilled state, both from the reference's next token, give the
-    tokens the token-wise compiled step gives (up to a near-tie, reported with its margin)."""
-    chunked, plain, ref = gpu_env
-    prompt = torch.randint(0, chunked.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    reference's token-wise ones within 3x the noise floor (:func:`_token_wise_floor`: the token-wise compiled
+    step's largest error against the same reference over the test's lengths; at least 1e-2 relative L2), the
+    same argmax unless the reference's top two are within 1e-2, the sequence at position n; then 8 greedy decode
+    steps from the prefilled state, both from the reference's next token, give the tokens the token-wise
+    compiled step gives (up to a near-tie, reported with its margin)."""
+    chunked, plain, ref, floor = gpu_env
+    prompt = _prompt(n, chunked.cfg.vocab_size)
     ref.reset()
     for i, t in enumerate(prompt):
         want = ref.decode(t, i)[-1]
     plain.reset()
     for i, t in enumerate(prompt):
-        base = plain.step([t], i)[-1].clone()
-    floor = _rel(base, want)
-    base_state = _state_errors(plain, ref)
+        plain.step([t], i)
     chunked.reset()
     got = chunked.prefill(prompt, 0)
     assert got.shape == (1, chunked.cfg.vocab_size) and chunked.pos == n
     e = _rel(got[0], want)
-    assert e <= max(3 * floor, 1e-2), f"prefill logits rel err {e:.3g}, token-wise compiled {floor:.3g}"
+    assert e <= max(3 * floor["logits"], 1e-2), f"prefill logits rel err {e:.3g}, floor {floor['logits']:.3g}"
     top2 = torch.topk(want.float(), 2).values
     if float(top2[0] - top2[1]) > 1e-2:
         assert int(got[0].argmax()) == int(want.argmax())
     for name, err in _state_errors(chunked, ref).items():
-        assert err <= max(3 * base_state[name], 1e-2), f"{name}: {err:.3g} (token-wise compiled {base_state[name]:.3g})"
+        assert err <= max(3 * floor[name], 1e-2), f"{name}: {err:.3g} (floor {floor[name]:.3g})"
     a = c = int(want.argmax())  # both decode on from the same token
     toks_a, toks_b = [], []
     for k in range(8):
@@ -204,7 +246,7 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
     from ds4c.gguf_file import open_model
     from ds4c.runtime.executor import CompiledStep, device_arch
 
-    chunked, _, _ = gpu_env
+    chunked = gpu_env[0]
     chunked.reset()
     before = chunked.captures
     chunked.prefill(list(range(1, 200)), 0)
@@ -221,13 +263,13 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
 def test_chunked_prefill_records_the_final_hc(gpu_env, tiny_path):
     """With record_hc (the MTP drafter's input) the chunk graphs write the final HC ring as token-wise decoding
-    leaves it: after a 100-token prompt (chunks 64 + 16 + a padded 64, past the 21-row ring) the newest window of
-    rows equals the token-wise compiled step's within the two kernels' rounding (median < 2e-2, max < 0.25: the
-    bound of the other free-running comparisons), and a layer split is refused in one line."""
+    leaves it: after a 100-token prompt (chunks 64, 16, 16, then 4 tokens as a verify step; past the 21-row ring) the newest window of
+    rows equals the token-wise compiled step's within the noise floor (median below 3x the floor of the last
+    layer's buffers, at least 2e-2; max < 0.25: the bound of the other free-running comparisons)."""
     from ds4c.gguf_file import open_model
     from ds4c.runtime.executor import CompiledStep, device_arch
 
-    chunked, _, _ = gpu_env
+    chunked, floor = gpu_env[0], gpu_env[3]
     mf = open_model(tiny_path)
     a = CompiledStep(mf, chunked.buckets, device_arch(), chunked.cache, record_hc=True, prefill_chunks=(16, 64))
     a.prepare_all(progress=False)
@@ -244,7 +286,9 @@ def test_chunked_prefill_records_the_final_hc(gpu_env, tiny_path):
     got, want = a.final_hc(lo, 100).float(), b.final_hc(lo, 100).float()
     assert not torch.isnan(got).any()
     e = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
-    assert e.median() < 2e-2 and e.max() < 0.25, e
+    last = mf.config.n_layers - 1
+    bound = max(2e-2, 3 * max(v for k, v in floor.items() if k.startswith(f"l{last}.")))
+    assert e.median() < bound and e.max() < 0.25, (bound, e)
 
 
 def test_memory_plan_counts_the_widest_chunk_graph():
@@ -277,7 +321,7 @@ def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
-    chunked, _, _ = gpu_env
+    chunked = gpu_env[0]
     mf = open_model(tiny_path)
     types = {n: mf.ggml_type(n) for n in mf.specs}
     out = build_artifact(mf.config, [target(device_arch())], chunked.buckets, tmp_path / "art", chunked.cache,
