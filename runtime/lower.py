@@ -12,6 +12,7 @@ devices, caches or files.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from collections.abc import Iterator
@@ -145,6 +146,10 @@ class _Ctx:
         # what a prefill chunk graph changes (runtime/lower_prefill.py sets them; decode / verify keep these):
         #: HcSpec.row_block of the HC kernels (0: every stage-mix block loops over all q rows)
         self.row_block = 0
+        #: AttentionSpec.heads_per_block of the attention kernels (the decode / verify steps: 1)
+        self.attn_heads_per_block = 1
+        #: AttentionSpec.threads of the attention kernels (0: the family's automatic block size)
+        self.attn_threads = 0
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
         self.linears = _gemv
 
@@ -434,8 +439,17 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
     ratio = 0
     if kind == "hca":
         ratio = c.prod[sa.inputs[6]].attrs["ratio"]
-    spec = _att.AttentionSpec(kind, c.q, int(sa.inputs[0].type.shape[1]), int(sa.inputs[0].type.shape[2]),
-                              a["window"], cap, topk, ratio, scale=a["scale"])
+    heads = int(sa.inputs[0].type.shape[1])
+    hpb = c.attn_heads_per_block if heads % c.attn_heads_per_block == 0 else 1
+    spec = _att.AttentionSpec(kind, c.q, heads, int(sa.inputs[0].type.shape[2]),
+                              a["window"], cap, topk, ratio, heads_per_block=hpb, scale=a["scale"])
+    if c.attn_threads:
+        try:
+            spec = dataclasses.replace(spec, threads=c.attn_threads)
+        except RenderError:
+            pass  # a block size this head_dim cannot take: the automatic one
+    if spec.smem_bytes() > _att.STATIC_SMEM_LIMIT and hpb > 1:
+        spec = dataclasses.replace(spec, heads_per_block=1, threads=0)
     srcs = _att.render_attention(spec, c.target, c.name(op, f"attn_{kind}"))
     b = {"q": c.arg(sa.inputs[0]), "ring": c.arg(sa.inputs[1]), "kv_new": c.arg(sa.inputs[2]),
          "sink": c.arg(sa.inputs[4]), "out": Arg("value", c.names[sa.outputs[0]]), "pos": Arg("step", "pos"),

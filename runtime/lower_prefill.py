@@ -45,6 +45,8 @@ Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid
 
 from __future__ import annotations
 
+import os
+
 import math
 from dataclasses import dataclass
 
@@ -85,6 +87,15 @@ class PendingKernel:
     pattern: str
     layer: int
     message: str
+
+
+#: AttentionSpec.heads_per_block at C rows: one block computes this many heads of a row, so each KV row it
+#: gathers (window, selected compressed rows; shared by every head, MQA) is read once per head group instead of
+#: once per head (1 where it does not divide the heads or the shared memory would not fit).
+#: ``DS4C_PREFILL_ATTN_HPB`` overrides it (docs/perf.md, "Prefill: attention heads per block").
+PREFILL_ATTN_HEADS_PER_BLOCK = int(os.environ.get("DS4C_PREFILL_ATTN_HPB", "4"))
+#: AttentionSpec.threads at C rows (0: automatic); ``DS4C_PREFILL_ATTN_THREADS`` overrides it.
+PREFILL_ATTN_THREADS = int(os.environ.get("DS4C_PREFILL_ATTN_THREADS", "0"))
 
 
 def _hc_row_block(q: int) -> int:
@@ -457,6 +468,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     L.check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)
     c.row_block = _hc_row_block(c.q)
+    c.attn_heads_per_block = PREFILL_ATTN_HEADS_PER_BLOCK
+    c.attn_threads = PREFILL_ATTN_THREADS
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

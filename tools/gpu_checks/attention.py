@@ -35,9 +35,14 @@ SHAPES = {
                  {"swa": {}, "csa": dict(cap=1024, topk=512), "hca": dict(cap=32, ratio=128)}, (5, 127, 3000)),
     "tiny": (dict(heads=4, head_dim=192, window=16),
              {"swa": {}, "csa": dict(cap=64, topk=8), "hca": dict(cap=32, ratio=16)}, (5, 15, 300)),
+    # a prefill chunk's attention (q = C rows; issue 12): the official shapes at 256 rows past the window
+    "prefill": (dict(heads=64, head_dim=512, window=128),
+                {"swa": {}, "csa": dict(cap=1024, topk=512), "hca": dict(cap=32, ratio=128)}, (2048,)),
 }
+ROWS = {"official": (1, 5), "tiny": (1, 5), "prefill": (256,)}
 # (heads_per_block, splits) per shape
-VARIANTS = {"official": ((1, 1), (1, 4), (2, 4), (4, 4), (4, 8)), "tiny": ((1, 1), (1, 4), (2, 4))}
+VARIANTS = {"official": ((1, 1), (1, 4), (2, 4), (4, 4), (4, 8)), "tiny": ((1, 1), (1, 4), (2, 4)),
+            "prefill": ((1, 1), (4, 1), (4, 1, 128), (8, 1, 128))}  # (hpb, splits[, threads])
 TOL = 1e-2
 
 
@@ -79,14 +84,14 @@ def run(arch: str = "sm_90") -> list[dict]:
     cases = []
     for shape, (base, kinds, positions) in SHAPES.items():
         for kind, extra in kinds.items():
-            for q in (1, 5):
-                for hpb, splits in VARIANTS[shape]:
+            for q in ROWS[shape]:
+                for hpb, splits, *threads in VARIANTS[shape]:
                     cases.append((shape, A.AttentionSpec(kind=kind, q=q, splits=splits, heads_per_block=hpb, **base,
-                                                         **extra), positions))
+                                                         threads=threads[0] if threads else 0, **extra), positions))
     # render + compile everything first (in parallel)
     srcs = []
     for shape, spec, _ in cases:
-        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}"
+        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}_t{spec.block_threads()}"
         srcs += A.render_attention(spec, tgt, name)
     kernels, compile_s = compile_all(srcs, "ds4c-attn-")
 
@@ -94,7 +99,7 @@ def run(arch: str = "sm_90") -> list[dict]:
     g = torch.Generator().manual_seed(1234)
     rows: list[dict] = []
     for shape, spec, positions in cases:
-        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}"
+        name = f"sa_{shape}_{spec.kind}_q{spec.q}_s{spec.splits}_h{spec.heads_per_block}_t{spec.block_threads()}"
         main, use, secs = kernels[name]
         comb = kernels.get(name + "_combine", (None, {}, 0.0))[0]
         shapes = A.launch_shapes(spec)
@@ -124,7 +129,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             nbytes = _kv_bytes(spec, d, pos, live)
             rows.append({
                 "spec": f"{shape:8s} {spec.kind} q={spec.q} pos={pos:<5d} splits={spec.splits} "
-                        f"heads/block={spec.heads_per_block}",
+                        f"heads/block={spec.heads_per_block} threads={spec.block_threads()}",
                 "ok": written and rel < TOL, "rel_err": rel, "max_abs": float(diff.abs().max()),
                 "all_written": written, "us": us, "GBps": nbytes / (us * 1e-6) / 1e9, "kv_bytes": nbytes,
                 "regs": use.get("registers"), "compile_s": secs,
