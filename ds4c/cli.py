@@ -323,13 +323,16 @@ def _mtp_summary(mf) -> dict | None:
 def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, artifact: str | None,
                     draft: str | None) -> tuple[int, ...]:
     """``--prefill``: the chunk sizes (:func:`~ds4c.buckets.check_prefill_chunks`), checked before the engine
-    starts; one-line errors for the combinations the chunk graphs do not serve yet. Not given: None (the engine's
-    default: an ``--artifact``'s own chunk graphs, else none), or () with ``--draft`` (an artifact's chunk graphs
-    record no taps or final HC state). With ``--artifact`` the sizes must be among the artifact's
+    starts; one-line errors for the combinations the chunk graphs do not serve yet. ``none`` (or empty): ().
+    Not given: None (the engine's default: an ``--artifact``'s own chunk graphs, else
+    :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS`), or () with ``--draft`` (an artifact's chunk graphs record no
+    taps or final HC state; a drafter's tapped chunk graphs are asked for explicitly). With ``--artifact`` the sizes must be among the artifact's
     (``check_serves`` says so in one line when the engine opens); ``--draft`` with ``--prefill`` builds the chunk
     graphs with the drafter's taps / final HC recording, so not from an artifact."""
     if text is None:
         return () if draft is not None else None
+    if text.strip().lower() in ("", "none"):
+        return ()
     from ds4c.buckets import check_prefill_chunks
     from ds4c.engine import resolve_engine
 
@@ -489,8 +492,9 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
               help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (e.g. "
                    "256,2048; the largest full chunk first, the last one padded, a tail under 16 tokens as verify "
                    "steps; not with a split, nor with --draft from an --artifact; with --artifact, chunks it was "
-                   "compiled with: `ds4c compile --prefill`). Default: with --artifact, the artifact's chunk graphs; else verify steps "
-                   "of 5 rows (the chunk graphs are not yet validated on a GPU: docs/prefill.md).")
+                   "compiled with: `ds4c compile --prefill`; 'none': verify steps of 5 rows). Default: with "
+                   "--artifact, the artifact's chunk graphs; with --draft, none; else 256,2048 (those that fit "
+                   "--max-ctx and the memory plan; docs/prefill.md).")
 @_split_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record (prompt, tokens, text, timings).")
 def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, prompt_ids: str | None,
@@ -530,7 +534,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
     device = _device_of(device, devices)
-    if prefill is not None:  # a bad value is named before the device is (a machine without a GPU says so too)
+    if prefill is not None and prefill.strip().lower() not in ("", "none"):  # named before the device is
         from ds4c.buckets import check_prefill_chunks
 
         try:

@@ -19,13 +19,15 @@ onto this function's keyword arguments.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
 
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
-from ds4c.shard_plan import ShardPlan
+from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
+from ds4c.shard_plan import ShardPlan, ShardPlanError
 
 DEVICES = ("cpu", "cuda")
 ENGINES = ("auto", "reference", "compiled")
@@ -116,6 +118,14 @@ def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str,
     return mp
 
 
+def default_prefill_tries(max_ctx: int) -> list[tuple[int, ...]]:
+    """The chunk sets a compiled engine without an artifact tries in turn, keeping the first whose memory plan
+    fits (issue 12): :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` no longer than ``max_ctx``, then fewer (the
+    largest dropped first), then none (verify steps). E.g. 4096 -> ``[(256, 2048), (256,), ()]``."""
+    fit = tuple(c for c in DEFAULT_PREFILL_CHUNKS if c <= max_ctx)
+    return [fit[:n] for n in range(len(fit), 0, -1)] + [()]
+
+
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
@@ -155,8 +165,10 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             (``CompiledStep.prefill``). Empty: verify steps. ``None`` (the default): with an ``artifact``, the
             chunk sizes it holds (``ds4c compile --prefill``; none when it was compiled without, or with taps,
             ``record_hc`` or a split asked for: chunk graphs serve none of those), so an artifact
-            compiled with chunk graphs prefills with them without repeating the sizes; without an artifact, empty
-            (until the chunk graphs are validated on a GPU). With an artifact, sizes given explicitly must be among
+            compiled with chunk graphs prefills with them without repeating the sizes; without an artifact,
+            :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` that fit ``max_ctx`` (none with a layer split), fewer
+            (the smallest, then none, said on stderr with ``progress``) where the memory plan does not fit with
+            them. With an artifact, sizes given explicitly must be among
             its chunk sizes (``ArtifactError`` naming both). The reference engine prefills token-wise (its verify
             steps) and refuses them.
 
@@ -206,14 +218,33 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                                 f"compile the artifact with a larger --max-ctx or ask for less")
             if prefill_chunks is None and not (taps or record_hc or devices is not None or layer_split is not None):
                 chunks = manifest_prefill_chunks(man)  # the artifact's chunk graphs (explicit: a subset, check_serves)
+                if not chunks and progress:
+                    print(f"{artifact}: no prefill chunk graphs (compiled without --prefill): prompts run as verify "
+                          f"steps; `ds4c compile --prefill {','.join(map(str, DEFAULT_PREFILL_CHUNKS))}` adds them",
+                          file=sys.stderr)
         else:
             buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, min(max_ctx or 4096, limit))
         from ds4c.runtime.memory_plan import plan_parts
 
         arch = device_arch()
-        parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
-        plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
-        mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress)
+        tries = [chunks]
+        if prefill_chunks is None and artifact is None and devices is None and layer_split is None:
+            tries = default_prefill_tries(buckets.max_ctx)
+        for i, chunks in enumerate(tries):
+            parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
+            plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
+            try:
+                mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress and i == len(tries) - 1)
+            except ShardPlanError:
+                if i == len(tries) - 1:
+                    raise
+                continue
+            if progress and i:
+                print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the "
+                      "memory plan", file=sys.stderr)
+            if progress and i != len(tries) - 1:
+                print(mplan.describe(), file=sys.stderr)
+            break
         art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
