@@ -173,17 +173,23 @@ def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
 def prefill_chunk_for(chunks: tuple[int, ...], remaining: int, pos: int, max_ctx: int) -> int | None:
     """The chunk graph to run next when ``remaining`` prompt tokens start at ``pos`` (the prefill policy):
 
-    * the largest chunk ``C <= remaining`` (full, no padding);
-    * else, with at least ``MIN_PREFILL_CHUNK`` tokens left, the smallest chunk above them (padded: its rows past
+    * fewer than ``MIN_PREFILL_CHUNK`` tokens left: None (the tail goes as verify steps);
+    * the smallest chunk above ``remaining`` when they fill at least half of it (padded: its rows past
       ``remaining`` are masked by ``n_valid``);
-    * else None: the tail goes as verify steps.
+    * else the largest chunk ``C <= remaining`` (full, no padding);
+    * else the smallest chunk above ``remaining`` (padded).
 
+    Half full is enough because a chunk's time grows far slower than its rows: the grouped experts read every
+    routed expert's weights at any C >= 256 (H200, flash-l4: a 2048-row chunk ~92 ms, a 256-row one ~17 ms,
+    derived from ``ds4c bench`` and ``ds4c generate``), so 1952 tokens as one padded 2048 chunk cost ~2/3 of
+    7 full 256 chunks and a padded one (docs/perf.md, session 11).
     Only chunks whose rows all fit the context (``pos + C <= max_ctx``) are candidates, padded rows included.
     ``chunks`` ascending (:func:`check_prefill_chunks`)."""
+    if remaining < MIN_PREFILL_CHUNK:
+        return None
     fit = [c for c in chunks if pos + c <= max_ctx]
+    up = next((c for c in fit if c > remaining), None)
+    if up is not None and 2 * remaining >= up:
+        return up
     full = [c for c in fit if c <= remaining]
-    if full:
-        return full[-1]
-    if remaining >= MIN_PREFILL_CHUNK:
-        return next((c for c in fit if c > remaining), None)
-    return None
+    return full[-1] if full else up

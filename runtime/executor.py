@@ -967,7 +967,7 @@ class CompiledStep:
     def prefill(self, tokens: list[int], pos: int, chunks: tuple[int, ...] | None = None) -> torch.Tensor:
         """Ingest ``tokens`` at ``pos..`` (a prompt, or the rest of one) and return the fp32 logits of the last
         one, ``[1, vocab]`` (a device tensor, valid until the next step). With :attr:`prefill_chunks`: chunk
-        graphs picked by :func:`~ds4c.buckets.prefill_chunk_for` (the largest full chunk, else a padded one,
+        graphs picked by :func:`~ds4c.buckets.prefill_chunk_for` (a padded chunk at least half full, else the largest full one,
         a tail under ``MIN_PREFILL_CHUNK`` tokens as verify steps of the widest width); without: verify steps
         only. The state afterwards is what token-wise decoding leaves (the chunk kernels write no state past
         ``n_valid``; docs/prefill.md). Nothing here can be rolled back. ``chunks``: a subset of

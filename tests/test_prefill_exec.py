@@ -37,16 +37,22 @@ def test_bad_chunk_sizes_are_one_line_errors(given, found):
 
 
 def test_the_chunk_policy():
-    """The largest full chunk, else a padded one when >= MIN_PREFILL_CHUNK tokens are left, else verify steps;
-    only chunks whose rows (padding included) fit the context."""
+    """Verify steps under MIN_PREFILL_CHUNK tokens; the smallest chunk above the tokens left when they fill at
+    least half of it (padded); else the largest full chunk; else a padded one; only chunks whose rows (padding
+    included) fit the context."""
     ch = (16, 64, 256)
     assert prefill_chunk_for(ch, 1000, 0, 4096) == 256
     assert prefill_chunk_for(ch, 256, 0, 4096) == 256
-    assert prefill_chunk_for(ch, 255, 0, 4096) == 64
-    assert prefill_chunk_for(ch, 63, 0, 4096) == 16
+    assert prefill_chunk_for(ch, 255, 0, 4096) == 256  # padded: 1 masked row, not 64 + 64 + 64 + 16 + ...
+    assert prefill_chunk_for(ch, 127, 0, 4096) == 64  # under half of 256: the largest full chunk
+    assert prefill_chunk_for(ch, 63, 0, 4096) == 64
+    assert prefill_chunk_for(ch, 17, 0, 4096) == 16  # 17 fills under half of 64
     assert prefill_chunk_for(ch, 15, 0, 4096) is None  # a tail under MIN_PREFILL_CHUNK: verify steps
     assert prefill_chunk_for((64, 256), 40, 0, 4096) == 64  # padded: 24 masked rows
+    assert prefill_chunk_for((256, 2048), 20, 0, 4096) == 256  # nothing full: padded
     assert prefill_chunk_for((64, 256), 10, 0, 4096) is None
+    assert prefill_chunk_for((256, 2048), 1952, 2048, 4096) == 2048  # one padded chunk, not 7 x 256 + a padded 256
+    assert prefill_chunk_for((256, 2048), 1000, 0, 4096) == 256
     assert prefill_chunk_for(ch, 1000, 4096 - 100, 4096) == 64  # 256 rows would not fit the context
     assert prefill_chunk_for((64,), 40, 4096 - 50, 4096) is None  # the padded 64 would not fit either
     assert prefill_chunk_for((), 1000, 0, 4096) is None
@@ -129,7 +135,7 @@ def test_reference_engine_refuses_prefill_chunks(tiny_path):
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-LENGTHS = (1, 15, 16, 17, 40, 64, 100, 129, 320)  # 320 = 20x the tiny window; 16-row and 64-row chunks, padding
+LENGTHS = (1, 15, 16, 17, 40, 64, 100, 129, 320)  # 320 = 20x the tiny window; 16 / 64-row chunks; 40, 100: padded 64
 
 
 @pytest.fixture(scope="module")
