@@ -156,11 +156,12 @@ def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
     if isinstance(chunks, str):
         text = chunks.strip()
         parts = [p.strip() for p in text.split(",")] if text else []
-        if any(not p.isdigit() for p in parts):
+        if any(not (p.isascii() and p.isdigit()) for p in parts):  # '²'.isdigit() is True, int('²') fails
             raise StepError(f"{want} separated by commas (e.g. 256,2048), found {chunks!r}")
         chunks = [int(p) for p in parts]
     if not isinstance(chunks, (tuple, list)):
-        raise StepError(f"{want}, found {chunks!r}")
+        raise StepError(f"{want} as a tuple or list (or a string such as '256,2048'), found "
+                        f"{type(chunks).__name__} {chunks!r}")
     bad = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int)
            or not MIN_PREFILL_CHUNK <= c <= MAX_PREFILL_ROWS]
     if bad:

@@ -436,7 +436,12 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
     pre = f"prefill {ptps:.1f} tokens/s; " if ptps is not None else ""
     spec = getattr(res, "speculative", None) or {}
     prep = f", drafter prepare {spec['prepare_s']:.2f} s" if spec.get("prepare_s") else ""
-    return (f"load {load_s:.2f} s{prep}, prefill {n_prompt} tokens in {res.prefill_s:.3f} s, decode {dec} "
+    plan = getattr(res, "prefill_plan", None) or {}
+    how = ""
+    if plan.get("chunks"):
+        how = " (chunks " + "+".join(str(c) if c == k else f"{c}[{k}]" for c, k in plan["chunks"]) \
+            + (f", {plan['verify_tokens']} as verify steps" if plan.get("verify_tokens") else "") + ")"
+    return (f"load {load_s:.2f} s{prep}, prefill {n_prompt} tokens{how} in {res.prefill_s:.3f} s, decode {dec} "
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
@@ -489,10 +494,13 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
                    "(greedy), the most drafts are proposed and the verified count picked from their calibrated "
                    "confidences.")
 @click.option("--prefill", "prefill", default=None, metavar="C,C,...",
-              help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (e.g. "
-                   "256,2048; the largest full chunk first, the last one padded, a tail under 16 tokens as verify "
-                   "steps; not with a split, nor with --draft from an --artifact; with --artifact, chunks it was "
-                   "compiled with: `ds4c compile --prefill`; 'none': verify steps of 5 rows). Default: with "
+              help="Compiled engine: ingest the prompt with prefill chunk graphs of these row counts (ints in "
+                   "16..4096, e.g. 256,2048; chunks longer than the context are not built). Each step takes the "
+                   "smallest chunk the tokens left fill at least half of (padded), else the largest they fill; "
+                   "a tail under 16 tokens goes as verify steps. Not with a split, nor with --draft from an "
+                   "--artifact; with --artifact, chunks it was compiled with: `ds4c compile --prefill`; 'none' "
+                   "(or ''): verify steps of 5 rows. The timings line and --json's prefill_plan say which "
+                   "chunks ran. Default: with "
                    "--artifact, the artifact's chunk graphs; with --draft, none; else 256,2048 (those that fit "
                    "--max-ctx and the memory plan; docs/prefill.md).")
 @_split_options
@@ -1003,7 +1011,8 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     else:
         lengths = tuple(_parse_ints(prefill, "--prefill"))
         if not lengths or min(lengths) < 1 or len(set(lengths)) != len(lengths):
-            raise Ds4cError(f"--prefill: expected distinct prompt lengths >= 1 (tokens), found {prefill!r}")
+            what = "a duplicate in " if lengths and len(set(lengths)) != len(lengths) else ""
+            raise Ds4cError(f"--prefill: expected distinct prompt lengths >= 1 (tokens), found {what}{prefill!r}")
         if devices or layer_split or artifact:
             raise Ds4cError("--prefill times the unsplit compiled step built here: drop --devices / --layer-split / "
                             "--artifact")

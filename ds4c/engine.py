@@ -227,6 +227,12 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         from ds4c.runtime.memory_plan import plan_parts
 
         arch = device_arch()
+        if artifact is None and any(c > buckets.max_ctx for c in chunks):  # rows that could never fit
+            long = [c for c in chunks if c > buckets.max_ctx]
+            chunks = tuple(c for c in chunks if c <= buckets.max_ctx)
+            if progress:
+                print(f"prefill chunks {long}: longer than the context ({buckets.max_ctx} positions), not built; "
+                      f"{'using ' + str(list(chunks)) if chunks else 'prompts run as verify steps'}", file=sys.stderr)
         tries = [chunks]
         if prefill_chunks is None and artifact is None and devices is None and layer_split is None:
             tries = default_prefill_tries(buckets.max_ctx)

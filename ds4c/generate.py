@@ -49,6 +49,10 @@ class GenerationResult:
     speculative: dict | None = None
     """With a drafter: :class:`ds4c.speculative.SpecStats` as a dict (steps, tokens per step, acceptance by
     draft depth, widths)."""
+    prefill_plan: dict | None = None
+    """How the prompt was ingested: ``{"chunks": [[rows, valid], ...], "verify_tokens": n}``: the prefill chunk
+    graphs run in order (rows of the graph, prompt tokens in it; fewer = padded) and the tokens that went as
+    verify steps (all of them without chunk graphs)."""
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -67,7 +71,8 @@ class GenerationResult:
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
                 "step_ms": [round(s * 1e3, 3) for s in self.step_s],
-                **({"speculative": self.speculative} if self.speculative is not None else {})}
+                **({"speculative": self.speculative} if self.speculative is not None else {}),
+                **({"prefill_plan": self.prefill_plan} if self.prefill_plan is not None else {})}
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -153,6 +158,7 @@ class TokenStream:
         self._out: list[int] = []
         self._steps: list[float] = []
         self._prefill_s = self._decode_s = 0.0
+        self._prefill_plan: dict | None = None
         self._gen = self._run()
         self._superseded = False
         self._outer: TokenStream | None = None  # the generation this one runs inside of (see _claim)
@@ -199,7 +205,7 @@ class TokenStream:
         if self._spec is not None:  # the tokens kept after the prefill's (a step may accept past the end)
             self._spec.delivered = max(0, len(self._out) - 1)
         return GenerationResult(self._prompt, self._out, self._prefill_s, self._decode_s, self._steps, reason,
-                                None if self._spec is None else self._spec.as_dict())
+                                None if self._spec is None else self._spec.as_dict(), self._prefill_plan)
 
     def _run(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
@@ -231,9 +237,11 @@ class TokenStream:
         chunked = getattr(ref, "prefill_chunks", ())
         if chunked and prompt:  # the compiled step's prefill chunk graphs (CompiledStep.prefill)
             logits = ref.prefill(prompt, 0)
+            self._prefill_plan = getattr(ref, "last_prefill", None)
         else:
             for s in range(0, len(prompt), self._width):
                 logits = ref.verify(prompt[s:s + self._width], s)
+            self._prefill_plan = {"chunks": [], "verify_tokens": len(prompt)}
         t1 = time.perf_counter()
         self._prefill_s = t1 - t0
         if self._n == 0:

@@ -223,6 +223,8 @@ class CompiledStep:
         if self.dev.index >= torch.cuda.device_count():
             raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
+        #: how the last :meth:`prefill` ran: ``{"chunks": [[rows, valid], ...], "verify_tokens": n}`` (None before)
+        self.last_prefill: dict[str, Any] | None = None
         """The prefill chunk sizes :meth:`prefill` uses (ascending; empty: verify steps only)."""
         if self.prefill_chunks and self._split:
             raise StepError("prefill chunks (" + ",".join(map(str, self.prefill_chunks)) + ") run on an unsplit step "
@@ -973,6 +975,8 @@ class CompiledStep:
         ``n_valid``; docs/prefill.md). Nothing here can be rolled back. ``chunks``: a subset of
         :attr:`prefill_chunks` to use instead (``()``: verify steps only; the benchmark's baseline).
 
+        :attr:`last_prefill` then says how: ``{"chunks": [[rows, valid], ...], "verify_tokens": n}``.
+
         Raises:
             StepError: ``pos`` is not the sequence's next position, no tokens, positions past max_ctx, or
                 ``chunks`` not among the prepared chunk sizes.
@@ -989,16 +993,20 @@ class CompiledStep:
             raise StepError(f"positions {pos}..{pos + n - 1} exceed max_ctx={self.buckets.max_ctx}")
         self._undo = None  # a rollback after this would restore what the chunk overwrote: nothing to restore
         widest, i, logits = max(self.buckets.widths), 0, None
+        plan: dict[str, Any] = {"chunks": [], "verify_tokens": 0}
         while i < n:
             c = prefill_chunk_for(use, n - i, pos + i, self.buckets.max_ctx)
             if c is None:
                 q = min(widest, n - i)
                 logits = self.step(tokens[i:i + q], pos + i)[-1:]
                 i += q
+                plan["verify_tokens"] += q
                 continue
             k = min(c, n - i)
             logits = self._chunk(tokens[i:i + k], pos + i, c)
             i += k
+            plan["chunks"].append([c, k])
+        self.last_prefill = plan
         return logits
 
     def _chunk(self, tokens: list[int], pos: int, rows: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ def test_chunk_sizes_are_validated_and_sorted(given, want):
 
 @pytest.mark.parametrize("given, found", [((8,), "found 8"), ((4097,), "found 4097"), ((True,), "found True"),
                                           ((64, 64), "a duplicate"), ("64,abc", "'64,abc'"), ("64,,128", "'64,,128'"),
-                                          (64, "found 64"), ((64.0,), "found 64.0")])
+                                          (64, "found int 64"), ((64.0,), "found 64.0"), ("\u00b2", "'\u00b2'"),
+                                          ("\uff11\uff16", "found")])
 def test_bad_chunk_sizes_are_one_line_errors(given, found):
     with pytest.raises(StepError, match="expected distinct ints in 16..4096") as ei:
         check_prefill_chunks(given)
@@ -82,12 +83,31 @@ def test_generate_hands_the_prompt_to_a_steppers_prefill(tiny_weights):
     prompt = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(3)).tolist()
     want = generate(Reference(tiny_weights, max_ctx=64), prompt, 4).tokens
     ch = Chunked(tiny_weights, max_ctx=64)
-    assert generate(ch, prompt, 4).tokens == want and ch.calls == [(23, 0)]
+    ch.last_prefill = {"chunks": [[16, 16], [16, 7]], "verify_tokens": 0}
+    res = generate(ch, prompt, 4)
+    assert res.tokens == want and ch.calls == [(23, 0)]
+    assert res.as_dict()["prefill_plan"] == ch.last_prefill  # the stepper's account of how it ran
+    plain = generate(Reference(tiny_weights, max_ctx=64), prompt, 4).as_dict()
+    assert plain["prefill_plan"] == {"chunks": [], "verify_tokens": 23}
+
+
+def test_the_timings_line_says_which_chunks_ran():
+    from ds4c.cli import _timings_line
+    from ds4c.generate import GenerationResult
+
+    res = GenerationResult([1] * 4000, [5, 6], 0.2, 0.01, prefill_plan={"chunks": [[2048, 2048], [2048, 1952]],
+                                                                         "verify_tokens": 0})
+    assert "prefill 4000 tokens (chunks 2048+2048[1952]) in 0.200 s" in _timings_line(1.0, res, 4000)
+    res.prefill_plan = {"chunks": [[256, 256]], "verify_tokens": 3}
+    assert "(chunks 256, 3 as verify steps)" in _timings_line(1.0, res, 259)
+    res.prefill_plan = {"chunks": [], "verify_tokens": 259}
+    assert "prefill 259 tokens in" in _timings_line(1.0, res, 259)
 
 
 @pytest.mark.parametrize("args, found", [
     (["--prefill", "8"], "found 8"),
     (["--prefill", "64,x"], "'64,x'"),
+    (["--prefill", "\u00b2"], "'\u00b2'"),
     (["--prefill", "64"], "run on the compiled engine (--device cuda); found --device cpu"),
 ])
 def test_cli_refuses_bad_prefill_options_in_one_line(tiny_path, args, found):
