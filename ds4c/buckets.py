@@ -141,7 +141,8 @@ def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
 
     Args:
         chunks: ints in ``MIN_PREFILL_CHUNK .. MAX_PREFILL_ROWS`` (a tuple or list; duplicates are an error),
-            or a comma-separated string such as ``"256,2048"`` (the CLI's ``--prefill``). Empty: none.
+            or a comma-separated string such as ``"256,2048"`` (the CLI's ``--prefill``). Empty or ``"none"``:
+            none.
 
     Returns:
         The sizes, ascending.
@@ -155,7 +156,7 @@ def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
     want = f"prefill chunk sizes: expected distinct ints in {MIN_PREFILL_CHUNK}..{MAX_PREFILL_ROWS}"
     if isinstance(chunks, str):
         text = chunks.strip()
-        parts = [p.strip() for p in text.split(",")] if text else []
+        parts = [p.strip() for p in text.split(",")] if text and text.lower() != "none" else []
         if any(not (p.isascii() and p.isdigit()) for p in parts):  # '²'.isdigit() is True, int('²') fails
             raise StepError(f"{want} separated by commas (e.g. 256,2048), found {chunks!r}")
         chunks = [int(p) for p in parts]

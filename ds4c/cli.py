@@ -331,8 +331,6 @@ def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, a
     graphs with the drafter's taps / final HC recording, so not from an artifact."""
     if text is None:
         return () if draft is not None else None
-    if text.strip().lower() in ("", "none"):
-        return ()
     from ds4c.buckets import check_prefill_chunks
     from ds4c.engine import resolve_engine
 
@@ -340,6 +338,8 @@ def _prefill_chunks(text: str | None, device: str, engine: str, dataflow: str, a
         chunks = check_prefill_chunks(text)
     except StepError as e:
         raise Ds4cError(f"--prefill: {e}") from None
+    if not chunks:  # 'none': verify steps, on any engine
+        return ()
     if draft is not None and artifact is not None:
         raise Ds4cError(f"--prefill {text} with --draft and --artifact: an artifact's chunk graphs record no taps or "
                         f"final HC state for a drafter; drop --artifact (the chunk graphs are then built here)")
@@ -542,7 +542,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         raise Ds4cError("--stop: expected a non-empty string")
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
     device = _device_of(device, devices)
-    if prefill is not None and prefill.strip().lower() not in ("", "none"):  # named before the device is
+    if prefill is not None:  # a bad value is named before the device is (a machine without a GPU says so too)
         from ds4c.buckets import check_prefill_chunks
 
         try:

@@ -236,21 +236,21 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         tries = [chunks]
         if prefill_chunks is None and artifact is None and devices is None and layer_split is None:
             tries = default_prefill_tries(buckets.max_ctx)
-        for i, chunks in enumerate(tries):
+        for i, chunks in enumerate(tries):  # the last try prints its plan, and raises when it does not fit
+            last = i == len(tries) - 1
             parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
             plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
             try:
-                mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress and i == len(tries) - 1)
+                mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress and last)
+                break
             except ShardPlanError:
-                if i == len(tries) - 1:
+                if last:
                     raise
-                continue
-            if progress and i:
-                print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the "
-                      "memory plan", file=sys.stderr)
-            if progress and i != len(tries) - 1:
-                print(mplan.describe(), file=sys.stderr)
-            break
+        if progress and not last:
+            print(mplan.describe(), file=sys.stderr)
+        if progress and i:
+            print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
+                  "plan", file=sys.stderr)
         art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep

@@ -223,9 +223,9 @@ class CompiledStep:
         if self.dev.index >= torch.cuda.device_count():
             raise StepError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
-        #: how the last :meth:`prefill` ran: ``{"chunks": [[rows, valid], ...], "verify_tokens": n}`` (None before)
-        self.last_prefill: dict[str, Any] | None = None
         """The prefill chunk sizes :meth:`prefill` uses (ascending; empty: verify steps only)."""
+        self.last_prefill: dict[str, Any] | None = None
+        """How the last :meth:`prefill` ran: ``{"chunks": [[rows, valid], ...], "verify_tokens": n}``."""
         if self.prefill_chunks and self._split:
             raise StepError("prefill chunks (" + ",".join(map(str, self.prefill_chunks)) + ") run on an unsplit step "
                             "(a layer split's chunk graphs are not built); found a layer split")
@@ -1012,11 +1012,16 @@ class CompiledStep:
     def _chunk(self, tokens: list[int], pos: int, rows: int) -> torch.Tensor:
         """One prefill chunk graph of ``rows`` rows over ``tokens`` (``len(tokens) <= rows``; the rest padding) at
         ``pos``; returns its logits ``[1, vocab]``."""
-        context = next(c for c in self.buckets.contexts if pos + rows <= c)
-        sg = self.prepare(rows, context)
-        self._upload(tokens, pos, rows=rows)
+        sg = self._begin_chunk(tokens, pos, rows)
         self._go(sg, pos + len(tokens))
         return sg.values["logits"]
+
+    def _begin_chunk(self, tokens: list[int], pos: int, rows: int) -> _StepGraph:
+        """The chunk graph of ``rows`` rows in the smallest context bucket holding ``pos + rows``, its scalars
+        uploaded (as :meth:`_begin` for a step)."""
+        sg = self.prepare(rows, next(c for c in self.buckets.contexts if pos + rows <= c))
+        self._upload(tokens, pos, rows=rows)
+        return sg
 
     # the stepper interface of ds4c.generate.generate
     @property
@@ -1171,8 +1176,7 @@ class CompiledStep:
             if rows not in self.prefill_chunks or len(tokens) > rows or pos != self.pos:
                 raise StepError(f"time_launches: expected a chunk of {list(self.prefill_chunks)} rows holding "
                                 f"{len(tokens)} tokens at the next position {self.pos}, found rows={rows} pos={pos}")
-            sg = self.prepare(rows, next(c for c in self.buckets.contexts if pos + rows <= c))
-            self._upload(tokens, pos, rows=rows)
+            sg = self._begin_chunk(tokens, pos, rows)
         snap = self.snapshot()
         pairs = [(k, la) for k in sg.kernels if k.name != ROLLBACK_KERNEL for la in k.launches]  # as sg.launches
         assert len(pairs) == len(sg.launches), (len(pairs), len(sg.launches))

@@ -45,9 +45,8 @@ Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid
 
 from __future__ import annotations
 
-import os
-
 import math
+import os
 from dataclasses import dataclass
 
 from ds4c.config import Ds4Config
@@ -92,7 +91,7 @@ class PendingKernel:
 #: AttentionSpec.heads_per_block at C rows: one block computes this many heads of a row, so each KV row it
 #: gathers (window, selected compressed rows; shared by every head, MQA) is read once per head group instead of
 #: once per head (1 where it does not divide the heads or the shared memory would not fit).
-#: ``DS4C_PREFILL_ATTN_HPB`` overrides it (docs/perf.md, "Prefill: attention heads per block").
+#: ``DS4C_PREFILL_ATTN_HPB`` overrides it (docs/perf.md, "Optimisation 7: 4 heads per block at C rows").
 PREFILL_ATTN_HEADS_PER_BLOCK = int(os.environ.get("DS4C_PREFILL_ATTN_HPB", "4"))
 #: AttentionSpec.threads at C rows (0: automatic); ``DS4C_PREFILL_ATTN_THREADS`` overrides it.
 PREFILL_ATTN_THREADS = int(os.environ.get("DS4C_PREFILL_ATTN_THREADS", "0"))

@@ -22,6 +22,7 @@ from ds4c.errors import Ds4cError, StepError
 
 
 @pytest.mark.parametrize("given, want", [((2048, 256), (256, 2048)), ("256,2048", (256, 2048)), ("", ()), ((), ()),
+                                         ("none", ()), (" None ", ()),
                                          ("16", (16,)), ([4096], (4096,))])
 def test_chunk_sizes_are_validated_and_sorted(given, want):
     assert check_prefill_chunks(given) == want
@@ -242,6 +243,10 @@ def test_chunked_prefill_equals_token_wise_decoding(gpu_env, n):
     chunked.reset()
     got = chunked.prefill(prompt, 0)
     assert got.shape == (1, chunked.cfg.vocab_size) and chunked.pos == n
+    plan = chunked.last_prefill  # every token once, in chunks of the prepared sizes (padded ones at least half full)
+    assert sum(k for _, k in plan["chunks"]) + plan["verify_tokens"] == n
+    assert all(c in chunked.prefill_chunks and 0 < k <= c and (k == c or 2 * k >= c or c == min(chunked.prefill_chunks))
+               for c, k in plan["chunks"])
     e = _rel(got[0], want)
     assert e <= max(3 * floor["logits"], 1e-2), f"prefill logits rel err {e:.3g}, floor {floor['logits']:.3g}"
     top2 = torch.topk(want.float(), 2).values

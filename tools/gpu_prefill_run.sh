@@ -6,6 +6,8 @@
 #   llama    ds4c bench FILE --prefill 4096,32768 --llama-bench (llama.cpp's pp on the same file, same run)
 # llama.cpp (.peers/build_llama.sh, ~5 min) and the flash-l4 GGUF (make-model) are started in the background
 # first (setsid: they outlive a call while the machine stays warm), so that a later call's llama stage finds them.
+# The llama stage needs ../shared/peers/{build_llama.sh,llama.cpp-src.tar.xz} copied into .peers/ (git-ignored;
+# name it in the device call's carry).
 # usage: tools/gpu_prefill_run.sh OUTDIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: gpu_prefill_run.sh OUTDIR [STAGES]}
