@@ -24,6 +24,7 @@ from ds4c.runtime.families import experts as X
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel, toolchain_or_skip
+from numerics import BF16_ULP
 
 BF16, F32 = torch.bfloat16, torch.float32
 ARCHS = ["sm_90", "gfx942", "gfx1151"]
@@ -325,10 +326,20 @@ EMU_CASES += [("mma", "sm_90", dict(q=2, hidden=2048, inter=2048, **ST)),
               ("mma", "sm_90", dict(q=5, hidden=1024, inter=1024, routed_fmt="q8_0", stages=5, **ST))]
 
 
+# The kernels and the reference hold the same quantized products and differ in fp32 summation order only. That
+# order can flip roundings along the chain: the intermediate h (bf16, then e4m3 codes when activations are
+# quantized) and the output (bf16). An order difference of k 2^-24 relative (k <= 4096 here) lands near an e4m3
+# rounding boundary (spacing 2^-3) for about k 2^-24 / 2^-3 <= 0.2% of the codes (flip_fraction_bound(k,
+# float8_e4m3fn) with its margin 4: < 1%); each flip moves its element by one e4m3 ulp (2^-3 relative), so the
+# output moves by at most 2^-3 sqrt(0.01) = 1.25e-2 in relative L2, plus one bf16 ulp for h's rounding and one for
+# the output's.
+EXPERTS_BOUND = 2 * BF16_ULP + 2.0 ** -3 * 0.01 ** 0.5
+
+
 @pytest.mark.parametrize("engine,arch,kw", EMU_CASES, ids=[f"{e}-{a}-" + "-".join(f"{k}{v}" for k, v in kw.items())
                                                           for e, a, kw in EMU_CASES])
 def test_kernels_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> None:
-    """The rendered kernel bodies, run on CPU threads, match the reference (bf16 output within 2e-2 relative:
+    """The rendered kernel bodies, run on CPU threads, match the reference (bf16 output within EXPERTS_BOUND:
     in practice bit-identical, as the fp32 sums of these shapes rarely round differently) and write every
     intermediate."""
     why = _emu().host_unavailable()
@@ -340,7 +351,7 @@ def test_kernels_emulated(engine: str, arch: str, kw: dict, tmp_path: Path) -> N
     got = E.run(spec, inp, tmp_path, arch=arch)
     want = X.reference(spec, **inp)
     assert torch.isfinite(got["hbuf"].float()).all(), "hbuf not fully written"
-    assert E.rel_err(got["out"], want) < 2e-2
+    assert E.rel_err(got["out"], want) < EXPERTS_BOUND
 
 
 def test_emulated_ring_without_its_wait_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -416,4 +427,4 @@ def test_prequant_emulated_equals_in_block_quant(kw: dict, tmp_path: Path) -> No
     qx, sx = quant.act_quant_fp8(inp["x"])
     assert torch.equal(got["xq"].float(), qx) and torch.equal(got["xs"], sx)
     assert torch.equal(got["hbuf"], base["hbuf"]) and torch.equal(got["out"], base["out"])
-    assert E.rel_err(got["out"], X.reference(spec, **inp)) < 2e-2
+    assert E.rel_err(got["out"], X.reference(spec, **inp)) < EXPERTS_BOUND
