@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,10 +96,14 @@ class CompletionStream:
     :attr:`completion` is the :class:`Completion` once the stream has ended; reading it before that runs the
     generation to its end first (the pieces not yet read are then only in ``completion.text``). :meth:`close`
     ends the generation early (``stop_reason`` ``"stop"``, ``text`` the pieces delivered so far).
+
+    The stream holds its :class:`Model` (other threads' generations wait) until it has ended: read to its end,
+    closed, or garbage-collected.
     """
 
-    def __init__(self, run: Iterator[str], holder: dict[str, Any]):
-        self._run, self._holder = run, holder
+    def __init__(self, run: Iterator[str], holder: dict[str, Any], end: Callable[[], None]):
+        self._run, self._holder, self._end = run, holder, end
+        weakref.finalize(self, end)  # a stream dropped unfinished ends its generation (the Model's turn with it)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -120,6 +126,7 @@ class CompletionStream:
     def close(self) -> Completion:
         """Stop generating now; returns the final :class:`Completion`."""
         self._run.close()
+        self._end()  # closed before its first piece: the generation never started
         return self._holder["completion"]
 
 
@@ -164,8 +171,55 @@ def _held(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class _Turns:
+    """Whose turn it is to generate on a :class:`Model`: one thread's generations at a time (they share the
+    engine's sequence state).
+
+    :meth:`take` (one per generation) returns at once when no generation is unfinished or when the calling
+    thread holds the turn (its own unfinished stream, which the new generation then ends, or a generation
+    started from inside another's run); any other thread waits until every generation of the holder has ended.
+    The release may come from any thread (a stream read to its end elsewhere, or garbage-collected)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()   # held while the holder has an unfinished generation
+        self._guard = threading.Lock()  # guards _owner and _n
+        self._owner: threading.Thread | None = None
+        self._n = 0
+
+    def take(self) -> Callable[[], None]:
+        """Wait for the turn; returns its release for this generation (idempotent, callable from any thread)."""
+        me = threading.current_thread()
+        with self._guard:
+            mine = self._owner is me
+            if mine:
+                self._n += 1
+        if not mine:
+            self._lock.acquire()
+            with self._guard:
+                self._owner, self._n = me, 1
+        once = threading.Lock()
+
+        def release() -> None:
+            if once.acquire(blocking=False):
+                with self._guard:
+                    self._n -= 1
+                    if self._n == 0:
+                        self._owner = None
+                        self._lock.release()
+
+        return release
+
+
 class Model:
     """A DeepSeek-V4-Flash model opened for generation.
+
+    Threads: a Model runs one generation at a time, in call order per thread. A :meth:`generate` (or
+    :meth:`chat`) called from another thread while one is unfinished waits its turn: a completion holds the Model
+    while it runs, a stream until it is read to its end, closed or garbage-collected. On the thread that holds it,
+    a new generation starts at once and ends that thread's unfinished stream (whose next read raises a one-line
+    StepError). So a thread must not wait for another thread's generation on the same Model while it keeps an
+    unfinished stream of its own (close it first). :meth:`tokenize`, :meth:`detokenize` and
+    :meth:`apply_chat_template` do not wait.
 
     Args:
         path: a GGUF file (or an opened :class:`~ds4c.gguf_file.ModelFile`), or ``"synthetic:PRESET[:FORMATS[:SEED]]"``
@@ -235,6 +289,7 @@ class Model:
                                    devices=devices, layer_split=layer_split, taps=tuple(taps),
                                    record_hc=bool(record_hc), prefill_chunks=prefill_chunks)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
+        self._turns = _Turns()
         self.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ properties
@@ -375,18 +430,29 @@ class Model:
             from ds4c.speculative import make_drafter
 
             draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
-        ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                           top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width)
+        release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
+        try:
+            ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                               top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width, on_end=release)
+        except BaseException:
+            release()
+            raise
         holder: dict[str, Any] = {}
-        if self.tokenizer is None:
-            res = ts.run()
-            return self._completion(None, res, res.stop_reason)
-        run = self._text_run(ts, stops, holder)
         if stream:
-            return CompletionStream(run, holder)
-        for _ in run:
-            pass
-        return holder["completion"]
+            def end() -> None:  # closed before its first piece, or dropped: the generation ends
+                if "completion" not in holder:
+                    holder["completion"] = self._completion("", ts.stop(), "stop", 0)
+
+            return CompletionStream(self._text_run(ts, stops, holder), holder, end)
+        try:
+            if self.tokenizer is None:
+                res = ts.run()
+                return self._completion(None, res, res.stop_reason)
+            for _ in self._text_run(ts, stops, holder):
+                pass
+            return holder["completion"]
+        finally:
+            release()
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
@@ -482,3 +548,4 @@ class Model:
         finally:
             if "completion" not in holder:  # closed early by the consumer
                 holder["completion"] = self._completion(acc[:sent], ts.stop(), "stop", n)
+            ts.stop()  # close the run now (at eos it is still open): the Model's turn ends with it
