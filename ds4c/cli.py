@@ -175,6 +175,7 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
     its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
+    from ds4c.config import absent_keys_text, rope_scaling_text
     from ds4c.gguf_file import ArchitectureError, open_model
 
     def dspark(path: str) -> None:
@@ -207,7 +208,8 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     if as_json:
         click.echo(json.dumps({"file": str(mf.path), "file_type": mf.file_type, "tokenizer": _tokenizer_summary(mf),
                                "mtp": mtp, "extra_tensors": mf.extra_tensors,
-                               "legacy_names": mf.legacy_names, "config": cfg.model_dict(), "config_hash": cfg.hash(),
+                               "legacy_names": mf.legacy_names, "absent_keys": mf.absent_keys,
+                               "rope_scaling": rope_scaling_text(cfg), "config": cfg.model_dict(), "config_hash": cfg.hash(),
                                "layers": layers, "tensors": {k: {"count": n, "bytes": b}
                                                              for k, (n, b) in by_type.items()}}))
         return
@@ -226,6 +228,9 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
                    + "; ".join(f"blk.{b['block']} nextn ({b['n_tensors']} tensors, {b['bytes']:,d} bytes, "
                                f"ratio {b['compress_ratio']}): " + ", ".join(f"{k} {t}" for k, t in b["nextn"].items())
                                for b in mtp["blocks"]))
+    click.echo(f"rope scaling: {rope_scaling_text(cfg)}")
+    if mf.absent_keys:
+        click.echo(f"metadata: {absent_keys_text(mf.absent_keys)}")
     if mf.legacy_names:
         click.echo(f"layout: ds4c 0.1 names for {len(mf.legacy_names)} HC tensors (read as the converter names "
                    f"them; `ds4c make-model` writes the current layout)")

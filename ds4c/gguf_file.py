@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
+from ds4c.config import (ARCH, Ds4Config, absent_keys_text, absent_optional_keys, from_gguf_metadata,
+                         rope_scaling_text, to_gguf_metadata)
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tempfiles import OwnedTemp, remove_stale
@@ -197,6 +199,10 @@ class ModelFile:
         except ConfigError as e:
             raise ModelFileError(str(e)) from None
         cfg = self.config
+        self.absent_keys = absent_optional_keys(meta)
+        """Optional metadata keys the file lacks (full key -> the value read instead, llama.cpp's default; see
+        :data:`ds4c.config.OPTIONAL_KEYS`): ``{}`` for a file ds4c wrote."""
+        _note_absent_keys(self.path, self.absent_keys, cfg)
         self.nextn_blocks = list(range(cfg.n_layers, cfg.n_layers + n_nextn))
         """Block ids of the MTP (nextn) blocks the file holds (``[]`` for a file without them)."""
         self.mtp_only = bool(self.nextn_blocks) and "blk.0.attn_norm.weight" not in self._tensors
@@ -369,6 +375,18 @@ class ModelFile:
             return self._tensors[name]
         except KeyError:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
+
+
+_NOTED: set[str] = set()  # files whose absent optional keys were noted on stderr (once per process and file)
+
+
+def _note_absent_keys(path: Path, absent: dict[str, Any], cfg: Ds4Config) -> None:
+    """Say once per process and file, on stderr, which optional keys a file lacks and how it is read then."""
+    where = str(path.resolve())
+    if not absent or where in _NOTED:
+        return
+    _NOTED.add(where)
+    print(f"ds4c: note: {path}: {absent_keys_text(absent)}; RoPE scaling: {rope_scaling_text(cfg)}", file=sys.stderr)
 
 
 def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
