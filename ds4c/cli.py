@@ -21,6 +21,7 @@ import click
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
 from ds4c.errors import Ds4cError, StepError
+from ds4c.write_errors import FULL_ERRNOS, write_error_text
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
 
@@ -80,8 +81,12 @@ class _Group(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         except OSError as e:  # file-system trouble outside ds4c's own checks (permissions, full disk)
-            where = f": {e.filename}" if getattr(e, "filename", None) else ""
-            click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
+            if e.errno in FULL_ERRNOS:  # name the path that could not be written (a copy's destination)
+                click.echo(f"ds4c: error: {write_error_text(e)}", err=True)
+            else:
+                where = f": {e.filename}" if getattr(e, "filename", None) else ""
+                where += f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
+                click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
             sys.exit(2)
 
 

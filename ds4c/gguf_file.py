@@ -31,6 +31,7 @@ from ds4c.quant import GGMLType, dequantize, nbytes
 from ds4c.tempfiles import OwnedTemp, remove_stale
 from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
                           storage_type, tensor_specs)
+from ds4c.write_errors import write_error_text
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
@@ -484,7 +485,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
                 for chunk in produce(s, t):
                     b = np.ascontiguousarray(chunk).view(np.uint8)
                     got += b.nbytes
-                    b.tofile(fout)
+                    fout.write(b.data)  # not ndarray.tofile: its short write on a full disk has no errno
                 if got != want:
                     raise ModelFileError(f"writing {s.name}: producer gave {got} bytes, expected {want} "
                                          f"({t.name} {list(s.shape)})")
@@ -498,10 +499,11 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             owned.release()
     except BaseException as e:
         if w is not None:
-            w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
+            with contextlib.suppress(OSError):  # a full disk fails the flush again; the handle closes all the same
+                w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
         owned.discard()
         if isinstance(e, OSError):
-            raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
+            raise ModelFileError(f"{write_error_text(e, path)} (nothing was written)") from None
         raise
     return path
 

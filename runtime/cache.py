@@ -47,6 +47,7 @@ from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import Toolchain, find_toolchain, is_valid_binary, resource_usage
 from ds4c.tempfiles import TMP_TAG, OwnedTemp, find_leftovers, owner_tag, remove_stale
+from ds4c.write_errors import write_error_text
 
 META = "meta.json"
 _KEY_FIELDS = ("ds4c_version", "kernel", "templates", "params", "target", "toolchain", "flags")
@@ -57,7 +58,8 @@ _LOCKS = ".locks"
 
 
 class CacheError(Ds4cError):
-    """A cache lookup by key found nothing (or several entries), or a key input cannot be hashed."""
+    """A cache lookup by key found nothing (or several entries), a key input cannot be hashed, or an entry cannot
+    be written (a full disk: ``no space left on device``, naming the entry)."""
 
 
 def cache_root() -> Path:
@@ -274,7 +276,8 @@ class KernelCache:
         ``target`` (optional) must equal ``src.target``; ``toolchain`` defaults to :func:`find_toolchain`'s.
 
         Raises:
-            CacheError: ``target`` differs from the source's target.
+            CacheError: ``target`` differs from the source's target; the entry cannot be written (a full disk,
+                also when the compiler exited 0 on it; nothing is published).
             ToolchainError: no compiler for the target.
             CompileError: the compile failed (nothing is published).
         """
@@ -311,8 +314,11 @@ class KernelCache:
 
     def _compile_and_publish(self, src: KernelSource, tc: Toolchain, inputs: dict[str, Any], key: str,
                              final: Path) -> CacheEntry:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        owned = OwnedTemp.create(final.parent, "." + final.name, TMP_TAG, is_dir=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            owned = OwnedTemp.create(final.parent, "." + final.name, TMP_TAG, is_dir=True)
+        except OSError as e:
+            raise self._write_error(e, final) from None
         tmp = owned.path
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a published entry is as readable as its siblings
@@ -356,8 +362,15 @@ class KernelCache:
             if entry is None:  # pragma: no cover - removed by someone else right after publication
                 raise CacheError(f"cache entry {final} vanished right after it was written")
             return dataclasses.replace(entry, hit=False)
+        except OSError as e:  # a full disk (the compiler's output or ours): nothing is published
+            raise self._write_error(e, final) from None
         finally:
             owned.discard()  # after a publication only the lock is left to drop
+
+    def _write_error(self, e: OSError, final: Path) -> CacheError:
+        """The one-line error of a failed write of the entry ``final`` (``no space left on device`` when full)."""
+        return CacheError(f"{write_error_text(e, f'the kernel cache entry {final}')}; free space under {self.root} "
+                          f"or set $DS4C_CACHE to a folder on another device")
 
     # -------------------------------------------------------------------------------- compile many
     def compile_many(self, sources: Sequence[KernelSource], jobs: int | None = None, progress: bool = True,
