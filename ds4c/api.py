@@ -383,7 +383,8 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
                  ignore_eos: bool = False, stream: bool = False, draft: str | Any | None = None,
-                 spec_width: int | str = 5) -> Completion | CompletionStream:
+                 spec_width: int | str = 5, on_prefill: Callable[[int, int], Any] | None = None
+                 ) -> Completion | CompletionStream:
         """Generate after ``prompt`` (text or token ids) on a fresh sequence.
 
         Args:
@@ -403,6 +404,8 @@ class Model:
                 ``record_hc=True`` (a one-line StepError otherwise).
             spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
+            on_prefill: called as the prompt is ingested with ``(tokens done, prompt tokens)``, after each prefill
+                step (the last call has them equal): e.g. a progress bar of a long prompt (``ds4c generate``'s).
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
@@ -423,6 +426,8 @@ class Model:
         if len(ids) + max_new_tokens > self.max_ctx:
             raise Ds4cError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_ctx "
                             f"{self.max_ctx}; open the Model with a larger max_ctx")
+        if on_prefill is not None and not callable(on_prefill):
+            raise Ds4cError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
         stop_ids = () if ignore_eos else (self.eos_id,)
         if isinstance(draft, os.PathLike):  # a drafter file given as a path
             draft = os.fspath(draft)
@@ -433,7 +438,8 @@ class Model:
         release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
         try:
             ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                               top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width, on_end=release)
+                               top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width, on_end=release,
+                               on_prefill=on_prefill)
         except BaseException:
             release()
             raise

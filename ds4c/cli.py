@@ -124,9 +124,8 @@ def _split_options(fn):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
 def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | None, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
-    from tqdm import tqdm
-
     from ds4c.config import preset
+    from ds4c.progress import progress_bar
     from ds4c.quant import nbytes
     from ds4c.synth import make_model
     from ds4c.tensors import storage_types, tensor_specs
@@ -148,8 +147,7 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
         return
     types = storage_types(cfg, formats)
     total = sum(nbytes(types[s.name], s.shape) for s in tensor_specs(cfg))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
-              disable=total < (64 << 20)) as bar:
+    with progress_bar(total, f"{preset_name} -> {output}", "B", unit_scale=True, disable=total < (64 << 20)) as bar:
         path = make_model(cfg, output, seed=seed, formats=formats, progress=lambda s, n: bar.update(n))
     click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, preset {preset_name}, seed {seed}, "
                f"formats {formats})")
@@ -455,6 +453,26 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
+#: Seconds of prefill before ``ds4c generate`` shows its progress bar (a short prompt shows none).
+PREFILL_BAR_DELAY_S = 2.0
+
+
+def _prefill_progress(n_prompt: int):
+    """The ``on_prefill`` of ``ds4c generate``: a bar of the prompt's tokens (rate, ETA) on stderr once the prefill
+    has run :data:`PREFILL_BAR_DELAY_S` seconds (plain lines when stderr is not a terminal), closed with the
+    prefill."""
+    from ds4c.progress import progress_bar
+
+    bar = progress_bar(n_prompt, "prefill", "token", delay=PREFILL_BAR_DELAY_S)
+
+    def seen(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return seen
+
+
 @main.command("generate")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--prompt", default=None, metavar="TEXT", help="Prompt text (tokenized with bos). Default: "
@@ -647,7 +665,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         whose = f"the artifact's max_ctx {model.max_ctx}" if artifact else f"--max-ctx {model.max_ctx}"
         raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed {whose}")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width)
+              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width,
+              on_prefill=_prefill_progress(len(ids)))
     text_mode = prompt_ids is None and model.tokenizer is not None
     if as_json or not text_mode:
         c = model.generate(ids, **kw)

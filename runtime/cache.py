@@ -46,6 +46,7 @@ from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import Toolchain, find_toolchain, is_valid_binary, resource_usage
+from ds4c.progress import progress_bar
 from ds4c.tempfiles import TMP_TAG, OwnedTemp, find_leftovers, owner_tag, remove_stale
 from ds4c.write_errors import write_error_text
 
@@ -380,15 +381,14 @@ class KernelCache:
 
         First prints one line per target to stderr, e.g. ``cuda-sm_90: 37 distinct kernels, compiling 25, 12 cached``,
         then a progress bar over the
-        compiles (``progress=False`` prints neither). Hits compile nothing; a source given twice is compiled
+        compiles (plain lines when stderr is not a terminal, :func:`ds4c.progress.progress_bar`; ``progress=False``
+        prints neither). Hits compile nothing; a source given twice is compiled
         once.
 
         Raises:
             ToolchainError, CompileError: as :meth:`get_or_compile` (the first failure, after the other
                 compiles in flight finish).
         """
-        from tqdm import tqdm
-
         jobs = max(1, jobs or os.cpu_count() or 1)
         keyed: list[tuple[str, Path]] = []
         by_key: dict[tuple[str, Path], KernelSource] = {}
@@ -415,8 +415,7 @@ class KernelCache:
                       f"{cached} cached", file=sys.stderr, flush=True)
         if todo:
             self.check_writable()
-            with tqdm(total=len(todo), desc="compile", unit="kernel", disable=not progress, file=sys.stderr,
-                      leave=True) as bar, ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
+            with progress_bar(len(todo), "compile", "kernel", disable=not progress) as bar, ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
                 futs = {ex.submit(self.get_or_compile, by_key[kk], None, tcs[by_key[kk].target]): kk
                         for kk in todo}
                 first_err: BaseException | None = None
