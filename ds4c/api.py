@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds4c.errors import Ds4cError
+from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
 from ds4c.gguf_file import ModelFile, open_model
@@ -65,8 +65,9 @@ class Completion:
         ids: the new token ids (an eos that ended the run is the last; at a stop string, up to the token that
             completed it).
         prompt_ids: the prompt's ids (with bos for a text prompt).
-        stop_reason: ``"eos"`` (the eos token), ``"stop"`` (a stop string, or the stream was closed early) or
-            ``"length"`` (``max_new_tokens``).
+        stop_reason: ``"eos"`` (the eos token), ``"stop"`` (a stop string, or the stream was closed early),
+            ``"length"`` (``max_new_tokens``) or ``"interrupted"`` (Ctrl-C: :class:`~ds4c.errors.GenerationInterrupted`,
+            ``CompletionStream.close(interrupted=True)``).
         timings: :class:`Timings`.
         result: the underlying :class:`~ds4c.generate.GenerationResult` (per-step times in ``step_s``).
         speculative: with a drafter, the speculative-decoding report (:meth:`ds4c.speculative.SpecStats.as_dict`:
@@ -109,7 +110,12 @@ class CompletionStream:
         return self
 
     def __next__(self) -> str:
-        return next(self._run)
+        try:
+            return next(self._run)
+        except KeyboardInterrupt:  # Ctrl-C inside a step: the run has ended (as closed early), interrupted
+            self._end()
+            self._interrupted()
+            raise
 
     @property
     def done(self) -> bool:
@@ -123,11 +129,19 @@ class CompletionStream:
             pass
         return self._holder["completion"]
 
-    def close(self) -> Completion:
-        """Stop generating now; returns the final :class:`Completion`."""
+    def close(self, interrupted: bool = False) -> Completion:
+        """Stop generating now; returns the final :class:`Completion`. ``interrupted``: the stop is a Ctrl-C (a
+        KeyboardInterrupt while reading the stream): ``stop_reason`` ``"interrupted"`` unless it had ended."""
+        ended = self.done
         self._run.close()
         self._end()  # closed before its first piece: the generation never started
+        if interrupted and not ended:
+            self._interrupted()
         return self._holder["completion"]
+
+    def _interrupted(self) -> None:
+        c = self._holder["completion"]
+        c.stop_reason = c.result.stop_reason = "interrupted"
 
 
 def _check_reasoning_effort(template: str, value: Any) -> str:
@@ -411,6 +425,8 @@ class Model:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
                 ``stream`` on a file without tokenizer, an empty stop string, prompt + ``max_new_tokens`` past
                 ``max_ctx``.
+            GenerationInterrupted: Ctrl-C during the run (a KeyboardInterrupt; its ``completion`` holds the tokens
+                and text so far, ``stop_reason`` ``"interrupted"``). A stream: see :meth:`CompletionStream.close`.
         """
         ids = self.prompt_ids(prompt)
         check_sampling(temperature, top_k, top_p)
@@ -457,6 +473,10 @@ class Model:
             for _ in self._text_run(ts, stops, holder):
                 pass
             return holder["completion"]
+        except KeyboardInterrupt as e:  # Ctrl-C: what was made so far, in the exception (the CLI prints it)
+            c = holder.get("completion") or self._completion(None, ts.stop(), "stop")
+            c.stop_reason = c.result.stop_reason = "interrupted"
+            raise GenerationInterrupted(c) from e
         finally:
             release()
 

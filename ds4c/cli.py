@@ -20,10 +20,11 @@ import click
 
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
-from ds4c.errors import Ds4cError, StepError
+from ds4c.errors import Ds4cError, GenerationInterrupted, StepError
 from ds4c.write_errors import FULL_ERRNOS, write_error_text
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2)
 
 
 def default_model_path() -> Path:
@@ -77,6 +78,9 @@ class _Group(click.Group):
         except Ds4cError as e:  # one line, whatever a file or manifest put into the message
             click.echo("ds4c: error: " + " ".join(str(e).split("\n")).replace("\r", " "), err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C outside a generation (which reports itself): one line, not "Aborted!"
+            click.echo("\nds4c: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:  # output piped into e.g. `head`, which exited: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
@@ -669,7 +673,10 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
               on_prefill=_prefill_progress(len(ids)))
     text_mode = prompt_ids is None and model.tokenizer is not None
     if as_json or not text_mode:
-        c = model.generate(ids, **kw)
+        try:
+            c, interrupted = model.generate(ids, **kw), False
+        except GenerationInterrupted as e:  # Ctrl-C: the record / ids of what was made so far, then exit 130
+            c, interrupted = e.completion, True
         res = c.result
         if as_json:
             rec = {"model": str(mf.path), "device": device, "engine": model.engine,
@@ -677,23 +684,25 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                    "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
                    "dataflow": dataflow, "load_s": load_s, **res.as_dict(), "text": c.text}
             click.echo(json.dumps(rec))
-            return
-        click.echo(f"prompt: {ids}")
-        click.echo(f"tokens: {res.tokens}")
-        if c.text is not None:
-            click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
-        click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        else:
+            click.echo(f"prompt: {ids}")
+            click.echo(f"tokens: {res.tokens}")
+            if c.text is not None:
+                click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
+            click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        if interrupted:
+            sys.exit(EXIT_INTERRUPTED)
         return
     s = model.generate(ids, stream=True, **kw)
     try:
         for piece in s:
             click.echo(piece, nl=False)
             sys.stdout.flush()
-    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got
-        c = s.close()
+    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got (stop: interrupted)
+        c = s.close(interrupted=True)
         click.echo("")
-        click.echo(_timings_line(load_s, c.result, len(ids)) + ", interrupted", err=True)
-        sys.exit(130)
+        click.echo(_timings_line(load_s, c.result, len(ids)), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo("")
     click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
 

@@ -28,8 +28,9 @@ from ds4c.reference import MAX_WIDTH, Reference
 from ds4c.reference.primitives import sample
 
 #: Why generation ended: a stop id was sampled (``"eos"``), the caller stopped it (``"stop"``: an ``on_token``
-#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made.
-STOP_REASONS = ("eos", "stop", "length")
+#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made, or
+#: Ctrl-C (``"interrupted"``: a KeyboardInterrupt during the run, :class:`ds4c.errors.GenerationInterrupted`).
+STOP_REASONS = ("eos", "stop", "length", "interrupted")
 
 
 @dataclass

@@ -525,3 +525,54 @@ def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
         assert c.ids == plain.ids and c.speculative["steps"] > 0 and c.as_dict()["speculative"] == c.speculative
     with pytest.raises(Ds4cError, match="draft: expected a drafter spelling"):
         model.generate(ids, max_new_tokens=4, draft=0.7)
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C (issue 28.5)
+
+def _ctrl_c_at_decode(monkeypatch, n: int) -> None:
+    """Ctrl-C during the ``n``-th decode step of the reference (after ``n`` new tokens)."""
+    real, calls = Reference.decode, [0]
+
+    def decode(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Reference, "decode", decode)
+
+
+def test_api_ctrl_c_keeps_what_was_made(tiny_path, monkeypatch):
+    from ds4c.errors import GenerationInterrupted
+
+    m = Model(tiny_path, max_ctx=64)
+    want = m.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    _ctrl_c_at_decode(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt) as ei:
+        m.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert isinstance(ei.value, GenerationInterrupted)
+    c = ei.value.completion
+    assert c.stop_reason == c.result.stop_reason == "interrupted" and c.ids == want.ids[:3]
+    assert want.text.startswith(c.text)
+    monkeypatch.undo()
+    assert m.generate(PROMPT, max_new_tokens=8, ignore_eos=True).ids == want.ids  # the Model's turn was released
+
+
+@pytest.mark.parametrize("mode", ["text", "json", "ids"])
+def test_cli_ctrl_c_ends_with_the_tokens_so_far_and_exit_130(tmp_path, tiny_path, model, monkeypatch, mode):
+    want = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    _ctrl_c_at_decode(monkeypatch, 3)
+    args = ["generate", tiny_path, "--max-new-tokens", "8", "--ignore-eos"]
+    args += ["--prompt-ids", ",".join(map(str, want.prompt_ids))] if mode == "ids" else ["--prompt", PROMPT]
+    r = run(tmp_path, *args, *(["--json"] if mode == "json" else []))
+    assert r.exit_code == 130, (r.exit_code, r.output)
+    assert "Aborted" not in r.output
+    if mode == "json":
+        rec = json.loads(r.stdout)
+        assert rec["stop_reason"] == "interrupted" and rec["tokens"] == want.ids[:3], rec
+        return
+    assert re.search(r"[(; ]3 new tokens, stop: interrupted\)$", r.stderr, re.M), r.stderr
+    if mode == "ids":
+        assert f"tokens: {want.ids[:3]}" in r.stdout
+    else:
+        assert want.text.startswith(r.stdout.rstrip("\n")) and r.stdout.strip(), r.stdout
