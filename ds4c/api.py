@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds4c.chat import render_chat
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
@@ -142,30 +143,6 @@ class CompletionStream:
     def _interrupted(self) -> None:
         c = self._holder["completion"]
         c.stop_reason = c.result.stop_reason = "interrupted"
-
-
-def _check_reasoning_effort(template: str, value: Any) -> str:
-    """``value`` when the chat template can use it: the template must read ``reasoning_effort`` and, when it
-    compares it with a list or literals (``reasoning_effort in ['high', 'max']``), ``value`` must be one of them
-    (else the template would silently ignore it).
-
-    Raises:
-        Ds4cError: a template without the variable, or a value it does not know (one line, the known values).
-    """
-    import re
-
-    v = str(value)
-    if "reasoning_effort" not in template:
-        raise Ds4cError(f"reasoning_effort {v!r}: the file's chat template has no reasoning_effort variable (it would "
-                        f"be ignored)")
-    known: list[str] = []
-    for m in re.finditer(r"reasoning_effort\s+in\s+[\[(]([^\])]*)[\])]", template):
-        known += re.findall(r"['\"]([^'\"]+)['\"]", m.group(1))
-    known += re.findall(r"reasoning_effort\s*==\s*['\"]([^'\"]+)['\"]", template)
-    if known and v not in known:
-        raise Ds4cError(f"reasoning_effort: expected one of the values the chat template knows "
-                        f"({', '.join(dict.fromkeys(known))}), found {v!r}")
-    return v
 
 
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -483,45 +460,15 @@ class Model:
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             thinking: bool | None = None, reasoning_effort: str | None = None) -> str:
-        """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by jinja2 in an
-        ``ImmutableSandboxedEnvironment`` with ``messages``, ``add_generation_prompt``, ``bos_token`` /
-        ``eos_token`` and, when given, ``thinking`` and ``reasoning_effort`` (templates without them ignore
-        them).
+        """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by
+        :func:`ds4c.chat.render_chat` (its rules: roles system, user and assistant; a ``reasoning_effort`` the
+        prompt must show, so with thinking on for DeepSeek-V4's template).
 
         Raises:
-            Ds4cError: no tokenizer or no chat template; messages that are not a list of ``{"role": str,
-                "content": str}`` dicts; the template fails to render (its message, on one line).
+            Ds4cError: no tokenizer or no chat template; what :func:`~ds4c.chat.render_chat` raises.
         """
-        tok = self._need_tokenizer("chat")
-        if tok.chat_template is None:
-            raise Ds4cError(f"{self.path}: the file has no tokenizer.chat_template; use generate() with a prompt")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise Ds4cError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                    not isinstance(m.get("content", ""), (str, type(None))):
-                raise Ds4cError(f"messages[{i}]: expected a dict with a str 'role' and a str 'content', found "
-                                f"{str(m)[:80]}")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg: str) -> None:
-            raise Ds4cError(f"chat template: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        var: dict[str, Any] = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
-                               "bos_token": "" if tok.bos_id is None else tok.decode([tok.bos_id]),
-                               "eos_token": "" if tok.eos_id is None else tok.decode([tok.eos_id])}
-        if thinking is not None:
-            var["thinking"] = bool(thinking)
-        if reasoning_effort is not None:
-            var["reasoning_effort"] = _check_reasoning_effort(tok.chat_template, reasoning_effort)
-        try:
-            return env.from_string(tok.chat_template).render(**var)
-        except Ds4cError:
-            raise
-        except Exception as e:  # jinja2.TemplateError (the sandbox's SecurityError included) or the template's own
-            raise Ds4cError(f"{self.path}: the chat template does not render ({type(e).__name__}: {e})") from None
+        return render_chat(self._need_tokenizer("chat"), messages, add_generation_prompt, thinking, reasoning_effort,
+                           source=str(self.path))
 
     def chat(self, messages: Sequence[dict[str, Any]], max_new_tokens: int = 256, thinking: bool | None = None,
              reasoning_effort: str | None = None, **kw: Any) -> Completion | CompletionStream:

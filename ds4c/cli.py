@@ -489,7 +489,8 @@ def _prefill_progress(n_prompt: int):
 @click.option("--think/--no-think", "think", default=None,
               help="With --chat: the template's thinking switch (default: the template's own).")
 @click.option("--reasoning-effort", default=None, metavar="LEVEL",
-              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max).")
+              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max; its template "
+                   "uses it with --think only: an effort that changes nothing in the prompt is an error).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--max-ctx", type=click.IntRange(min=1), default=None,
               help="Positions the sequence may hold; on cuda every graph up to it is compiled and captured before "
@@ -602,11 +603,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         if 1 + max_new_tokens > limit:
             raise Ds4cError(f"the prompt (at least 1 token) + --max-new-tokens {max_new_tokens} exceed the model's "
                             f"context length {limit}")
-        # a token is >= 1 byte, + bos; a chat prompt is rendered once the model's tokenizer exists: allow the
-        # template 1 KiB around the messages (the rendered prompt is checked against max_ctx below)
-        n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
-            len(text.encode("utf-8"))
-        need = min(limit, n_bytes + 1 + max_new_tokens)
+        if messages:  # rendered now, before the (possibly long) engine start: the chat rules fail first
+            from ds4c.chat import render_chat
+            from ds4c.tokenizer import Tokenizer
+
+            text = render_chat(Tokenizer.from_metadata(mf.metadata, source=str(mf.path)), messages, thinking=think,
+                               reasoning_effort=reasoning_effort, source=str(mf.path))
+        # a token is >= 1 byte, + bos (the prompt is checked against max_ctx once tokenized, below)
+        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)
     drafter = None
     record_hc = False
     if draft is not None:  # checked before the (possibly long) engine start
@@ -658,8 +662,6 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     plan = getattr(model.stepper, "plan", None)
     if plan is not None and not as_json:
         click.echo(f"layer split: {plan.describe()}", err=True)
-    if messages:
-        text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
     ids = model.prompt_ids(prompt_arg)
     if len(ids) + max_new_tokens > limit:

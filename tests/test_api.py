@@ -509,6 +509,29 @@ def test_reasoning_effort_is_checked_against_the_template(tiny_path):
     assert "\n" not in str(e.value)
 
 
+def test_chat_rules_refuse_what_the_template_would_drop(model, tmp_path, tiny_path):
+    """Issue 28.6: a reasoning effort without thinking (DeepSeek-V4's template then ignores it) and a tool-role
+    message (the template drops it) are one-line errors, in the API and in ds4c generate (before the engine
+    starts), not a prompt that silently lacks them."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for thinking in (None, False):
+        with pytest.raises(Ds4cError) as e:
+            model.apply_chat_template(msgs, thinking=thinking, reasoning_effort="high")
+        one_line(e, "reasoning_effort 'high' would change nothing in the prompt", "thinking=True", "--think")
+    assert "Reasoning Effort: high." in model.apply_chat_template(msgs, thinking=True, reasoning_effort="high")
+    tool = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny, 21 C"}]
+    with pytest.raises(Ds4cError) as e:
+        model.chat(tool, max_new_tokens=1)
+    one_line(e, "messages[1]", "role 'tool'", "not supported yet")
+    with pytest.raises(Ds4cError) as e:
+        model.apply_chat_template([{"role": "usr", "content": "hi"}])
+    one_line(e, "messages[0]", "expected role 'system', 'user', 'assistant'", "found 'usr'")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "high"),
+                      "reasoning_effort 'high' would change nothing", "--think")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--no-think", "--reasoning-effort", "max"),
+                      "reasoning_effort 'max' would change nothing", "--think")
+
+
 def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
     """Model.generate(draft=...) takes a drafter spelling, a path to a drafter file (os.PathLike) or a drafter
     object; the completion carries the speculative report (``speculative``, also in ``as_dict``), and greedy
