@@ -249,8 +249,9 @@ class Model:
         ``load_s``: seconds spent opening it all.
 
     Raises:
-        Ds4cError: what :func:`~ds4c.gguf_file.open_model`, :func:`~ds4c.engine.open_engine` and the tokenizer
-            raise (a missing or corrupt file, no CUDA device, an artifact that does not serve the model...).
+        Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.gguf_file.open_model`,
+            :func:`~ds4c.engine.open_engine` and the tokenizer raise (a missing or corrupt file, no CUDA device, an
+            artifact that does not serve the model...).
     """
 
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
@@ -262,6 +263,9 @@ class Model:
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
+        if not (path is None or isinstance(path, (str, os.PathLike, ModelFile))):
+            raise Ds4cError(f"path: expected a GGUF file path (str or os.PathLike), a 'synthetic:...' spec, an opened "
+                            f"ModelFile or None (the built-in model), found {type(path).__name__} {str(path)[:80]}")
         self.engine = resolve_engine(device, engine, dataflow)
         self.device = device
         if isinstance(path, ModelFile):
@@ -348,8 +352,8 @@ class Model:
         checked to be ints in the vocabulary.
 
         Raises:
-            Ds4cError: a str on a file without tokenizer; an empty prompt; an id that is not an int or is outside
-                ``0..vocab_size-1``.
+            Ds4cError: a str on a file without tokenizer; an empty prompt; an id that is not an int (a bool
+                included) or is outside ``0..vocab_size-1``.
         """
         if isinstance(prompt, str):
             tok = self._need_tokenizer("a text prompt")
@@ -364,6 +368,9 @@ class Model:
             except TypeError:
                 raise Ds4cError(f"prompt: expected a str or a list of int token ids, found "
                                 f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+            flags = [i for i, t in enumerate(prompt) if isinstance(t, bool)]
+            if flags:  # operator.index(True) is 1: a bool is an int to Python, never a token id
+                raise Ds4cError(f"prompt: expected int token ids, found a bool at index {flags[0]}")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise Ds4cError(f"prompt token ids must be in 0..{self.vocab_size - 1}, found {bad[0]}")
@@ -400,7 +407,8 @@ class Model:
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
-                ``stream`` on a file without tokenizer, an empty stop string, prompt + ``max_new_tokens`` past
+                ``stream`` on a file without tokenizer, a stop that is not a str or a list of str, an empty stop
+                string, prompt + ``max_new_tokens`` past
                 ``max_ctx``.
             GenerationInterrupted: Ctrl-C during the run (a KeyboardInterrupt; its ``completion`` holds the tokens
                 and text so far, ``stop_reason`` ``"interrupted"``). A stream: see :meth:`CompletionStream.close`.
@@ -409,8 +417,13 @@ class Model:
         check_sampling(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise Ds4cError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        odd = [s for s in stops if not isinstance(s, str)]
+        if odd:
+            raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
+        if any(not s for s in stops):
             raise Ds4cError(f"stop strings must be non-empty str, found {stops!r}")
         if stops:
             self._need_tokenizer("stop strings")

@@ -283,6 +283,23 @@ def test_bad_generate_arguments(model):
     one_line(e, "token ids")
 
 
+def test_bad_argument_types_are_one_line_errors(model):
+    """Issue 28.7: a model path that is not a path, stop strings that are not strings and bools among the prompt
+    ids raised Python's raw TypeError (or ran True as id 1)."""
+    for bad, found in ((123, "int 123"), (b"model.gguf", "bytes"), (["a.gguf"], "list")):
+        with pytest.raises(Ds4cError) as e:
+            Model(bad)
+        one_line(e, "expected a GGUF file path", found)
+    for stop, found in ((5, "int"), ([5], "int"), (["ok", None], "NoneType"), (b"\n", "bytes")):
+        with pytest.raises(Ds4cError) as e:
+            model.generate(PROMPT, max_new_tokens=2, stop=stop)
+        one_line(e, "stop", "str", found)
+    for prompt in ([True, 2], [1, False], (True,)):
+        with pytest.raises(Ds4cError) as e:
+            model.generate(prompt, max_new_tokens=2)
+        one_line(e, "token ids", "bool")
+
+
 def test_file_without_tokenizer_takes_ids_only(bare_path, model):
     bare = Model(bare_path, max_ctx=64)
     assert bare.tokenizer is None and bare.eos_id == 1
