@@ -1131,6 +1131,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         return
     slug = find_target(man, arch)
     t = man["targets"][slug]
+    if graph is not None:  # checked before anything is printed: an error comes alone
+        find_graph(man, slug, graph)
     if kernel is not None:
         gk = find_graph(man, slug, graph)
         if graph is None and man.get("layer_split"):  # a split artifact: the first graph of the kernel's shard
@@ -1222,8 +1224,6 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             click.echo(f"  {gk:10s} kernels {len(g['kernels']):4d} launches {n_l:4d} arena {g['arena_bytes']:>12,d} B "
                        f"graph {g['graph_hash'][:12]}  per layer {layers}"
                        + (f"  (prefill chunk, {g['width']} rows)" if g.get("prefill") else ""))
-    if graph is not None:
-        find_graph(man, slug, graph)
 
 
 # ------------------------------------------------------------------------------------------------------

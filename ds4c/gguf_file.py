@@ -38,7 +38,18 @@ _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
 class _CheckedReader(GGUFReader):
     """GGUFReader that names the tensor whose data runs past the end of the file (gguf itself fails with a
-    reshape error that names nothing)."""
+    reshape error that names nothing), and says "truncated" when the header does (gguf leaks numpy's view errors:
+    "When changing to a larger dtype...")."""
+
+    def _need(self, offset: int, nbytes: int) -> None:
+        """Raise ModelFileError when the header bytes ``offset .. offset + nbytes`` run past the end of the file."""
+        if offset + nbytes > len(self.data):
+            raise ModelFileError(f"truncated GGUF file: its header (metadata and tensor table) needs bytes up to "
+                                 f"{offset + nbytes} but the file has {len(self.data)} bytes")
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:  # type: ignore[override]
+        self._need(offset, int(np.dtype(dtype).itemsize) * int(count))
+        return super()._get(offset, dtype, count, override_order)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):  # type: ignore[override]
         """Arrays parsed in one pass: gguf's reader makes two memory-mapped views per array element, 15 s for
@@ -59,8 +70,10 @@ class _CheckedReader(GGUFReader):
             types.append(itype)
             idxs = list(range(3, 3 + 2 * n, 2))
             for _ in range(n):
+                self._need(offs, 8)
                 slen = np.frombuffer(buf, dtype=np.uint64, count=1, offset=offs)
                 k = int(slen[0])
+                self._need(offs + 8, k)
                 parts.append(slen)
                 parts.append(np.frombuffer(buf, dtype=np.uint8, count=k, offset=offs + 8))
                 offs += 8 + k
@@ -69,6 +82,7 @@ class _CheckedReader(GGUFReader):
         if nptype is None:  # nested arrays: gguf's path
             return super()._get_field_parts(orig_offs, raw_type)
         types.append(itype)
+        self._need(offs, n * int(np.dtype(nptype).itemsize))
         arr = np.frombuffer(buf, dtype=nptype, count=n, offset=offs)
         parts += list(arr.reshape(n, 1)) if n else []
         return 12 + arr.nbytes, parts, list(range(2, 2 + n)), types
@@ -163,8 +177,9 @@ class ModelFile:
         allow_mtp_only: open an MTP-only file (only ``ds4c info`` and the draft loader want that).
 
     Raises (from the constructor):
-        ModelFileError: the file is missing, not GGUF, truncated, of another architecture, or a needed
-            tensor is missing, mis-shaped or of a type its role does not allow. The message names the
+        ModelFileError: the file is missing, not GGUF, truncated, of another architecture, its embedding and
+            tokenizer disagree on the vocabulary size, or a needed tensor is missing, mis-shaped or of a type its
+            role does not allow. The message names the
             tensor, what was expected and what was found. Also an MTP-only file unless ``allow_mtp_only``.
     """
 
@@ -193,6 +208,13 @@ class ModelFile:
                                     arch)
         self._tensors = {t.name: t for t in self._reader.tensors}
         emb = self._tensors.get("token_embd.weight")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if emb is not None and isinstance(tokens, list) and len(tokens) != int(emb.shape.tolist()[-1]):
+            # before the config: its vocabulary comes from the embedding, and the first tensor whose shape then
+            # disagrees (a hash layer's tid2eid) would be blamed instead
+            raise ModelFileError(f"{self.path}: vocabulary mismatch: token_embd.weight has "
+                                 f"{int(emb.shape.tolist()[-1])} rows (one per token) but the tokenizer "
+                                 f"(tokenizer.ggml.tokens) has {len(tokens)} tokens")
         meta, n_nextn = self._trunk_metadata()
         try:
             self.config = from_gguf_metadata(meta, source=str(self.path),

@@ -340,6 +340,7 @@ def test_cli_compile_and_inspect_fake(tmp_path, cache_env, fake_lower):
     assert_error_line(r, "no kernel 'nope'")
     r = run("inspect", out, "--graph", "q9_c64")
     assert_error_line(r, "no graph 'q9_c64'", "q1_c64")
+    assert r.stdout == ""  # checked before the summary is printed (issue 28.8)
     r = run("inspect", out, "--target", "sm_80")
     assert_error_line(r, "no target 'sm_80'")
     r = run("inspect", tmp_path / "missing")
