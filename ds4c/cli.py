@@ -1040,7 +1040,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         llama_bench = os.path.abspath(llama_bench)  # the path checked is the path run (not looked up on PATH)
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
-                        f"(../shared/peers/build_llama.sh builds it), found no executable file")
+                        f"(built with llama.cpp, https://github.com/ggml-org/llama.cpp), found no executable file")
     chunks: tuple[int, ...] = ()
     src = click.get_current_context().get_parameter_source
     if prefill is None:
