@@ -83,6 +83,7 @@ from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import is_valid_binary
 from ds4c.tempfiles import TMP_TAG, OwnedTemp, remove_stale
+from ds4c.write_errors import write_error_text
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
@@ -415,6 +416,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
         manifest["integrity"] = _integrity(manifest)
         (tmp / MANIFEST).write_text(_manifest_text(manifest))
         _publish(tmp, out)
+    except OSError as e:  # a full disk: name the artifact, not the cache file a copy read (the previous one stays)
+        raise ArtifactError(f"{write_error_text(e, f'the artifact {out}')}; nothing was written") from None
     finally:
         owned.discard()  # after the publication, only the previous artifact (if swapped here) or nothing
     return out
