@@ -27,3 +27,8 @@ class QuantError(Ds4cError):
 class StepError(Ds4cError):
     """A decode/verify step was asked for with bad inputs: a position past the maximum context, a width
     outside 1..5, a token id outside the vocabulary, or a state of another model."""
+
+
+class ExportError(Ds4cError):
+    """A step graph cannot be exported (``ds4c.export``): an IR op with no lowering, a symbolic shape, a bad
+    option, the optional MLIR dependencies missing, or a conversion torch-mlir refuses."""
