@@ -1,7 +1,8 @@
 """Shared helpers for the export tests: run an exported step (the traced torch program or the MLIR module compiled
 for the CPU) side by side with the IR interpreter over a run of positions, and compare every output.
 
-Not a test module (no ``test_`` prefix); ``test_export_fx`` and ``test_export_mlir`` import it as ``export_check``.
+Not a test module (no ``test_`` prefix); ``test_export_fx`` and ``test_export_mlir`` import it as ``export_check``,
+and its fixtures ``tokens`` and ``fp32_weights``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
-from ds4c.config import Ds4Config
+from ds4c.config import Ds4Config, preset
+from ds4c.gguf_file import open_model
 from ds4c.ir import Graph, Interpreter
 from ds4c.ir.interpreter import state_to_inputs, step_inputs
 from ds4c.reference import ReferenceWeights
@@ -34,6 +36,22 @@ def cases(names: Sequence[str], default: Sequence[str]) -> list:
     at other static sizes."""
     why = "runs with DS4C_EXPORT_ALL_WIDTHS=1 (the CI time budget; the default cases run the same lowerings)"
     return [n if n in default or ALL_WIDTHS else pytest.param(n, marks=pytest.mark.skip(reason=why)) for n in names]
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    """Fresh token ids of tiny for :data:`N_POS` positions and a chunk's worth more (never the pad id 0)."""
+    g = torch.Generator().manual_seed(3401)
+    return torch.randint(1, preset("tiny").vocab_size, (N_POS + 8,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def fp32_weights(tiny_path) -> ReferenceWeights:
+    """tiny's weights in the fp32 dataflow without quant emulation: the dataflow in which an exported step and the
+    interpreter differ only by the order of fp32 operations."""
+    w = ReferenceWeights.load(open_model(tiny_path), dataflow="fp32")
+    w.config = w.config.replace(quant_emulation=False)
+    return w
 
 
 def fp32_reorder_bound(cfg: Ds4Config) -> float:

@@ -30,23 +30,9 @@ from ds4c.reference import ReferenceWeights
 from ds4c.reference import primitives as P
 
 import export_check as X
+from export_check import fp32_weights, tokens  # noqa: F401  (fixtures)
 
 TINY = preset("tiny")
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    g = torch.Generator().manual_seed(3401)
-    return torch.randint(1, TINY.vocab_size, (X.N_POS + 8,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def fp32_weights(tiny_path):
-    """tiny's weights in the fp32 dataflow without quant emulation: the dataflow whose only differences are the
-    order of fp32 operations."""
-    w = ReferenceWeights.load(open_model(tiny_path), dataflow="fp32")
-    w.config = w.config.replace(quant_emulation=False)
-    return w
 
 
 def _run_program(sp):

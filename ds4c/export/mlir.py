@@ -32,7 +32,7 @@ try:  # the optional extra ds4c[mlir]
     import ml_dtypes
     from torch_mlir import fx as tm_fx
     from torch_mlir import ir
-    from torch_mlir.compiler_utils import OutputType, TorchMlirCompilerError, run_pipeline_with_repro_report
+    from torch_mlir.compiler_utils import TorchMlirCompilerError, run_pipeline_with_repro_report
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.execution_engine import ExecutionEngine
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table

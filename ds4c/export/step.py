@@ -24,7 +24,7 @@ from typing import Any
 
 from ds4c import __version__
 from ds4c.buckets import BucketSpec
-from ds4c.config import MAX_PREFILL_ROWS, MAX_WIDTH, Ds4Config
+from ds4c.config import MAX_PREFILL_ROWS, Ds4Config
 from ds4c.errors import ExportError
 from ds4c.export import mlir as M
 from ds4c.export.fx import WEIGHT_MODES, StepProgram, trace_step
