@@ -37,3 +37,8 @@ class GenerationInterrupted(KeyboardInterrupt):
     def __init__(self, completion: object):
         super().__init__("generation interrupted")
         self.completion = completion
+
+
+class ExportError(Ds4cError):
+    """A step graph cannot be exported (``ds4c.export``): an IR op with no lowering, a symbolic shape, a bad
+    option, the optional MLIR dependencies missing, or a conversion torch-mlir refuses."""

@@ -28,7 +28,7 @@ from ds4c.config import (ARCH, Ds4Config, absent_keys_text, absent_optional_keys
                          rope_scaling_text, to_gguf_metadata)
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
-from ds4c.tempfiles import OwnedTemp, remove_stale
+from ds4c.tempfiles import OwnedTemp, remove_stale, usual_file_mode
 from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
                           storage_type, tensor_specs)
 from ds4c.write_errors import write_error_text
@@ -484,9 +484,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
     w = None
     try:
         with _signals_raise():
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
+            os.chmod(tmp, usual_file_mode())  # owned temporaries are 0600: give the model the usual mode
             w = GGUFWriter(tmp, arch)
             _add_metadata(w, cfg, extra_metadata or {}, types, metadata)
             add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))

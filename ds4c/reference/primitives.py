@@ -27,6 +27,21 @@ F32 = torch.float32
 # CUDA backends with an F32 KV cache). Set for the duration of a step by :func:`dataflow`.
 _ACT: list[torch.dtype] = [BF16]
 DATAFLOWS = {"bf16": BF16, "fp32": F32}
+# True inside :func:`batched_rows`: row-wise evaluation off (see there).
+_BATCHED: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def batched_rows() -> Iterator[None]:
+    """Inside: :func:`row_invariant` functions and :func:`matmul_rows` evaluate all rows at once, as on a GPU.
+
+    For tracing the step into one graph (``ds4c.export``): a per-row loop would unroll into one op per row.
+    The values are the same up to the CPU's vector-tail rounding that the row-wise path exists to avoid."""
+    _BATCHED.append(True)
+    try:
+        yield
+    finally:
+        _BATCHED.pop()
 
 
 def row_invariant(n_row_args: int) -> Callable[[Callable[..., object]], Callable[..., object]]:
@@ -45,7 +60,7 @@ def row_invariant(n_row_args: int) -> Callable[[Callable[..., object]], Callable
         def wrapper(*args: object, **kw: object) -> object:
             lead = args[0]
             assert isinstance(lead, torch.Tensor)
-            if lead.device.type != "cpu" or lead.dim() == 0 or lead.shape[0] <= 1:
+            if _BATCHED[-1] or lead.device.type != "cpu" or lead.dim() == 0 or lead.shape[0] <= 1:
                 return fn(*args, **kw)
             rows = [fn(*(a[i:i + 1] for a in args[:n_row_args]), *args[n_row_args:], **kw)  # type: ignore[index]
                     for i in range(lead.shape[0])]
@@ -83,6 +98,8 @@ def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fp32 [..., N].
     """
     lead = x.shape[:-1]
+    if _BATCHED[-1]:
+        return x @ w.T
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.cat([x2[i:i + 1] @ w.T for i in range(x2.shape[0])]) if x2.shape[0] else x2.new_zeros(0, w.shape[0])
     return out.reshape(*lead, w.shape[0])
