@@ -57,8 +57,7 @@ from ds4c.config import preset  # noqa: E402
 from ds4c.drafters.dspark_source import SyntheticDSpark  # noqa: E402
 from ds4c.drafters.dspark_synth import dspark_options  # noqa: E402
 from ds4c.ir import build_step  # noqa: E402
-from ds4c.ir.dspark import COMMIT_PIPELINE, DRAFT_PIPELINE, MAX_COMMIT_ROWS, build_dspark_commit, \
-    build_dspark_draft  # noqa: E402
+from ds4c.ir.dspark import COMMIT_PIPELINE, DRAFT_PIPELINE, build_dspark_commit, build_dspark_draft  # noqa: E402
 from ds4c.passes.manager import run_pipeline  # noqa: E402
 from ds4c.quant import GGMLType as G  # noqa: E402
 from ds4c.runtime.dspark_exec import SHARED, sampling_sources  # noqa: E402
