@@ -412,7 +412,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
         extra_metadata: extra ``ds4c.*`` string/int/float keys.
         progress: called with ``(spec, bytes)`` after each tensor.
-        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.tokenizer.synthetic_vocab`), written with the
+        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.synth_vocab.synthetic_vocab`), written with the
             GGUF types llama.cpp's converter uses (string arrays, INT32 token types, UINT32 ids, BOOL flags);
             its bos/eos ids must equal ``cfg``'s.
         arch, specs, metadata: for files of another layout (the DSpark drafter, :mod:`ds4c.drafters.dspark_file`):

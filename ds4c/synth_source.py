@@ -128,7 +128,7 @@ class SyntheticModel(ModelFile):
     @cached_property
     def metadata(self) -> dict[str, Any]:  # type: ignore[override]
         """Every metadata key of the make-model file of this model -> its value as the GGUF reader gives it."""
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         cfg = self.config
         out: dict[str, Any] = {"general.architecture": ARCH}

@@ -199,7 +199,7 @@ F32_TYPES = {**FORMATS["official"], ROLE_FP4: G.F32, ROLE_FP8: G.F32, ROLE_BF16:
 @pytest.fixture(scope="module")
 def kfiles(tmp_path_factory):
     d = tmp_path_factory.mktemp("kquant")
-    from ds4c.tokenizer import synthetic_vocab
+    from ds4c.synth_vocab import synthetic_vocab
 
     return {k: write_model(d / f"{k}.gguf", TINY, types, producer(TINY, 3), tokenizer=synthetic_vocab(512, 0))
             for k, types in FILE_TYPES.items()}

@@ -125,7 +125,7 @@ class SyntheticDSpark(DSparkFile):
     def metadata(self) -> dict[str, Any]:  # type: ignore[override]
         """Every metadata key of the make_dspark file of this drafter -> its value as the GGUF reader gives it (the
         target's synthetic vocabulary included: a few seconds for the official vocabulary, built on first use)."""
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         tok = {k: v for k, v in synthetic_vocab(self.config.vocab_size, self.seed).items()
                if k.startswith("tokenizer.") and k != KEY_MASK_ID}

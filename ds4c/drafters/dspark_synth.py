@@ -113,7 +113,7 @@ def make_dspark(target: ModelFile | Ds4Config | str | os.PathLike[str], path: st
     Args:
         target: the target model file (its config sizes the stages; its ``tokenizer.*`` keys are copied), or a
             config (a preset): the drafter of the synthetic model ``ds4c make-model`` writes for it with ``seed``
-            (whose vocabulary, :func:`ds4c.tokenizer.synthetic_vocab`, it carries).
+            (whose vocabulary, :func:`ds4c.synth_vocab.synthetic_vocab`, it carries).
         path: output file. seed: the weight seed (the drafter's streams are :func:`drafter_seed` of it).
         formats: ``"official"`` (Q8_0 FP8 weights incl. ``fc``, MXFP4 experts, BF16 Markov/confidence heads, F32
             gains and HC), ``"bf16"`` or ``"f32"`` (:data:`ds4c.tensors.FORMATS`).
@@ -126,7 +126,7 @@ def make_dspark(target: ModelFile | Ds4Config | str | os.PathLike[str], path: st
             rank < 1, a noise id outside the vocabulary. ModelFileError: an unreadable target or a failed write.
     """
     if isinstance(target, Ds4Config):
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         cfg, tok_meta = target, dict(synthetic_vocab(target.vocab_size, seed))
     else:
