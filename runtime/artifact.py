@@ -254,7 +254,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     from ds4c.ir import build_step
     from ds4c.ir.printer import graph_hash
     from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.lower import describe
+    from ds4c.runtime.lowered import describe
 
     from ds4c.ir.builder import check_taps
     from ds4c.buckets import check_prefill_chunks
@@ -320,7 +320,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
         for t in targets:
             lowered[(t.slug, gk)] = _lower_graph(g, cfg, t, weight_types)
     for rows, context in prefill_keys(chunks, buckets.contexts):
-        from ds4c.runtime.lower import LoweringError
+        from ds4c.runtime.lowered import LoweringError
 
         gk = graph_key(rows, context, prefill=True)
         g = run_pipeline(build_step(cfg, rows, buckets.contexts[-1], prefill=True), "default", context=context).graph

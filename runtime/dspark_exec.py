@@ -39,7 +39,8 @@ from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.quant import GGMLType
 from ds4c.runtime.executor import CompiledStep, _Bound, arena_layout, resolve_arg
-from ds4c.runtime.lower import LoweredKernel, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import LoweredKernel
 
 SHARED = ("token_embd.weight", "output.weight")
 """The target's tensors the drafter reads (7: "all stages reuse the main model's embed and head")."""

@@ -33,7 +33,9 @@ from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.launch import CudaKernel, CudaModule
-from ds4c.runtime.lower import ROLLBACK_KERNEL, Arg, LoweredKernel, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lower_step import ROLLBACK_KERNEL
+from ds4c.runtime.lowered import Arg, LoweredKernel
 from ds4c.runtime.targets import Target, target
 from ds4c.runtime.sampler import argmax_chunk, argmax_rows
 from ds4c.shard_plan import ShardPlan, validate

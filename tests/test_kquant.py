@@ -313,7 +313,8 @@ def test_plan_bytes_use_stored_types(kfiles):
 def test_compiled_experts_accept_k_quants_other_types_refused_in_one_line(kfiles):
     """The experts kernels read K-quant banks (file "a": Q3_K gate/up, Q8_0 down); an expert stored F32 is
     still a one-line refusal naming it."""
-    from ds4c.runtime.lower import LoweringError, check_expert_formats
+    from ds4c.runtime.lower_step import check_expert_formats
+    from ds4c.runtime.lowered import LoweringError
 
     mf = open_model(kfiles["a"])
     types = {n: mf.ggml_type(n) for n in mf.specs}
@@ -331,7 +332,8 @@ def test_lowering_names_the_tensor_and_type():
     its own format)."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.lower import LoweringError, lower_graph
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.lowered import LoweringError
     from ds4c.runtime.targets import target
 
     g = run_pipeline(build_step(TINY, 1, max_ctx=128), "default", context=128).graph

@@ -31,7 +31,7 @@ from ds4c.runtime import lower as lower_mod
 from ds4c.runtime import lower_prefill as lp
 from ds4c.runtime.artifact import ArtifactError, build_artifact, check_serves, load_manifest
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.lower import Arg, Launch
+from ds4c.runtime.lowered import Arg, Launch
 from ds4c.runtime.render import render
 from ds4c.runtime.targets import parse_targets
 from ds4c.tensors import FORMATS, tensor_specs

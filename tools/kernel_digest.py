@@ -25,7 +25,7 @@ Output: one line per (preset, arch, graph key, plan kernel)::
     <preset> <arch> <graph key> <plan kernel> <sha256>
 
 where the sha256 covers, per launch in order, the rendered source text and its launch record
-(``ds4c.runtime.lower.describe``: entry, kernel name, grid, block, dynamic shared memory, argument bindings);
+(``ds4c.runtime.lowered.describe``: entry, kernel name, grid, block, dynamic shared memory, argument bindings);
 then a last line ``total <sha256 of every line before it> (<N> kernels)``. Two runs on two checkouts are
 compared with ``diff`` (or ``tail -1``); a difference names the first (preset, arch, graph, kernel) that changed.
 
@@ -61,7 +61,8 @@ from ds4c.ir.dspark import COMMIT_PIPELINE, DRAFT_PIPELINE, build_dspark_commit,
 from ds4c.passes.manager import run_pipeline  # noqa: E402
 from ds4c.quant import GGMLType as G  # noqa: E402
 from ds4c.runtime.dspark_exec import SHARED, sampling_sources  # noqa: E402
-from ds4c.runtime.lower import describe, lower_graph  # noqa: E402
+from ds4c.runtime.lower import lower_graph  # noqa: E402
+from ds4c.runtime.lowered import describe  # noqa: E402
 from ds4c.runtime.targets import CUDA_ARCHS, HIP_ARCHS, target  # noqa: E402
 from ds4c.tensors import FORMATS, ROLE_BF16, ROLE_FP4, ROLE_FP8, storage_types  # noqa: E402
 
