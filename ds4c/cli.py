@@ -252,8 +252,8 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
     from ds4c.buckets import BucketSpec
     from ds4c.engine import COMPILED_WIDTHS
-    from ds4c.runtime.memory_plan import memory_plan, plan_parts
-    from ds4c.runtime.sharded import free_memory, memory_model
+    from ds4c.runtime.memory_plan import memory_model, memory_plan, plan_parts
+    from ds4c.runtime.sharded import free_memory
     from ds4c.shard_plan import parse_counts, parse_plan
 
     if mf.mtp_only:

@@ -69,7 +69,7 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
 
     ``layer_split`` without ``devices`` splits on ``device`` alone (a virtual split: every shard on the same
     device). ``devices`` without ``layer_split`` places layers automatically: on CUDA from the memory plan
-    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``; from ``parts`` when given:
+    (:func:`ds4c.runtime.memory_plan.memory_model`, for ``buckets``; from ``parts`` when given:
     :func:`ds4c.runtime.memory_plan.plan_parts`) against each device's free memory, on the CPU evenly.
 
     Raises:
@@ -87,7 +87,8 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
     if layer_split is None and buckets is not None:
         probe = parse_plan(devices, None, n, default_device=device)  # validates the list (even split)
         if probe.kind == "cuda" and probe.is_split:
-            from ds4c.runtime.sharded import free_memory, memory_model
+            from ds4c.runtime.memory_plan import memory_model
+            from ds4c.runtime.sharded import free_memory
 
             memory, free = memory_model(mf, buckets, parts=parts), free_memory(list(probe.devices))
     plan = parse_plan(devices, layer_split, n, default_device=device, memory=memory, free_bytes=free)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,10 +37,7 @@ from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.executor import CompiledStep
-from ds4c.shard_plan import MemoryModel, ShardPlan, validate
-
-if TYPE_CHECKING:
-    from ds4c.runtime.memory_plan import Parts
+from ds4c.shard_plan import ShardPlan, validate
 
 
 class ShardedStep:
@@ -409,37 +406,6 @@ def _host_ms(step: ShardedStep, tokens: list[int], pos: int, repeats: int) -> fl
     dt = (time.perf_counter() - t0) / repeats * 1e3
     step.restore(snap)
     return dt
-
-
-# ------------------------------------------------------------------------------------------- memory plan
-#: Per shard, beyond its weights, state and activation arena: CUDA graph instantiation, kernel modules,
-#: workspaces and the caching allocator's slack (measured on the H200 at flash-l4: ~0.2 GiB; 0.5 GiB kept).
-SHARD_OVERHEAD_BYTES = 512 << 20
-
-
-def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90",
-                 parts: "Parts | None" = None) -> MemoryModel:
-    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``), from
-    :func:`ds4c.runtime.memory_plan.plan_parts` (or the given ``parts``): every weight in the form its kernels
-    read it (from the lowered q = 1 and widest graphs of the largest bucket: stored bytes for quantized tensors,
-    fp32 / bf16 / int64 conversions otherwise), the layer's sequence state at the largest bucket, the token
-    embedding on the first shard, the head and logits on the last, and per shard the largest activation arena
-    of its graphs, the HC boundary buffers and :data:`SHARD_OVERHEAD_BYTES`."""
-    from ds4c.runtime.memory_plan import plan_parts
-
-    p = parts or plan_parts(mf, buckets, arch)
-    cfg = mf.config
-    per_layer = list(p.state[buckets.contexts[-1]])
-    first = last = 0
-    for _name, (layer, kind, n) in p.weights.items():
-        if layer >= 0:
-            per_layer[layer] += n
-        elif kind == "embedding":
-            first += n
-        else:
-            last += n
-    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last + p.logits,
-                       shard_bytes=p.arena + 2 * p.hc_rows + SHARD_OVERHEAD_BYTES)
 
 
 def free_memory(devices: list[str]) -> list[int]:

@@ -171,7 +171,7 @@ def _plan(spec: str, free: list[int] | None, plan=None):
 
 def test_memory_plan_adds_up_and_agrees_with_the_layer_split_model():
     from ds4c.buckets import BucketSpec
-    from ds4c.runtime.sharded import memory_model
+    from ds4c.runtime.memory_plan import memory_model
 
     mf = open_model("synthetic:tiny")
     b = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512)
