@@ -34,7 +34,8 @@ from typing import Any
 from ds4c.errors import Ds4cError
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Model:
         ``load_s``: seconds spent opening it all.
 
     Raises:
-        Ds4cError: what :func:`~ds4c.gguf_file.open_model`, :func:`~ds4c.engine.open_engine` and the tokenizer
+        Ds4cError: what :func:`~ds4c.sources.open_model`, :func:`~ds4c.engine.open_engine` and the tokenizer
             raise (a missing or corrupt file, no CUDA device, an artifact that does not serve the model...).
     """
 

@@ -175,7 +175,8 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
     its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
-    from ds4c.gguf_file import ArchitectureError, open_model
+    from ds4c.gguf_file import ArchitectureError
+    from ds4c.sources import open_model
 
     def dspark(path: str) -> None:
         if show_plan:  # the drafter's compiled graphs live in the target's engine (runtime/dspark_exec.py)
@@ -287,7 +288,7 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
 def _info_dspark(path: Path | str, as_json: bool) -> None:
     """``ds4c info`` of a DSpark drafter file or synthetic drafter spec (spec section 7)."""
-    from ds4c.drafters.dspark_file import open_dspark
+    from ds4c.drafters.dspark_sources import open_dspark
 
     f = open_dspark(path)
     path = f.path
@@ -518,7 +519,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 
     from ds4c.api import Model
     from ds4c.engine import resolve_engine
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.tokenizer import has_tokenizer
 
     given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids),
@@ -697,7 +698,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.ir import build_step, print_graph
     from ds4c.ir.export import to_dot
     from ds4c.passes.manager import PIPELINES, run_pipeline
@@ -839,7 +840,7 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     """
     from ds4c.buckets import BucketSpec, check_prefill_chunks
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.artifact import build_artifact, load_manifest
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.targets import parse_targets
@@ -915,7 +916,7 @@ def _compile_taps(cfg, taps: str | None, draft: str | None) -> tuple[int, ...]:
     if taps is not None and draft is not None:
         raise click.UsageError("give --taps or --draft (whose target layers are the taps), not both")
     if draft is not None:
-        from ds4c.drafters.dspark_file import open_dspark
+        from ds4c.drafters.dspark_sources import open_dspark
 
         return tuple(open_dspark(Path(draft), cfg).taps)
     if taps is None:
@@ -989,7 +990,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
     With --prefill: prompt ingestion instead (ds4c/prefill_bench.py)."""
     from ds4c.bench import format_report, run_bench
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     ws = tuple(_parse_ints(widths, "--widths"))
     cs = tuple(_parse_ints(contexts, "--ctx"))
@@ -1077,7 +1078,7 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         raise click.UsageError("--model checks the whole artifact: give it alone")
     man = load_manifest(artifact)
     if model is not None:
-        from ds4c.gguf_file import open_model
+        from ds4c.sources import open_model
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}

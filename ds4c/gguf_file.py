@@ -371,20 +371,6 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
 
 
-def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
-    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`); an MTP-only file (the converter's
-    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``.
-
-    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.synth_source.SyntheticModel` of that
-    make-model (preset, formats, seed), whose tensors are generated on demand (a bad spec: one line listing the
-    presets and formats)."""
-    if str(path).startswith("synthetic:"):
-        from ds4c.synth_source import open_synthetic  # the synthetic source stands where this reader stands
-
-        return open_synthetic(str(path))
-    return ModelFile(path, allow_mtp_only=allow_mtp_only)
-
-
 # --------------------------------------------------------------------------------------------------
 # writing
 

@@ -136,7 +136,7 @@ class CompiledDSpark:
     """The DSpark drafter on the target step's GPU (module docstring).
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`), or the synthetic source
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_sources.open_dspark`), or the synthetic source
             (``synthetic:PRESET``, :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`): its weights are then
             generated in device memory, nothing uploaded from the host.
         step: the target's :class:`CompiledStep` (whole model, no layer split): its device, kernel cache,

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4c.drafters.dspark_file import open_dspark
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_synth import make_dspark
 from ds4c.errors import StepError

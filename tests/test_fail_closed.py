@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from ds4c.cli import main
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.runtime import artifact as art
 from ds4c.runtime import lower as lower_mod
 from ds4c.runtime.artifact import ArtifactError, build_artifact, check_serves, load_manifest

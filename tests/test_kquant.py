@@ -19,7 +19,8 @@ from ds4c import quant as Q
 from ds4c.cli import main
 from ds4c.config import preset
 from ds4c.errors import ConfigError, ModelFileError, QuantError
-from ds4c.gguf_file import open_model, write_model
+from ds4c.gguf_file import write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.synth import make_model, producer

@@ -18,7 +18,7 @@ SPLITS = [(1, 5), (3, 3), (5, 1), (2, 2, 2)]
 @pytest.fixture(scope="module")
 def env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
 

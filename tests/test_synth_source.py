@@ -15,7 +15,8 @@ from ds4c import synth as S
 from ds4c.cli import main
 from ds4c.config import preset
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.quant import dequantize
 from ds4c.shard_plan import ShardPlan, ShardPlanError

@@ -23,7 +23,8 @@ from ds4c.config import Ds4Config
 from ds4c.drafters.dspark_file import (CONF_BIAS, MARKOV_W1, OFFICIAL_BLOCK_SIZE, OFFICIAL_MARKOV_RANK,
                                        OFFICIAL_NOISE_ID, default_taps, stage_config, write_dspark)
 from ds4c.errors import ConfigError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType
 from ds4c.quant import is_super_block
 from ds4c.synth import _as_stored, _normal, matrix_rows, n_rows, piece_rows, stored_pieces, sub_key, tensor_key
