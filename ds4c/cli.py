@@ -841,7 +841,8 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     from ds4c.buckets import BucketSpec, check_prefill_chunks
     from ds4c.config import preset
     from ds4c.sources import open_model
-    from ds4c.runtime.artifact import build_artifact, load_manifest
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import load_manifest
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.targets import parse_targets
 
@@ -1067,8 +1068,9 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
                 show_sass: bool, arch: str | None, graph: str | None, model: str | None) -> None:
     """Inspect an artifact folder built by `ds4c compile` (every load checks that manifest.json is unchanged)."""
-    from ds4c.runtime.artifact import (check_lowering, check_serves, disassemble, find_binaries, find_graph,
-                                       find_target, load_manifest)
+    from ds4c.runtime.artifact_inspect import disassemble, find_binaries
+    from ds4c.runtime.artifact_manifest import find_graph, find_target, load_manifest
+    from ds4c.runtime.artifact_serve import check_lowering, check_serves
 
     if sum((show_source, show_resources, show_sass)) > 1:
         raise click.UsageError("give at most one of --source, --resources, --sass")

@@ -209,10 +209,12 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
         cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)
         mf.config = cfg
+        art = None
         if artifact is not None:
-            from ds4c.runtime.artifact import load_manifest, manifest_buckets, manifest_prefill_chunks
+            from ds4c.runtime.artifact_manifest import manifest_buckets, manifest_prefill_chunks, open_artifact
 
-            man = load_manifest(artifact)
+            art = open_artifact(artifact)  # loaded and verified here only: the steps take it as it is
+            man = art.manifest
             buckets = manifest_buckets(man)
             if max_ctx is not None and max_ctx > buckets.max_ctx:
                 raise Ds4cError(f"max_ctx {max_ctx} exceeds the artifact's max_ctx {buckets.max_ctx} ({artifact}); "
@@ -252,7 +254,6 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if progress and i:
             print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
                   "plan", file=sys.stderr)
-        art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 

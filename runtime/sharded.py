@@ -35,6 +35,7 @@ import torch
 from ds4c.buckets import BucketSpec
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
+from ds4c.runtime.artifact_manifest import Artifact, open_artifact
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.executor import CompiledStep
 from ds4c.shard_plan import ShardPlan, validate
@@ -60,13 +61,14 @@ class ShardedStep:
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, plan: ShardPlan, arch: str = "sm_90",
-                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None,
+                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | Artifact | None = None,
                  taps: tuple[int, ...] = (), record_hc: bool = False):
         plan = validate(plan, mf.config.n_layers)
         if plan.kind != "cuda":
             raise StepError(f"the compiled step runs on CUDA devices, found the plan {plan.describe()}")
         self.mf, self.cfg, self.buckets, self.plan = mf, mf.config, buckets, plan
         cache = cache or KernelCache()
+        artifact = None if artifact is None else open_artifact(artifact)  # loaded and verified once for every shard
         self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps,
                                     record_hc=record_hc) for k in range(plan.n_shards)]
         self.taps: tuple[int, ...] = self.shards[0].taps

@@ -360,7 +360,8 @@ def test_artifact_with_record_hc_serves_and_one_without_refuses(env, tokens, tmp
     """``build_artifact(record_hc=True)`` (``ds4c compile --draft mtp``) for this GPU's arch: a CompiledStep with
     record_hc runs from it and records the same rows as the cache-built step bit for bit; it refuses a step without,
     and a plain artifact refuses a step with it, in one line, before any GPU work."""
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 

@@ -191,7 +191,8 @@ def test_artifact_with_taps_serves_and_one_without_refuses(env, tokens, tmp_path
     """``ds4c compile --taps 3,4,5`` for this GPU's arch: a CompiledStep with those taps runs from it (nothing
     compiled) and records the same taps as the cache-built step bit for bit; the same artifact refuses a step
     without taps, and one compiled without taps refuses a step with taps, in one line, before any GPU work."""
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 

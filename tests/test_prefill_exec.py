@@ -348,7 +348,8 @@ def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
     artifact lacks are a one-line ArtifactError naming both."""
     from ds4c.engine import open_engine
     from ds4c.sources import open_model
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
