@@ -20,9 +20,11 @@ import click
 
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
-from ds4c.errors import Ds4cError, StepError
+from ds4c.errors import Ds4cError, GenerationInterrupted, StepError
+from ds4c.write_errors import FULL_ERRNOS, write_error_text
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2)
 
 
 def default_model_path() -> Path:
@@ -76,12 +78,19 @@ class _Group(click.Group):
         except Ds4cError as e:  # one line, whatever a file or manifest put into the message
             click.echo("ds4c: error: " + " ".join(str(e).split("\n")).replace("\r", " "), err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C outside a generation (which reports itself): one line, not "Aborted!"
+            click.echo("\nds4c: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:  # output piped into e.g. `head`, which exited: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         except OSError as e:  # file-system trouble outside ds4c's own checks (permissions, full disk)
-            where = f": {e.filename}" if getattr(e, "filename", None) else ""
-            click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
+            if e.errno in FULL_ERRNOS:  # name the path that could not be written (a copy's destination)
+                click.echo(f"ds4c: error: {write_error_text(e)}", err=True)
+            else:
+                where = f": {e.filename}" if getattr(e, "filename", None) else ""
+                where += f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
+                click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
             sys.exit(2)
 
 
@@ -119,9 +128,8 @@ def _split_options(fn):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
 def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | None, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
-    from tqdm import tqdm
-
     from ds4c.config import preset
+    from ds4c.progress import progress_bar
     from ds4c.quant import nbytes
     from ds4c.synth import make_model
     from ds4c.tensors import storage_types, tensor_specs
@@ -143,8 +151,7 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
         return
     types = storage_types(cfg, formats)
     total = sum(nbytes(types[s.name], s.shape) for s in tensor_specs(cfg))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
-              disable=total < (64 << 20)) as bar:
+    with progress_bar(total, f"{preset_name} -> {output}", "B", unit_scale=True, disable=total < (64 << 20)) as bar:
         path = make_model(cfg, output, seed=seed, formats=formats, progress=lambda s, n: bar.update(n))
     click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, preset {preset_name}, seed {seed}, "
                f"formats {formats})")
@@ -175,6 +182,7 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
     its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
+    from ds4c.config import absent_keys_text, rope_scaling_text
     from ds4c.gguf_file import ArchitectureError
     from ds4c.sources import open_model
 
@@ -208,7 +216,8 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     if as_json:
         click.echo(json.dumps({"file": str(mf.path), "file_type": mf.file_type, "tokenizer": _tokenizer_summary(mf),
                                "mtp": mtp, "extra_tensors": mf.extra_tensors,
-                               "legacy_names": mf.legacy_names, "config": cfg.model_dict(), "config_hash": cfg.hash(),
+                               "legacy_names": mf.legacy_names, "absent_keys": mf.absent_keys,
+                               "rope_scaling": rope_scaling_text(cfg), "config": cfg.model_dict(), "config_hash": cfg.hash(),
                                "layers": layers, "tensors": {k: {"count": n, "bytes": b}
                                                              for k, (n, b) in by_type.items()}}))
         return
@@ -227,6 +236,9 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
                    + "; ".join(f"blk.{b['block']} nextn ({b['n_tensors']} tensors, {b['bytes']:,d} bytes, "
                                f"ratio {b['compress_ratio']}): " + ", ".join(f"{k} {t}" for k, t in b["nextn"].items())
                                for b in mtp["blocks"]))
+    click.echo(f"rope scaling: {rope_scaling_text(cfg)}")
+    if mf.absent_keys:
+        click.echo(f"metadata: {absent_keys_text(mf.absent_keys)}")
     if mf.legacy_names:
         click.echo(f"layout: ds4c 0.1 names for {len(mf.legacy_names)} HC tensors (read as the converter names "
                    f"them; `ds4c make-model` writes the current layout)")
@@ -446,6 +458,26 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
+#: Seconds of prefill before ``ds4c generate`` shows its progress bar (a short prompt shows none).
+PREFILL_BAR_DELAY_S = 2.0
+
+
+def _prefill_progress(n_prompt: int):
+    """The ``on_prefill`` of ``ds4c generate``: a bar of the prompt's tokens (rate, ETA) on stderr once the prefill
+    has run :data:`PREFILL_BAR_DELAY_S` seconds (plain lines when stderr is not a terminal), closed with the
+    prefill."""
+    from ds4c.progress import progress_bar
+
+    bar = progress_bar(n_prompt, "prefill", "token", delay=PREFILL_BAR_DELAY_S)
+
+    def seen(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return seen
+
+
 @main.command("generate")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--prompt", default=None, metavar="TEXT", help="Prompt text (tokenized with bos). Default: "
@@ -458,7 +490,8 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
 @click.option("--think/--no-think", "think", default=None,
               help="With --chat: the template's thinking switch (default: the template's own).")
 @click.option("--reasoning-effort", default=None, metavar="LEVEL",
-              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max).")
+              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max; its template "
+                   "uses it with --think only: an effort that changes nothing in the prompt is an error).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--max-ctx", type=click.IntRange(min=1), default=None,
               help="Positions the sequence may hold; on cuda every graph up to it is compiled and captured before "
@@ -571,11 +604,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         if 1 + max_new_tokens > limit:
             raise Ds4cError(f"the prompt (at least 1 token) + --max-new-tokens {max_new_tokens} exceed the model's "
                             f"context length {limit}")
-        # a token is >= 1 byte, + bos; a chat prompt is rendered once the model's tokenizer exists: allow the
-        # template 1 KiB around the messages (the rendered prompt is checked against max_ctx below)
-        n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
-            len(text.encode("utf-8"))
-        need = min(limit, n_bytes + 1 + max_new_tokens)
+        if messages:  # rendered now, before the (possibly long) engine start: the chat rules fail first
+            from ds4c.chat import render_chat
+            from ds4c.tokenizer import Tokenizer
+
+            text = render_chat(Tokenizer.from_metadata(mf.metadata, source=str(mf.path)), messages, thinking=think,
+                               reasoning_effort=reasoning_effort, source=str(mf.path))
+        # a token is >= 1 byte, + bos (the prompt is checked against max_ctx once tokenized, below)
+        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)
     drafter = None
     record_hc = False
     if draft is not None:  # checked before the (possibly long) engine start
@@ -627,8 +663,6 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     plan = getattr(model.stepper, "plan", None)
     if plan is not None and not as_json:
         click.echo(f"layer split: {plan.describe()}", err=True)
-    if messages:
-        text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
     ids = model.prompt_ids(prompt_arg)
     if len(ids) + max_new_tokens > limit:
@@ -638,10 +672,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         whose = f"the artifact's max_ctx {model.max_ctx}" if artifact else f"--max-ctx {model.max_ctx}"
         raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed {whose}")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width)
+              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width,
+              on_prefill=_prefill_progress(len(ids)))
     text_mode = prompt_ids is None and model.tokenizer is not None
     if as_json or not text_mode:
-        c = model.generate(ids, **kw)
+        try:
+            c, interrupted = model.generate(ids, **kw), False
+        except GenerationInterrupted as e:  # Ctrl-C: the record / ids of what was made so far, then exit 130
+            c, interrupted = e.completion, True
         res = c.result
         if as_json:
             rec = {"model": str(mf.path), "device": device, "engine": model.engine,
@@ -649,23 +687,25 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                    "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
                    "dataflow": dataflow, "load_s": load_s, **res.as_dict(), "text": c.text}
             click.echo(json.dumps(rec))
-            return
-        click.echo(f"prompt: {ids}")
-        click.echo(f"tokens: {res.tokens}")
-        if c.text is not None:
-            click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
-        click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        else:
+            click.echo(f"prompt: {ids}")
+            click.echo(f"tokens: {res.tokens}")
+            if c.text is not None:
+                click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
+            click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        if interrupted:
+            sys.exit(EXIT_INTERRUPTED)
         return
     s = model.generate(ids, stream=True, **kw)
     try:
         for piece in s:
             click.echo(piece, nl=False)
             sys.stdout.flush()
-    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got
-        c = s.close()
+    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got (stop: interrupted)
+        c = s.close(interrupted=True)
         click.echo("")
-        click.echo(_timings_line(load_s, c.result, len(ids)) + ", interrupted", err=True)
-        sys.exit(130)
+        click.echo(_timings_line(load_s, c.result, len(ids)), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo("")
     click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
 
@@ -1002,7 +1042,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         llama_bench = os.path.abspath(llama_bench)  # the path checked is the path run (not looked up on PATH)
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
-                        f"(../shared/peers/build_llama.sh builds it), found no executable file")
+                        f"(built with llama.cpp, https://github.com/ggml-org/llama.cpp), found no executable file")
     chunks: tuple[int, ...] = ()
     src = click.get_current_context().get_parameter_source
     if prefill is None:
@@ -1094,6 +1134,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         return
     slug = find_target(man, arch)
     t = man["targets"][slug]
+    if graph is not None:  # checked before anything is printed: an error comes alone
+        find_graph(man, slug, graph)
     if kernel is not None:
         gk = find_graph(man, slug, graph)
         if graph is None and man.get("layer_split"):  # a split artifact: the first graph of the kernel's shard
@@ -1185,8 +1227,6 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             click.echo(f"  {gk:10s} kernels {len(g['kernels']):4d} launches {n_l:4d} arena {g['arena_bytes']:>12,d} B "
                        f"graph {g['graph_hash'][:12]}  per layer {layers}"
                        + (f"  (prefill chunk, {g['width']} rows)" if g.get("prefill") else ""))
-    if graph is not None:
-        find_graph(man, slug, graph)
 
 
 # ------------------------------------------------------------------------------------------------------

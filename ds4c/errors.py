@@ -27,3 +27,13 @@ class QuantError(Ds4cError):
 class StepError(Ds4cError):
     """A decode/verify step was asked for with bad inputs: a position past the maximum context, a width
     outside 1..5, a token id outside the vocabulary, or a state of another model."""
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a KeyboardInterrupt) during :meth:`ds4c.Model.generate`: still a KeyboardInterrupt, carrying what
+    was generated until then in ``completion`` (a :class:`ds4c.api.Completion` with ``stop_reason``
+    ``"interrupted"``)."""
+
+    def __init__(self, completion: object):
+        super().__init__("generation interrupted")
+        self.completion = completion

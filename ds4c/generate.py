@@ -28,8 +28,9 @@ from ds4c.reference import MAX_WIDTH, Reference
 from ds4c.reference.primitives import sample
 
 #: Why generation ended: a stop id was sampled (``"eos"``), the caller stopped it (``"stop"``: an ``on_token``
-#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made.
-STOP_REASONS = ("eos", "stop", "length")
+#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made, or
+#: Ctrl-C (``"interrupted"``: a KeyboardInterrupt during the run, :class:`ds4c.errors.GenerationInterrupted`).
+STOP_REASONS = ("eos", "stop", "length", "interrupted")
 
 
 @dataclass
@@ -145,11 +146,17 @@ class TokenStream:
 
     One generation runs on a stepper at a time (they share its sequence state): a generation that starts on the
     same stepper while this one is unfinished ends it, and reading this one on raises a one-line StepError.
+    ``on_end`` (if given) is called once when the run is over and closed (read to its end, :meth:`stop`, failed,
+    ended by another generation, or garbage-collected). ``on_prefill(done, total)`` (if given) is called as the
+    prompt is ingested: after each verify step with the prompt tokens done so far, or once after the compiled
+    step's chunked prefill, the last call with ``done == total``.
     """
 
     def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
-                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int | str = MAX_WIDTH):
+                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int | str = MAX_WIDTH,
+                 on_end: Callable[[], Any] | None = None, on_prefill: Callable[[int, int], Any] | None = None):
         self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
+        self._on_end, self._on_prefill = on_end, on_prefill
         check_seed(seed)
         self._temp, self._seed, self._width = temperature, seed, width
         self._top_k, self._top_p, self._stop_ids = top_k, top_p, stop_ids
@@ -179,10 +186,12 @@ class TokenStream:
         return next(self._gen)
 
     def stop(self) -> GenerationResult:
-        """End the run now (``stop_reason`` ``"stop"`` unless it had already ended); returns the result."""
+        """End the run now (``stop_reason`` ``"stop"`` unless it had already ended) and close it (its device loop
+        records its position now, not at garbage collection); returns the result."""
+        self._gen.close()
         if self.result is None:
-            self._gen.close()
             self.result = self._finish("stop")
+        self._ended()  # a run closed before its first step ran no finally
         return self.result
 
     def run(self) -> GenerationResult:
@@ -196,6 +205,12 @@ class TokenStream:
         logits = filter_logits(logits, self._temp, self._top_k, self._top_p)
         return int(sample(logits, self._temp, self._rng)[0])
 
+    def _ended(self) -> None:
+        """Call ``on_end`` (once)."""
+        cb, self._on_end = self._on_end, None
+        if cb is not None:
+            cb()
+
     def _finish(self, reason: str) -> GenerationResult:
         if self._outer is not None:  # the generation this one ran inside of is the running one again
             try:
@@ -208,6 +223,12 @@ class TokenStream:
                                 None if self._spec is None else self._spec.as_dict(), self._prefill_plan)
 
     def _run(self) -> Iterator[int]:
+        try:
+            yield from self._loop()
+        finally:  # closed, ended, failed or superseded: the run is over
+            self._ended()
+
+    def _loop(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
         _claim(ref, self)
         self._rng = torch.Generator().manual_seed(self._seed)
@@ -235,12 +256,15 @@ class TokenStream:
         t0 = time.perf_counter()
         logits = None
         chunked = getattr(ref, "prefill_chunks", ())
+        told = self._on_prefill or (lambda done, total: None)
         if chunked and prompt:  # the compiled step's prefill chunk graphs (CompiledStep.prefill)
             logits = ref.prefill(prompt, 0)
             self._prefill_plan = getattr(ref, "last_prefill", None)
+            told(len(prompt), len(prompt))
         else:
             for s in range(0, len(prompt), self._width):
                 logits = ref.verify(prompt[s:s + self._width], s)
+                told(min(s + self._width, len(prompt)), len(prompt))
             self._prefill_plan = {"chunks": [], "verify_tokens": len(prompt)}
         t1 = time.perf_counter()
         self._prefill_s = t1 - t0
@@ -287,8 +311,11 @@ class TokenStream:
 
 def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
            width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int | str = MAX_WIDTH) -> TokenStream:
-    """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled).
+           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int | str = MAX_WIDTH,
+           on_end: Callable[[], Any] | None = None,
+           on_prefill: Callable[[int, int], Any] | None = None) -> TokenStream:
+    """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled); ``on_end`` is
+    called once when it ends, ``on_prefill(done, total)`` as the prompt is ingested (:class:`TokenStream`).
 
     The arguments are checked here, before any step runs. Raises as :func:`generate`."""
     if not prompt:
@@ -310,7 +337,7 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
                         f"'mtp:PATH'; ds4c.Model.generate and the CLI take those) or a drafter object with prepare() "
                         f"and propose() (ds4c.speculative.Drafter), found {type(draft).__name__} {draft!r:.60}")
     return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
-                       frozenset(int(t) for t in stop_ids), draft, spec_width)
+                       frozenset(int(t) for t in stop_ids), draft, spec_width, on_end, on_prefill)
 
 
 def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

@@ -115,6 +115,7 @@ class SyntheticModel(ModelFile):
         self.nextn_blocks: list[int] = []
         self.mtp_only = False
         self.legacy_names: list[str] = []
+        self.absent_keys: dict = {}  # the preset's config: no metadata key to lack
 
     @classmethod
     def from_spec(cls, text: str, device: torch.device | str = "cpu") -> "SyntheticModel":

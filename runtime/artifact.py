@@ -38,6 +38,7 @@ from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.shard_plan import ShardPlan, validate
 from ds4c.tempfiles import TMP_TAG, OwnedTemp
+from ds4c.write_errors import write_error_text
 
 
 def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, out_dir: str | os.PathLike,
@@ -230,6 +231,8 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
         manifest["integrity"] = integrity_record(manifest)
         (tmp / MANIFEST).write_text(manifest_text(manifest))
         publish(tmp, out)
+    except OSError as e:  # a full disk: name the artifact, not the cache file a copy read (the previous one stays)
+        raise ArtifactError(f"{write_error_text(e, f'the artifact {out}')}; nothing was written") from None
     finally:
         owned.discard()  # after the publication, only the previous artifact (if swapped here) or nothing
     return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ds4c.ir.builder import FINAL_HC_RING, TAP_RING, check_layers, check_taps, f
 from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
+from ds4c.progress import progress_bar
 from ds4c.runtime.artifact_manifest import Artifact, open_artifact
 from ds4c.runtime.artifact_serve import check_serves, launch_binaries
 from ds4c.runtime.cache import KernelCache
@@ -666,8 +666,6 @@ class CompiledStep:
 
         Returns (and keeps as :attr:`load_stats`): ``bytes``, ``seconds``, ``gb_per_s`` of this call.
         """
-        from tqdm import tqdm
-
         todo = [(n, f) for n, f in forms.items() if (n, f) not in self._weights]
         if getattr(self.mf, "generates_on_device", False):
             return self._generate_weights(todo, progress)
@@ -678,8 +676,7 @@ class CompiledStep:
         stream = torch.cuda.Stream(self.dev)
         turn = 0
         t0 = time.perf_counter()
-        with tqdm(total=total, unit="B", unit_scale=True, desc="weights", disable=not progress or total < (256 << 20),
-                  file=sys.stderr) as bar:
+        with progress_bar(total, "weights", "B", unit_scale=True, disable=not progress or total < (256 << 20)) as bar:
             for name, form, h in hosts:
                 dst = torch.empty(h.shape, dtype=h.dtype, device=self.dev)
                 src, out = h.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
@@ -701,12 +698,9 @@ class CompiledStep:
     def _generate_weights(self, todo: list[tuple[str, str]], progress: bool) -> dict[str, float]:
         """:meth:`load_weights` of a source that makes its tensors on the device (the synthetic source): each
         weight is generated straight into device memory, nothing staged on the host."""
-        from tqdm import tqdm
-
         t0 = time.perf_counter()
         total = 0
-        with tqdm(total=len(todo), unit="tensor", desc="weights (generated)", file=sys.stderr,
-                  disable=not progress or len(todo) < 64) as bar:
+        with progress_bar(len(todo), "weights (generated)", "tensor", disable=not progress or len(todo) < 64) as bar:
             for name, form in todo:
                 w = self._convert(name, form, self.dev).contiguous()
                 self._weights[(name, form)] = w

@@ -156,11 +156,13 @@ def rope_freqs(rope_dim: int, base: float, yarn: bool, factor: float, orig_len: 
     """P6: the rope_dim/2 inverse frequencies (fp32), with YaRN NTK-by-parts when ``yarn``.
 
     ``f_i = 1 / base^(2i/d)``; YaRN: ``f_i <- f_i*ramp_i/factor + f_i*(1-ramp_i)`` with
-    ``ramp_i = clamp((i-low)/(high-low), 0, 1)`` (no attention-scale change anywhere).
+    ``ramp_i = clamp((i-low)/(high-low), 0, 1)`` (no attention-scale change anywhere). ``factor`` 1 is no
+    scaling (a file without ``rope.scaling.*`` keys, :attr:`ds4c.config.Ds4Config.yarn`): the plain frequencies,
+    bit for bit as llama.cpp computes them then (the identity ramp would round them in fp32).
     """
     d = rope_dim
     freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=F32) / d))
-    if yarn:
+    if yarn and factor != 1.0:
         def corr(r: float) -> float:
             return d * math.log(orig_len / (r * 2 * math.pi)) / (2 * math.log(base))
 
