@@ -37,7 +37,8 @@ from ds4c.chat import render_chat
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Model:
         ``load_s``: seconds spent opening it all.
 
     Raises:
-        Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.gguf_file.open_model`,
+        Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.sources.open_model`,
             :func:`~ds4c.engine.open_engine` and the tokenizer raise (a missing or corrupt file, no CUDA device, an
             artifact that does not serve the model...).
     """

@@ -183,7 +183,8 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
     from ds4c.config import absent_keys_text, rope_scaling_text
-    from ds4c.gguf_file import ArchitectureError, open_model
+    from ds4c.gguf_file import ArchitectureError
+    from ds4c.sources import open_model
 
     def dspark(path: str) -> None:
         if show_plan:  # the drafter's compiled graphs live in the target's engine (runtime/dspark_exec.py)
@@ -264,8 +265,8 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
     from ds4c.buckets import BucketSpec
     from ds4c.engine import COMPILED_WIDTHS
-    from ds4c.runtime.memory_plan import memory_plan, plan_parts
-    from ds4c.runtime.sharded import free_memory, memory_model
+    from ds4c.runtime.memory_plan import memory_model, memory_plan, plan_parts
+    from ds4c.runtime.sharded import free_memory
     from ds4c.shard_plan import parse_counts, parse_plan
 
     if mf.mtp_only:
@@ -299,7 +300,7 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
 def _info_dspark(path: Path | str, as_json: bool) -> None:
     """``ds4c info`` of a DSpark drafter file or synthetic drafter spec (spec section 7)."""
-    from ds4c.drafters.dspark_file import open_dspark
+    from ds4c.drafters.dspark_sources import open_dspark
 
     f = open_dspark(path)
     path = f.path
@@ -551,7 +552,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 
     from ds4c.api import Model
     from ds4c.engine import resolve_engine
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.tokenizer import has_tokenizer
 
     given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids),
@@ -737,7 +738,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.ir import build_step, print_graph
     from ds4c.ir.export import to_dot
     from ds4c.passes.manager import PIPELINES, run_pipeline
@@ -938,8 +939,9 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     """
     from ds4c.buckets import BucketSpec, check_prefill_chunks
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
-    from ds4c.runtime.artifact import build_artifact, load_manifest
+    from ds4c.sources import open_model
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import load_manifest
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.targets import parse_targets
 
@@ -1014,7 +1016,7 @@ def _compile_taps(cfg, taps: str | None, draft: str | None) -> tuple[int, ...]:
     if taps is not None and draft is not None:
         raise click.UsageError("give --taps or --draft (whose target layers are the taps), not both")
     if draft is not None:
-        from ds4c.drafters.dspark_file import open_dspark
+        from ds4c.drafters.dspark_sources import open_dspark
 
         return tuple(open_dspark(Path(draft), cfg).taps)
     if taps is None:
@@ -1088,7 +1090,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
     With --prefill: prompt ingestion instead (ds4c/prefill_bench.py)."""
     from ds4c.bench import format_report, run_bench
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     ws = tuple(_parse_ints(widths, "--widths"))
     cs = tuple(_parse_ints(contexts, "--ctx"))
@@ -1165,8 +1167,9 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
                 show_sass: bool, arch: str | None, graph: str | None, model: str | None) -> None:
     """Inspect an artifact folder built by `ds4c compile` (every load checks that manifest.json is unchanged)."""
-    from ds4c.runtime.artifact import (check_lowering, check_serves, disassemble, find_binaries, find_graph,
-                                       find_target, load_manifest)
+    from ds4c.runtime.artifact_inspect import disassemble, find_binaries
+    from ds4c.runtime.artifact_manifest import find_graph, find_target, load_manifest
+    from ds4c.runtime.artifact_serve import check_lowering, check_serves
 
     if sum((show_source, show_resources, show_sass)) > 1:
         raise click.UsageError("give at most one of --source, --resources, --sass")
@@ -1176,7 +1179,7 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         raise click.UsageError("--model checks the whole artifact: give it alone")
     man = load_manifest(artifact)
     if model is not None:
-        from ds4c.gguf_file import open_model
+        from ds4c.sources import open_model
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}

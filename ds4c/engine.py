@@ -69,7 +69,7 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
 
     ``layer_split`` without ``devices`` splits on ``device`` alone (a virtual split: every shard on the same
     device). ``devices`` without ``layer_split`` places layers automatically: on CUDA from the memory plan
-    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``; from ``parts`` when given:
+    (:func:`ds4c.runtime.memory_plan.memory_model`, for ``buckets``; from ``parts`` when given:
     :func:`ds4c.runtime.memory_plan.plan_parts`) against each device's free memory, on the CPU evenly.
 
     Raises:
@@ -87,7 +87,8 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
     if layer_split is None and buckets is not None:
         probe = parse_plan(devices, None, n, default_device=device)  # validates the list (even split)
         if probe.kind == "cuda" and probe.is_split:
-            from ds4c.runtime.sharded import free_memory, memory_model
+            from ds4c.runtime.memory_plan import memory_model
+            from ds4c.runtime.sharded import free_memory
 
             memory, free = memory_model(mf, buckets, parts=parts), free_memory(list(probe.devices))
     plan = parse_plan(devices, layer_split, n, default_device=device, memory=memory, free_bytes=free)
@@ -208,10 +209,12 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
         cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)
         mf.config = cfg
+        art = None
         if artifact is not None:
-            from ds4c.runtime.artifact import load_manifest, manifest_buckets, manifest_prefill_chunks
+            from ds4c.runtime.artifact_manifest import manifest_buckets, manifest_prefill_chunks, open_artifact
 
-            man = load_manifest(artifact)
+            art = open_artifact(artifact)  # loaded and verified here only: the steps take it as it is
+            man = art.manifest
             buckets = manifest_buckets(man)
             if max_ctx is not None and max_ctx > buckets.max_ctx:
                 raise Ds4cError(f"max_ctx {max_ctx} exceeds the artifact's max_ctx {buckets.max_ctx} ({artifact}); "
@@ -251,7 +254,6 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if progress and i:
             print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
                   "plan", file=sys.stderr)
-        art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 

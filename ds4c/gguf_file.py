@@ -412,20 +412,6 @@ def _note_absent_keys(path: Path, absent: dict[str, Any], cfg: Ds4Config) -> Non
     print(f"ds4c: note: {path}: {absent_keys_text(absent)}; RoPE scaling: {rope_scaling_text(cfg)}", file=sys.stderr)
 
 
-def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
-    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`); an MTP-only file (the converter's
-    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``.
-
-    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.synth_source.SyntheticModel` of that
-    make-model (preset, formats, seed), whose tensors are generated on demand (a bad spec: one line listing the
-    presets and formats)."""
-    if str(path).startswith("synthetic:"):
-        from ds4c.synth_source import open_synthetic  # the synthetic source stands where this reader stands
-
-        return open_synthetic(str(path))
-    return ModelFile(path, allow_mtp_only=allow_mtp_only)
-
-
 # --------------------------------------------------------------------------------------------------
 # writing
 
@@ -453,7 +439,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
         extra_metadata: extra ``ds4c.*`` string/int/float keys.
         progress: called with ``(spec, bytes)`` after each tensor.
-        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.tokenizer.synthetic_vocab`), written with the
+        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.synth_vocab.synthetic_vocab`), written with the
             GGUF types llama.cpp's converter uses (string arrays, INT32 token types, UINT32 ids, BOOL flags);
             its bos/eos ids must equal ``cfg``'s.
         arch, specs, metadata: for files of another layout (the DSpark drafter, :mod:`ds4c.drafters.dspark_file`):

@@ -39,7 +39,8 @@ from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.quant import GGMLType
 from ds4c.runtime.executor import CompiledStep, _Bound, arena_layout, resolve_arg
-from ds4c.runtime.lower import LoweredKernel, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import LoweredKernel
 
 SHARED = ("token_embd.weight", "output.weight")
 """The target's tensors the drafter reads (7: "all stages reuse the main model's embed and head")."""
@@ -135,7 +136,7 @@ class CompiledDSpark:
     """The DSpark drafter on the target step's GPU (module docstring).
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`), or the synthetic source
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_sources.open_dspark`), or the synthetic source
             (``synthetic:PRESET``, :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`): its weights are then
             generated in device memory, nothing uploaded from the host.
         step: the target's :class:`CompiledStep` (whole model, no layer split): its device, kernel cache,

@@ -31,9 +31,13 @@ from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.progress import progress_bar
+from ds4c.runtime.artifact_manifest import Artifact, open_artifact
+from ds4c.runtime.artifact_serve import check_serves, launch_binaries
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.launch import CudaKernel, CudaModule
-from ds4c.runtime.lower import ROLLBACK_KERNEL, Arg, LoweredKernel, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lower_step import ROLLBACK_KERNEL
+from ds4c.runtime.lowered import Arg, LoweredKernel
 from ds4c.runtime.targets import Target, target
 from ds4c.runtime.sampler import argmax_chunk, argmax_rows
 from ds4c.shard_plan import ShardPlan, validate
@@ -152,10 +156,11 @@ class CompiledStep:
         arch: the CUDA arch to compile for (e.g. ``sm_90``).
         cache: the kernel cache (compiles what is missing; an AOT-filled cache compiles nothing).
         use_graphs: capture one CUDA graph per (width, bucket) on first use and replay it.
-        artifact: an artifact folder from ``ds4c compile``: binaries come from it and nothing is compiled.
-            It must serve this model (``ds4c.runtime.artifact.check_serves``: config, ``buckets`` and weight
-            formats equal, and it holds the chunk graphs of every size in ``prefill_chunks``: ``ds4c compile
-            --prefill``); a missing arch or (width, bucket) graph raises ArtifactError.
+        artifact: an artifact folder from ``ds4c compile``, or the :class:`~ds4c.runtime.artifact_manifest.Artifact`
+            the caller opened (its manifest is then not loaded and verified again): binaries come from it and
+            nothing is compiled. It must serve this model (``ds4c.runtime.artifact_serve.check_serves``: config,
+            ``buckets`` and weight formats equal, and it holds the chunk graphs of every size in ``prefill_chunks``:
+            ``ds4c compile --prefill``); a missing arch or (width, bucket) graph raises ArtifactError.
         plan, shard: shard ``shard`` of the layer split ``plan`` (``ds4c.shard_plan.ShardPlan``;
             ``ds4c.runtime.sharded.ShardedStep`` chains the shards): only the layers ``plan.ranges[shard]`` --
             their weights, state and kernels -- on the device ``plan.devices[shard]``. A shard after the first
@@ -194,7 +199,7 @@ class CompiledStep:
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", cache: KernelCache | None = None,
-                 use_graphs: bool = True, artifact: str | None = None, plan: ShardPlan | None = None,
+                 use_graphs: bool = True, artifact: str | Artifact | None = None, plan: ShardPlan | None = None,
                  shard: int = 0, taps: tuple[int, ...] = (), record_hc: bool = False,
                  prefill_chunks: tuple[int, ...] = ()):
         self.taps: tuple[int, ...] = check_taps(mf.config, taps)
@@ -232,7 +237,7 @@ class CompiledStep:
         with torch.cuda.device(self.dev):
             self._init(arch, cache, use_graphs, artifact)
 
-    def _init(self, arch: str, cache: KernelCache | None, use_graphs: bool, artifact: str | None) -> None:
+    def _init(self, arch: str, cache: KernelCache | None, use_graphs: bool, artifact: str | Artifact | None) -> None:
         mf, buckets = self.mf, self.buckets
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
@@ -242,14 +247,13 @@ class CompiledStep:
         #: stays off until the trigger placement is tuned; the kernels' DS4C_PDL_ENTRY() is free without it
         self.programmatic = (os.environ.get("DS4C_PDL", "0") == "1"
                              and torch.cuda.get_device_capability(self.dev)[0] >= 9)
-        self.artifact = artifact
+        self.artifact = None
         self._manifest = None
         self._types = {n: mf.ggml_type(n) for n in mf.specs}
         if artifact is not None:
-            from ds4c.runtime.artifact import check_serves, load_manifest
-
-            self._manifest = load_manifest(artifact)
-            check_serves(self._manifest, artifact, self.cfg, self._types, buckets,
+            opened = open_artifact(artifact)  # an Artifact the engine opened is not loaded again
+            self.artifact, self._manifest = opened.path, opened.manifest
+            check_serves(self._manifest, self.artifact, self.cfg, self._types, buckets,
                          None if self.plan is None else self.plan.layers, taps=self.taps, record_hc=self.record_hc,
                          prefill_chunks=self.prefill_chunks)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}
@@ -816,8 +820,6 @@ class CompiledStep:
         mode: the artifact's files, nothing compiled; a key whose width is one of :attr:`prefill_chunks` is the
         artifact's prefill chunk graph ``p{C}_c{context}``)."""
         if self._manifest is not None:
-            from ds4c.runtime.artifact import launch_binaries
-
             out = []
             for (w, c), kernels in graphs:
                 paths = launch_binaries(self._manifest, self.artifact, self.target.arch, w, c, kernels, self._types,

@@ -28,19 +28,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ds4c.buckets import BucketSpec
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
+from ds4c.runtime.artifact_manifest import Artifact, open_artifact
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.executor import CompiledStep
-from ds4c.shard_plan import MemoryModel, ShardPlan, validate
-
-if TYPE_CHECKING:
-    from ds4c.runtime.memory_plan import Parts
+from ds4c.shard_plan import ShardPlan, validate
 
 
 class ShardedStep:
@@ -63,13 +61,14 @@ class ShardedStep:
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, plan: ShardPlan, arch: str = "sm_90",
-                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None,
+                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | Artifact | None = None,
                  taps: tuple[int, ...] = (), record_hc: bool = False):
         plan = validate(plan, mf.config.n_layers)
         if plan.kind != "cuda":
             raise StepError(f"the compiled step runs on CUDA devices, found the plan {plan.describe()}")
         self.mf, self.cfg, self.buckets, self.plan = mf, mf.config, buckets, plan
         cache = cache or KernelCache()
+        artifact = None if artifact is None else open_artifact(artifact)  # loaded and verified once for every shard
         self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps,
                                     record_hc=record_hc) for k in range(plan.n_shards)]
         self.taps: tuple[int, ...] = self.shards[0].taps
@@ -409,37 +408,6 @@ def _host_ms(step: ShardedStep, tokens: list[int], pos: int, repeats: int) -> fl
     dt = (time.perf_counter() - t0) / repeats * 1e3
     step.restore(snap)
     return dt
-
-
-# ------------------------------------------------------------------------------------------- memory plan
-#: Per shard, beyond its weights, state and activation arena: CUDA graph instantiation, kernel modules,
-#: workspaces and the caching allocator's slack (measured on the H200 at flash-l4: ~0.2 GiB; 0.5 GiB kept).
-SHARD_OVERHEAD_BYTES = 512 << 20
-
-
-def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90",
-                 parts: "Parts | None" = None) -> MemoryModel:
-    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``), from
-    :func:`ds4c.runtime.memory_plan.plan_parts` (or the given ``parts``): every weight in the form its kernels
-    read it (from the lowered q = 1 and widest graphs of the largest bucket: stored bytes for quantized tensors,
-    fp32 / bf16 / int64 conversions otherwise), the layer's sequence state at the largest bucket, the token
-    embedding on the first shard, the head and logits on the last, and per shard the largest activation arena
-    of its graphs, the HC boundary buffers and :data:`SHARD_OVERHEAD_BYTES`."""
-    from ds4c.runtime.memory_plan import plan_parts
-
-    p = parts or plan_parts(mf, buckets, arch)
-    cfg = mf.config
-    per_layer = list(p.state[buckets.contexts[-1]])
-    first = last = 0
-    for _name, (layer, kind, n) in p.weights.items():
-        if layer >= 0:
-            per_layer[layer] += n
-        elif kind == "embedding":
-            first += n
-        else:
-            last += n
-    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last + p.logits,
-                       shard_bytes=p.arena + 2 * p.hc_rows + SHARD_OVERHEAD_BYTES)
 
 
 def free_memory(devices: list[str]) -> list[int]:

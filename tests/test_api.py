@@ -18,7 +18,7 @@ from ds4c.cli import main
 from ds4c.engine import open_engine, resolve_engine
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import filter_logits, generate, stream
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference
 
 PROMPT = "The quick brown fox"

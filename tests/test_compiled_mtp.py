@@ -43,7 +43,7 @@ def mtp_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
@@ -360,7 +360,8 @@ def test_artifact_with_record_hc_serves_and_one_without_refuses(env, tokens, tmp
     """``build_artifact(record_hc=True)`` (``ds4c compile --draft mtp``) for this GPU's arch: a CompiledStep with
     record_hc runs from it and records the same rows as the cache-built step bit for bit; it refuses a step without,
     and a plain artifact refuses a step with it, in one line, before any GPU work."""
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 

@@ -19,7 +19,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def setup(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
@@ -210,7 +210,7 @@ def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_fac
     """The compiled step with K-quant / IQ4_XS expert banks (and the GEMVs of the K mix) on the synthetic tiny
     model against the reference dequantizing the same bytes (issue 14 part 2), teacher-forced at widths 5, 1, 3."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
@@ -231,7 +231,7 @@ def test_bench_times_the_compiled_step(tiny_path, reference):
     is in the plan but not in the step's launches), the end-to-end generate row; --no-reference / --no-generate
     leave those columns out."""
     from ds4c.bench import run_bench
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     rep = run_bench(open_model(tiny_path), "cuda", (1, 5), (40,), repeats=3, ref_repeats=1, compile_modes=(),
                     transformers=False, reference=reference, end_to_end=reference, say=lambda m: None)

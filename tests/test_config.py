@@ -22,7 +22,7 @@ from ds4c.config import (
     yarn_ramp_bounds,
 )
 from ds4c.errors import ConfigError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference.primitives import rope_freqs
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)

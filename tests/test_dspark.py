@@ -26,12 +26,14 @@ from gguf import GGUFReader, GGUFValueType
 from ds4c.config import preset
 from ds4c.drafters.dspark import DSparkDrafter
 from ds4c.drafters.dspark_file import (ARCH, KEY_BLOCK_SIZE, KEY_MASK_ID, KEY_TARGET_LAYERS, dspark_metadata,
-                                       dspark_tensor_specs, open_dspark, stage_config)
+                                       dspark_tensor_specs, stage_config)
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_synth import drafter_seed, dspark_producer, make_dspark
 from ds4c.errors import ConfigError, ModelFileError, StepError
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model, write_model
+from ds4c.gguf_file import write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference
 from ds4c.reference import primitives as P

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4c.drafters.dspark_file import open_dspark
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_synth import make_dspark
 from ds4c.errors import StepError
@@ -42,7 +42,8 @@ from ds4c.reference import Reference
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.families import dspark as D
 from ds4c.runtime.families import hc as H
-from ds4c.runtime.lower import Arg, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import Arg
 from ds4c.runtime.targets import target
 from kernel_compile import assert_no_spills, compile_kernel
 from numerics import BF16_ULP, fp32_order_bound

@@ -20,7 +20,8 @@ import torch
 
 from ds4c.config import preset
 from ds4c.drafters.dspark import DSparkDrafter
-from ds4c.drafters.dspark_file import DSparkFile, open_dspark
+from ds4c.drafters.dspark_file import DSparkFile
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_source import SyntheticDSpark, open_synthetic_dspark
 from ds4c.drafters.dspark_synth import make_dspark
@@ -225,7 +226,7 @@ def test_compiled_drafter_on_the_source_equals_it_on_the_file_and_generates_on_t
     (every one the graphs bind), the same rings and drafts bit for bit (same kernels, same bytes); every tensor the
     source is asked for is made on the GPU (no host generation, nothing uploaded)."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.dspark_exec import CompiledDSpark
     from ds4c.runtime.executor import CompiledStep, device_arch

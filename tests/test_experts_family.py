@@ -252,7 +252,7 @@ def test_reference_matches_ir_ops(variant: dict, q: int) -> None:
 def test_reference_on_model_bytes(model: str, request: pytest.FixtureRequest) -> None:
     """The raw GGUF bytes of the synthetic tiny model (official formats: MXFP4 routed, Q8_0 shared; and the
     bf16 variant) give the model reference's MoE: the layout the kernels read is the file's."""
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import ReferenceWeights
 
     path = request.getfixturevalue(model)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def ready(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
 
@@ -115,7 +115,7 @@ def test_captured_sampler_draws_the_filtered_softmax():
 def test_shared_arena_steps_match_the_reference(ready, tiny_path):
     """After prepare_all every graph shares one activation arena: teacher-forced steps of mixed widths across
     all three buckets still match the reference."""
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from test_compiled_step import teacher_forced_errors
 

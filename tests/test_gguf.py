@@ -18,7 +18,8 @@ from gguf import GGUFValueType, GGUFWriter
 
 from ds4c.config import ARCH, preset, to_gguf_metadata
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import add_metadata_entries, ModelFile, open_model, write_model
+from ds4c.gguf_file import add_metadata_entries, ModelFile, write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType, dequantize, nbytes, quantize
 from ds4c.synth import make_model, producer
 from ds4c.tensors import (

@@ -15,7 +15,7 @@ import torch
 
 from ds4c.config import MAX_WIDTH, preset
 from ds4c.errors import Ds4cError, StepError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.ir import (Interpreter, Sym, TensorType, Value, VerifyError, build_step, graph_hash, print_graph, run_step,
                      verify)
 from ds4c.ir.builder import state_inputs

@@ -18,7 +18,7 @@ SPLITS = [(1, 5), (3, 3), (5, 1), (2, 2, 2)]
 @pytest.fixture(scope="module")
 def env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.executor import CompiledStep, device_arch
 
@@ -111,7 +111,8 @@ def test_split_generates_the_unsplit_tokens(env):
 
 
 def test_split_artifact_serves_its_split_only(env, tmp_path):
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
     from ds4c.runtime.executor import CompiledStep, device_arch
     from ds4c.runtime.sharded import ShardedStep
     from ds4c.runtime.targets import target
@@ -132,6 +133,39 @@ def test_split_artifact_serves_its_split_only(env, tmp_path):
         ShardedStep(mf, buckets, ShardPlan(("cuda:0", "cuda:0"), (3, 3)), device_arch(), artifact=str(art))
     with pytest.raises(ArtifactError, match="compiled for layer split 4,2, asked to serve the unsplit step"):
         CompiledStep(mf, buckets, device_arch(), artifact=str(art))
+
+
+def test_an_open_loads_and_verifies_the_manifest_once(env, tiny_path, tmp_path, monkeypatch):
+    """open_engine loads and verifies an artifact's manifest (every binary's sha256 included) once per open and
+    hands the opened Artifact to the step, unsplit or split; a ShardedStep given a path opens it once for all its
+    shards (before: once in open_engine, then again in every CompiledStep)."""
+    from ds4c.engine import open_engine
+    from ds4c.runtime import artifact_manifest
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.executor import device_arch
+    from ds4c.runtime.sharded import ShardedStep
+    from ds4c.runtime.targets import target
+    from ds4c.shard_plan import ShardPlan
+    from ds4c.sources import open_model
+
+    mf, buckets, cache, _ = env
+    types = {n: mf.ggml_type(n) for n in mf.specs}
+    whole = build_artifact(mf.config, [target(device_arch())], buckets, tmp_path / "w", cache, progress=False,
+                           weight_types=types)
+    split = build_artifact(mf.config, [target(device_arch())], buckets, tmp_path / "s", cache, progress=False,
+                           weight_types=types, layer_split=(4, 2))
+    loads: list = []
+    real = artifact_manifest.load_manifest
+    monkeypatch.setattr(artifact_manifest, "load_manifest", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    eng = open_engine(open_model(tiny_path), "cuda", artifact=whole, max_ctx=None, prepare=False, progress=False)
+    assert loads == [whole] and eng.artifact == str(whole)
+    loads.clear()
+    open_engine(open_model(tiny_path), "cuda", artifact=split, max_ctx=None, prepare=False, progress=False,
+                devices="cuda:0,cuda:0", layer_split="4,2")
+    assert loads == [split]
+    loads.clear()
+    ShardedStep(mf, buckets, ShardPlan(("cuda:0", "cuda:0"), (4, 2)), device_arch(), artifact=str(split))
+    assert loads == [str(split)]
 
 
 def test_engine_opens_a_split_from_the_options(env):

@@ -40,7 +40,7 @@ def written_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def mf(written):
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     return open_model(written["path"])
 
@@ -259,7 +259,7 @@ def test_ds4c_reads_every_tensor_it_needs(written, mf):
 
 
 def test_ds4c_opens_vision_bias_file(tmp_path):
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     w = write_llama_layout_model(tmp_path / "vl.gguf", seed=1, vision_bias=True)
     vl = [n for n in w["tensors"] if "exp_probs_b_vl" in n]
@@ -406,7 +406,7 @@ def test_ds4c_reads_the_mtp_export(written_mtp):
 
     from ds4c.cli import main
     from ds4c.errors import ModelFileError
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     path = written_mtp["path"]
     with pytest.raises(ModelFileError, match=r"MTP-only GGUF .*blk\.6") as ei:
@@ -440,7 +440,7 @@ def test_file_without_rope_scaling_keys_runs_without_yarn(written_no_scaling, wr
     opens such a file the same way, says so once on stderr and in ``ds4c info``, and generates from it."""
     import ds4c
     from ds4c.cli import main
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference.primitives import rope_freqs
 
     path = written_no_scaling["path"]

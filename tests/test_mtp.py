@@ -34,7 +34,7 @@ from ds4c.drafters.mtp_model import MTPModel
 from ds4c.drafters.mtp_synth import make_mtp, mtp_seed
 from ds4c.errors import ModelFileError, StepError
 from ds4c.generate import filter_logits, generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference.compiled import CompiledReference

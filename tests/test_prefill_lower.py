@@ -193,7 +193,7 @@ def test_routed_experts_hook_refusals():
     the FP8 activation quant off."""
     from ds4c.ir.graph import Op
     from ds4c.quant import GGMLType
-    from ds4c.runtime.lower import _Ctx
+    from ds4c.runtime.lower_step import _Ctx
     from ds4c.runtime.lower_prefill import lower_routed_experts
     from ds4c.tensors import storage_types
 
@@ -265,7 +265,7 @@ def _emu():
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None, **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
     import ds4c.runtime.lower_prefill as LP
-    from ds4c.runtime.lower import _Ctx
+    from ds4c.runtime.lower_step import _Ctx
     from ds4c.tensors import storage_types
 
     cfg = preset(name)

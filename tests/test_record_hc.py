@@ -315,7 +315,7 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
     head are read once per stepper. A compiled step built without record_hc is refused in one line naming how."""
     from ds4c.drafters.mtp import FileTarget, MTPDrafter
     from ds4c.drafters.mtp_synth import make_mtp
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     mtp = make_mtp(TINY, tmp_path / "tiny-mtp.gguf", seed=0)
     prompt = [5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 128, 9, 33, 77, 401, 2, 18, 260, 95]  # past the window

@@ -16,7 +16,7 @@ import torch
 
 from ds4c.errors import StepError
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights, SequenceState, ShardedReference
 from ds4c.shard_plan import ShardPlan, ShardPlanError
 from ds4c.speculative import OracleDrafter

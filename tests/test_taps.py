@@ -197,7 +197,7 @@ def test_prefill_chunk_taps_skip_the_padded_rows(tiny_weights, tokens):
 def test_layer_split_taps_equal_the_unsplit_ones(tiny_weights, tiny_path, tokens):
     """The shards' graphs (layers [0,4) with tap 3, [4,6) with taps 4, 5) write one ring as the unsplit graph does,
     bit for bit; ShardedReference.main_hidden gathers the shards' taps into the unsplit reference's."""
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference.sharded import ShardedReference
     from ds4c.shard_plan import parse_plan
 

@@ -17,7 +17,7 @@ import torch
 
 from ds4c.config import preset
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.synth import make_model
 

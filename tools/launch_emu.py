@@ -1,4 +1,4 @@
-"""Run a sequence of lowered launches (runtime/lower.py ``Launch`` records, any family without inline PTX) on the
+"""Run a sequence of lowered launches (runtime/lowered.py ``Launch`` records, any family without inline PTX) on the
 CPU, through the experts emulator's host prelude (:mod:`tools.experts_emu`: every GPU thread of a block a fiber,
 the grid's blocks one after another; function-local shared arrays become statics, shared by the threads of the
 one running block). Buffers are bound by name: each launch's argument list names the buffers (or gives an int),

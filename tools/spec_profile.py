@@ -33,7 +33,7 @@ def main() -> int:
     import torch
 
     from ds4c.engine import open_engine
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     mf = open_model(a.model)
     V = mf.config.vocab_size

@@ -87,7 +87,7 @@ def main() -> int:
 
     from ds4c.engine import open_engine
     from ds4c.generate import generate
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.speculative import OracleDrafter
 
     mf = open_model(a.model)

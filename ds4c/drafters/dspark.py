@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from ds4c.config import Ds4Config
-from ds4c.drafters.dspark_file import DSparkFile, open_dspark
+from ds4c.drafters.dspark_file import DSparkFile
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import Draft, DSparkModel
 from ds4c.errors import StepError
 

@@ -102,7 +102,7 @@ class DSparkModel:
     """The DSpark drafter of spec section 7 for one sequence, on the reference's arithmetic and device.
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`; or the synthetic source
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_sources.open_dspark`; or the synthetic source
             :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`, whose tensors are made on the target's device).
         target: the target's weights (the whole model: its embedding and head are the drafter's); the drafter runs
             on their device, dataflow and quantization emulation.

@@ -34,7 +34,8 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 
 EH_PROJ, ENORM, HNORM, HEAD_NORM = "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", \
     "nextn.shared_head_norm.weight"

@@ -20,7 +20,7 @@ outputs ``base`` fp32 [B, V], ``logits`` fp32 [B, V] (Markov-corrected), ``draft
 confidence head, ``confidence`` fp32 [B].
 
 Both graphs are run by the IR interpreter (:func:`ds4c.ir.interpreter.Interpreter` with a
-:class:`~ds4c.drafters.dspark_model.DSparkModel`'s ``weights``) and lowered by ``runtime/lower.py`` after
+:class:`~ds4c.drafters.dspark_model.DSparkModel`'s ``weights``) and lowered by ``runtime/lower.py`` (``lower_step.py``) after
 :data:`DRAFT_PIPELINE` / :data:`COMMIT_PIPELINE`.
 """
 
