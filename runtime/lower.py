@@ -214,7 +214,7 @@ def _launch(src: KernelSource, grid: Any, block: Any, smem: int, args: list[Arg]
 #: Verify widths from which an FP8-quantized GEMV activation is quantized once by its own small kernel
 #: (``templates/actq``) instead of by every block of the GEMV. Every block quantizes all q rows of x before its
 #: first product, so the prologue grows with q and runs in each of the ~264 blocks: on the H200 (session 7,
-#: ``gpu_kernel_check.py --only gemv``) wq_a took 27.6 us at q = 5 quantizing in-block against 9.3 us reading a
+#: ``tests/gpu_checks --only gemv``) wq_a took 27.6 us at q = 5 quantizing in-block against 9.3 us reading a
 #: plain bf16 x, for ~2-3 us of extra launch in a CUDA graph; at q = 1 the in-block prologue costs 0.5 us.
 PREQUANT_MIN_Q = 2
 

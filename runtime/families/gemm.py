@@ -59,7 +59,7 @@ shared memory (bn 128: 56-108 KB); with the register prefetch of the next step (
 bn 128, and 9-32 of weights) ptxas uses 180-255 registers on sm_90 with no spills
 (``__launch_bounds__(threads, 65536 / (threads * 255))``: 8 warps per SM either way). At C = 16 three
 quarters of the MMA rows are padding (the GEMV family is the better kernel there). Not tuned on a GPU yet:
-tools/gpu_checks/gemm.py times both ``bn``.
+tests/gpu_checks/gemm.py times both ``bn``.
 
 Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
 segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
@@ -149,7 +149,7 @@ class GemmSpec:
             the bf16 paths the tile is a plain copy). Only with mode ``fp8act`` and ``act_quant``.
         sw_quant: round the activation to e4m3 in software (``ds4c_round_e4m3``) even where the f16 MMA path
             would use ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): the A/B and the hardware check of that
-            instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
+            instruction (tests/gpu_checks/gemm.py compares the two bit for bit).
         bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
             by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
         prequant: quantize x once per call (``templates/actq/act_quant.cu.j2`` form ``f16s``: ``xq`` f16

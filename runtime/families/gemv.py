@@ -106,7 +106,7 @@ DEFAULT_SMS = 132
 BLOCKS_PER_SM = 2
 #: q = 1 launches without an FP8 activation prologue (plain bf16/f32 x, e.g. the head): one row per thread
 #: (~32 registers) and 8 blocks per multiprocessor keep more weight bytes in flight. H200 sweep
-#: (tools/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
+#: (tests/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
 #: to 241 us (R=1, 8 blocks/SM), 4.39 TB/s. Launches with the prologue pay it once per block, so they keep 2.
 PLAIN_Q1_BLOCKS_PER_SM = 8
 MAX_Q = 8

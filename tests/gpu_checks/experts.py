@@ -21,11 +21,11 @@ with some experts shared between rows (the dedup path), weights as the router ma
 One extra case captures both launches in a CUDA graph, then writes new x, ids and weights into the same
 device buffers and replays (routing comes from device memory, never by value).
 
-Usage: ``python tools/gpu_checks/experts.py [--arch sm_90]`` (prints a table;
+Usage: ``python tests/gpu_checks/experts.py [--arch sm_90]`` (prints a table;
 ``DS4C_XP_CASES='mma  q=1$,q=5'`` keeps the cases whose label contains one of the comma-separated substrings,
 ``$`` marking the label's end, e.g. to profile them under ``ncu``; ``DS4C_XP_STAGES_SWEEP=1`` adds every
 cp.async ring depth at q = 1..5), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain).
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch and nvcc (or NVRTC through ds4c's toolchain).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import experts as X
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, rel_err, standalone
+from gpu_checks.common import compile_all, rel_err, standalone
 
 TOL = 2e-2
 ITERS = 30

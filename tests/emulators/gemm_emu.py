@@ -1,5 +1,5 @@
 """Run the GEMM family's rendered kernel body on the CPU (no GPU), through the experts emulator's host prelude
-(tools/experts_emu.py: every GPU thread of a block is a fiber on one OS thread, barriers park a fiber until the
+(emulators/experts_emu.py: every GPU thread of a block is a fiber on one OS thread, barriers park a fiber until the
 last of their threads arrives, shuffles go through an exchange buffer, ``mma.sync`` / ``cvt`` computed from the
 PTX fragment layouts; the grid's blocks run one after another).
 
@@ -11,7 +11,7 @@ A prequant call (``GemmSpec.prequant`` where :func:`ds4c.runtime.families.gemm.u
 its kernels, the actq launch (templates/actq, form f16s) into NaN-poisoned ``xq`` / ``xs`` and then the GEMM,
 whose cp.async copies are the experts emulator's (deferred to their ``wait_group``; a block that ends with
 copies never waited for aborts); :func:`read_prequant` returns the two workspaces.
-Used by ``tests/test_gemm_family.py``; runnable by hand: ``python tools/gemm_emu.py``.
+Used by ``tests/test_gemm_family.py``; runnable by hand: ``python tests/emulators/gemm_emu.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from ds4c.runtime.families import gemm as GM  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from tools.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
 
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""

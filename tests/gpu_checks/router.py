@@ -10,8 +10,8 @@ with NaN before the launch, then: every output written; ids identical to ``route
 |w - ref| / |ref|); the median of 50 CUDA-event timings; GB/s = ``router.bytes_moved`` / time. One extra case
 captures a hash launch in a CUDA graph, changes the token ids and the logits in device memory and replays.
 
-Usage: ``python tools/gpu_checks/router.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``.
+Usage: ``python tests/gpu_checks/router.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import router as R
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, standalone
+from gpu_checks.common import compile_all, median_us, standalone
 
 POISON_ID = -7777
 N_VOCAB = 1000

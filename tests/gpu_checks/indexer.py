@@ -20,9 +20,9 @@ the selection of the kernel's own scores must be exact and the scores within one
 and a CUDA-graph replay: both launches captured once, then positions and live changed in device memory and
 the graph replayed (the per-step scalars are read through pointers).
 
-Usage: ``python tools/gpu_checks/indexer.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
-through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
+Usage: ``python tests/gpu_checks/indexer.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tests/gpu_checks/common.py.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import indexer as I
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, standalone
+from gpu_checks.common import compile_all, median_us, standalone
 
 POISON_ID = -7777
 POISON_BF16 = 0x7FC1  # a NaN

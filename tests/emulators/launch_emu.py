@@ -1,5 +1,5 @@
 """Run a sequence of lowered launches (runtime/lower.py ``Launch`` records, any family without inline PTX) on the
-CPU, through the experts emulator's host prelude (:mod:`tools.experts_emu`: every GPU thread of a block a fiber,
+CPU, through the experts emulator's host prelude (:mod:`emulators.experts_emu`: every GPU thread of a block a fiber,
 the grid's blocks one after another; function-local shared arrays become statics, shared by the threads of the
 one running block). Buffers are bound by name: each launch's argument list names the buffers (or gives an int),
 every buffer is loaded before the first launch and saved after the last, so a test can feed a plan kernel's
@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from tools.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401
 
 SHARED_STATIC = "#undef DS4C_SHARED\n#define DS4C_SHARED static\n"
 #: CUDA's correctly rounded fp32 intrinsics (no FMA contraction) on the host: the plain operations (the host build

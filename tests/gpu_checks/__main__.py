@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Run every kernel family's GPU check (tools/gpu_checks/<family>.py) on a CUDA machine and print one table.
+"""Run every kernel family's GPU check (tests/gpu_checks/<family>.py) on a CUDA machine and print one table.
 
 Each check renders its kernels, compiles them with nvcc for the given arch, launches them through
 ds4c.runtime.launch on fresh random inputs with NaN-poisoned outputs, compares with the family's CPU
-reference by relative error, and times them with CUDA events. Usage:
+reference by relative error, and times them with CUDA events. The pass/fail of the same checks is
+``pytest -m gpu tests/test_gpu_kernels.py``; this is the timing table (and a JSON of every row). Usage:
 
-    python tools/gpu_kernel_check.py [--arch sm_90] [--only gemv,attention,hc] [--json out.json]
+    python tests/gpu_checks [--arch sm_90] [--only gemv,attention,hc] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as ``python tests/gpu_checks``: tests/, for gpu_checks.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FAMILIES = ("gemv", "gemm", "moe_gemm", "attention", "hc", "compressor", "indexer", "router", "experts", "rowchain", "tap")
+from gpu_checks import FAMILIES  # noqa: E402
 
 
 def main() -> int:
@@ -33,7 +35,7 @@ def main() -> int:
     for fam in [f for f in a.only.split(",") if f]:
         t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(f"tools.gpu_checks.{fam}")
+            mod = importlib.import_module(f"gpu_checks.{fam}")
             res = mod.run(arch=a.arch)
         except Exception:  # report and go on with the other families
             traceback.print_exc()

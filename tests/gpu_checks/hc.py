@@ -11,9 +11,9 @@ timings of the boundary (mix + norm launches; also each alone). GB/s = ``hc.byte
 embedding rows, out, post, comb, norm gain: every input once) / time. One extra case feeds embed_pre an
 out-of-range token id and expects NaN rows (never an out-of-bounds read).
 
-Usage: ``python tools/gpu_checks/hc.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
-through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
+Usage: ``python tests/gpu_checks/hc.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tests/gpu_checks/common.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import hc as H
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, standalone
+from gpu_checks.common import compile_all, median_us, standalone
 
 WIDTHS = {"official": 4096, "tiny": 256}
 QS = (1, 5)

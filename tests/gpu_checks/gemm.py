@@ -24,9 +24,9 @@ below 1e-2 for bf16 and 1e-4 for fp32 outputs, a second launch bit-identical, an
 timings (``common.median_us``). Reported: TFLOP/s (2*C*N*K) and GB/s (weight + x + y bytes; at C >= 64 the
 kernel is compute bound, so no L2-cold weight rotation as in the GEMV check).
 
-Usage: ``python tools/gpu_checks/gemm.py [--arch sm_90]`` or ``python tools/gpu_kernel_check.py --only gemm``.
+Usage: ``python tests/gpu_checks/gemm.py [--arch sm_90]`` or ``python tests/gpu_checks --only gemm``.
 Needs a CUDA GPU, torch, cuda-python and nvcc (or NVRTC); compiles and loads through
-tools/gpu_checks/common.py. :func:`cases` and :func:`case_buffers` also run on the CPU (tests build them).
+tests/gpu_checks/common.py. :func:`cases` and :func:`case_buffers` also run on the CPU (tests build them).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -180,7 +180,7 @@ def _case(name: str, spec: GM.GemmSpec, kerns: list, use: dict, csec: float, g: 
 
 
 def _median_us(fn: Any) -> float:
-    from tools.gpu_checks.common import median_us
+    from gpu_checks.common import median_us
 
     return median_us(fn, ITERS, WARMUP)
 
@@ -189,7 +189,7 @@ def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case: spec, detail, ok, all_written, guard_ok, deterministic, rel_err, us,
     TFLOPs, GBps, bytes, grid, smem, regs, spills, compile_s (prequant cases also us_gemm, us_actq); then one
     per twin pair (:data:`TWINS`, :data:`PQ_TWINS`)."""
-    from tools.gpu_checks.common import compile_source, load
+    from gpu_checks.common import compile_source, load
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -274,7 +274,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    from tools.gpu_checks.common import standalone
+    from gpu_checks.common import standalone
 
     return standalone(run, print_table)
 

@@ -10,9 +10,9 @@ median of 50 CUDA-event timings of the launch (main + combine). GB/s = distinct 
 (window rows, this step's rows, compressed rows) / time; each of the H head blocks re-reads them (from L2),
 so the kernel's own traffic is H times that.
 
-Usage: ``python tools/gpu_checks/attention.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
-loads through tools/gpu_checks/common.py.
+Usage: ``python tests/gpu_checks/attention.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
+loads through tests/gpu_checks/common.py.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, rel_err, standalone
+from gpu_checks.common import compile_all, median_us, rel_err, standalone
 
 SHAPES = {
     "official": (dict(heads=64, head_dim=512, window=128),

@@ -1,12 +1,12 @@
 """Run the DSpark drafter's new kernels on the CPU (no GPU): the Markov head (``runtime/families/dspark.py``: every
 ``depth`` launch, ``final`` and ``conf``) and the ``dspark`` kind of the sparse-attention family, rendered for CUDA
-and compiled as host C++20 on the experts emulator's host prelude (:mod:`tools.experts_emu`: every GPU thread of a
+and compiled as host C++20 on the experts emulator's host prelude (:mod:`emulators.experts_emu`: every GPU thread of a
 block an OS thread, the grid's blocks one after another). Shared arrays become function statics, which the threads
 of the one running block share, as a block shares its shared memory.
 
 It checks the kernels' own logic (the chain across launches, the per-block argmax partials and their reduction,
 the ring / block list, the chunked softmax) on small shapes; not the compiler or timing. Used by
-``tests/test_dspark_compiled.py``; runnable by hand: ``python tools/dspark_emu.py``.
+``tests/test_dspark_compiled.py``; runnable by hand: ``python tests/emulators/dspark_emu.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from ds4c.runtime.families import attention as A  # noqa: E402
 from ds4c.runtime.families import dspark as D  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from tools.experts_emu import compile_host, host_body, run_host  # noqa: E402
+from emulators.experts_emu import compile_host, host_body, run_host  # noqa: E402
 
 SHARED_STATIC = "#undef DS4C_SHARED\n#define DS4C_SHARED static\n"
 NAN_F32 = "std::numeric_limits<float>::quiet_NaN()"

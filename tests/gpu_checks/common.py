@@ -1,4 +1,4 @@
-"""Helpers shared by the per-family GPU checks (tools/gpu_checks/<family>.py).
+"""Helpers shared by the per-family GPU checks (tests/gpu_checks/<family>.py).
 
 * :func:`compile_source`: one kernel source to a binary through ds4c's toolchain layer (nvcc, else NVRTC).
 * :func:`load`: a binary loaded with ds4c.runtime.launch (cuda.bindings).

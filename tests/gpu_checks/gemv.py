@@ -18,9 +18,9 @@ before the launch, then: every element written, relative error ||y - ref|| / ||r
 outputs, and the median of 50 CUDA-event timings after warm-up, cycling through enough weight copies that
 the set is larger than L2 (so GB/s is HBM bandwidth, not cache). GB/s counts weight bytes only.
 
-Usage: ``python tools/gpu_checks/gemv.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
-through ds4c's toolchain); compiles and loads through tools/gpu_checks/common.py.
+Usage: ``python tests/gpu_checks/gemv.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
+through ds4c's toolchain); compiles and loads through tests/gpu_checks/common.py.
 Runs in well under 2 minutes on an H200.
 """
 
@@ -35,14 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_source, load, median_us, standalone
+from gpu_checks.common import compile_source, load, median_us, standalone
 
 O = G.GemvOutput
 QS = (1, 5)

@@ -19,9 +19,9 @@ and the time per launch of 50 back-to-back launches between two CUDA events (que
 launch time is not measured; the official grouped kernel rotates over 3 weight copies so its 64 MiB weight is not
 served from L2). GB/s = bytes the launch must move (inputs read + outputs written) / time.
 
-Usage: ``python tools/gpu_checks/rowchain.py [--arch sm_90]`` (prints a table), or through
-``tools/gpu_kernel_check.py``. Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
-loads through tools/gpu_checks/common.py.
+Usage: ``python tests/gpu_checks/rowchain.py [--arch sm_90]`` (prints a table), or through
+``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc; compiles and
+loads through tests/gpu_checks/common.py.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.config import preset
 from ds4c.runtime.families import rowchain as R
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, compile_source, load, rel_err, standalone
+from gpu_checks.common import compile_all, compile_source, load, rel_err, standalone
 
 _compile, _load = compile_source, load  # the names a local tuning script imports from here
 

@@ -8,7 +8,7 @@ It checks the kernel's own logic (job table, expert dedup, chunk streaming, frag
 quant, epilogues, the ordered sum) on shapes small enough for a CPU; not the compiler, the hardware MMA's
 internal precision, or timing. Used by ``tests/test_experts_family.py`` and runnable by hand:
 
-    python tools/experts_emu.py            # a few tiny / medium shapes, both engines, vs the reference
+    python tests/emulators/experts_emu.py            # a few tiny / medium shapes, both engines, vs the reference
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from ds4c.runtime.families import experts as X  # noqa: E402

@@ -4,7 +4,7 @@ flash-l4 step that take the most time (the head, wq_b, the attention-input multi
 Each variant is checked against the family's reference once (relative error) and timed with rotated weight
 copies (L2 cold). Prints one line per variant, best first per case. Usage:
 
-    python tools/gpu_checks/gemv_sweep.py [--arch sm_90]
+    python tests/gpu_checks/gemv_sweep.py [--arch sm_90]
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us
-from tools.gpu_checks.gemv import TOL, _attn_input, _rel, case_buffers
+from gpu_checks.common import compile_all, median_us
+from gpu_checks.gemv import TOL, _attn_input, _rel, case_buffers
 
 O = G.GemvOutput
 CASES = [

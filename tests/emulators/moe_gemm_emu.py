@@ -1,13 +1,13 @@
 """Run the grouped experts GEMM family's rendered kernels (runtime/families/moe_gemm.py) on the CPU, no GPU:
 every launch of one call (route, actq_x, up, actq_h, down, combine) compiled as host C++20 with the experts
-emulator's host prelude (tools/experts_emu.py: GPU threads as fibers, barriers, shuffles, ``mma.sync`` and the
+emulator's host prelude (emulators/experts_emu.py: GPU threads as fibers, barriers, shuffles, ``mma.sync`` and the
 e4m3 / int8 -> f16 cvts computed from the PTX fragment layouts; a grid's blocks run one after another) and run in
 launch order on shared buffers.
 
 Every workspace and the output start poisoned (NaN; ``perm`` / ``tiles`` 0x7f7f7f7f), so a test sees what a
 launch did not write. Checks the kernels' own logic on small shapes (routing tables, tile gathers, fragment
 ownership, per-block scaling, epilogues, the ordered combine); not the compiler, the hardware MMA's internal
-precision, or timing. Used by tests/test_moe_gemm_family.py; by hand: ``python tools/moe_gemm_emu.py``.
+precision, or timing. Used by tests/test_moe_gemm_family.py; by hand: ``python tests/emulators/moe_gemm_emu.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from ds4c.runtime.families import moe_gemm as MG  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from tools.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
 
 #: C expressions of the kernel arguments (buffers of main() below)
 _ARG = {"ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()", "x": "(const u16*)x.data()",

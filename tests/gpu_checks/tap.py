@@ -9,7 +9,8 @@ device memory, the tap ring poisoned with NaN before the launch, then: every ele
 ``tap.reference`` computed on the CPU (torch's bf16 mean, the reference model's) bit for bit, and every other element
 still holds the poison; the median of 50 CUDA-event timings; GB/s of the streams read and the rows written.
 
-Usage: ``python tools/gpu_checks/tap.py [--arch sm_90]`` (prints a table), or through ``tools/gpu_kernel_check.py``.
+Usage: ``python tests/gpu_checks/tap.py [--arch sm_90]`` (prints a table), or with every family through
+``python tests/gpu_checks``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from ds4c.runtime.families import tap as TP
 from ds4c.runtime.targets import target as make_target
-from tools.gpu_checks.common import compile_all, median_us, standalone
+from gpu_checks.common import compile_all, median_us, standalone
 
 CASES = (("official q=5 3 taps", TP.TapSpec(5, 4096, 4, 128, 3, (0, 1, 2)), 40),
          ("official q=1 3 taps", TP.TapSpec(1, 4096, 4, 128, 3, (0, 1, 2)), 41),

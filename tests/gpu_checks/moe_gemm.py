@@ -19,8 +19,8 @@ ones (``moe_gemm.routing_tables``), every hbuf / ybuf / out element written (fin
 the median of CUDA-event timings per launch and of the whole call (``common.median_us``). Reported: us per
 launch, TFLOP/s of the call and of up + down (``2 * C*k * 3 * D * I`` useful FLOPs), the tile slots used.
 
-Usage: ``python tools/gpu_checks/moe_gemm.py [--arch sm_90]``. Needs a CUDA GPU (sm_89+), torch, cuda-python and
-nvcc (or NVRTC); compiles and loads through tools/gpu_checks/common.py. :func:`cases` and :func:`case_buffers`
+Usage: ``python tests/gpu_checks/moe_gemm.py [--arch sm_90]``. Needs a CUDA GPU (sm_89+), torch, cuda-python and
+nvcc (or NVRTC); compiles and loads through tests/gpu_checks/common.py. :func:`cases` and :func:`case_buffers`
 also run on the CPU (tests/test_moe_gemm_family.py builds them).
 """
 
@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repo root, for tools.gpu_checks.common
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -93,7 +93,7 @@ def case_buffers(spec: MG.MoeGemmSpec, g: torch.Generator, device: str = "cuda",
 
 
 def _median_us(fn: Any) -> float:
-    from tools.gpu_checks.common import median_us
+    from gpu_checks.common import median_us
 
     return median_us(fn, ITERS, WARMUP)
 
@@ -147,7 +147,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
 
 def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case (keys of :func:`_case`, or ``error``)."""
-    from tools.gpu_checks.common import compile_source, load
+    from gpu_checks.common import compile_source, load
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -209,7 +209,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    from tools.gpu_checks.common import standalone
+    from gpu_checks.common import standalone
 
     return standalone(run, print_table)
 
