@@ -1,30 +1,40 @@
 #!/usr/bin/env python3
-"""GPU soak of the compiled step (CUDA graphs) on one CUDA GPU. Phases, in the order they run:
+"""GPU soak of the compiled step (CUDA graphs) on one CUDA GPU: the long form of the GPU tests
+(tests/test_compiled_step.py, tests/test_gpu_lockstep.py), on any model, for a device session
+(tools/device_session.sh soak). Phases, in the order they run:
 
 1. Repeated requests: R calls of ``ds4c.generate.generate`` on one CompiledStep in this process, all the same
    request, greedy and then seeded sampling (temperature 0.8): every request must give the first's tokens.
    Then ``ds4c generate FILE --device cuda --json`` as a subprocess (--cli-runs times): identical tokens.
    (Before the reference is loaded, so the subprocess has GPU memory: flash-l4's reference with
    --cache-experts 1024 holds ~102 GiB.)
-2. Lockstep soak: N decode steps of the compiled step (graph replays) and of the GPU reference, each from an
-   empty sequence with its own state, fed the same tokens (as tools/gpu_step_check.py's lockstep); relative
+2. Teacher-forced (--teacher-forced P): before every step the GPU reference's state is copied into the compiled
+   step; steps of the widest width, then each other, up to position P; every row's logits compared (median
+   < 1e-2, p90 < 3e-2). With --noise-floor K the reference on the CPU also runs the first K steps from the same
+   state, and the tolerance is the spread of the two references instead (median and p90 at most 1.5x + 1e-3).
+3. Lockstep soak: N decode steps of the compiled step (graph replays) and of the GPU reference, each from an
+   empty sequence with its own state, fed the same tokens (``step_compare.lockstep_errors``); relative
    error of every step's logits, reported per window of W steps (median, p90, max, argmax agreement). Drift
-   criterion (gpu_step_check's ``lockstep_ok``): last window's median <= 1.5 x the first's + 0.01 and every
+   criterion (``step_compare.lockstep_ok``): last window's median <= 1.5 x the first's + 0.01 and every
    step < 0.25. max_ctx >= N, so the run crosses every context bucket up to N.
    --time-budget S stops this phase cleanly after S seconds; with --checkpoint FILE both states, the errors
    and the step are saved there when stopped, and a later run with the same options resumes from it (the
    file is removed once all N steps are done): a soak longer than one device call runs in several.
 A window table and a phase table come last, then ``RESULT PASS`` or ``RESULT FAIL``. Usage:
 
-    python tools/gpu_soak.py [--model tiny|flash-l4 | --gguf FILE] [--lockstep N] [--window W]
+    python tests/gpu_soak.py [--model tiny|flash-l4 | --gguf FILE] [--lockstep N] [--window W]
         [--time-budget S] [--checkpoint FILE] [--requests R] [--new-tokens T] [--prompt-len P]
         [--cli-runs K] [--max-ctx C] [--widths 1,2,3,4,5] [--artifact] [--cache-experts E]
+        [--teacher-forced P [--noise-floor K]]
 
     # ~92 ms per lockstep step (the reference's host loop), so 10,000 steps take ~15 min: run it in
     # several device calls; a resuming call can skip phase 1 with --requests 0 --cli-runs 0
-    python tools/gpu_soak.py --model tiny --artifact --time-budget 470 --checkpoint out/soak-tiny.pt
-    python tools/gpu_soak.py --gguf out/fl4.gguf --cache-experts 1024 --artifact --time-budget 330 \\
+    python tests/gpu_soak.py --model tiny --artifact --time-budget 470 --checkpoint out/soak-tiny.pt
+    python tests/gpu_soak.py --gguf out/fl4.gguf --cache-experts 1024 --artifact --time-budget 330 \\
         --checkpoint out/soak-fl4.pt
+    # flash-l4 teacher-forced within the noise floor of the CPU and GPU references, no soak
+    python tests/gpu_soak.py --gguf out/fl4.gguf --max-ctx 1024 --teacher-forced 60 --noise-floor 14 \\
+        --lockstep 0 --requests 0 --cli-runs 0
 """
 
 from __future__ import annotations
@@ -37,18 +47,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: gpu_step_check (which adds the repo root)
+from ds4c.buckets import BucketSpec
+from ds4c.config import preset
+from ds4c.generate import generate
+from ds4c.gguf_file import open_model
+from ds4c.reference import Reference, ReferenceWeights
+from ds4c.runtime.cache import KernelCache
+from ds4c.runtime.executor import CompiledStep
+from ds4c.synth import make_model
 
-from gpu_step_check import load_model, lockstep_ok, summary  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/, for step_compare (run as a script)
 
-from ds4c.buckets import BucketSpec  # noqa: E402
-from ds4c.generate import generate  # noqa: E402
-from ds4c.reference import Reference, ReferenceWeights  # noqa: E402
-from ds4c.runtime.cache import KernelCache  # noqa: E402
-from ds4c.runtime.executor import CompiledStep  # noqa: E402
+from step_compare import lockstep_ok, summary, teacher_forced_errors  # noqa: E402
 
 
 def requests(ex: CompiledStep, prompt: list[int], n_new: int, r: int, temperature: float, seed: int,
@@ -91,7 +105,7 @@ def window_stats(e: torch.Tensor, a: torch.Tensor) -> str:
 
 def soak(ex: CompiledStep, ref: Reference, toks: list[int], n: int, w: int, budget: float | None,
          ckpt: Path | None, tag: dict) -> tuple[list[float], list[bool], str]:
-    """The lockstep loop (gpu_step_check.lockstep's body, with windows, a time budget and a checkpoint).
+    """The lockstep loop (``step_compare.lockstep_errors`` with windows, a time budget and a checkpoint).
     Returns the per-step errors, argmax agreements and how the phase ended."""
     errs, agree, start = [], [], 0
     if ckpt is not None and ckpt.exists():
@@ -133,6 +147,31 @@ def soak(ex: CompiledStep, ref: Reference, toks: list[int], n: int, w: int, budg
     return errs, agree, end
 
 
+def teacher_forced_phase(ex: CompiledStep, ref: Reference, toks: list[int], until: int, widths: tuple[int, ...],
+                         floor_model: Any, floor_steps: int) -> tuple[str, int, bool, str]:
+    """Teacher-forced steps up to position ``until`` (``step_compare``), the widest of ``widths`` first, then
+    each other (5, 1, 2, 3, 4 by default): a phase row.
+    Tolerance: median < 1e-2 and p90 < 3e-2 of the per-row errors; with ``floor_model`` (a model file: its
+    reference on the CPU, from the same state for the first ``floor_steps`` steps) instead within the noise
+    floor of the two references (median and p90 at most 1.5x the CPU reference's + 1e-3)."""
+    floor_ref = None
+    if floor_model is not None:
+        floor_ref = Reference(ReferenceWeights.load(floor_model, "cpu", cache_experts=256), max_ctx=ex.capacity)
+    t0 = time.perf_counter()
+    order = (max(widths),) + tuple(w for w in widths if w != max(widths))
+    e, fl = teacher_forced_errors(ex, ref, toks, order, until, floor_ref, floor_steps)
+    detail = f"{len(e)} rows in {time.perf_counter() - t0:.1f} s: {summary(e)}"
+    if len(fl):
+        ok = bool(fl[:, 0].median() <= 1.5 * fl[:, 1].median() + 1e-3
+                  and torch.quantile(fl[:, 0], 0.9) <= 1.5 * torch.quantile(fl[:, 1], 0.9) + 1e-3)
+        detail += (f"; noise floor over {len(fl)} rows: compiled {summary(fl[:, 0])}, CPU reference "
+                   f"{summary(fl[:, 1])}")
+    else:
+        ok = bool(e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2)
+    ex.reset()
+    return "teacher-forced", len(e), ok, detail
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="GPU soak of the compiled step: repeated requests (in process and "
                                  "through the CLI), then a long lockstep against the GPU reference; see the "
@@ -151,7 +190,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled set's temperature")
     ap.add_argument("--seed", type=int, default=5, help="the sampled set's seed")
     ap.add_argument("--cli-runs", type=int, default=2, help="ds4c generate subprocess runs (0: skip)")
-    ap.add_argument("--max-ctx", type=int, default=None, help="default: lockstep + prompt + new tokens")
+    ap.add_argument("--max-ctx", type=int, default=None,
+                    help="default: lockstep (or teacher-forced + 5) + prompt + new tokens")
     ap.add_argument("--widths", default="1,2,3,4,5", help="compiled widths (generate prefills at the widest)")
     ap.add_argument("--artifact", action="store_true", help="build an AOT artifact here and run from it")
     ap.add_argument("--ref", choices=("eager", "compiled"), default="eager",
@@ -160,15 +200,20 @@ def main() -> int:
     ap.add_argument("--ref-mode", default="reduce-overhead", help="torch.compile mode of --ref compiled")
     ap.add_argument("--cache-experts", type=int, default=None,
                     help="reference expert cache (flash-l4: 1024, else experts are re-read every step)")
+    ap.add_argument("--teacher-forced", type=int, default=0,
+                    help="before the lockstep: teacher-forced steps of widths 5,1,2,3,4 up to this position (0: skip)")
+    ap.add_argument("--noise-floor", type=int, default=0,
+                    help="for this many teacher-forced steps also run the reference on the CPU from the same state")
     a = ap.parse_args()
     t_all = time.perf_counter()
-    mf = load_model(a)
+    mf = open_model(a.gguf if a.gguf else
+                    make_model(preset(a.model), Path(tempfile.mkdtemp()) / f"{a.model}.gguf", seed=0))
     cfg = mf.config
     n, w = a.lockstep, max(1, a.window)
-    gen = torch.Generator().manual_seed(7)  # the tokens of gpu_step_check's lockstep
-    toks = torch.randint(0, cfg.vocab_size, (max(n, a.prompt_len),), generator=gen).tolist()
+    gen = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, cfg.vocab_size, (max(n, a.prompt_len, a.teacher_forced + 5),), generator=gen).tolist()
     prompt = toks[:a.prompt_len]
-    max_ctx = a.max_ctx or n + a.prompt_len + a.new_tokens
+    max_ctx = a.max_ctx or max(n, a.teacher_forced + 5) + a.prompt_len + a.new_tokens
     widths = tuple(int(x) for x in a.widths.split(","))
     buckets = BucketSpec.build(cfg, widths, max_ctx)
     print(f"model {cfg.name} ({mf.path}): {cfg.n_layers} layers, widths {widths}, buckets {buckets.contexts}",
@@ -211,17 +256,22 @@ def main() -> int:
                      f"{sum(d for _, d in cli) / len(cli):.1f} "
                      f"s/run (load included); same as in-process greedy: "
                      f"{got[0] == greedy if greedy is not None else 'n/a'}"))
-    # 2. lockstep soak
+    # 2. teacher-forced steps, then the lockstep soak, against the GPU reference
     errs, agree, end = [], [], "skipped"
-    if n:
+    if a.teacher_forced or n:
         t1 = time.perf_counter()
         ref = Reference(ReferenceWeights.load(mf, "cuda", cache_experts=a.cache_experts), max_ctx=ex.capacity)
         if a.ref == "compiled":
             from ds4c.reference.compiled import compile_reference
 
             ref = compile_reference(ref, mode=a.ref_mode)
-        print(f"reference ({a.ref}) on cuda in {time.perf_counter() - t1:.1f} s; lockstep {n} steps, window {w}",
-              flush=True)
+        print(f"reference ({a.ref}) on cuda in {time.perf_counter() - t1:.1f} s", flush=True)
+    if a.teacher_forced:
+        rows.append(teacher_forced_phase(ex, ref, toks, a.teacher_forced, widths, mf if a.noise_floor else None,
+                                         a.noise_floor))
+        print(f"{rows[-1][0]}: {rows[-1][3]}", flush=True)
+    if n:
+        print(f"lockstep {n} steps, window {w}", flush=True)
         tag = {"config": cfg.hash(), "buckets": buckets.hash(), "n": n, "artifact": bool(art), "ref": a.ref}
         errs, agree, end = soak(ex, ref, toks, n, w, a.time_budget, a.checkpoint, tag)
     # summary
