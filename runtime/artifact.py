@@ -1,6 +1,6 @@
-"""Ahead-of-time artifacts (design.md, "Who uses it" 1 and 3): every step graph of a bucket set (and, when asked,
-every prefill chunk graph: issue 12, docs/prefill.md), lowered for every target, compiled through the kernel cache, and published as one folder the runtime loads with no
-compiler present. Nothing here queries a device: the targets are always explicit input.
+"""Ahead-of-time artifacts (docs/codegen.md, "Cache, artifacts, runtime"): every step graph of a bucket set (and,
+when asked, every prefill chunk graph: docs/prefill.md), lowered for every target, compiled through the kernel
+cache, and published as one folder the runtime loads with no compiler present. Nothing here queries a device: the targets are always explicit input.
 
 Layout of an artifact folder::
 
@@ -233,7 +233,7 @@ def build_artifact(cfg: Ds4Config, targets: list[Target], buckets: BucketSpec, o
     builds every graph with the tap kernel (``build_step(..., taps=...)``; the manifest's ``taps``), so the
     artifact serves a step with those taps only. ``record_hc`` (the final HC state of the MTP drafter, spec 7.5)
     builds every graph with ``build_step(..., record_hc=True)`` (the manifest's ``record_hc``), so the artifact
-    serves a step that records it only. ``prefill_chunks`` (issue 12: chunk row counts C, e.g. ``(256, 2048)``;
+    serves a step that records it only. ``prefill_chunks`` (docs/prefill.md: chunk row counts C, e.g. ``(256, 2048)``;
     :func:`ds4c.buckets.check_prefill_chunks`) also compiles, per C and context bucket ``>= C``, the prefill chunk
     graph ``build_step(cfg, C, buckets.contexts[-1], prefill=True)`` (key ``p{C}_c{context}``; its kernels go
     through the same de-duplicated compile as the step graphs', so a source both use is compiled and stored once;

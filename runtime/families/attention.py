@@ -1,4 +1,4 @@
-"""The sparse-attention kernel family: the ``sparse_attention`` IR op (spec ds4-flash.md P9, 5.2(e),(i) and
+"""The sparse-attention kernel family: the ``sparse_attention`` IR op (docs/model.md P9, 5.2(e),(i) and
 section 6's window rule for verify rows) for one layer kind, as one CUDA/HIP kernel (plus a combine kernel
 when split-K is on). Template: ``templates/attention/sparse_attention.cu.j2`` (its header describes the
 block layout).

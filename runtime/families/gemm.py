@@ -1,13 +1,13 @@
-"""The tensor-core GEMM family for batched prefill (issue 12): ``Y[C, N] = X[C, K] @ W[N, K]^T`` for a chunk
+"""The tensor-core GEMM family for batched prefill (docs/prefill.md): ``Y[C, N] = X[C, K] @ W[N, K]^T`` for a chunk
 of ``C`` rows (16..4096 in prefill; any ``C >= 1`` renders) through one projection whose weight ``W`` is in
-its stored GGUF form. Spec ds4-flash.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
+its stored GGUF form. docs/model.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
 128 with power-of-two scales, times the dequantized weight, fp32 accumulation, bf16 out) =
 :func:`ds4c.reference.primitives.linear_q`; modes ``bf16`` / ``f32`` as the GEMV family's
 (:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. The prefill chunk lowering
 (runtime/lower_prefill.py) runs every projection of >= 16 rows through it (``prequant=True``; wo_a as one
 grouped call, ``GemmSpec.groups``).
 
-Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
+Weights (``GemmSpec.fmt``; layouts docs/gguf-layout.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
 ``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``. K-quants and f32 weights raise :class:`RenderError`.
 

@@ -1,11 +1,11 @@
-"""The multi-output GEMV family: the weight-streaming kernel of a decode / verify step (spec ds4-flash.md 2.3,
+"""The multi-output GEMV family: the weight-streaming kernel of a decode / verify step (docs/model.md 2.3,
 the IR op ``linear`` with modes ``fp8act`` / ``bf16`` / ``f32``), plus ``gemv_argmax`` (greedy head epilogue).
 Template: ``templates/gemv/gemv.cu.j2``.
 
 One launch computes, for ``q`` rows (1..5) of one activation ``x`` (bf16 ``[q, K]``), several outputs
 ``y_j = x @ W_j^T`` (``W_j`` logical ``[N_j, K]``). Per output (:class:`GemvOutput`):
 
-* ``fmt``: how ``W_j`` is stored (row-major, rows of K values; spec gguf-deepseek4.md "Tensor types"):
+* ``fmt``: how ``W_j`` is stored (row-major, rows of K values; docs/gguf-layout.md "Tensor types ds4c reads"):
   ``bf16`` raw u16 ``[N, K]``; ``f32`` ``[N, K]``; ``q8_0`` GGUF Q8_0 blocks, uint8 ``[N, K/32*34]`` (fp16 scale
   ``d`` then 32 int8 ``q``, value ``d*q``); ``mxfp4`` GGUF MXFP4 blocks, uint8 ``[N, K/32*17]`` (e8m0 byte ``e``,
   then 16 bytes: byte ``j`` = element ``j`` (low nibble) and ``j+16`` (high nibble); value
