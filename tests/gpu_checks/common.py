@@ -83,9 +83,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((g - w).norm() / w.norm().clamp(min=1e-30))
 
 
-def standalone(run: Callable[[str], list[dict]], print_table: Callable[[list[dict]], None]) -> int:
+def standalone(run: Callable[[str], list[dict]], print_table: Callable[[list[dict]], None],
+               run_ok: Callable[[list[dict]], bool] | None = None) -> int:
     """Run one family's check as a script: ``--arch`` (default sm_90), the family's table, the compile and
-    total seconds, and ``RESULT PASS|FAIL: n/m ok``. Returns the exit status (0 when every case is ok)."""
+    total seconds, and ``RESULT PASS|FAIL: n/m ok``. Returns the exit status (0 when every case is ok and,
+    given ``run_ok``, the family's bound over the whole run holds)."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -97,5 +99,6 @@ def standalone(run: Callable[[str], list[dict]], print_table: Callable[[list[dic
     bad = [r for r in rows if not r["ok"]]
     print(f"compile (parallel) {rows[0].get('compile_total_s', 0) if rows else 0:.1f} s; "
           f"total {time.perf_counter() - t0:.1f} s")
-    print(f"RESULT {'PASS' if not bad else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
-    return 0 if not bad else 1
+    ok = not bad and (run_ok is None or run_ok(rows))
+    print(f"RESULT {'PASS' if ok else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok")
+    return 0 if ok else 1

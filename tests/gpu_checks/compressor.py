@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 from ds4c.quant import pow2_ceil_scale  # noqa: E402
 from ds4c.reference import primitives as P  # noqa: E402
 from ds4c.runtime.families import compressor as C  # noqa: E402
-from gpu_checks.common import compile_source, load  # noqa: E402
+from gpu_checks.common import compile_source, load, standalone  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 ROPE_BASE, ROPE_FACTOR, ORIG_LEN, BETA_FAST, BETA_SLOW = 160000.0, 16.0, 65536, 32.0, 1.0
@@ -256,19 +256,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="sm_90")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rows = run(a.arch)
-    print_table(rows)
-    bad = [r for r in rows if not r["ok"]]
-    frac_ok = run_mismatch_ok(rows)
-    print(f"RESULT {'PASS' if not bad and frac_ok else 'FAIL'}: {len(rows) - len(bad)}/{len(rows)} ok "
-          f"in {time.perf_counter() - t0:.1f} s")
-    return 0 if not bad and frac_ok else 1
+    return standalone(run, print_table, run_mismatch_ok)
 
 
 if __name__ == "__main__":
