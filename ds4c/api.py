@@ -238,7 +238,7 @@ class Model:
             ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
             records it itself.
         prefill_chunks: compiled engine: prefill chunk graph sizes (e.g. ``(256, 2048)`` or ``"256,2048"``):
-            prompts are then prefilled in chunks (``CompiledStep.prefill``, issue 12); empty: verify steps; not
+            prompts are then prefilled in chunks (``CompiledStep.prefill``, docs/prefill.md); empty: verify steps; not
             with a split, taps or ``record_hc``. None (the default): an ``artifact``'s own chunk sizes (those it
             was compiled with, ``ds4c compile --prefill``), else empty (the chunk graphs are not yet validated on
             a GPU). With an artifact, explicit sizes must be among its chunk sizes

@@ -1,7 +1,7 @@
-"""DeepSeek-V4-Flash hyper-parameters (spec ds4-flash.md section 1) and their GGUF metadata keys.
+"""DeepSeek-V4-Flash hyper-parameters (docs/model.md section 1) and their GGUF metadata keys.
 
 :class:`Ds4Config` holds every hyper-parameter the step needs. It is read from and written to GGUF metadata
-with the ``deepseek4.*`` keys of ``gguf-deepseek4.md``; keys ds4c adds for itself use the ``ds4c.`` prefix.
+with the ``deepseek4.*`` keys of docs/gguf-layout.md; keys ds4c adds for itself use the ``ds4c.`` prefix.
 
 Presets:
 

@@ -121,7 +121,7 @@ def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str,
 
 def default_prefill_tries(max_ctx: int) -> list[tuple[int, ...]]:
     """The chunk sets a compiled engine without an artifact tries in turn, keeping the first whose memory plan
-    fits (issue 12): :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` no longer than ``max_ctx``, then fewer (the
+    fits (docs/prefill.md): :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` no longer than ``max_ctx``, then fewer (the
     largest dropped first), then none (verify steps). E.g. 4096 -> ``[(256, 2048), (256,), ()]``."""
     fit = tuple(c for c in DEFAULT_PREFILL_CHUNKS if c <= max_ctx)
     return [fit[:n] for n in range(len(fit), 0, -1)] + [()]
@@ -161,7 +161,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
         devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
             the HC state handed from shard to shard.
-        prefill_chunks: compiled engine: the prefill chunk graphs' row counts (issue 12, e.g. ``(256, 2048)`` or
+        prefill_chunks: compiled engine: the prefill chunk graphs' row counts (docs/prefill.md, e.g. ``(256, 2048)`` or
             ``"256,2048"``: :func:`~ds4c.buckets.check_prefill_chunks`); prompts are then prefilled in chunks
             (``CompiledStep.prefill``). Empty: verify steps. ``None`` (the default): with an ``artifact``, the
             chunk sizes it holds (``ds4c compile --prefill``; none when it was compiled without, or with taps,

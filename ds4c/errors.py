@@ -17,7 +17,7 @@ class ConfigError(Ds4cError):
 
 class ModelFileError(Ds4cError):
     """A GGUF model file is unreadable, truncated, of the wrong architecture, or has a missing,
-    mis-shaped or wrongly typed tensor (spec gguf-deepseek4.md)."""
+    mis-shaped or wrongly typed tensor (docs/gguf-layout.md)."""
 
 
 class QuantError(Ds4cError):

@@ -1,7 +1,7 @@
 """Token generation on any stepper: prefill as verify steps of the widest width (or the compiled step's prefill
 chunk graphs, :meth:`~ds4c.runtime.executor.CompiledStep.prefill`), then q = 1 decodes.
 
-Spec ds4-flash.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
+docs/model.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
 (:class:`~ds4c.reference.Reference`, CPU or CUDA) or the compiled step
 (:class:`~ds4c.runtime.executor.CompiledStep`). The first token is sampled on the CPU from the prefill's logits;
 after it, a stepper with ``decode_tokens`` (the compiled step) samples on its device inside the replayed graphs

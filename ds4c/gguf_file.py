@@ -1,4 +1,4 @@
-"""Read and write DeepSeek-V4-Flash GGUF model files (spec gguf-deepseek4.md).
+"""Read and write DeepSeek-V4-Flash GGUF model files (docs/gguf-layout.md).
 
 Reading memory-maps the file (``gguf.GGUFReader``), builds the :class:`~ds4c.config.Ds4Config` from the
 metadata, and checks every tensor of :func:`~ds4c.tensors.tensor_specs` for presence, shape and type before

@@ -1,4 +1,4 @@
-"""``ds4c bench --prefill LENGTHS``: prompt ingestion as a user meets it (issue 12), in one run.
+"""``ds4c bench --prefill LENGTHS``: prompt ingestion as a user meets it (docs/prefill.md), in one run.
 
 For each prompt length L (random ids, a fresh sequence each time):
 

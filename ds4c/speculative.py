@@ -1,5 +1,5 @@
-"""Speculative decoding on any stepper (issue: speculative decoding; spec ds4-flash.md section 6 for the verify
-step and its rollback).
+"""Speculative decoding on any stepper (docs/model.md section 6 for the verify step and its rollback;
+docs/drafter.md for the drafters and the request's report).
 
 Each step drafts ``k <= width - 1`` tokens, runs the last accepted token and the drafts as one verify step of
 ``k + 1`` rows, keeps the longest prefix the target agrees with plus one token of the target's own, and rolls

@@ -1,4 +1,4 @@
-"""The content-addressed kernel cache (design.md, "Cache keys are content, not names"; "Cold start").
+"""The content-addressed kernel cache (docs/codegen.md, "Cache, artifacts, runtime").
 
 Key: the sha256 of a canonical JSON (sorted keys, no whitespace) of the rendered source, the text of every
 template used, the render parameters, the kernel's name / family / entry, vendor + arch + wave, the toolchain's

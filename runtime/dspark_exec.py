@@ -1,4 +1,4 @@
-"""The DSpark drafter compiled (spec ds4-flash.md section 7; issue 13, speculative decoding): its commit and draft
+"""The DSpark drafter compiled (docs/model.md section 7; docs/drafter.md): its commit and draft
 graphs (:mod:`ds4c.ir.dspark`) through the target's passes, lowering, kernel families and kernel cache, bound on the
 target :class:`~ds4c.runtime.executor.CompiledStep`'s device, captured as CUDA graphs at :meth:`CompiledDSpark.prepare`
 and replayed after.

@@ -180,7 +180,7 @@ class CompiledStep:
             ``t % (window + MAX_WIDTH)`` of :attr:`final_hc_ring` (one copy-mode kernel of the tap family);
             :meth:`final_hc` reads the committed ones (:attr:`records_final_hc`). False (the default): the graphs
             are those of a step without it.
-        prefill_chunks: the prefill chunk graphs' row counts C (issue 12; each in ``MIN_PREFILL_CHUNK ..
+        prefill_chunks: the prefill chunk graphs' row counts C (docs/prefill.md; each in ``MIN_PREFILL_CHUNK ..
             MAX_PREFILL_ROWS``, e.g. ``(256, 2048)``): :meth:`prefill` then ingests a prompt in chunks of these
             sizes (the last one padded, masked by ``n_valid``; a tail under ``MIN_PREFILL_CHUNK`` rows as verify
             steps), one graph per chunk size and context bucket, built from ``build_step(..., prefill=True)``

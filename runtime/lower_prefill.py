@@ -1,4 +1,4 @@
-"""Lowering of a prefill chunk graph (issue 12: ``build_step(cfg, C, max_ctx, prefill=True)`` after the default
+"""Lowering of a prefill chunk graph (docs/prefill.md: ``build_step(cfg, C, max_ctx, prefill=True)`` after the default
 pipeline) to family launches over C rows. Entered through :func:`ds4c.runtime.lower.lower_graph`, which hands
 every graph with ``meta["prefill"]`` to :func:`lower_prefill`; the decode / verify lowering is untouched.
 

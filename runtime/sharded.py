@@ -1,5 +1,5 @@
 """The compiled step of a layer split: one :class:`~ds4c.runtime.executor.CompiledStep` per shard, chained by
-the HC state (issue: layer split; the seed PR #507's handoff).
+the HC state (docs/layer-split.md, "What a shard owns, and the boundary").
 
 Each shard (``ds4c.shard_plan.ShardPlan``: a contiguous layer range on one device) owns, on its device, its
 weights, sequence state, kernel modules, captured CUDA graphs, step-scalar buffer, activation arena and

@@ -1,4 +1,4 @@
-"""Pipelined submission of greedy verify steps (issue: speculative decoding; the loop is ds4c/speculative.py).
+"""Pipelined submission of greedy verify steps (the speculative loop is ds4c/speculative.py).
 
 A synchronous speculative step leaves the GPU idle while the host turns one step's result into the next step's
 launch: waking up, accepting, drafting, writing the step scalars, uploading them, and launching the verify's CUDA

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_compare import teacher_forced_errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")]
@@ -31,29 +32,9 @@ def setup(tiny_path, tmp_path_factory):
     return ex, ref
 
 
-def teacher_forced_errors(ex, ref, tokens: list[int], widths: tuple[int, ...], end: int) -> torch.Tensor:
-    """Relative L2 error per logits row of the compiled step against the reference, each step started from the
-    reference's state (copied in), widths cycling through ``widths`` until position ``end``."""
-    from ds4c.ir.interpreter import state_to_inputs
-
-    ref.reset()
-    errs, p, k = [], 0, 0
-    while p < end:
-        q = widths[k % len(widths)]
-        k += 1
-        for name, buf in state_to_inputs(ref.state).items():
-            ex.state[name].copy_(buf)
-        ex.pos = p
-        got = ex.step(tokens[p:p + q], p).float().cpu()
-        want = ref.verify(tokens[p:p + q], p).cpu()
-        errs.append((got - want).norm(dim=-1) / want.norm(dim=-1))
-        p += q
-    return torch.cat(errs)
-
-
 def test_teacher_forced_steps_match_the_reference(setup, tokens):
     ex, ref = setup
-    e = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 60)
+    e, _ = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 60)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
 
 
@@ -221,7 +202,7 @@ def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_fac
     cache = KernelCache(tmp_path_factory.getbasetemp() / "kquant-kcache")  # shared: only the expert kernels differ
     ex = CompiledStep(mf, buckets, device_arch(), cache)
     ref = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=64)
-    e = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 40)
+    e, _ = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 40)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
 
 

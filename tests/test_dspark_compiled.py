@@ -9,7 +9,7 @@ CPU:
 * the kernel plan: the commit graph is two kernels (fc GEMV; the stages' wkv GEMV whose row chains also write the
   rings), the draft graph has no rollback kernel, the HC head exports the pre-norm ``hx``;
 * the new kernels render and compile for sm_90 and gfx942 without spills, and run on the CPU emulator
-  (tools/dspark_emu.py) against the reference: the Markov head (drafts equal, logits and confidence to fp32
+  (tests/emulators/dspark_emu.py) against the reference: the Markov head (drafts equal, logits and confidence to fp32
   tolerance, NaN-poisoned outputs all written) and the dspark attention list (bf16 tolerance);
 * a rejected verify changes no drafter state (the reference drafter; the compiled one on the GPU).
 
@@ -20,7 +20,6 @@ generation on the compiled target equal to autoregressive decoding, and one prop
 from __future__ import annotations
 
 import dataclasses
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,10 +44,10 @@ from ds4c.runtime.families import hc as H
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.lowered import Arg
 from ds4c.runtime.targets import target
+from emulators import dspark_emu, experts_emu
 from kernel_compile import assert_no_spills, compile_kernel
 from numerics import BF16_ULP, fp32_order_bound
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 301, 42, 7, 99, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 19 > tiny's 16-row window
 CHUNKS = (5, 5, 4, 3, 2)
 
@@ -213,11 +212,6 @@ def test_new_kernels_compile_without_spills(arch, tmp_path):
 
 
 def _emu():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from tools import dspark_emu, experts_emu
-    finally:
-        sys.path.pop(0)
     why = experts_emu.host_unavailable()
     if why:
         pytest.skip(f"CPU emulator: {why}")

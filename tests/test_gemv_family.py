@@ -12,7 +12,7 @@
 * ``reference()`` agrees with an independent float64 computation (own Q8_0 / MXFP4 decoders, own fp8
   quantization) on fresh random data.
 
-The GPU comparison is tools/gpu_checks/gemv.py.
+The GPU comparison is tests/gpu_checks/gemv.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +31,10 @@ from ds4c.quant import act_quant_dequant, dequantize
 from ds4c.runtime.families import gemv as G
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
+from emulators.experts_emu import FIBERS as _FIBERS
 from kernel_compile import assert_no_spills, compile_kernel
 from numerics import UNIT, assert_same_roundings, fp32_order_bound, rel_l2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    from tools.experts_emu import FIBERS as _FIBERS
-finally:
-    sys.path.pop(0)
 
 O = G.GemvOutput
 ARCHS = ("sm_90", "gfx942", "gfx1151")
@@ -456,7 +451,7 @@ def test_argmax_reference_ties_and_nan() -> None:
 
 # --------------------------------------------------------------------------------------------- CPU execution
 # The rendered kernel body, unchanged, run on the CPU: a test-only prelude maps every GPU thread of a block to
-# a fiber (tools/experts_emu.py's FIBERS: one OS thread, a fiber runs until it waits at a barrier), ds4c_sync to
+# a fiber (emulators/experts_emu.py's FIBERS: one OS thread, a fiber runs until it waits at a barrier), ds4c_sync to
 # a barrier of the block, and ds4c_shfl_xor to an exchange through a per-warp buffer between two warp barriers;
 # blocks of the (persistent) grid run one after the other with shared memory refilled with 0xff bytes (NaN)
 # before each. Wave 32 (the CUDA plan) and wave 64 (the gfx942 plan) are both

@@ -7,7 +7,7 @@
   rms_norm, as ds4c.reference.model calls them) and the IR ops of the fused pattern, bit for bit;
 * the torch model of the kernels' split sums (``kernel_model``) matches the reference within fp32 tolerance.
 
-The GPU comparison is tools/gpu_checks/hc.py.
+The GPU comparison is tests/gpu_checks/hc.py.
 """
 
 from __future__ import annotations

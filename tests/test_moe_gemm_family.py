@@ -2,7 +2,7 @@
 
 * the torch routing tables (``routing_tables``): grouped by expert, rows ascending, tiles of <= 64 pairs, the
   tile-slot bound ``tile_slots`` for random and adversarial routings;
-* the whole call (route, actq_x, up, actq_h, down, combine) emulated on CPU fibers (tools/moe_gemm_emu.py,
+* the whole call (route, actq_x, up, actq_h, down, combine) emulated on CPU fibers (tests/emulators/moe_gemm_emu.py,
   ``mma.sync`` from its fragment layouts), every workspace and the output poisoned: the device routing tables
   equal the torch ones exactly, every ``hbuf`` / ``ybuf`` row and every output element written (finite), the
   unused tile slots have count 0, ``hbuf`` against ``reference_h``, ``out`` against ``reference``
@@ -33,7 +33,6 @@ few ulps: silu's relative slope 1 + g (1 - sigmoid(g)) reaches ~4 near g = -5; o
 from __future__ import annotations
 
 import importlib
-import sys
 import tempfile
 from pathlib import Path
 
@@ -44,11 +43,9 @@ from numerics import BF16_ULP, assert_same_roundings, flip_fraction_bound
 from ds4c.runtime.families import moe_gemm as MG
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from emulators import moe_gemm_emu as EMU
 from kernel_compile import assert_no_spills, compile_kernel, compiler_missing
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TINY = dict(hidden=256, inter=128, k=3, n_experts=16)
 
@@ -106,7 +103,6 @@ EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
 
 @pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes", EMU_CASES)
 def test_emulated_call(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict) -> None:
-    from tools import moe_gemm_emu as EMU
 
     why = EMU.host_unavailable()
     if why:
@@ -160,7 +156,6 @@ def test_emulated_dense_call(C: int, fmt: str, down_fmt: str) -> None:
     shared expert's linear / swiglu / cast / linear): the same bf16 values up to the documented flips (Q8_0: rare
     fp32-order flips of g / u / y roundings), rel-L2 < 1e-3; equal to the routed call with every row routed to
     expert 0 at weight 1.0 (ids 0, weights 1) bit for bit (x * 1.0 is exact)."""
-    from tools import moe_gemm_emu as EMU
 
     why = EMU.host_unavailable()
     if why:
@@ -195,7 +190,6 @@ def test_emulated_combine_with_shared() -> None:
     """``shared`` (moe_sum fused into the combine): ``out`` bf16 = bf16(ordered fp32 sum of ybuf + fp32(shared))
     bit for bit, and against ``reference`` with ``shared`` (``moe_sum`` of the per-row routed_sum) within the routed
     call's floor (MXFP4 here: bit for bit); dropping the shared add would miss by the shared values (checked)."""
-    from tools import moe_gemm_emu as EMU
 
     why = EMU.host_unavailable()
     if why:
@@ -302,7 +296,7 @@ def test_bad_spec_raises(kw: dict) -> None:
 
 
 def test_gpu_check_imports_on_cpu() -> None:
-    m = importlib.import_module("tools.gpu_checks.moe_gemm")
+    m = importlib.import_module("gpu_checks.moe_gemm")
     cs = m.cases()
     assert {512, 2048, 4096} <= {s.rows for _, s, _ in cs}
     name, spec, routing = next(c for c in cs if c[1].rows < 100)

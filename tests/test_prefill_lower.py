@@ -25,6 +25,7 @@ from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.lower_prefill import PendingLowering
 from ds4c.runtime.targets import target
 from ds4c.tensors import tensor_specs
+from emulators import launch_emu
 from numerics import BF16_ULP, flip_fraction_bound, fp32_order_bound
 
 STEP = {"pos", "positions", "tokens", "n_valid"}
@@ -250,18 +251,6 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 
 
 # ------------------------------------------------------------------------------- emulated plan kernels (CPU)
-def _emu():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    try:
-        from tools import launch_emu
-    finally:
-        sys.path.pop(0)
-    return launch_emu
-
-
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None, **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
     import ds4c.runtime.lower_prefill as LP
@@ -360,7 +349,7 @@ def _outputs_as_buffers(cx, op, bufs: dict) -> dict:
 
 
 def _skip_without_host():
-    why = _emu().host_unavailable()
+    why = launch_emu.host_unavailable()
     if why:
         pytest.skip(why)
 
@@ -376,7 +365,7 @@ def test_compressor_with_n_valid_emulated(layer, pos, nv, tmp_path):
     env = _random_inputs(cx, op, pos, nv, seed=layer * 100 + nv)
     want = _ir_body(op, env)
     bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
-    got = _emu().run(seq, bufs, tmp_path)
+    got = launch_emu.run(seq, bufs, tmp_path)
     for b in op.body:
         ins = b.inputs
         kv, sc, rows = (got[f"value.{cx.arg(ins[i]).name}"] for i in (4, 5, 6))
@@ -399,7 +388,7 @@ def test_ring_write_emulated_for_a_chunk_longer_than_the_window(tmp_path):
     env = _random_inputs(cx, op, 1003, 40, seed=7)
     want = _ir_body(op, {v: env[v] for v in env})[ring_op.outputs[0]]
     bufs, seq = _emulate(cx, launches[:1], env, 1003, 40, tmp_path)
-    got = _emu().run(seq, bufs, tmp_path)
+    got = launch_emu.run(seq, bufs, tmp_path)
     assert torch.equal(got[f"value.{cx.arg(ring_op.inputs[0]).name}"], want)
     assert not torch.equal(want, env[ring_op.inputs[0]])
 
@@ -416,7 +405,7 @@ def test_hc_row_blocks_emulated_equal_the_whole_chunk_kernel(tmp_path):
     res = []
     for cx, la, sub in ((cx4, l4, "a"), (cx0, l0, "b")):
         bufs, seq = _emulate(cx, la[:2], env, 3, 64, tmp_path / sub)
-        res.append(_emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path / sub))
+        res.append(launch_emu.run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path / sub))
     keys = [k for k in res[0] if k.startswith("value.") and not res[0][k].isnan().all()]
     assert keys and all(torch.equal(res[0][k], res[1][k]) for k in keys)
     want = _ir_body(op, env)
@@ -434,7 +423,7 @@ def test_take_row_head_emulated(tmp_path):
     env = _random_inputs(cx, op, 0, 37, seed=5)
     env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
     bufs, seq = _emulate(cx, launches, env, 0, 37, tmp_path)
-    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    got = launch_emu.run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
     post = next(b for b in op.body if b.kind == "hc_post")
     assert torch.equal(got["workspace.ds4c_head_x"].view(torch.uint8),
                        env[post.inputs[1]][36].contiguous().view(torch.uint8).reshape(-1))
@@ -459,7 +448,7 @@ def test_attention_at_chunk_rows_emulated(layer, kind, tmp_path):
     want = _ir_body(op, env)
     bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
     bufs["step.live_r16"] = torch.tensor([(pos + nv) // 16])
-    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    got = launch_emu.run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
     sa = next(b for b in op.body if b.kind == "sparse_attention")
     y = got[f"value.{cx.names[sa.outputs[0]]}"].float()[:nv]
     w = want[sa.outputs[0]].float()[:nv]
@@ -481,7 +470,7 @@ def test_indexer_at_chunk_rows_emulated(tmp_path):
     bufs["step.live_r4"] = torch.tensor([(pos + nv) // 4])
     it = next(b for b in op.body if b.kind == "indexer_topk")
     bufs[f"value.{cx.names[it.outputs[0]]}"] = torch.full(tuple(int(d) for d in it.outputs[0].type.shape), -7)
-    got = _emu().run(seq, bufs, tmp_path)
+    got = launch_emu.run(seq, bufs, tmp_path)
     ids = got[f"value.{cx.names[it.outputs[0]]}"][:nv]
     w = want[it.outputs[0]][:nv]
     assert (w >= 0).any() and (w < 0).any()  # rows with fewer visible keys than top-k pad with -1
@@ -502,7 +491,7 @@ def test_router_at_chunk_rows_emulated(layer, tmp_path):
     r = next(b for b in op.body if b.kind == "route")
     bufs[f"value.{cx.names[r.outputs[0]]}"] = torch.full((64, cx.cfg.n_active_experts), -7)
     bufs[f"value.{cx.names[r.outputs[1]]}"] = torch.full((64, cx.cfg.n_active_experts), float("nan"))
-    got = _emu().run(seq, bufs, tmp_path)
+    got = launch_emu.run(seq, bufs, tmp_path)
     assert torch.equal(got[f"value.{cx.names[r.outputs[0]]}"], want[r.outputs[0]])
     # the weights come from fp32 scores (hidden-size dots in another order) normalized over k: fp32 order bound
     tol = fp32_order_bound(cx.cfg.hidden_size)
@@ -564,7 +553,7 @@ def test_moe_experts_plan_kernel_emulated(layer, nv, tmp_path):
     bufs, seq = _emulate(cx, launches, {v: t for v, t in env.items()}, 0, nv, tmp_path)
     for name, t in raw.items():
         bufs[f"weight.{name}"] = t.contiguous()
-    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
+    got = launch_emu.run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)
     moe = next(b for b in op.body if b.kind == "moe_sum")
     shared_ir = want[moe.inputs[1]]
     routed_ir = want[re_.outputs[0]]
@@ -676,7 +665,7 @@ def _run_tap(cx, op, launches, pos: int, nv: int, tmp_path, mutate=None, reverse
         assert src != la.kernel.source
     la = dataclasses.replace(la, kernel=dataclasses.replace(la.kernel, source=src))
     bufs, seq = _emulate(cx, [la], env, pos, nv, tmp_path)
-    got = _emu().run(seq, bufs, tmp_path)[f"value.{cx.arg(ring_v).name}"]
+    got = launch_emu.run(seq, bufs, tmp_path)[f"value.{cx.arg(ring_v).name}"]
     return got, want, env[ring_v]
 
 
@@ -726,7 +715,7 @@ def test_head_streams_emulated_for_the_taps(tmp_path):
     env = {v: (t * 0.1 if t.dtype == torch.float32 else t) for v, t in env.items()}
     want = _ir_body(op, env)[post.outputs[0]]
     bufs, seq = _emulate(cx, launches[:1], env, 3, 40, tmp_path)
-    got = _emu().run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)[f"value.{cx.names[post.outputs[0]]}"]
+    got = launch_emu.run(seq, _outputs_as_buffers(cx, op, bufs), tmp_path)[f"value.{cx.names[post.outputs[0]]}"]
     assert got.shape == want.shape == (64, cfg.hc_mult, cfg.hidden_size)
     assert torch.equal(_bits(got), _bits(want)), (got.float() - want.float()).abs().max()
 

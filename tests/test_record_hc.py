@@ -33,6 +33,7 @@ from ds4c.runtime.families import tap as TP
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from gpu_checks import tap as G
 
 TINY = preset("tiny")
 MAX_CTX = 96
@@ -343,10 +344,8 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
 
 
 def test_the_gpu_check_covers_the_copy_mode():
-    """tools/gpu_checks/tap.py (run by tools/gpu_kernel_check.py on a GPU) has copy-mode cases at the official shape
+    """tests/gpu_checks/tap.py (run by tests/test_gpu_kernels.py on a GPU) has copy-mode cases at the official shape
     (rows wrapping the window + 5 ring) and the tiny one, and they render."""
-    from tools.gpu_checks import tap as G
-
     copies = [(spec, pos) for _, spec, pos in G.CASES if spec.copy]
     assert {s.hidden for s, _ in copies} == {256, 4096} and any(pos + s.q > s.window for s, pos in copies)
     for i, (s, _) in enumerate(copies):

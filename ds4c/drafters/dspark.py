@@ -1,5 +1,5 @@
 """The DSpark drafter of DeepSeek-V4-Flash-0731 driving the speculative loop on the reference engine
-(:mod:`ds4c.speculative`; spec ds4-flash.md section 7, taps 5.2(q)).
+(:mod:`ds4c.speculative`; docs/model.md section 7, taps 5.2(q)).
 
 :class:`DSparkDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper (a
 :class:`~ds4c.reference.Reference`), makes it record the taps of the drafter's target layers (``set_taps``) and resets

@@ -1,4 +1,4 @@
-"""The GGUF file of a DeepSeek-V4-Flash-0731 DSpark drafter (spec ds4-flash.md section 7), in llama.cpp's layout.
+"""The GGUF file of a DeepSeek-V4-Flash-0731 DSpark drafter (docs/model.md section 7), in llama.cpp's layout.
 
 llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4DSparkModel``) writes the checkpoint's ``mtp.0..2``
 tensors as a file of architecture ``dflash``; ds4c reads and writes that layout unchanged:

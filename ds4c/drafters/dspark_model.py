@@ -1,4 +1,4 @@
-"""The PyTorch reference of the DeepSeek-V4-Flash-0731 DSpark drafter (spec ds4-flash.md section 7).
+"""The PyTorch reference of the DeepSeek-V4-Flash-0731 DSpark drafter (docs/model.md section 7).
 
 The stages are run by the reference's own layer code: :class:`ds4c.reference.Reference`'s ``_layer`` (HC pre /
 attn_norm / attention / HC post / HC pre / ffn_norm / MoE / HC post, spec 5.2) and ``_moe`` (scored routing with

@@ -1,5 +1,5 @@
-"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop (:mod:`ds4c.speculative`; spec
-ds4-flash.md 7.5, the math in :mod:`ds4c.drafters.mtp_model`), on the reference engine and on the compiled step.
+"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop (:mod:`ds4c.speculative`; docs/model.md
+7.5, the math in :mod:`ds4c.drafters.mtp_model`), on the reference engine and on the compiled step.
 
 :class:`MTPDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper, makes
 sure it records its final HC state per step row (``record_final_hc``: the 4 streams before ``hc_head``, ``X_main``)

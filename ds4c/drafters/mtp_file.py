@@ -1,4 +1,4 @@
-"""Where an MTP (nextn) drafter's tensors come from (spec ds4-flash.md 7.5), in llama.cpp's layout.
+"""Where an MTP (nextn) drafter's tensors come from (docs/model.md 7.5), in llama.cpp's layout.
 
 llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4Model``) writes the checkpoint's ``mtp.0`` only in its
 ``--mtp`` export, an **MTP-only** file of architecture ``deepseek4``:

@@ -1,4 +1,4 @@
-"""The IR of the DSpark drafter (spec ds4-flash.md section 7): a commit graph and a draft graph.
+"""The IR of the DSpark drafter (docs/model.md section 7): a commit graph and a draft graph.
 
 * :func:`build_dspark_commit` (7.1, 7.2.1, 7.4): ``n`` committed target positions ``pos .. pos+n-1``: their
   ``main_hidden`` rows (the taps, spec 5.2(q)) -> ``main_x = RMSNorm(main_proj . main_hidden; main_norm)`` (once,

@@ -1,6 +1,6 @@
 """The PyTorch reference of one DeepSeek-V4-Flash decode step and one q-row verify step.
 
-Written from spec ds4-flash.md sections 3-6 for readability, not speed: token-local work is batched over
+Written from docs/model.md sections 3-6 for readability, not speed: token-local work is batched over
 the q rows (row by row inside each product, so results are batch-invariant), the window, compressors,
 indexer and attention run row by row in position order so a verify step of q rows equals q sequential
 decode steps bit for bit (section 6).

@@ -1,4 +1,4 @@
-"""Numeric primitives of DeepSeek-V4-Flash, written from spec ds4-flash.md section 3 (P1-P12) and the
+"""Numeric primitives of DeepSeek-V4-Flash, written from docs/model.md section 3 (P1-P12) and the
 quantized linear of section 2.3.
 
 Conventions: activations are bf16 tensors whose last dim is the feature dim and whose leading dims are rows;
