@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds4c.config import Ds4Config, preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.ir import Graph, Interpreter
 from ds4c.ir.interpreter import state_to_inputs, step_inputs
 from ds4c.reference import ReferenceWeights

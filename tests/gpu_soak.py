@@ -54,7 +54,7 @@ import torch
 from ds4c.buckets import BucketSpec
 from ds4c.config import preset
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.runtime.cache import KernelCache
 from ds4c.runtime.executor import CompiledStep

@@ -23,7 +23,7 @@ from ds4c.export.lowerings import (MAX_TOPK_CANDIDATES, act_quant_dequant, e2m1_
                                    fp8_fake_quant, pow2_ceil_scale, scatter_last, topk_lower_index)
 from ds4c.export.step import step_graph
 from ds4c.export.weights import BANK_PARTS, ModelWeights, TensorInfo, weight_infos, write_safetensors
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.ir import build_step
 from ds4c.passes.manager import run_pipeline
 from ds4c.reference import ReferenceWeights
@@ -243,7 +243,7 @@ import sys, time
 from ds4c.export.step import step_graph
 from ds4c.export.weights import ModelWeights, weight_infos, write_safetensors
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 class Slow(ModelWeights):
     def chunks(self, info):
         print("tensor", info.name, flush=True)

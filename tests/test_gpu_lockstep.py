@@ -20,7 +20,7 @@ def test_lockstep_from_an_artifact_does_not_drift(tiny_path, tmp_path):
     error not growing (``lockstep_ok``: last tenth's median <= 1.5x the first tenth's + 0.01, every step < 0.25).
     The step opens from the artifact built first (artifact mode compiles nothing)."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.artifact import build_artifact
     from ds4c.runtime.cache import KernelCache

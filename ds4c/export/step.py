@@ -29,7 +29,8 @@ from ds4c.errors import ExportError
 from ds4c.export import mlir as M
 from ds4c.export.fx import WEIGHT_MODES, StepProgram, trace_step
 from ds4c.export.weights import ModelWeights, TensorInfo, weight_infos, write_safetensors
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 from ds4c.ir import build_step
 from ds4c.ir.graph import Graph
 from ds4c.passes.manager import PIPELINES, run_pipeline
