@@ -75,7 +75,7 @@ def teacher_forced(ex: CompiledStep, ref: Reference, buckets: BucketSpec, toks: 
         ex.pos = p
         key = (q, buckets.bucket(p, q))
         if key not in eager_checked:
-            sg = ex._begin(toks[p:p + q], p)
+            sg = ex.driver.begin(toks[p:p + q], p)
             bad = first_bad_launch(ex, sg)
             if bad:
                 raise SystemExit(f"FIRST BAD LAUNCH: {bad}")
