@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4c.chat import render_chat
+from ds4c.engine_protocol import CompiledEngine
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
@@ -231,12 +232,17 @@ class Model:
             layers per shard such as ``[22, 21]``; :func:`ds4c.engine.shard_plan`): either engine runs shard by
             shard, the HC state handed between them. A device may repeat (a virtual split); ``layer_split``
             alone splits on ``device``; ``devices`` alone places layers from the memory plan.
-        taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``, e.g.
-            ``DSparkDrafter(path).file.taps``), so ``generate(draft=...)`` with that DSpark drafter runs it
-            compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
-        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``), so
-            ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
-            records it itself.
+        draft: the drafter :meth:`generate` runs when it is given none (a spelling such as ``"mtp"``,
+            ``"dspark:PATH"``, ``"oracle:0.8"``, a drafter file path, or a :class:`~ds4c.engine_protocol.Drafter`;
+            a spelling is made into a drafter per request, with the request's seed, as :meth:`generate`'s ``draft``
+            is). What it needs of the engine (the DSpark taps, the MTP drafter's final HC state) is resolved when
+            the engine opens (:func:`ds4c.engine.resolve_needs`), so ``taps`` / ``record_hc`` need not be given.
+        taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``; default: those
+            ``draft`` needs), so ``generate(draft=...)`` with that DSpark drafter runs it compiled
+            (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
+        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``; default: whether
+            ``draft`` needs it), so ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the
+            compiled target; the reference records it itself.
         prefill_chunks: compiled engine: prefill chunk graph sizes (e.g. ``(256, 2048)`` or ``"256,2048"``):
             prompts are then prefilled in chunks (``CompiledStep.prefill``, docs/prefill.md); empty: verify steps; not
             with a split, taps or ``record_hc``. None (the default): an ``artifact``'s own chunk sizes (those it
@@ -247,19 +253,21 @@ class Model:
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
         :class:`~ds4c.tokenizer.Tokenizer` or None; ``stepper``: the engine's stepper; ``engine``: its name;
-        ``load_s``: seconds spent opening it all.
+        ``draft``: the default drafter (as given; None: none); ``load_s``: seconds spent opening it all.
 
     Raises:
         Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.sources.open_model`,
             :func:`~ds4c.engine.open_engine` and the tokenizer raise (a missing or corrupt file, no CUDA device, an
-            artifact that does not serve the model...).
+            artifact that does not serve the model...); a ``draft`` :meth:`generate` would refuse, or whose needs
+            the engine cannot serve (:func:`ds4c.engine.resolve_needs`).
     """
 
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
-                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None):
+                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None,
+                 draft: str | os.PathLike[str] | Any | None = None):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
@@ -280,10 +288,12 @@ class Model:
         self.file = mf
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
+        self.draft = draft
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
                                    devices=devices, layer_split=layer_split, taps=tuple(taps),
-                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks)
+                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks,
+                                   draft=None if draft is None else self._drafter(draft, 0))
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self._turns = _Turns()
         self.load_s = time.perf_counter() - t0
@@ -302,7 +312,7 @@ class Model:
     def memory_plan(self):
         """The compiled engine's :class:`~ds4c.runtime.memory_plan.MemoryPlan` (checked before loading), or None
         (the reference engine)."""
-        return getattr(self.stepper, "memory_plan", None)
+        return self.stepper.memory_plan if isinstance(self.stepper, CompiledEngine) else None
 
     @property
     def eos_id(self) -> int:
@@ -348,6 +358,18 @@ class Model:
         return self._need_tokenizer("detokenize").decode(ids, skip_special=skip_special)
 
     # ------------------------------------------------------------------------------------------ generate
+    def _drafter(self, draft: Any, seed: int) -> Any:
+        """``draft`` as a drafter: a spelling or a drafter file path made into one
+        (:func:`ds4c.drafters.factory.make_drafter`, with ``seed``); anything else as it is."""
+        if isinstance(draft, os.PathLike):  # a drafter file given as a path
+            draft = os.fspath(draft)
+        if not isinstance(draft, str):
+            return draft
+        # the drafters (their file formats and reference models) are imported when one is asked for: start-up speed
+        from ds4c.drafters.factory import make_drafter
+
+        return make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The ids a prompt runs as: a str is tokenized with bos (unless it already begins with bos); ids are
         checked to be ints in the vocabulary.
@@ -397,10 +419,11 @@ class Model:
             ignore_eos: do not stop at the eos token.
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
             draft: speculative decoding with this drafter (``"oracle:ALPHA"``, ``"dspark:PATH"``, ``"mtp"`` (this
-                file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.speculative.make_drafter`, or a
-                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance. On the
-                compiled engine the DSpark drafter needs the Model opened with its ``taps``, the MTP drafter with
-                ``record_hc=True`` (a one-line StepError otherwise).
+                file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.drafters.factory.make_drafter`,
+                or a :class:`~ds4c.engine_protocol.Drafter`); None: the Model's ``draft`` (none when opened without
+                one); ``result.speculative`` reports steps and acceptance. On the compiled engine the DSpark drafter
+                needs the Model opened with its taps, the MTP drafter with the final HC recording: open it with
+                ``draft=`` (or ``taps`` / ``record_hc=True``; a one-line StepError otherwise).
             spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
             on_prefill: called as the prompt is ingested with ``(tokens done, prompt tokens)``, after each prefill
@@ -436,12 +459,7 @@ class Model:
         if on_prefill is not None and not callable(on_prefill):
             raise Ds4cError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
         stop_ids = () if ignore_eos else (self.eos_id,)
-        if isinstance(draft, os.PathLike):  # a drafter file given as a path
-            draft = os.fspath(draft)
-        if isinstance(draft, str):
-            from ds4c.speculative import make_drafter
-
-            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
+        draft = self._drafter(self.draft if draft is None else draft, seed)
         release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
         try:
             ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,

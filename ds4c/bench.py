@@ -375,7 +375,7 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     if compiled:
         from ds4c.runtime.artifact import build_artifact
         from ds4c.runtime.cache import KernelCache
-        from ds4c.runtime.executor import CompiledStep, device_arch
+        from ds4c.runtime.step import CompiledStep, device_arch
         from ds4c.runtime.targets import target
 
         arch = arch or device_arch()

@@ -615,7 +615,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
     drafter = None
     record_hc = False
     if draft is not None:  # checked before the (possibly long) engine start
-        from ds4c.speculative import make_drafter
+        from ds4c.drafters.factory import make_drafter
 
         drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
         taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())

@@ -57,7 +57,7 @@ from ds4c.generate import generate
 from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.executor import CompiledStep
+from ds4c.runtime.step import CompiledStep
 from ds4c.synth import make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/, for step_compare (run as a script)

@@ -554,7 +554,7 @@ def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
     object; the completion carries the speculative report (``speculative``, also in ``as_dict``), and greedy
     speculative output equals plain greedy output."""
     from ds4c.drafters.dspark_synth import make_dspark
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ids = [5, 17, 301, 42]
     plain = model.generate(ids, max_new_tokens=8, ignore_eos=True)

@@ -23,7 +23,7 @@ def setup(tiny_path, tmp_path_factory):
     from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -139,7 +139,7 @@ def test_rollback_kernel_restores_exactly_what_the_verify_saved(setup, tokens):
             for what, d in (("comp", cfg.head_dim), ("idx", cfg.index_head_dim))[:2 if r == 4 else 1]:
                 w = 2 * d if r == 4 else d
                 n = U.compressor_undo_floats(r, w)
-                undo = ex._workspaces[U.workspace_name(i, what)].view(torch.float32)[:n].cpu()
+                undo = ex.graphs.workspaces[U.workspace_name(i, what)].view(torch.float32)[:n].cpu()
                 if r == 4:
                     assert torch.equal(undo[:8 * w].view(8, w), before[f"l{i}.{what}_kv"].cpu())
                 spec = U.RollbackSpec(5, cfg.window, cfg.head_dim, 1, ((r, w),))
@@ -180,7 +180,7 @@ def test_verify_greedy_equals_verify_then_rollback(setup, tokens, agree):
     want = {k: v.clone() for k, v in ex.state.items()}
     prefix()
     assert ex.verify_greedy([first] + drafts, start) == want_new
-    assert ex.pos == start + len(want_new) and ex._undo is None
+    assert ex.pos == start + len(want_new) and ex.sequence.undo is None
     for k, v in want.items():
         assert torch.equal(ex.state[k], v), k
     ex.reset()
@@ -194,7 +194,7 @@ def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_fac
     from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(f"synthetic:tiny:{formats}")
     assert formats.upper() in {mf.ggml_type(n).name for n in mf.specs}, "no tensor in the format under test"

@@ -30,7 +30,7 @@ def env(tiny_path, tmp_path_factory):
     from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -162,7 +162,7 @@ def test_virtual_split_taps_equal_the_unsplit_step(env, tokens, split):
     the unsplit compiled step's bit for bit (the same kernels on the same inputs) over verify and decode steps; a
     shard refuses main_hidden on its own when it lacks a tap."""
     from ds4c.errors import StepError
-    from ds4c.runtime.executor import device_arch
+    from ds4c.runtime.step import device_arch
     from ds4c.runtime.sharded import ShardedStep
     from ds4c.shard_plan import ShardPlan
 
@@ -193,7 +193,7 @@ def test_artifact_with_taps_serves_and_one_without_refuses(env, tokens, tmp_path
     without taps, and one compiled without taps refuses a step with taps, in one line, before any GPU work."""
     from ds4c.runtime.artifact import build_artifact
     from ds4c.runtime.artifact_manifest import ArtifactError
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
     mf, buckets, cache, ex, _ = env

@@ -37,7 +37,8 @@ from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference
 from ds4c.reference import primitives as P
-from ds4c.speculative import OracleDrafter, make_drafter
+from ds4c.drafters.factory import make_drafter
+from ds4c.drafters.oracle import OracleDrafter
 from ds4c.tensors import FORMATS
 
 TINY = preset("tiny")

@@ -38,7 +38,7 @@ def setup(tiny_path, tmp_path_factory):
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.dspark_exec import CompiledDSpark
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     path = make_dspark(tiny_path, tmp_path_factory.mktemp("dsparkgpu") / "tiny-dspark4.gguf", seed=3, block_size=4,

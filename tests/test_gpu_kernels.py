@@ -18,7 +18,7 @@ from gpu_checks import FAMILIES
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (kernel family checks)")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_case_of_the_family_matches_its_reference(family: str) -> None:
-    from ds4c.runtime.executor import device_arch
+    from ds4c.runtime.step import device_arch
 
     check = importlib.import_module(f"gpu_checks.{family}")
     rows = check.run(arch=device_arch())

@@ -24,7 +24,7 @@ def test_lockstep_from_an_artifact_does_not_drift(tiny_path, tmp_path):
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.artifact import build_artifact
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
     mf = open_model(tiny_path)

@@ -38,7 +38,7 @@ from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference.compiled import CompiledReference
-from ds4c.speculative import make_drafter
+from ds4c.drafters.factory import make_drafter
 
 TINY = preset("tiny")
 N = TINY.n_layers  # the MTP block is blk.6

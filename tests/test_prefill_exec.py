@@ -165,7 +165,7 @@ def gpu_env(tiny_path, tmp_path_factory):
     from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512, contexts=(64, 128, 256, 512))
@@ -275,7 +275,7 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
     or past max_ctx is a one-line StepError; chunks with taps / record_hc / a split are refused (from an artifact:
     test_prefill_from_an_artifact)."""
     from ds4c.sources import open_model
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     chunked = gpu_env[0]
     chunked.reset()
@@ -298,7 +298,7 @@ def test_chunked_prefill_records_the_final_hc(gpu_env, tiny_path):
     rows equals the token-wise compiled step's within the noise floor (median below 3x the floor of the last
     layer's buffers, at least 2e-2; max < 0.25: the bound of the other free-running comparisons)."""
     from ds4c.sources import open_model
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     chunked, floor = gpu_env[0], gpu_env[3]
     mf = open_model(tiny_path)
@@ -350,7 +350,7 @@ def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
     from ds4c.sources import open_model
     from ds4c.runtime.artifact import build_artifact
     from ds4c.runtime.artifact_manifest import ArtifactError
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
     chunked = gpu_env[0]

@@ -289,13 +289,14 @@ def test_copy_kernel_emulated_on_cpu_equals_the_op(arch, case, tmp_path):
 
 # ------------------------------------------------------------------------------------ the drafter's side
 class _CompiledLike:
-    """A stepper with the compiled step's interface to the MTP drafter (``pos``, ``mf``, ``record_hc``,
-    ``records_final_hc``, ``final_hc_rows``, ``record_final_hc``, ``final_hc``; no ``w``, no ``state``), its rows
-    from a reference: so the drafter's compiled path (the target's embedding and head from the model file) runs on
-    the CPU."""
+    """A stepper with the compiled step's interface to the MTP drafter (``pos``, ``mf``; recording fixed when built,
+    ``taps`` and ``record_hc``: :class:`ds4c.engine_protocol.BuiltRecording`; ``records_final_hc``,
+    ``final_hc_rows``, ``record_final_hc``, ``final_hc``: :class:`ds4c.engine_protocol.FinalHCReader`; no ``w``, no
+    ``state``), its rows from a reference: so the drafter's compiled path (the target's embedding and head from the
+    model file) runs on the CPU."""
 
     def __init__(self, ref: Reference, mf, record_hc: bool = True):
-        self._ref, self.mf, self.record_hc = ref, mf, record_hc
+        self._ref, self.mf, self.record_hc, self.taps = ref, mf, record_hc, ()
         self.records_final_hc = record_hc
         self.final_hc_rows = ref.final_hc_rows if record_hc else None
 
@@ -334,8 +335,11 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
     da, db = a.propose(ctx, 4), b.propose(ctx, 4)
     assert da == db and torch.equal(a.last_logits, b.last_logits) and torch.equal(a.model.ring, b.model.ring)
     assert torch.equal(b._weights.head, tiny_weights.head) and torch.equal(b._weights.embed, tiny_weights.embed)
+    target = b._weights
     b.prepare(like, prompt, 8)  # the next request: the same block, the same file target
-    assert like._mtp_target is b._weights
+    c = MTPDrafter(mtp)
+    c.prepare(like, prompt, 8)  # another drafter on the same stepper: the same file target (one per stepper)
+    assert b._weights is target and c._weights is target
     off = _CompiledLike(Reference(tiny_weights, max_ctx=64), open_model(tiny_path), record_hc=False)
     with pytest.raises(StepError, match=r"which this _CompiledLike does not record: open the compiled step with "
                                         r"record_hc=True \(ds4c generate --draft mtp does") as ei:

@@ -208,7 +208,7 @@ def test_memory_plan_refuses_in_one_line_naming_the_shortfall():
 def test_compiled_engine_refuses_before_loading_anything(monkeypatch, capsys):
     """open_engine on a (faked) CUDA device with too little free memory: the plan goes to stderr and the
     refusal comes before any CompiledStep exists (nothing is loaded)."""
-    import ds4c.runtime.executor as ex
+    import ds4c.runtime.step as ex
     import ds4c.runtime.sharded as sh
     from ds4c.engine import open_engine
 

@@ -39,7 +39,7 @@ from ds4c.drafters.dspark_synth import make_dspark  # noqa: E402
 from ds4c.sources import open_model  # noqa: E402
 from ds4c.runtime.cache import KernelCache  # noqa: E402
 from ds4c.runtime.dspark_exec import CompiledDSpark  # noqa: E402
-from ds4c.runtime.executor import CompiledStep  # noqa: E402
+from ds4c.runtime.step import CompiledStep  # noqa: E402
 from ds4c.synth import make_model  # noqa: E402
 
 

@@ -131,10 +131,10 @@ def main() -> int:
         t0 = time.perf_counter()
         step.arm_undo([tok] + drafts, pos)
         t1 = time.perf_counter()
-        step._upload([tok] + drafts, pos)
+        step.scalars.upload([tok] + drafts, pos)
         t2 = time.perf_counter()
         t.append((t1 - t0, t2 - t1))
-        step._undo = None
+        step.sequence.undo = None
     print(f"host: arm_undo {1e6 * med([x for x, _ in t]):.1f} us, _upload {1e6 * med([y for _, y in t]):.1f} us")
     return 0
 

@@ -28,6 +28,7 @@ from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
 from ds4c.reference.weights import LayerWeights
+from ds4c.sampling import filter_logits
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -238,13 +239,11 @@ class DSparkModel:
                top_p: float = 1.0, generator: torch.Generator | None = None) -> Draft:
         """7.3.3-4: for ``i = 0 .. B-1``: ``emb_i = markov_w1[out_i]`` (``out_0 = t0``), ``logits_i = base_i +
         markov_w2 . emb_i`` (fp32), ``out_{i+1}`` = argmax (``temperature == 0``; ties to the lower id) or a sample of
-        ``softmax(filter(logits_i) / temperature)`` (top-k / top-p as :func:`ds4c.generate.filter_logits`, drawn with
+        ``softmax(filter(logits_i) / temperature)`` (top-k / top-p as :func:`ds4c.sampling.filter_logits`, drawn with
         ``generator`` on the CPU), and ``confidence_i = conf_proj . [hx_i ; emb_i] (+ bias)`` (fp32 logits).
 
         Args: ``base`` fp32 [B, V] and ``hx`` [B, D] from :meth:`block`.
         """
-        from ds4c.generate import filter_logits
-
         out, rows, qs, conf = [], [], [], []
         prev = int(t0)
         with torch.no_grad():

@@ -107,6 +107,11 @@ class Reference:
         """True when the layer range ends at the last layer (the shard returns logits)."""
         return self.layer_range[1] == self.cfg.n_layers
 
+    @property
+    def pos(self) -> int:
+        """The sequence's next position (``state.pos``)."""
+        return self.state.pos
+
     # ---------------------------------------------------------------------------------------------- API
     def reset(self) -> None:
         """Start a new sequence: every state buffer back to its initial value, pos = 0."""
