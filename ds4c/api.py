@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4c.chat import render_chat
+from ds4c.default_model import default_model_path
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
@@ -272,8 +273,6 @@ class Model:
             mf = path
         else:
             if path is None:
-                from ds4c.cli import default_model_path
-
                 path = default_model_path()
             mf = open_model(path if str(path).startswith("synthetic:") else Path(path))
         self.file = mf

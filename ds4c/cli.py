@@ -20,40 +20,11 @@ import click
 
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
+from ds4c.default_model import DEFAULT_PRESET, DEFAULT_SEED, default_model_path  # noqa: F401
 from ds4c.errors import Ds4cError, GenerationInterrupted, StepError
 from ds4c.write_errors import FULL_ERRNOS, write_error_text
 
-DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2)
-
-
-def default_model_path() -> Path:
-    """Where the built-in default model lives (``$DS4C_HOME`` or ``~/.cache/ds4c``), created on first use.
-
-    Creation is atomic (written to a temporary file, then renamed) and guarded by a file lock, so
-    concurrent first uses end with one complete file."""
-    from filelock import FileLock
-
-    from ds4c.config import preset
-    from ds4c.synth import make_model
-
-    home = Path(os.environ.get("DS4C_HOME") or Path.home() / ".cache" / "ds4c")
-    path = home / "models" / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-v{__version__}.gguf"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not os.access(path.parent, os.W_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as e:
-            where = "$DS4C_HOME" if os.environ.get("DS4C_HOME") else "the default cache folder (~/.cache/ds4c)"
-            raise Ds4cError(f"cannot write the built-in default model under {where} = {home}: "
-                            f"{e.strerror or e}; set DS4C_HOME to a writable folder") from None
-        with FileLock(str(path) + ".lock"):
-            if not path.exists():
-                click.echo(f"creating the built-in default model ({DEFAULT_PRESET}, seed {DEFAULT_SEED}) at {path}",
-                           err=True)
-                make_model(preset(DEFAULT_PRESET), path, seed=DEFAULT_SEED)
-    return path
 
 
 def _model_path(file: str | None) -> Path | str:

@@ -81,7 +81,7 @@ from ds4c.errors import Ds4cError
 from ds4c.runtime.cache import KernelCache, _safe_name, canonical_json
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
-from ds4c.runtime.toolchain import is_valid_binary
+from ds4c.runtime.toolchain import find_cuda_tool as _find_cuda_tool, is_valid_binary
 from ds4c.tempfiles import TMP_TAG, OwnedTemp, remove_stale
 from ds4c.write_errors import write_error_text
 
@@ -1065,14 +1065,6 @@ def find_binaries(man: dict[str, Any], slug: str, graph: str, name: str) -> list
                             f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''} (`ds4c inspect DIR "
                             f"--kernels` lists them)")
     return [(rel, bins[rel]) for rel in dict.fromkeys(out)]
-
-
-def _find_cuda_tool(tool: str) -> str | None:
-    dirs = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    for c in [shutil.which(tool)] + [str(Path(h) / "bin" / tool) for h in dirs if h]:
-        if c and os.access(c, os.X_OK):
-            return c
-    return None
 
 
 def disassembler(kind: str, arch: str) -> tuple[list[str], str, dict[str, str] | None]:
