@@ -35,6 +35,7 @@ from typing import Any
 
 from ds4c.chat import render_chat
 from ds4c.default_model import default_model_path
+from ds4c.engine import drafter_needs, open_engine, resolve_engine
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
@@ -144,6 +145,24 @@ class CompletionStream:
     def _interrupted(self) -> None:
         c = self._holder["completion"]
         c.stop_reason = c.result.stop_reason = "interrupted"
+
+
+def check_stops(stop: Any) -> list[str]:
+    """The stop strings of a request (``stop`` of :meth:`Model.generate`, ``--stop`` of ``ds4c generate``) as a
+    list: a str is one, None none.
+
+    Raises:
+        Ds4cError: ``stop`` is not a str or a list / tuple of str; an empty stop string.
+    """
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    odd = [s for s in stops if not isinstance(s, str)]
+    if odd:
+        raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
+    if any(not s for s in stops):
+        raise Ds4cError(f"stop strings (--stop) must be non-empty str, found {stops!r}")
+    return stops
 
 
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -260,7 +279,6 @@ class Model:
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
                  taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None):
-        from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
@@ -269,6 +287,8 @@ class Model:
                             f"ModelFile or None (the built-in model), found {type(path).__name__} {str(path)[:80]}")
         self.engine = resolve_engine(device, engine, dataflow)
         self.device = device
+        self._dataflow, self._artifact = dataflow, artifact
+        self._split = devices is not None or layer_split is not None  # as drafter_needs counts a layer split
         if isinstance(path, ModelFile):
             mf = path
         else:
@@ -408,7 +428,8 @@ class Model:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
                 ``stream`` on a file without tokenizer, a stop that is not a str or a list of str, an empty stop
                 string, prompt + ``max_new_tokens`` past
-                ``max_ctx``.
+                ``max_ctx``; a drafter this Model's engine cannot serve (:func:`ds4c.engine.drafter_needs`: a DSpark
+                drafter on a layer split or, compiled, from an artifact; the MTP drafter on a split reference).
             GenerationInterrupted: Ctrl-C during the run (a KeyboardInterrupt; its ``completion`` holds the tokens
                 and text so far, ``stop_reason`` ``"interrupted"``). A stream: see :meth:`CompletionStream.close`.
         """
@@ -416,14 +437,7 @@ class Model:
         check_sampling(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise Ds4cError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        odd = [s for s in stops if not isinstance(s, str)]
-        if odd:
-            raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
-        if any(not s for s in stops):
-            raise Ds4cError(f"stop strings must be non-empty str, found {stops!r}")
+        stops = check_stops(stop)
         if stops:
             self._need_tokenizer("stop strings")
         if stream:
@@ -436,10 +450,13 @@ class Model:
         stop_ids = () if ignore_eos else (self.eos_id,)
         if isinstance(draft, os.PathLike):  # a drafter file given as a path
             draft = os.fspath(draft)
-        if isinstance(draft, str):
+        spec = draft if isinstance(draft, str) else None
+        if spec is not None:
             from ds4c.speculative import make_drafter
 
-            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
+            draft = make_drafter(spec, self.config.vocab_size, seed, config=self.config, target_file=self.file)
+        if draft is not None:  # what the drafter needs of this Model's engine (the step records it, or a StepError)
+            drafter_needs(draft, self.device, self.engine, self._dataflow, self._split, self._artifact, spec)
         release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
         try:
             ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
