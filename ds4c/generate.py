@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from ds4c.engine_protocol import ChunkedPrefill, DeviceLoop, Drafter, Engine
+from ds4c.engine_protocol import ChunkedPrefill, DeviceLoop, Drafter, Engine, drafter_name
 from ds4c.errors import StepError
 from ds4c.reference import MAX_WIDTH
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits  # noqa: F401 (re-exported)
-from ds4c.speculative import SpecStats, WidthPolicy, drafter_name, measure_width_costs, speculative_tokens
+from ds4c.speculative import SpecStats, WidthPolicy, measure_width_costs, speculative_tokens
 
 #: Why generation ended: a stop id was sampled (``"eos"``), the caller stopped it (``"stop"``: an ``on_token``
 #: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made, or
