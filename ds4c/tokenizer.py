@@ -283,6 +283,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode: expected a str, found {type(text).__name__}")
+        bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:  # what Python makes of invalid UTF-8 on the command line (surrogateescape)
+            raise TokenizerError(f"the text is not valid Unicode (a lone surrogate at character {bad}: invalid "
+                                 f"UTF-8 bytes in the prompt?)")
         hf = self._hf if parse_special else self._plain()
         try:
             ids = hf.encode(text, add_special_tokens=False).ids
