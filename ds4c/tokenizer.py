@@ -332,6 +332,8 @@ class Tokenizer:
 
     def _bytes(self, ids: Iterable[int], skip_special: bool) -> bytes:
         pieces, skip = self._pieces, self._special_ids if skip_special else ()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TokenizerError(f"decode: expected a sequence of token ids, found {type(ids).__name__} {ids!r:.40}")
         out = []
         for t in ids:
             i = self._check_id(t, "decode")

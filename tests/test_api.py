@@ -79,6 +79,11 @@ def test_tokenize_detokenize_round_trip(model):
         assert model.detokenize(ids, skip_special=True) == text
         assert model.tokenize(text, add_bos=False) == ids[1:]
     assert model.detokenize([0]) == "<｜begin▁of▁sentence｜>"
+    assert model.detokenize(torch.tensor([0])) == model.detokenize(iter([0]))  # any iterable of ids
+    for bad in (5, "12", None):  # one id or a string is not a sequence of ids (a raw TypeError before)
+        with pytest.raises(Ds4cError) as e:
+            model.detokenize(bad)
+        one_line(e, "expected a sequence of token ids")
     # a control token written in the text is one id
     assert model.tokenize("<｜User｜>hi", add_bos=False)[0] == tok.specials["<｜User｜>"]
 
