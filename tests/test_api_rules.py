@@ -5,6 +5,7 @@ memory plan of ``info --plan``, and the prefill benchmark's lengths, baseline an
 
 from __future__ import annotations
 
+import os
 import pytest
 from click.testing import CliRunner
 
@@ -116,7 +117,8 @@ def test_sampling_values_and_stop_strings(tiny_path, kw, args):
 
 def test_threads(tiny_path):
     api = api_error(lambda: Model(tiny_path, max_ctx=64, threads=0))
-    assert api == "threads (--threads) must be an int >= 1, found 0"
+    cpus = len(os.sched_getaffinity(0))
+    assert api == f"threads (--threads) must be an int in 1..{cpus} (the CPUs this process may use), found 0"
     assert cli_error("generate", tiny_path, "--prompt-ids", "1,2", "--threads", "0") == api
 
 
