@@ -23,6 +23,7 @@ Files without tokenizer keys (written by ds4c before 0.2) take token ids only.
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import time
@@ -145,6 +146,35 @@ def _check_reasoning_effort(template: str, value: Any) -> str:
         raise Ds4cError(f"reasoning_effort: expected one of the values the chat template knows "
                         f"({', '.join(dict.fromkeys(known))}), found {v!r}")
     return v
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """The ``tojson`` filter of HuggingFace's chat templates: JSON with non-ASCII kept and keys in their order
+    (jinja2's own sorts keys and escapes HTML characters, which DeepSeek-V4's official encoding does not)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """Raises Ds4cError unless ``calls`` is None or a list of ``{"function": {"name": str, "arguments": a JSON
+    object or its text}}`` dicts (what a chat template renders as the assistant's tool calls)."""
+    if calls is None:
+        return
+    if not isinstance(calls, (list, tuple)):
+        raise Ds4cError(f"{where}: expected a list of tool calls, found {str(calls)[:80]}")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise Ds4cError(f"{where}[{j}]: expected {{'function': {{'name': str, 'arguments': ...}}}}, found "
+                            f"{str(c)[:80]}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise Ds4cError(f"{where}[{j}].function.arguments: expected a JSON object, found "
+                                f"{fn['arguments'][:80]!r}") from None
+        if not isinstance(args, dict):
+            raise Ds4cError(f"{where}[{j}].function.arguments: expected a JSON object, found {str(args)[:80]}")
 
 
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -390,15 +420,24 @@ class Model:
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            thinking: bool | None = None, reasoning_effort: str | None = None) -> str:
+                            thinking: bool | None = None, reasoning_effort: str | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by jinja2 in an
         ``ImmutableSandboxedEnvironment`` with ``messages``, ``add_generation_prompt``, ``bos_token`` /
-        ``eos_token`` and, when given, ``thinking`` and ``reasoning_effort`` (templates without them ignore
-        them).
+        ``eos_token`` and, when given, ``thinking``, ``reasoning_effort`` and ``tools`` (templates without them
+        ignore them). The ``tojson`` and ``from_json`` filters are HuggingFace's and llama.cpp's
+        (``json.dumps(..., ensure_ascii=False)``, keys in their order; ``json.loads``), which DeepSeek-V4's
+        template renders tool schemas and call arguments with.
+
+        Messages: ``{"role": str, "content": str | None}`` plus, as the template reads them, an assistant's
+        ``reasoning_content`` (str) and ``tool_calls`` (OpenAI's ``[{"id", "type": "function", "function":
+        {"name": str, "arguments": JSON object text or dict}}]``) and a tool result's ``tool_call_id``.
+        ``tools``: OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
 
         Raises:
             Ds4cError: no tokenizer or no chat template; messages that are not a list of ``{"role": str,
-                "content": str}`` dicts; the template fails to render (its message, on one line).
+                "content": str}`` dicts; tool calls whose arguments are not a JSON object; ``tools`` not a list of
+                dicts; the template fails to render (its message, on one line).
         """
         tok = self._need_tokenizer("chat")
         if tok.chat_template is None:
@@ -410,6 +449,11 @@ class Model:
                     not isinstance(m.get("content", ""), (str, type(None))):
                 raise Ds4cError(f"messages[{i}]: expected a dict with a str 'role' and a str 'content', found "
                                 f"{str(m)[:80]}")
+            _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+        if tools is not None and (isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise Ds4cError(f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, found "
+                            f"{str(tools)[:80]}")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg: str) -> None:
@@ -417,6 +461,8 @@ class Model:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
+        env.filters["from_json"] = json.loads
         var: dict[str, Any] = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
                                "bos_token": "" if tok.bos_id is None else tok.decode([tok.bos_id]),
                                "eos_token": "" if tok.eos_id is None else tok.decode([tok.eos_id])}
@@ -424,6 +470,8 @@ class Model:
             var["thinking"] = bool(thinking)
         if reasoning_effort is not None:
             var["reasoning_effort"] = _check_reasoning_effort(tok.chat_template, reasoning_effort)
+        if tools:
+            var["tools"] = [dict(t) for t in tools]
         try:
             return env.from_string(tok.chat_template).render(**var)
         except Ds4cError:
@@ -432,12 +480,14 @@ class Model:
             raise Ds4cError(f"{self.path}: the chat template does not render ({type(e).__name__}: {e})") from None
 
     def chat(self, messages: Sequence[dict[str, Any]], max_new_tokens: int = 256, thinking: bool | None = None,
-             reasoning_effort: str | None = None, **kw: Any) -> Completion | CompletionStream:
+             reasoning_effort: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
+             **kw: Any) -> Completion | CompletionStream:
         """Generate the assistant's reply to ``messages`` (:meth:`apply_chat_template` with the generation
-        prompt, then :meth:`generate` with ``kw``: temperature, top_k, top_p, seed, stop, ignore_eos, stream).
-        Generation stops at the eos token that ends the assistant's turn."""
+        prompt and ``tools``, then :meth:`generate` with ``kw``: temperature, top_k, top_p, seed, stop, ignore_eos,
+        stream). Generation stops at the eos token that ends the assistant's turn. The reply is the model's raw
+        text (reasoning and DSML tool calls included); ``ds4c serve`` parses them into OpenAI's fields."""
         prompt = self.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking,
-                                          reasoning_effort=reasoning_effort)
+                                          reasoning_effort=reasoning_effort, tools=tools)
         return self.generate(prompt, max_new_tokens=max_new_tokens, **kw)
 
     def _completion(self, text: str | None, res: GenerationResult, reason: str, n_ids: int | None = None) -> Completion:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
@@ -46,6 +47,7 @@ from ds4c.errors import Ds4cError
 __all__ = [
     "TokenizerError", "TokenType", "Tokenizer", "StreamDecoder", "has_tokenizer", "synthetic_vocab",
     "DEEPSEEK_V3_SPLITS", "MIN_SYNTHETIC_VOCAB", "SYNTHETIC_SPECIALS", "SYNTHETIC_CHAT_TEMPLATE",
+    "V4_TOOLS_HEADER", "V4_TOOLS_FOOTER",
 ]
 
 
@@ -593,41 +595,95 @@ _INF = 1 << 62
 #: Smallest vocabulary :func:`synthetic_vocab` builds: the 256 byte tokens and the specials.
 MIN_SYNTHETIC_VOCAB = 256 + len(SYNTHETIC_SPECIALS)
 
-#: The chat template of synthetic vocabularies: DeepSeek-V4's turn markup (``<｜User｜>``, ``<｜Assistant｜>``,
-#: ``</think>`` / ``<think>`` for non-thinking / thinking mode, ``<｜end▁of▁sentence｜>``), its variables
-#: (``messages``, ``add_generation_prompt``, ``bos_token``, ``thinking`` or ``enable_thinking``,
-#: ``reasoning_effort`` = ``"high"`` / ``"max"`` in thinking mode) without tools.
+#: DeepSeek-V4's model-facing texts, as its official encoding writes them (``encoding_dsv4.py`` of the model release
+#: and llama.cpp's DeepSeek-V4 templates): the tools block appended to the system prompt (:data:`V4_TOOLS_HEADER`,
+#: the tools' JSON one a line, :data:`V4_TOOLS_FOOTER`).
+V4_TOOLS_HEADER = (
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
+    "writing a \"<｜DSML｜tool_calls>\" block like the following:\n\n<｜DSML｜tool_calls>\n"
+    "<｜DSML｜invoke name=\"$TOOL_NAME\">\n"
+    "<｜DSML｜parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n...\n"
+    "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"$TOOL_NAME2\">\n...\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\n"
+    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
+    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
+    "<think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n### Available Tool Schemas\n\n")
+V4_TOOLS_FOOTER = "\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+def _jinja_str(text: str) -> str:
+    """``text`` as a Jinja string literal (JSON's escapes are a subset of the ones Jinja's lexer decodes)."""
+    return json.dumps(text)
+
+
+#: The chat template of synthetic vocabularies: DeepSeek-V4's chat as its official encoding renders it. Variables:
+#: ``messages`` (roles system / user / developer / assistant / tool; an assistant's ``reasoning_content`` and
+#: ``tool_calls``), ``tools`` (OpenAI function tools, appended to the system prompt), ``add_generation_prompt``,
+#: ``bos_token``, ``thinking`` (or ``enable_thinking``), ``reasoning_effort`` (``"high"`` / ``"max"`` in thinking
+#: mode: a one-line ``Reasoning Effort: high.`` stand-in for the official instructions, which are 80-100 tokens and
+#: would slow every CPU test that asks for an effort; the real model's GGUF carries its own template). Turn markup: ``<｜User｜>`` (a run of user / developer / tool messages is one turn, tool results as
+#: ``<tool_result>...</tool_result>``), ``<｜Assistant｜>``, ``</think>`` (non-thinking) or ``<think>`` (thinking)
+#: after it, ``<｜end▁of▁sentence｜>``; tool calls as DSML (``<｜DSML｜tool_calls>``, ``invoke``, ``parameter``
+#: with ``string="true"`` for str values, JSON otherwise). It uses the ``tojson`` / ``from_json`` filters as
+#: HuggingFace and llama.cpp define them (``json.dumps(..., ensure_ascii=False)`` / ``json.loads``), which
+#: :meth:`ds4c.api.Model.apply_chat_template` provides.
 SYNTHETIC_CHAT_TEMPLATE = (
     "{%- if not add_generation_prompt is defined -%}{%- set add_generation_prompt = false -%}{%- endif -%}\n"
     "{%- if not thinking is defined -%}\n"
     "  {%- if enable_thinking is defined -%}{%- set thinking = enable_thinking -%}"
     "{%- else -%}{%- set thinking = false -%}{%- endif -%}\n"
     "{%- endif -%}\n"
-    "{%- set ns = namespace(system='', first=true, last_user=-1) -%}\n"
+    "{%- set dsml = '｜DSML｜' -%}\n"
+    "{%- set ns = namespace(system='', first=true, last_user=-1, tool_results=false) -%}\n"
     "{%- for message in messages -%}\n"
     "  {%- if message['role'] == 'system' -%}\n"
     "    {%- set ns.system = ns.system + ('' if ns.first else '\\n\\n') + (message['content'] or '') -%}\n"
     "    {%- set ns.first = false -%}\n"
-    "  {%- elif message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}\n"
+    "  {%- elif message['role'] in ['user', 'developer', 'tool'] -%}{%- set ns.last_user = loop.index0 -%}\n"
+    "    {%- if message['role'] == 'tool' -%}{%- set ns.tool_results = true -%}{%- endif -%}\n"
     "  {%- endif -%}\n"
     "{%- endfor -%}\n"
+    "{%- set has_tools = tools is defined and tools -%}\n"
+    "{%- if has_tools -%}\n"
+    "  {%- set ts = namespace(schemas='') -%}\n"
+    "  {%- for tool in tools -%}{%- if tool['type'] == 'function' -%}"
+    "{%- set ts.schemas = ts.schemas + (tool['function'] | tojson) + '\\n' -%}{%- endif -%}{%- endfor -%}\n"
+    "  {%- set block = " + _jinja_str(V4_TOOLS_HEADER) + " + ts.schemas + " + _jinja_str(V4_TOOLS_FOOTER) + " -%}\n"
+    "  {%- set ns.system = (ns.system + '\\n\\n' if ns.system else '') + block -%}\n"
+    "{%- endif -%}\n"
     "{{- bos_token -}}\n"
     "{%- if thinking and reasoning_effort is defined and reasoning_effort in ['high', 'max'] -%}\n"
     "  {{- 'Reasoning Effort: ' + reasoning_effort + '.\\n\\n' -}}\n"
     "{%- endif -%}\n"
     "{{- ns.system -}}\n"
+    "{%- set turn = namespace(user=false) -%}\n"
     "{%- for message in messages -%}\n"
-    "  {%- if message['role'] == 'user' -%}\n"
-    "    {{- '<｜User｜>' + (message['content'] or '') -}}\n"
+    "  {%- if message['role'] in ['user', 'developer', 'tool'] -%}\n"
+    "    {{- '\\n\\n' if turn.user else '<｜User｜>' -}}{%- set turn.user = true -%}\n"
+    "    {%- if message['role'] == 'tool' -%}{{- '<tool_result>' + (message['content'] or '') + '</tool_result>' -}}\n"
+    "    {%- else -%}{{- message['content'] or '' -}}{%- endif -%}\n"
     "  {%- elif message['role'] == 'assistant' -%}\n"
+    "    {%- set turn.user = false -%}\n"
     "    {{- '<｜Assistant｜>' -}}\n"
-    "    {%- if thinking and loop.index0 > ns.last_user -%}\n"
-    "      {{- '<think>' -}}\n"
-    "      {%- if message['reasoning_content'] is defined and message['reasoning_content'] -%}"
-    "{{- message['reasoning_content'] -}}{%- endif -%}\n"
-    "      {{- '</think>' -}}\n"
+    "    {%- if thinking and (has_tools or ns.tool_results or loop.index0 > ns.last_user) -%}\n"
+    "      {{- '<think>' + (message['reasoning_content'] or '') + '</think>' -}}\n"
     "    {%- else -%}{{- '</think>' -}}{%- endif -%}\n"
-    "    {{- (message['content'] or '') + '<｜end▁of▁sentence｜>' -}}\n"
+    "    {{- message['content'] or '' -}}\n"
+    "    {%- if message['tool_calls'] -%}\n"
+    "      {{- '\\n\\n<' + dsml + 'tool_calls>\\n' -}}\n"
+    "      {%- for call in message['tool_calls'] -%}\n"
+    "        {%- set args = call['function']['arguments'] -%}\n"
+    "        {%- if args is string -%}{%- set args = args | from_json -%}{%- endif -%}\n"
+    "        {{- '<' + dsml + 'invoke name=\"' + call['function']['name'] + '\">\\n' -}}\n"
+    "        {%- for key, value in args.items() -%}\n"
+    "          {{- '<' + dsml + 'parameter name=\"' + key + '\" string=\"' + ('true' if value is string else 'false')"
+    " + '\">' + (value if value is string else value | tojson) + '</' + dsml + 'parameter>\\n' -}}\n"
+    "        {%- endfor -%}\n"
+    "        {{- '' if args else '\\n' -}}\n"
+    "        {{- '</' + dsml + 'invoke>\\n' -}}\n"
+    "      {%- endfor -%}\n"
+    "      {{- '</' + dsml + 'tool_calls>' -}}\n"
+    "    {%- endif -%}\n"
+    "    {{- '<｜end▁of▁sentence｜>' -}}\n"
     "  {%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"

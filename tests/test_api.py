@@ -20,6 +20,7 @@ from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import filter_logits, generate, stream
 from ds4c.gguf_file import open_model
 from ds4c.reference import Reference
+from ds4c.tokenizer import V4_TOOLS_FOOTER, V4_TOOLS_HEADER
 
 PROMPT = "The quick brown fox"
 # "Hi" sampled at temperature 5: seed 10 draws eos (id 1) as its 31st new token (measured on x86 CPUs); the
@@ -335,6 +336,47 @@ def test_chat_template_and_chat(model, tiny_path):
     with pytest.raises(Ds4cError) as e:
         m2.chat(msgs)
     one_line(e, "no tokenizer.chat_template")
+
+
+def test_chat_template_renders_tools_tool_calls_and_results(model):
+    """DeepSeek-V4's official encoding of a tool conversation (encoding_dsv4.py / llama.cpp's V4 template): the
+    tools block after the system prompt (schemas one a line, JSON with non-ASCII kept and keys in order), the
+    assistant's calls as DSML (str values raw with string="true", others JSON), the results as one user turn."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo",
+                                               "parameters": {"type": "object", "properties": {"city": {
+                                                   "type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Zürich", "days": [1, 2]}'}},
+                {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "b", "content": "noon"}]
+    schemas = ('{"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": '
+               '{"city": {"type": "string"}}, "required": ["city"]}}\n'
+               '{"name": "now", "parameters": {"type": "object", "properties": {}}}\n')
+    d = "｜DSML｜"
+    want = ("<｜begin▁of▁sentence｜>Be brief.\n\n" + V4_TOOLS_HEADER + schemas + V4_TOOLS_FOOTER +
+            "<｜User｜>Weather?<｜Assistant｜></think>"
+            f"\n\n<{d}tool_calls>\n<{d}invoke name=\"get_weather\">\n"
+            f"<{d}parameter name=\"city\" string=\"true\">Zürich</{d}parameter>\n"
+            f"<{d}parameter name=\"days\" string=\"false\">[1, 2]</{d}parameter>\n</{d}invoke>\n"
+            f"<{d}invoke name=\"now\">\n\n</{d}invoke>\n</{d}tool_calls><｜end▁of▁sentence｜>"
+            "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>noon</tool_result><｜Assistant｜></think>")
+    assert model.apply_chat_template(msgs, tools=tools) == want
+    # thinking mode with tools keeps every assistant turn's reasoning (the official encoding's rule)
+    msgs[2]["reasoning_content"] = "look it up"
+    assert "<｜Assistant｜><think>look it up</think>\n\n<" in model.apply_chat_template(msgs, tools=tools,
+                                                                                         thinking=True)
+    for bad in ("abc", "[1]"):
+        with pytest.raises(Ds4cError) as e:
+            model.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [
+                {"function": {"name": "f", "arguments": bad}}]}])
+        one_line(e, "arguments: expected a JSON object")
+    with pytest.raises(Ds4cError) as e:
+        model.apply_chat_template(msgs, tools="get_weather")
+    one_line(e, "tools: expected a list")
 
 
 # ------------------------------------------------------------------------------------------------ engine
