@@ -1,0 +1,1 @@
+"""ds4c serve: an OpenAI-compatible HTTP server over ds4c.Model (docs/serving.md)."""
