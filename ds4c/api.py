@@ -112,6 +112,12 @@ class CompletionStream:
         return "completion" in self._holder
 
     @property
+    def n_tokens(self) -> int:
+        """New tokens generated so far (pieces may hold several: a UTF-8 character split over tokens, text that
+        may begin a stop string)."""
+        return self._holder.get("n_tokens", 0)
+
+    @property
     def completion(self) -> Completion:
         """The final :class:`Completion` (runs the rest of the generation when it has not ended yet)."""
         for _ in self._run:
@@ -506,6 +512,7 @@ class Model:
         try:
             for t in ts:
                 n += 1
+                holder["n_tokens"] = n
                 if ts.result is not None and ts.result.stop_reason == "eos":
                     break  # the eos token ends the text; it is not part of it
                 acc += dec.push(t)

@@ -1,10 +1,11 @@
 """The ``ds4c`` command line (click).
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
-``generate`` (tokens from the reference), ``inspect-ir``, ``compile`` (an AOT artifact), ``inspect`` (an
-artifact: summary, kernels, source, resources, SASS/ISA), ``bench`` (one step: compiled vs torch eager vs
-torch.compile vs the roofline), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
-model: the ``tiny`` preset with seed 0, written once to the user cache folder.
+``generate`` (tokens from the reference), ``serve`` (an OpenAI-compatible HTTP server, ``ds4c.server``),
+``inspect-ir``, ``compile`` (an AOT artifact), ``inspect`` (an artifact: summary, kernels, source, resources,
+SASS/ISA), ``bench`` (one step: compiled vs torch eager vs torch.compile vs the roofline), ``cache list|show|clear``
+(the compiled-kernel cache). ``info``, ``generate`` and ``serve`` with no file use the built-in default model: the
+``tiny`` preset with seed 0, written once to the user cache folder.
 """
 
 from __future__ import annotations
@@ -445,6 +446,34 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
+def _open_drafter(draft: str | None, mf, seed: int, device: str, engine: str, dataflow: str, devices: str | None,
+                  layer_split: str | None, artifact: str | None) -> tuple[object, tuple[int, ...], bool]:
+    """The ``--draft`` drafter (None without one), the DSpark taps and whether the compiled step must record the
+    final HC state (MTP) that the target Model must be opened with; one-line errors for combinations not served."""
+    if draft is None:
+        return None, (), False
+    from ds4c.drafters.mtp import MTPDrafter
+    from ds4c.engine import resolve_engine
+    from ds4c.speculative import make_drafter
+
+    drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
+    taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
+    split = devices is not None or layer_split is not None
+    compiled = resolve_engine(device, engine, dataflow) != "reference"
+    is_mtp = isinstance(drafter, MTPDrafter)
+    if is_mtp and split and not compiled:
+        raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the reference "
+                        f"engine records unsplit only (no --devices / --layer-split; the compiled engine records "
+                        f"it on a split too)")
+    if taps and split:
+        raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
+                        f"--layer-split)")
+    if taps and compiled and artifact:
+        raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
+                        f"run without --artifact (the step then compiles with the drafter's taps)")
+    return drafter, (taps if compiled else ()), is_mtp and compiled  # the compiled step records X_main (spec 7.5)
+
+
 @main.command("generate")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--prompt", default=None, metavar="TEXT", help="Prompt text (tokenized with bos). Default: "
@@ -575,29 +604,8 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
             len(text.encode("utf-8"))
         need = min(limit, n_bytes + 1 + max_new_tokens)
-    drafter = None
-    record_hc = False
-    if draft is not None:  # checked before the (possibly long) engine start
-        from ds4c.speculative import make_drafter
-
-        drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
-        taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
-        split = devices is not None or layer_split is not None
-        compiled = resolve_engine(device, engine, dataflow) != "reference"
-        from ds4c.drafters.mtp import MTPDrafter
-
-        is_mtp = isinstance(drafter, MTPDrafter)
-        record_hc = is_mtp and compiled  # the compiled step records X_main (spec 7.5)
-        if is_mtp and split and not compiled:
-            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the reference "
-                            f"engine records unsplit only (no --devices / --layer-split; the compiled engine records "
-                            f"it on a split too)")
-        if taps and split:
-            raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
-                            f"--layer-split)")
-        if taps and compiled and artifact:
-            raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
-                            f"run without --artifact (the step then compiles with the drafter's taps)")
+    # the drafter is checked before the (possibly long) engine start
+    drafter, taps, record_hc = _open_drafter(draft, mf, seed, device, engine, dataflow, devices, layer_split, artifact)
     spec_width = _spec_width(spec_width)
     chunks = _prefill_chunks(prefill, device, engine, dataflow, artifact, draft)
     if drafter is None and click.get_current_context().get_parameter_source("spec_width") \
@@ -619,8 +627,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         need = max_ctx
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
-                  layer_split=layer_split, taps=taps if drafter is not None and compiled else (),
-                  record_hc=record_hc, prefill_chunks=chunks)
+                  layer_split=layer_split, taps=taps, record_hc=record_hc, prefill_chunks=chunks)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     plan = getattr(model.stepper, "plan", None)
@@ -667,6 +674,88 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         sys.exit(130)
     click.echo("")
     click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+@main.command("serve")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 exposes the server beyond this machine).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
+@click.option("--model-name", default=None, help="The model id clients name (default: the file's name without .gguf).")
+@click.option("--api-key", default=None, envvar="DS4C_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health.")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="Sequences run at once (default: what the engine runs; today's engine runs 1, the rest queue).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Requests that may wait for a sequence; one more gets 429.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds a request may wait in the queue before 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds from arrival to the end of a request (then it is stopped: 408).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM / Ctrl-C: seconds to let requests in flight finish.")
+@click.option("--stream-buffer", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Text pieces buffered per request for a client that is slow to read; one more cancels it.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--max-ctx", type=click.IntRange(min=1), default=None,
+              help="Positions a sequence may hold (prompt + reply). Default: 4096, or the artifact's.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
+              help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
+@click.option("--artifact", type=click.Path(file_okay=False), default=None,
+              help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
+@click.option("--draft", default=None, metavar="DRAFTER",
+              help="Speculative decoding for every request (the spellings of `ds4c generate --draft`).")
+@click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto", help="With --draft: verify rows.")
+@click.option("--prefill", "prefill", default=None, metavar="C,C,...",
+              help="Compiled engine: prefill chunk graphs (as `ds4c generate --prefill`).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads of the reference.")
+@click.option("--dataflow", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Reference engine activations (as `ds4c generate --dataflow`).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@_split_options
+def serve_cmd(file: str | None, host: str, port: int, model_name: str | None, api_key: str | None,
+              max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
+              drain_timeout: float, stream_buffer: int, max_body_bytes: int, max_ctx: int | None, device: str,
+              engine: str, artifact: str | None, draft: str | None, spec_width: str, prefill: str | None,
+              threads: int | None, dataflow: str, log_level: str, devices: str | None,
+              layer_split: str | None) -> None:
+    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics; docs/serving.md). Runs until SIGTERM or Ctrl-C, then lets the requests in flight finish."""
+    from ds4c.api import Model
+    from ds4c.engine import resolve_engine
+    from ds4c.gguf_file import open_model
+    from ds4c.server.app import ServerOptions
+    from ds4c.server.scheduler import SchedulerConfig
+    from ds4c.server.serve import serve
+
+    if api_key is not None and not api_key.strip():
+        raise Ds4cError("--api-key: expected a non-empty key")
+    device = _device_of(device, devices)
+    resolve_engine(device, engine, dataflow)  # device / engine / dataflow errors before a model is opened
+    mf = open_model(_model_path(file))
+    # the drafter's own seed (the oracle's errors); requests sample with their own seeds
+    drafter, taps, record_hc = _open_drafter(draft, mf, 0, device, engine, dataflow, devices, layer_split, artifact)
+    chunks = _prefill_chunks(prefill, device, engine, dataflow, artifact, draft)
+    if max_ctx is not None and max_ctx > mf.config.max_position:
+        raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {mf.config.max_position}")
+    model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if max_ctx or artifact else 4096,
+                  engine=engine, threads=threads, dataflow=dataflow, devices=devices, layer_split=layer_split,
+                  taps=taps, record_hc=record_hc, prefill_chunks=chunks)
+    _echo_prepare(getattr(model.stepper, "prepare_stats", None))
+    if model.tokenizer is None:
+        raise Ds4cError(f"{mf.path}: the file has no tokenizer (written by ds4c before 0.2?); the server speaks text")
+    name = model_name or Path(str(mf.path)).name.removesuffix(".gguf")
+    options = ServerOptions(model_name=name, api_key=api_key, max_body_bytes=max_body_bytes,
+                            scheduler=SchedulerConfig(max_queue=max_queue, queue_timeout_s=queue_timeout,
+                                                      request_timeout_s=request_timeout, stream_buffer=stream_buffer))
+    click.echo(f"ds4c serve: {name} ({model.engine} engine on {device}, max_ctx {model.max_ctx}) on "
+               f"http://{host}:{port}{', API key required' if api_key else ''}", err=True)
+    serve(model, options, host=host, port=port, max_concurrency=max_concurrency, draft=drafter,
+          spec_width=_spec_width(spec_width), drain_timeout_s=drain_timeout, log_level=log_level)
 
 
 # ------------------------------------------------------------------------------------------------------
