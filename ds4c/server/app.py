@@ -223,7 +223,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         first = dataclasses.replace(params, stop=params.stop + (THINK_END, CALLS_START)) if two else params
         fin, text = None, []
         for part in (1, 2):
-            st = slot.start(GenRequest(rid, tuple(prompt_ids), first if part == 1 else params))
+            st = await slot.start(GenRequest(rid, tuple(prompt_ids), first if part == 1 else params))
             async for ev in slot.events(st):
                 if isinstance(ev, Piece):
                     text.append(ev.text)

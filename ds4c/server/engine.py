@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,9 +99,12 @@ class RequestStream:
         capacity: pieces buffered for a consumer that has not taken them; one more cancels the request
             (:attr:`overflowed`), the terminal event is always delivered.
         deadline: ``time.monotonic()`` past which :meth:`next` raises ``TimeoutError`` (None: no limit).
+        on_done: called on the loop when the terminal event arrives (the engine is done with the request: the
+            scheduler frees its sequence slot then, whether or not the consumer has read the events yet).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, deadline: float | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, deadline: float | None = None,
+                 on_done: Callable[[], None] | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, found {capacity}")
         self._loop = loop
@@ -112,6 +115,7 @@ class RequestStream:
         self.overflowed = False
         self.done = asyncio.Event()   # set when the terminal event has been pushed (the engine is done with it)
         self.terminal: Finished | Failed | None = None
+        self._on_done = on_done
 
     # ---------------------------------------------------------------------------- engine side (any thread)
     @property
@@ -136,6 +140,8 @@ class RequestStream:
                 return
             self.terminal = ev
             self.done.set()
+            if self._on_done is not None:
+                self._on_done()
         self._q.put_nowait(ev)
 
     # ---------------------------------------------------------------------------- consumer side (the loop)

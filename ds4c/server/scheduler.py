@@ -2,8 +2,10 @@
 
 The policy (docs/serving.md):
 
-* **slots**: the engine runs at most ``engine.capacity`` sequences; a request holds a slot from admission to the
-  end of its generation (both parts of a forced tool call in thinking mode).
+* **slots**: the engine runs at most ``engine.capacity`` sequences; a request holds a slot from admission until the
+  engine is done with its generation (the terminal event), not until its client has read everything, so a slow
+  reader holds no slot. The second part of a forced tool call in thinking mode takes a slot again at the head
+  of the queue (never refused).
 * **queue**: a request that finds no free slot waits, first come first served, in a queue of at most
   ``max_queue`` requests; a request that finds the queue full is refused at once (429, ``queue_full``), one that
   waits longer than ``queue_timeout_s`` is refused then (429, ``queue_timeout``); both with ``Retry-After``.
@@ -11,7 +13,7 @@ The policy (docs/serving.md):
 * **timeouts**: a request ends ``request_timeout_s`` after it arrived (queue time included): the engine is told to
   stop and the client gets a timeout error.
 * **cancellation**: a handler that leaves (the client went away, a timeout, an error) cancels its generation; the
-  engine stops it within a step; the slot is given back once the engine has finished with it.
+  engine stops it within a step and the slot is given back then.
 * **slow clients**: each generation's events wait in a buffer of ``stream_buffer`` pieces
   (:class:`~ds4c.server.engine.RequestStream`); the engine never waits for a client, and a client that falls that
   far behind has its generation cancelled, so it holds no slot and slows no one.
@@ -48,21 +50,30 @@ class SchedulerConfig:
 
 
 class Slot:
-    """An admitted request's right to generate: :meth:`run` generations one after another (one engine sequence
-    at a time), their events timed into the metrics."""
+    """An admitted request's right to generate: :meth:`start` generations one after another (one engine sequence
+    at a time), :meth:`events` their events, timed into the metrics."""
 
     def __init__(self, sched: Scheduler, arrival: float):
         self._sched = sched
         self.arrival = arrival
         self.deadline = None if sched.config.request_timeout_s is None else arrival + sched.config.request_timeout_s
         self.streams: list[RequestStream] = []
+        self.holding = True        # admitted: the first generation has its slot
         self._first_at: float | None = None
         self._last_at = 0.0
 
-    def start(self, req: GenRequest) -> RequestStream:
-        """Start ``req`` on the engine (the previous generation of this slot must have ended)."""
-        assert all(s.terminal is not None for s in self.streams), "one generation at a time per slot"
-        st = RequestStream(asyncio.get_running_loop(), self._sched.config.stream_buffer, self.deadline)
+    def _done(self) -> None:
+        self.holding = False
+        self._sched._release()
+
+    async def start(self, req: GenRequest) -> RequestStream:
+        """Start ``req`` on the engine once the previous generation of this request has ended (a later one waits
+        for a slot at the head of the queue)."""
+        assert all(s.terminal is not None for s in self.streams), "one generation at a time per request"
+        if not self.holding:
+            await self._sched._acquire(priority=True)
+            self.holding = True
+        st = RequestStream(asyncio.get_running_loop(), self._sched.config.stream_buffer, self.deadline, self._done)
         self.streams.append(st)
         self._sched.engine.start(req, st)
         return st
@@ -107,7 +118,6 @@ class Scheduler:
         self.engine, self.metrics, self.config = engine, metrics, config
         self._free = engine.capacity
         self._waiters: deque[asyncio.Future] = deque()
-        self._releasing: set[asyncio.Task] = set()
         self.draining = False
         metrics.queue_depth.set_function(lambda: self.queue_depth)
         metrics.running.set_function(lambda: self.engine.stats().running)
@@ -122,20 +132,29 @@ class Scheduler:
         """Refuse new requests (503); admitted ones go on."""
         self.draining = True
 
-    async def _acquire(self) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="draining")
-        if self._free > 0 and not self.queue_depth:
+    async def _acquire(self, priority: bool = False) -> None:
+        """Take a slot: at once if one is free and nobody waits; else wait in the queue (``priority``: at its head,
+        without limit or timeout)."""
+        if not priority:
+            if self.draining:
+                raise APIError(503, "the server is shutting down", code="draining")
+            if self._free > 0 and not self.queue_depth:
+                self._free -= 1
+                return
+            if self.queue_depth >= self.config.max_queue:
+                raise APIError(429, f"the server is busy: {self.engine.capacity} sequence(s) running and "
+                                    f"{self.queue_depth} request(s) queued (the limit); retry later",
+                               code="queue_full", headers={"Retry-After": "1"})
+        elif self._free > 0:
             self._free -= 1
             return
-        if self.queue_depth >= self.config.max_queue:
-            raise APIError(429, f"the server is busy: {self.engine.capacity} sequence(s) running and "
-                                f"{self.queue_depth} request(s) queued (the limit); retry later", code="queue_full",
-                           headers={"Retry-After": "1"})
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if priority:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, self.config.queue_timeout_s)
+            await asyncio.wait_for(fut, None if priority else self.config.queue_timeout_s)
         except TimeoutError:
             raise APIError(429, f"the server is busy: no sequence slot within {self.config.queue_timeout_s:g} s; "
                                 f"retry later", code="queue_timeout",
@@ -157,15 +176,10 @@ class Scheduler:
                 return
         self._free += 1
 
-    async def _release_after(self, streams: list[RequestStream]) -> None:
-        for st in streams:
-            await st.done.wait()
-        self._release()
-
     @asynccontextmanager
     async def slot(self, arrival: float) -> AsyncIterator[Slot]:
         """Admission (may raise APIError 429 / 503), then the :class:`Slot` until the block ends; leaving the
-        block cancels an unfinished generation and gives the slot back once the engine is done with it."""
+        block cancels an unfinished generation (its slot is freed when the engine has stopped it)."""
         await self._acquire()
         s = Slot(self, arrival)
         try:
@@ -174,9 +188,6 @@ class Scheduler:
             for st in s.streams:
                 if st.terminal is None:
                     st.cancel()
-            if all(st.done.is_set() for st in s.streams):
+            if s.holding and all(st.terminal is not None for st in s.streams):
+                s.holding = False      # admitted, but no generation holds the slot: give it back now
                 self._release()
-            else:
-                t = asyncio.get_running_loop().create_task(self._release_after(s.streams))
-                self._releasing.add(t)
-                t.add_done_callback(self._releasing.discard)
