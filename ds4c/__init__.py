@@ -3,6 +3,9 @@
 Data flows one way: GGUF -> config + weights -> IR -> passes -> kernel plan -> render -> compile/cache ->
 artifact -> runtime. This package holds the front half (config, GGUF model files, quant formats, synthetic
 models, the PyTorch reference) and the CLI; ``ds4c.passes`` and ``ds4c.runtime`` hold the rest.
+
+Docstrings cite the model as ``spec N`` (``spec 2.3``, ``spec P9``, ``spec 5.2(q)``): section N of docs/model.md.
+docs/README.md maps every other document.
 """
 
 __version__ = "0.2.0"

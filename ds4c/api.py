@@ -23,19 +23,23 @@ Files without tokenizer keys (written by ds4c before 0.2) take token ids only.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
+import threading
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds4c.errors import Ds4cError
+from ds4c.chat import render_chat
+from ds4c.engine_protocol import CompiledEngine
+from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 
 
 @dataclass
@@ -64,8 +68,9 @@ class Completion:
         ids: the new token ids (an eos that ended the run is the last; at a stop string, up to the token that
             completed it).
         prompt_ids: the prompt's ids (with bos for a text prompt).
-        stop_reason: ``"eos"`` (the eos token), ``"stop"`` (a stop string, or the stream was closed early) or
-            ``"length"`` (``max_new_tokens``).
+        stop_reason: ``"eos"`` (the eos token), ``"stop"`` (a stop string, or the stream was closed early),
+            ``"length"`` (``max_new_tokens``) or ``"interrupted"`` (Ctrl-C: :class:`~ds4c.errors.GenerationInterrupted`,
+            ``CompletionStream.close(interrupted=True)``).
         timings: :class:`Timings`.
         result: the underlying :class:`~ds4c.generate.GenerationResult` (per-step times in ``step_s``).
         speculative: with a drafter, the speculative-decoding report (:meth:`ds4c.speculative.SpecStats.as_dict`:
@@ -95,16 +100,25 @@ class CompletionStream:
     :attr:`completion` is the :class:`Completion` once the stream has ended; reading it before that runs the
     generation to its end first (the pieces not yet read are then only in ``completion.text``). :meth:`close`
     ends the generation early (``stop_reason`` ``"stop"``, ``text`` the pieces delivered so far).
+
+    The stream holds its :class:`Model` (other threads' generations wait) until it has ended: read to its end,
+    closed, or garbage-collected.
     """
 
-    def __init__(self, run: Iterator[str], holder: dict[str, Any]):
-        self._run, self._holder = run, holder
+    def __init__(self, run: Iterator[str], holder: dict[str, Any], end: Callable[[], None]):
+        self._run, self._holder, self._end = run, holder, end
+        weakref.finalize(self, end)  # a stream dropped unfinished ends its generation (the Model's turn with it)
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._run)
+        try:
+            return next(self._run)
+        except KeyboardInterrupt:  # Ctrl-C inside a step: the run has ended (as closed early), interrupted
+            self._end()
+            self._interrupted()
+            raise
 
     @property
     def done(self) -> bool:
@@ -124,63 +138,19 @@ class CompletionStream:
             pass
         return self._holder["completion"]
 
-    def close(self) -> Completion:
-        """Stop generating now; returns the final :class:`Completion`."""
+    def close(self, interrupted: bool = False) -> Completion:
+        """Stop generating now; returns the final :class:`Completion`. ``interrupted``: the stop is a Ctrl-C (a
+        KeyboardInterrupt while reading the stream): ``stop_reason`` ``"interrupted"`` unless it had ended."""
+        ended = self.done
         self._run.close()
+        self._end()  # closed before its first piece: the generation never started
+        if interrupted and not ended:
+            self._interrupted()
         return self._holder["completion"]
 
-
-def _check_reasoning_effort(template: str, value: Any) -> str:
-    """``value`` when the chat template can use it: the template must read ``reasoning_effort`` and, when it
-    compares it with a list or literals (``reasoning_effort in ['high', 'max']``), ``value`` must be one of them
-    (else the template would silently ignore it).
-
-    Raises:
-        Ds4cError: a template without the variable, or a value it does not know (one line, the known values).
-    """
-    import re
-
-    v = str(value)
-    if "reasoning_effort" not in template:
-        raise Ds4cError(f"reasoning_effort {v!r}: the file's chat template has no reasoning_effort variable (it would "
-                        f"be ignored)")
-    known: list[str] = []
-    for m in re.finditer(r"reasoning_effort\s+in\s+[\[(]([^\])]*)[\])]", template):
-        known += re.findall(r"['\"]([^'\"]+)['\"]", m.group(1))
-    known += re.findall(r"reasoning_effort\s*==\s*['\"]([^'\"]+)['\"]", template)
-    if known and v not in known:
-        raise Ds4cError(f"reasoning_effort: expected one of the values the chat template knows "
-                        f"({', '.join(dict.fromkeys(known))}), found {v!r}")
-    return v
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    """The ``tojson`` filter of HuggingFace's chat templates: JSON with non-ASCII kept and keys in their order
-    (jinja2's own sorts keys and escapes HTML characters, which DeepSeek-V4's official encoding does not)."""
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _check_tool_calls(calls: Any, where: str) -> None:
-    """Raises Ds4cError unless ``calls`` is None or a list of ``{"function": {"name": str, "arguments": a JSON
-    object or its text}}`` dicts (what a chat template renders as the assistant's tool calls)."""
-    if calls is None:
-        return
-    if not isinstance(calls, (list, tuple)):
-        raise Ds4cError(f"{where}: expected a list of tool calls, found {str(calls)[:80]}")
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise Ds4cError(f"{where}[{j}]: expected {{'function': {{'name': str, 'arguments': ...}}}}, found "
-                            f"{str(c)[:80]}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                raise Ds4cError(f"{where}[{j}].function.arguments: expected a JSON object, found "
-                                f"{fn['arguments'][:80]!r}") from None
-        if not isinstance(args, dict):
-            raise Ds4cError(f"{where}[{j}].function.arguments: expected a JSON object, found {str(args)[:80]}")
+    def _interrupted(self) -> None:
+        c = self._holder["completion"]
+        c.stop_reason = c.result.stop_reason = "interrupted"
 
 
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -200,8 +170,55 @@ def _held(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class _Turns:
+    """Whose turn it is to generate on a :class:`Model`: one thread's generations at a time (they share the
+    engine's sequence state).
+
+    :meth:`take` (one per generation) returns at once when no generation is unfinished or when the calling
+    thread holds the turn (its own unfinished stream, which the new generation then ends, or a generation
+    started from inside another's run); any other thread waits until every generation of the holder has ended.
+    The release may come from any thread (a stream read to its end elsewhere, or garbage-collected)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()   # held while the holder has an unfinished generation
+        self._guard = threading.Lock()  # guards _owner and _n
+        self._owner: threading.Thread | None = None
+        self._n = 0
+
+    def take(self) -> Callable[[], None]:
+        """Wait for the turn; returns its release for this generation (idempotent, callable from any thread)."""
+        me = threading.current_thread()
+        with self._guard:
+            mine = self._owner is me
+            if mine:
+                self._n += 1
+        if not mine:
+            self._lock.acquire()
+            with self._guard:
+                self._owner, self._n = me, 1
+        once = threading.Lock()
+
+        def release() -> None:
+            if once.acquire(blocking=False):
+                with self._guard:
+                    self._n -= 1
+                    if self._n == 0:
+                        self._owner = None
+                        self._lock.release()
+
+        return release
+
+
 class Model:
     """A DeepSeek-V4-Flash model opened for generation.
+
+    Threads: a Model runs one generation at a time, in call order per thread. A :meth:`generate` (or
+    :meth:`chat`) called from another thread while one is unfinished waits its turn: a completion holds the Model
+    while it runs, a stream until it is read to its end, closed or garbage-collected. On the thread that holds it,
+    a new generation starts at once and ends that thread's unfinished stream (whose next read raises a one-line
+    StepError). So a thread must not wait for another thread's generation on the same Model while it keeps an
+    unfinished stream of its own (close it first). :meth:`tokenize`, :meth:`detokenize` and
+    :meth:`apply_chat_template` do not wait.
 
     Args:
         path: a GGUF file (or an opened :class:`~ds4c.gguf_file.ModelFile`), or ``"synthetic:PRESET[:FORMATS[:SEED]]"``
@@ -221,14 +238,19 @@ class Model:
             layers per shard such as ``[22, 21]``; :func:`ds4c.engine.shard_plan`): either engine runs shard by
             shard, the HC state handed between them. A device may repeat (a virtual split); ``layer_split``
             alone splits on ``device``; ``devices`` alone places layers from the memory plan.
-        taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``, e.g.
-            ``DSparkDrafter(path).file.taps``), so ``generate(draft=...)`` with that DSpark drafter runs it
-            compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
-        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``), so
-            ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the compiled target; the reference
-            records it itself.
+        draft: the drafter :meth:`generate` runs when it is given none (a spelling such as ``"mtp"``,
+            ``"dspark:PATH"``, ``"oracle:0.8"``, a drafter file path, or a :class:`~ds4c.engine_protocol.Drafter`;
+            a spelling is made into a drafter per request, with the request's seed, as :meth:`generate`'s ``draft``
+            is). What it needs of the engine (the DSpark taps, the MTP drafter's final HC state) is resolved when
+            the engine opens (:func:`ds4c.engine.resolve_needs`), so ``taps`` / ``record_hc`` need not be given.
+        taps: compiled engine: the DSpark tap layers its graphs record (a drafter file's ``taps``; default: those
+            ``draft`` needs), so ``generate(draft=...)`` with that DSpark drafter runs it compiled
+            (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`); the reference records taps itself.
+        record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``; default: whether
+            ``draft`` needs it), so ``generate(draft="mtp")`` (or ``"mtp:PATH"``) runs the MTP drafter on the
+            compiled target; the reference records it itself.
         prefill_chunks: compiled engine: prefill chunk graph sizes (e.g. ``(256, 2048)`` or ``"256,2048"``):
-            prompts are then prefilled in chunks (``CompiledStep.prefill``, issue 12); empty: verify steps; not
+            prompts are then prefilled in chunks (``CompiledStep.prefill``, docs/prefill.md); empty: verify steps; not
             with a split, taps or ``record_hc``. None (the default): an ``artifact``'s own chunk sizes (those it
             was compiled with, ``ds4c compile --prefill``), else empty (the chunk graphs are not yet validated on
             a GPU). With an artifact, explicit sizes must be among its chunk sizes
@@ -237,22 +259,28 @@ class Model:
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
         :class:`~ds4c.tokenizer.Tokenizer` or None; ``stepper``: the engine's stepper; ``engine``: its name;
-        ``load_s``: seconds spent opening it all.
+        ``draft``: the default drafter (as given; None: none); ``load_s``: seconds spent opening it all.
 
     Raises:
-        Ds4cError: what :func:`~ds4c.gguf_file.open_model`, :func:`~ds4c.engine.open_engine` and the tokenizer
-            raise (a missing or corrupt file, no CUDA device, an artifact that does not serve the model...).
+        Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.sources.open_model`,
+            :func:`~ds4c.engine.open_engine` and the tokenizer raise (a missing or corrupt file, no CUDA device, an
+            artifact that does not serve the model...); a ``draft`` :meth:`generate` would refuse, or whose needs
+            the engine cannot serve (:func:`ds4c.engine.resolve_needs`).
     """
 
     def __init__(self, path: str | os.PathLike[str] | ModelFile | None = None, device: str = "cpu",
                  artifact: str | os.PathLike[str] | None = None, max_ctx: int | None = 4096, engine: str = "auto",
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
-                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None):
+                 taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None,
+                 draft: str | os.PathLike[str] | Any | None = None):
         from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
+        if not (path is None or isinstance(path, (str, os.PathLike, ModelFile))):
+            raise Ds4cError(f"path: expected a GGUF file path (str or os.PathLike), a 'synthetic:...' spec, an opened "
+                            f"ModelFile or None (the built-in model), found {type(path).__name__} {str(path)[:80]}")
         self.engine = resolve_engine(device, engine, dataflow)
         self.device = device
         if isinstance(path, ModelFile):
@@ -266,11 +294,14 @@ class Model:
         self.file = mf
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
+        self.draft = draft
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
                                    devices=devices, layer_split=layer_split, taps=tuple(taps),
-                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks)
+                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks,
+                                   draft=None if draft is None else self._drafter(draft, 0))
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
+        self._turns = _Turns()
         self.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ properties
@@ -287,7 +318,7 @@ class Model:
     def memory_plan(self):
         """The compiled engine's :class:`~ds4c.runtime.memory_plan.MemoryPlan` (checked before loading), or None
         (the reference engine)."""
-        return getattr(self.stepper, "memory_plan", None)
+        return self.stepper.memory_plan if isinstance(self.stepper, CompiledEngine) else None
 
     @property
     def eos_id(self) -> int:
@@ -333,13 +364,25 @@ class Model:
         return self._need_tokenizer("detokenize").decode(ids, skip_special=skip_special)
 
     # ------------------------------------------------------------------------------------------ generate
+    def _drafter(self, draft: Any, seed: int) -> Any:
+        """``draft`` as a drafter: a spelling or a drafter file path made into one
+        (:func:`ds4c.drafters.factory.make_drafter`, with ``seed``); anything else as it is."""
+        if isinstance(draft, os.PathLike):  # a drafter file given as a path
+            draft = os.fspath(draft)
+        if not isinstance(draft, str):
+            return draft
+        # the drafters (their file formats and reference models) are imported when one is asked for: start-up speed
+        from ds4c.drafters.factory import make_drafter
+
+        return make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The ids a prompt runs as: a str is tokenized with bos (unless it already begins with bos); ids are
         checked to be ints in the vocabulary.
 
         Raises:
-            Ds4cError: a str on a file without tokenizer; an empty prompt; an id that is not an int or is outside
-                ``0..vocab_size-1``.
+            Ds4cError: a str on a file without tokenizer; an empty prompt; an id that is not an int (a bool
+                included) or is outside ``0..vocab_size-1``.
         """
         if isinstance(prompt, str):
             tok = self._need_tokenizer("a text prompt")
@@ -354,6 +397,9 @@ class Model:
             except TypeError:
                 raise Ds4cError(f"prompt: expected a str or a list of int token ids, found "
                                 f"{type(prompt).__name__} {str(prompt)[:80]}") from None
+            flags = [i for i, t in enumerate(prompt) if isinstance(t, bool)]
+            if flags:  # operator.index(True) is 1: a bool is an int to Python, never a token id
+                raise Ds4cError(f"prompt: expected int token ids, found a bool at index {flags[0]}")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise Ds4cError(f"prompt token ids must be in 0..{self.vocab_size - 1}, found {bad[0]}")
@@ -364,7 +410,8 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
                  ignore_eos: bool = False, stream: bool = False, draft: str | Any | None = None,
-                 spec_width: int | str = 5) -> Completion | CompletionStream:
+                 spec_width: int | str = 5, on_prefill: Callable[[int, int], Any] | None = None
+                 ) -> Completion | CompletionStream:
         """Generate after ``prompt`` (text or token ids) on a fresh sequence.
 
         Args:
@@ -378,24 +425,35 @@ class Model:
             ignore_eos: do not stop at the eos token.
             stream: return a :class:`CompletionStream` of text pieces instead of a :class:`Completion`.
             draft: speculative decoding with this drafter (``"oracle:ALPHA"``, ``"dspark:PATH"``, ``"mtp"`` (this
-                file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.speculative.make_drafter`, or a
-                :class:`~ds4c.speculative.Drafter`); ``result.speculative`` reports steps and acceptance. On the
-                compiled engine the DSpark drafter needs the Model opened with its ``taps``, the MTP drafter with
-                ``record_hc=True`` (a one-line StepError otherwise).
+                file's own MTP block), ``"mtp:PATH"`` (an MTP file), see :func:`ds4c.drafters.factory.make_drafter`,
+                or a :class:`~ds4c.engine_protocol.Drafter`); None: the Model's ``draft`` (none when opened without
+                one); ``result.speculative`` reports steps and acceptance. On the compiled engine the DSpark drafter
+                needs the Model opened with its taps, the MTP drafter with the final HC recording: open it with
+                ``draft=`` (or ``taps`` / ``record_hc=True``; a one-line StepError otherwise).
             spec_width: verify rows per speculative step (1..5: the last token and up to 4 drafts), or
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
+            on_prefill: called as the prompt is ingested with ``(tokens done, prompt tokens)``, after each prefill
+                step (the last call has them equal): e.g. a progress bar of a long prompt (``ds4c generate``'s).
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
-                ``stream`` on a file without tokenizer, an empty stop string, prompt + ``max_new_tokens`` past
+                ``stream`` on a file without tokenizer, a stop that is not a str or a list of str, an empty stop
+                string, prompt + ``max_new_tokens`` past
                 ``max_ctx``.
+            GenerationInterrupted: Ctrl-C during the run (a KeyboardInterrupt; its ``completion`` holds the tokens
+                and text so far, ``stop_reason`` ``"interrupted"``). A stream: see :meth:`CompletionStream.close`.
         """
         ids = self.prompt_ids(prompt)
         check_sampling(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise Ds4cError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        odd = [s for s in stops if not isinstance(s, str)]
+        if odd:
+            raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
+        if any(not s for s in stops):
             raise Ds4cError(f"stop strings must be non-empty str, found {stops!r}")
         if stops:
             self._need_tokenizer("stop strings")
@@ -404,86 +462,53 @@ class Model:
         if len(ids) + max_new_tokens > self.max_ctx:
             raise Ds4cError(f"the prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_ctx "
                             f"{self.max_ctx}; open the Model with a larger max_ctx")
+        if on_prefill is not None and not callable(on_prefill):
+            raise Ds4cError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
         stop_ids = () if ignore_eos else (self.eos_id,)
-        if isinstance(draft, os.PathLike):  # a drafter file given as a path
-            draft = os.fspath(draft)
-        if isinstance(draft, str):
-            from ds4c.speculative import make_drafter
-
-            draft = make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
-        ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                           top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width)
+        draft = self._drafter(self.draft if draft is None else draft, seed)
+        release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
+        try:
+            ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                               top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width, on_end=release,
+                               on_prefill=on_prefill)
+        except BaseException:
+            release()
+            raise
         holder: dict[str, Any] = {}
-        if self.tokenizer is None:
-            res = ts.run()
-            return self._completion(None, res, res.stop_reason)
-        run = self._text_run(ts, stops, holder)
         if stream:
-            return CompletionStream(run, holder)
-        for _ in run:
-            pass
-        return holder["completion"]
+            def end() -> None:  # closed before its first piece, or dropped: the generation ends
+                if "completion" not in holder:
+                    holder["completion"] = self._completion("", ts.stop(), "stop", 0)
+
+            return CompletionStream(self._text_run(ts, stops, holder), holder, end)
+        try:
+            if self.tokenizer is None:
+                res = ts.run()
+                return self._completion(None, res, res.stop_reason)
+            for _ in self._text_run(ts, stops, holder):
+                pass
+            return holder["completion"]
+        except KeyboardInterrupt as e:  # Ctrl-C: what was made so far, in the exception (the CLI prints it)
+            c = holder.get("completion") or self._completion(None, ts.stop(), "stop")
+            c.stop_reason = c.result.stop_reason = "interrupted"
+            raise GenerationInterrupted(c) from e
+        finally:
+            release()
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             thinking: bool | None = None, reasoning_effort: str | None = None,
                             tools: Sequence[dict[str, Any]] | None = None) -> str:
-        """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by jinja2 in an
-        ``ImmutableSandboxedEnvironment`` with ``messages``, ``add_generation_prompt``, ``bos_token`` /
-        ``eos_token`` and, when given, ``thinking``, ``reasoning_effort`` and ``tools`` (templates without them
-        ignore them). The ``tojson`` and ``from_json`` filters are HuggingFace's and llama.cpp's
-        (``json.dumps(..., ensure_ascii=False)``, keys in their order; ``json.loads``), which DeepSeek-V4's
-        template renders tool schemas and call arguments with.
-
-        Messages: ``{"role": str, "content": str | None}`` plus, as the template reads them, an assistant's
-        ``reasoning_content`` (str) and ``tool_calls`` (OpenAI's ``[{"id", "type": "function", "function":
-        {"name": str, "arguments": JSON object text or dict}}]``) and a tool result's ``tool_call_id``.
-        ``tools``: OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+        """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by
+        :func:`ds4c.chat.render_chat` (its rules: roles system, user, assistant and tool, each shown in the prompt;
+        tool calls and ``tools`` only where the template renders them; a ``reasoning_effort`` the prompt must show,
+        so with thinking on for DeepSeek-V4's template). ``tools``: OpenAI's function tools.
 
         Raises:
-            Ds4cError: no tokenizer or no chat template; messages that are not a list of ``{"role": str,
-                "content": str}`` dicts; tool calls whose arguments are not a JSON object; ``tools`` not a list of
-                dicts; the template fails to render (its message, on one line).
+            Ds4cError: no tokenizer or no chat template; what :func:`~ds4c.chat.render_chat` raises.
         """
-        tok = self._need_tokenizer("chat")
-        if tok.chat_template is None:
-            raise Ds4cError(f"{self.path}: the file has no tokenizer.chat_template; use generate() with a prompt")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise Ds4cError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                    not isinstance(m.get("content", ""), (str, type(None))):
-                raise Ds4cError(f"messages[{i}]: expected a dict with a str 'role' and a str 'content', found "
-                                f"{str(m)[:80]}")
-            _check_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
-        if tools is not None and (isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence)
-                                  or not all(isinstance(t, dict) for t in tools)):
-            raise Ds4cError(f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, found "
-                            f"{str(tools)[:80]}")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg: str) -> None:
-            raise Ds4cError(f"chat template: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = _tojson
-        env.filters["from_json"] = json.loads
-        var: dict[str, Any] = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
-                               "bos_token": "" if tok.bos_id is None else tok.decode([tok.bos_id]),
-                               "eos_token": "" if tok.eos_id is None else tok.decode([tok.eos_id])}
-        if thinking is not None:
-            var["thinking"] = bool(thinking)
-        if reasoning_effort is not None:
-            var["reasoning_effort"] = _check_reasoning_effort(tok.chat_template, reasoning_effort)
-        if tools:
-            var["tools"] = [dict(t) for t in tools]
-        try:
-            return env.from_string(tok.chat_template).render(**var)
-        except Ds4cError:
-            raise
-        except Exception as e:  # jinja2.TemplateError (the sandbox's SecurityError included) or the template's own
-            raise Ds4cError(f"{self.path}: the chat template does not render ({type(e).__name__}: {e})") from None
+        return render_chat(self._need_tokenizer("chat"), messages, add_generation_prompt, thinking, reasoning_effort,
+                           source=str(self.path), tools=tools)
 
     def chat(self, messages: Sequence[dict[str, Any]], max_new_tokens: int = 256, thinking: bool | None = None,
              reasoning_effort: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
@@ -539,3 +564,4 @@ class Model:
         finally:
             if "completion" not in holder:  # closed early by the consumer
                 holder["completion"] = self._completion(acc[:sent], ts.stop(), "stop", n)
+            ts.stop()  # close the run now (at eos it is still open): the Model's turn ends with it

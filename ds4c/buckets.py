@@ -130,14 +130,14 @@ def span_capacity(context: int, ratio: int) -> int:
 #: family takes (runtime/lower_prefill.py ``GEMM_MIN_ROWS``), and a tail this short is as cheap as verify steps
 MIN_PREFILL_CHUNK = 16
 
-#: the prefill chunk graphs a compiled engine builds when none are asked for (issue 12; docs/prefill.md): 256
+#: the prefill chunk graphs a compiled engine builds when none are asked for (docs/prefill.md): 256
 #: rows for short prompts and the tail, 2048 for long ones (the grouped experts reach their tensor-core rate
 #: from ~2048 rows, docs/perf.md)
 DEFAULT_PREFILL_CHUNKS = (256, 2048)
 
 
 def check_prefill_chunks(chunks: object) -> tuple[int, ...]:
-    """Prefill chunk sizes (issue 12: the row counts C of the prefill chunk graphs), validated and sorted.
+    """Prefill chunk sizes (docs/prefill.md: the row counts C of the prefill chunk graphs), validated and sorted.
 
     Args:
         chunks: ints in ``MIN_PREFILL_CHUNK .. MAX_PREFILL_ROWS`` (a tuple or list; duplicates are an error),

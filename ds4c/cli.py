@@ -1,11 +1,10 @@
 """The ``ds4c`` command line (click).
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
-``generate`` (tokens from the reference), ``serve`` (an OpenAI-compatible HTTP server, ``ds4c.server``),
-``inspect-ir``, ``compile`` (an AOT artifact), ``inspect`` (an artifact: summary, kernels, source, resources,
-SASS/ISA), ``bench`` (one step: compiled vs torch eager vs torch.compile vs the roofline), ``cache list|show|clear``
-(the compiled-kernel cache). ``info``, ``generate`` and ``serve`` with no file use the built-in default model: the
-``tiny`` preset with seed 0, written once to the user cache folder.
+``generate`` (tokens from the reference), ``inspect-ir``, ``export-mlir`` (the step as MLIR), ``compile`` (an AOT artifact), ``inspect`` (an
+artifact: summary, kernels, source, resources, SASS/ISA), ``bench`` (one step: compiled vs torch eager vs
+torch.compile vs the roofline), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
+model: the ``tiny`` preset with seed 0, written once to the user cache folder.
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ import click
 
 from ds4c import __version__
 from ds4c.config import MAX_PREFILL_ROWS, PRESETS
-from ds4c.errors import Ds4cError, StepError
+from ds4c.errors import Ds4cError, GenerationInterrupted, StepError
+from ds4c.write_errors import FULL_ERRNOS, write_error_text
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2)
 
 
 def default_model_path() -> Path:
@@ -77,12 +78,19 @@ class _Group(click.Group):
         except Ds4cError as e:  # one line, whatever a file or manifest put into the message
             click.echo("ds4c: error: " + " ".join(str(e).split("\n")).replace("\r", " "), err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C outside a generation (which reports itself): one line, not "Aborted!"
+            click.echo("\nds4c: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:  # output piped into e.g. `head`, which exited: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         except OSError as e:  # file-system trouble outside ds4c's own checks (permissions, full disk)
-            where = f": {e.filename}" if getattr(e, "filename", None) else ""
-            click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
+            if e.errno in FULL_ERRNOS:  # name the path that could not be written (a copy's destination)
+                click.echo(f"ds4c: error: {write_error_text(e)}", err=True)
+            else:
+                where = f": {e.filename}" if getattr(e, "filename", None) else ""
+                where += f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
+                click.echo(f"ds4c: error: {e.strerror or e}{where}", err=True)
             sys.exit(2)
 
 
@@ -120,9 +128,8 @@ def _split_options(fn):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .gguf file.")
 def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | None, output: str) -> None:
     """Write a deterministic synthetic model (streams tensor by tensor; atomic)."""
-    from tqdm import tqdm
-
     from ds4c.config import preset
+    from ds4c.progress import progress_bar
     from ds4c.quant import nbytes
     from ds4c.synth import make_model
     from ds4c.tensors import storage_types, tensor_specs
@@ -144,8 +151,7 @@ def make_model_cmd(preset_name: str, seed: int, formats: str, drafter: str | Non
         return
     types = storage_types(cfg, formats)
     total = sum(nbytes(types[s.name], s.shape) for s in tensor_specs(cfg))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} -> {output}",
-              disable=total < (64 << 20)) as bar:
+    with progress_bar(total, f"{preset_name} -> {output}", "B", unit_scale=True, disable=total < (64 << 20)) as bar:
         path = make_model(cfg, output, seed=seed, formats=formats, progress=lambda s, n: bar.update(n))
     click.echo(f"wrote {path} ({path.stat().st_size / 1e9:.3f} GB, preset {preset_name}, seed {seed}, "
                f"formats {formats})")
@@ -176,7 +182,9 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     """Print the config, the kind of every layer, and tensor counts and bytes per type (a DSpark drafter file:
     its stages, taps, block size and heads). FILE may be synthetic:PRESET[:FORMATS[:SEED]] (a synthetic model) or
     dspark:synthetic:PRESET[:FORMATS[:SEED]] (its synthetic DSpark drafter)."""
-    from ds4c.gguf_file import ArchitectureError, open_model
+    from ds4c.config import absent_keys_text, rope_scaling_text
+    from ds4c.gguf_file import ArchitectureError
+    from ds4c.sources import open_model
 
     def dspark(path: str) -> None:
         if show_plan:  # the drafter's compiled graphs live in the target's engine (runtime/dspark_exec.py)
@@ -208,7 +216,8 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
     if as_json:
         click.echo(json.dumps({"file": str(mf.path), "file_type": mf.file_type, "tokenizer": _tokenizer_summary(mf),
                                "mtp": mtp, "extra_tensors": mf.extra_tensors,
-                               "legacy_names": mf.legacy_names, "config": cfg.model_dict(), "config_hash": cfg.hash(),
+                               "legacy_names": mf.legacy_names, "absent_keys": mf.absent_keys,
+                               "rope_scaling": rope_scaling_text(cfg), "config": cfg.model_dict(), "config_hash": cfg.hash(),
                                "layers": layers, "tensors": {k: {"count": n, "bytes": b}
                                                              for k, (n, b) in by_type.items()}}))
         return
@@ -227,6 +236,9 @@ def info_cmd(file: str | None, as_json: bool, show_plan: bool, max_ctx: int, fre
                    + "; ".join(f"blk.{b['block']} nextn ({b['n_tensors']} tensors, {b['bytes']:,d} bytes, "
                                f"ratio {b['compress_ratio']}): " + ", ".join(f"{k} {t}" for k, t in b["nextn"].items())
                                for b in mtp["blocks"]))
+    click.echo(f"rope scaling: {rope_scaling_text(cfg)}")
+    if mf.absent_keys:
+        click.echo(f"metadata: {absent_keys_text(mf.absent_keys)}")
     if mf.legacy_names:
         click.echo(f"layout: ds4c 0.1 names for {len(mf.legacy_names)} HC tensors (read as the converter names "
                    f"them; `ds4c make-model` writes the current layout)")
@@ -253,8 +265,8 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
     from ds4c.buckets import BucketSpec
     from ds4c.engine import COMPILED_WIDTHS
-    from ds4c.runtime.memory_plan import memory_plan, plan_parts
-    from ds4c.runtime.sharded import free_memory, memory_model
+    from ds4c.runtime.memory_plan import memory_model, memory_plan, plan_parts
+    from ds4c.runtime.sharded import free_memory
     from ds4c.shard_plan import parse_counts, parse_plan
 
     if mf.mtp_only:
@@ -288,7 +300,7 @@ def _info_plan(mf, as_json: bool, max_ctx: int, free_gib: float | None, arch: st
 
 def _info_dspark(path: Path | str, as_json: bool) -> None:
     """``ds4c info`` of a DSpark drafter file or synthetic drafter spec (spec section 7)."""
-    from ds4c.drafters.dspark_file import open_dspark
+    from ds4c.drafters.dspark_sources import open_dspark
 
     f = open_dspark(path)
     path = f.path
@@ -446,32 +458,24 @@ def _timings_line(load_s: float, res, n_prompt: int) -> str:
             f"({pre}{len(res.tokens)} new token{'' if len(res.tokens) == 1 else 's'}, stop: {res.stop_reason})")
 
 
-def _open_drafter(draft: str | None, mf, seed: int, device: str, engine: str, dataflow: str, devices: str | None,
-                  layer_split: str | None, artifact: str | None) -> tuple[object, tuple[int, ...], bool]:
-    """The ``--draft`` drafter (None without one), the DSpark taps and whether the compiled step must record the
-    final HC state (MTP) that the target Model must be opened with; one-line errors for combinations not served."""
-    if draft is None:
-        return None, (), False
-    from ds4c.drafters.mtp import MTPDrafter
-    from ds4c.engine import resolve_engine
-    from ds4c.speculative import make_drafter
+#: Seconds of prefill before ``ds4c generate`` shows its progress bar (a short prompt shows none).
+PREFILL_BAR_DELAY_S = 2.0
 
-    drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
-    taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
-    split = devices is not None or layer_split is not None
-    compiled = resolve_engine(device, engine, dataflow) != "reference"
-    is_mtp = isinstance(drafter, MTPDrafter)
-    if is_mtp and split and not compiled:
-        raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the reference "
-                        f"engine records unsplit only (no --devices / --layer-split; the compiled engine records "
-                        f"it on a split too)")
-    if taps and split:
-        raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
-                        f"--layer-split)")
-    if taps and compiled and artifact:
-        raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
-                        f"run without --artifact (the step then compiles with the drafter's taps)")
-    return drafter, (taps if compiled else ()), is_mtp and compiled  # the compiled step records X_main (spec 7.5)
+
+def _prefill_progress(n_prompt: int):
+    """The ``on_prefill`` of ``ds4c generate``: a bar of the prompt's tokens (rate, ETA) on stderr once the prefill
+    has run :data:`PREFILL_BAR_DELAY_S` seconds (plain lines when stderr is not a terminal), closed with the
+    prefill."""
+    from ds4c.progress import progress_bar
+
+    bar = progress_bar(n_prompt, "prefill", "token", delay=PREFILL_BAR_DELAY_S)
+
+    def seen(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return seen
 
 
 @main.command("generate")
@@ -486,7 +490,8 @@ def _open_drafter(draft: str | None, mf, seed: int, device: str, engine: str, da
 @click.option("--think/--no-think", "think", default=None,
               help="With --chat: the template's thinking switch (default: the template's own).")
 @click.option("--reasoning-effort", default=None, metavar="LEVEL",
-              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max).")
+              help="With --chat: passed to the template as reasoning_effort (DeepSeek-V4: high, max; its template "
+                   "uses it with --think only: an effort that changes nothing in the prompt is an error).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=16, show_default=True)
 @click.option("--max-ctx", type=click.IntRange(min=1), default=None,
               help="Positions the sequence may hold; on cuda every graph up to it is compiled and captured before "
@@ -547,7 +552,7 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
 
     from ds4c.api import Model
     from ds4c.engine import resolve_engine
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.tokenizer import has_tokenizer
 
     given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids),
@@ -599,13 +604,37 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         if 1 + max_new_tokens > limit:
             raise Ds4cError(f"the prompt (at least 1 token) + --max-new-tokens {max_new_tokens} exceed the model's "
                             f"context length {limit}")
-        # a token is >= 1 byte, + bos; a chat prompt is rendered once the model's tokenizer exists: allow the
-        # template 1 KiB around the messages (the rendered prompt is checked against max_ctx below)
-        n_bytes = sum(len(m["content"].encode("utf-8")) for m in messages) + 1024 if messages else \
-            len(text.encode("utf-8"))
-        need = min(limit, n_bytes + 1 + max_new_tokens)
-    # the drafter is checked before the (possibly long) engine start
-    drafter, taps, record_hc = _open_drafter(draft, mf, seed, device, engine, dataflow, devices, layer_split, artifact)
+        if messages:  # rendered now, before the (possibly long) engine start: the chat rules fail first
+            from ds4c.chat import render_chat
+            from ds4c.tokenizer import Tokenizer
+
+            text = render_chat(Tokenizer.from_metadata(mf.metadata, source=str(mf.path)), messages, thinking=think,
+                               reasoning_effort=reasoning_effort, source=str(mf.path))
+        # a token is >= 1 byte, + bos (the prompt is checked against max_ctx once tokenized, below)
+        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)
+    drafter = None
+    record_hc = False
+    if draft is not None:  # checked before the (possibly long) engine start
+        from ds4c.drafters.factory import make_drafter
+
+        drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
+        taps = tuple(getattr(getattr(drafter, "file", None), "taps", None) or ())
+        split = devices is not None or layer_split is not None
+        compiled = resolve_engine(device, engine, dataflow) != "reference"
+        from ds4c.drafters.mtp import MTPDrafter
+
+        is_mtp = isinstance(drafter, MTPDrafter)
+        record_hc = is_mtp and compiled  # the compiled step records X_main (spec 7.5)
+        if is_mtp and split and not compiled:
+            raise Ds4cError(f"--draft {draft}: the MTP drafter reads the target's final HC state, which the reference "
+                            f"engine records unsplit only (no --devices / --layer-split; the compiled engine records "
+                            f"it on a split too)")
+        if taps and split:
+            raise Ds4cError(f"--draft {draft}: the DSpark drafter runs on an unsplit target (no --devices / "
+                            f"--layer-split)")
+        if taps and compiled and artifact:
+            raise Ds4cError(f"--draft {draft}: the compiled DSpark drafter is not served from an artifact yet; "
+                            f"run without --artifact (the step then compiles with the drafter's taps)")
     spec_width = _spec_width(spec_width)
     chunks = _prefill_chunks(prefill, device, engine, dataflow, artifact, draft)
     if drafter is None and click.get_current_context().get_parameter_source("spec_width") \
@@ -627,14 +656,13 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         need = max_ctx
     model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if artifact else need, engine=engine,
                   quant_emulation=not no_quant_emulation, threads=threads, dataflow=dataflow, devices=devices,
-                  layer_split=layer_split, taps=taps, record_hc=record_hc, prefill_chunks=chunks)
+                  layer_split=layer_split, taps=taps if drafter is not None and compiled else (),
+                  record_hc=record_hc, prefill_chunks=chunks)
     load_s = time.perf_counter() - t0
     _echo_prepare(getattr(model.stepper, "prepare_stats", None))
     plan = getattr(model.stepper, "plan", None)
     if plan is not None and not as_json:
         click.echo(f"layer split: {plan.describe()}", err=True)
-    if messages:
-        text = model.apply_chat_template(messages, thinking=think, reasoning_effort=reasoning_effort)
     prompt_arg = ids if ids is not None else text
     ids = model.prompt_ids(prompt_arg)
     if len(ids) + max_new_tokens > limit:
@@ -644,10 +672,14 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         whose = f"the artifact's max_ctx {model.max_ctx}" if artifact else f"--max-ctx {model.max_ctx}"
         raise Ds4cError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed {whose}")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width)
+              stop=list(stops) or None, ignore_eos=ignore_eos, draft=drafter, spec_width=spec_width,
+              on_prefill=_prefill_progress(len(ids)))
     text_mode = prompt_ids is None and model.tokenizer is not None
     if as_json or not text_mode:
-        c = model.generate(ids, **kw)
+        try:
+            c, interrupted = model.generate(ids, **kw), False
+        except GenerationInterrupted as e:  # Ctrl-C: the record / ids of what was made so far, then exit 130
+            c, interrupted = e.completion, True
         res = c.result
         if as_json:
             rec = {"model": str(mf.path), "device": device, "engine": model.engine,
@@ -655,107 +687,27 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
                    "top_k": top_k, "top_p": top_p, "seed": seed, "quant_emulation": not no_quant_emulation,
                    "dataflow": dataflow, "load_s": load_s, **res.as_dict(), "text": c.text}
             click.echo(json.dumps(rec))
-            return
-        click.echo(f"prompt: {ids}")
-        click.echo(f"tokens: {res.tokens}")
-        if c.text is not None:
-            click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
-        click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        else:
+            click.echo(f"prompt: {ids}")
+            click.echo(f"tokens: {res.tokens}")
+            if c.text is not None:
+                click.echo(f"text: {json.dumps(c.text, ensure_ascii=False)}")
+            click.echo(_timings_line(load_s, res, len(ids)), err=True)  # stderr, as in text mode
+        if interrupted:
+            sys.exit(EXIT_INTERRUPTED)
         return
     s = model.generate(ids, stream=True, **kw)
     try:
         for piece in s:
             click.echo(piece, nl=False)
             sys.stdout.flush()
-    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got
-        c = s.close()
+    except KeyboardInterrupt:  # Ctrl-C: end the text, say how far it got (stop: interrupted)
+        c = s.close(interrupted=True)
         click.echo("")
-        click.echo(_timings_line(load_s, c.result, len(ids)) + ", interrupted", err=True)
-        sys.exit(130)
+        click.echo(_timings_line(load_s, c.result, len(ids)), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo("")
     click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
-
-
-# ------------------------------------------------------------------------------------------------------
-@main.command("serve")
-@click.argument("file", required=False, type=click.Path(dir_okay=False))
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0 exposes the server beyond this machine).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
-@click.option("--model-name", default=None, help="The model id clients name (default: the file's name without .gguf).")
-@click.option("--api-key", default=None, envvar="DS4C_API_KEY", show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on every route but /health.")
-@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
-              help="Sequences run at once (default: what the engine runs; today's engine runs 1, the rest queue).")
-@click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
-              help="Requests that may wait for a sequence; one more gets 429.")
-@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds a request may wait in the queue before 429.")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds from arrival to the end of a request (then it is stopped: 408).")
-@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM / Ctrl-C: seconds to let requests in flight finish.")
-@click.option("--stream-buffer", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Text pieces buffered per request for a client that is slow to read; one more cancels it.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
-              help="Larger request bodies get 413.")
-@click.option("--max-ctx", type=click.IntRange(min=1), default=None,
-              help="Positions a sequence may hold (prompt + reply). Default: 4096, or the artifact's.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
-              help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
-@click.option("--artifact", type=click.Path(file_okay=False), default=None,
-              help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
-@click.option("--draft", default=None, metavar="DRAFTER",
-              help="Speculative decoding for every request (the spellings of `ds4c generate --draft`).")
-@click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto", help="With --draft: verify rows.")
-@click.option("--prefill", "prefill", default=None, metavar="C,C,...",
-              help="Compiled engine: prefill chunk graphs (as `ds4c generate --prefill`).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads of the reference.")
-@click.option("--dataflow", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Reference engine activations (as `ds4c generate --dataflow`).")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
-              show_default=True)
-@_split_options
-def serve_cmd(file: str | None, host: str, port: int, model_name: str | None, api_key: str | None,
-              max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
-              drain_timeout: float, stream_buffer: int, max_body_bytes: int, max_ctx: int | None, device: str,
-              engine: str, artifact: str | None, draft: str | None, spec_width: str, prefill: str | None,
-              threads: int | None, dataflow: str, log_level: str, devices: str | None,
-              layer_split: str | None) -> None:
-    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
-    /metrics; docs/serving.md). Runs until SIGTERM or Ctrl-C, then lets the requests in flight finish."""
-    from ds4c.api import Model
-    from ds4c.engine import resolve_engine
-    from ds4c.gguf_file import open_model
-    from ds4c.server.app import ServerOptions
-    from ds4c.server.scheduler import SchedulerConfig
-    from ds4c.server.serve import serve
-
-    if api_key is not None and not api_key.strip():
-        raise Ds4cError("--api-key: expected a non-empty key")
-    device = _device_of(device, devices)
-    resolve_engine(device, engine, dataflow)  # device / engine / dataflow errors before a model is opened
-    mf = open_model(_model_path(file))
-    # the drafter's own seed (the oracle's errors); requests sample with their own seeds
-    drafter, taps, record_hc = _open_drafter(draft, mf, 0, device, engine, dataflow, devices, layer_split, artifact)
-    chunks = _prefill_chunks(prefill, device, engine, dataflow, artifact, draft)
-    if max_ctx is not None and max_ctx > mf.config.max_position:
-        raise Ds4cError(f"--max-ctx {max_ctx} exceeds the model's context length {mf.config.max_position}")
-    model = Model(mf, device=device, artifact=artifact, max_ctx=max_ctx if max_ctx or artifact else 4096,
-                  engine=engine, threads=threads, dataflow=dataflow, devices=devices, layer_split=layer_split,
-                  taps=taps, record_hc=record_hc, prefill_chunks=chunks)
-    _echo_prepare(getattr(model.stepper, "prepare_stats", None))
-    if model.tokenizer is None:
-        raise Ds4cError(f"{mf.path}: the file has no tokenizer (written by ds4c before 0.2?); the server speaks text")
-    name = model_name or Path(str(mf.path)).name.removesuffix(".gguf")
-    options = ServerOptions(model_name=name, api_key=api_key, max_body_bytes=max_body_bytes,
-                            scheduler=SchedulerConfig(max_queue=max_queue, queue_timeout_s=queue_timeout,
-                                                      request_timeout_s=request_timeout, stream_buffer=stream_buffer))
-    click.echo(f"ds4c serve: {name} ({model.engine} engine on {device}, max_ctx {model.max_ctx}) on "
-               f"http://{host}:{port}{', API key required' if api_key else ''}", err=True)
-    serve(model, options, host=host, port=port, max_concurrency=max_concurrency, draft=drafter,
-          spec_width=_spec_width(spec_width), drain_timeout_s=drain_timeout, log_level=log_level)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -786,7 +738,7 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     kernel-plan summary."""
     from ds4c.buckets import BucketSpec
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.ir import build_step, print_graph
     from ds4c.ir.export import to_dot
     from ds4c.passes.manager import PIPELINES, run_pipeline
@@ -855,6 +807,65 @@ def inspect_ir_cmd(file: str | None, preset_name: str | None, width: int, prefil
     click.echo(f"// kernels {len(plan.kernels)}, weight bytes/step {sum(k.weight_bytes for k in plan.kernels) / 1e9:.3f} GB "
                f"(routed experts: the {cfg.n_active_experts} of one row; a wider step reads more), arena {mem.get('arena_bytes', 0):,d} bytes "
                f"(without reuse {mem.get('no_reuse_bytes', 0):,d})")
+
+
+# ------------------------------------------------------------------------------------------------------
+# literal so that `ds4c --help` does not import torch-mlir; tests check them against ds4c.export
+MLIR_DIALECTS = ("torch", "linalg", "stablehlo", "tosa")
+MLIR_WEIGHTS = ("inline", "external", "none")
+MLIR_AFTER = ("pad_compressed_kv", "fuse_hc", "fuse_projections", "fuse_elementwise", "partition", "plan_memory")
+
+
+def _layer_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*", text)
+    if not m:
+        raise click.BadParameter(f"expected a layer range A:B (layers A..B-1), found {text!r}", param_hint="--layers")
+    return int(m.group(1)), int(m.group(2))
+
+
+@main.command("export-mlir")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--width", type=click.IntRange(1, 5), default=1, show_default=True, help="Step width q (1 = decode).")
+@click.option("--prefill", "prefill", type=click.IntRange(1, MAX_PREFILL_ROWS), default=None, metavar="C",
+              help="Export the prefill chunk graph of C rows instead of a step (input n_valid: rows past it are "
+                   "padding).")
+@click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Positions the state holds (rounded up to a multiple of the compress ratios; spans padded to it).")
+@click.option("--layers", "layers", default=None, metavar="A:B",
+              help="Export the layer-split shard of layers A..B-1 (hc_in / hc_out where it does not hold the "
+                   "embedding / head).")
+@click.option("--dialect", type=click.Choice(MLIR_DIALECTS), default="linalg", show_default=True,
+              help="torch (torch-mlir's backend contract), linalg (linalg-on-tensors), stablehlo or tosa.")
+@click.option("--weights", "weights", type=click.Choice(MLIR_WEIGHTS), default="external", show_default=True,
+              help="inline: constants of the module (small models only); external: function arguments, their "
+                   "values in OUTPUT with the suffix .safetensors; none: arguments, nothing written.")
+@click.option("--after", type=click.Choice(MLIR_AFTER), default="pad_compressed_kv", show_default=True,
+              help="The last pass run on the step graph (fused ops export as their bodies).")
+@click.option("--dataflow", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="bf16: the spec's activations and state; fp32: nothing rounded to bf16.")
+@click.option("--no-quant-emulation", is_flag=True,
+              help="Leave out the activation FP8, KV FP8 and indexer FP4 fake quantization.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output MLIR file (text).")
+def export_mlir_cmd(file: str | None, width: int, prefill: int | None, ctx: int, layers: str | None, dialect: str,
+                    weights: str, after: str, dataflow: str, no_quant_emulation: bool, output: str) -> None:
+    """Export the step graph (or a prefill chunk's) as MLIR through torch-mlir (docs/mlir.md): the function
+    @step of the graph's inputs and state buffers (then the weights) returning the updated state and the logits.
+    Needs the ds4c[mlir] extra (torch-mlir, ml_dtypes)."""
+    from ds4c.export import export_mlir  # here, not at the top: start-up speed (torch, torch-mlir)
+
+    if prefill is not None and width != 1:
+        raise click.UsageError("give --width (a decode / verify step) or --prefill (a prefill chunk), not both")
+    e = export_mlir(_model_path(file), output, width=width, prefill=prefill, ctx=ctx, layers=_layer_range(layers),
+                    dialect=dialect, weights=weights, after=after, dataflow=dataflow,
+                    quant_emulation=not no_quant_emulation)
+    d = e.description
+    what = f"prefill chunk of {d['width']} rows" if d["prefill"] else f"width {d['width']}"
+    click.echo(f"wrote {e.path} ({d['config']}, {what}, ctx {d['ctx']}, layers {d['layers']}, {e.dialect}, "
+               f"{len(e.inputs)} arguments, {len(e.outputs)} results)", err=True)
+    if e.weights_path is not None:
+        click.echo(f"wrote {e.weights_path} ({len(e.weights)} weights, {e.weight_bytes / 1e6:.1f} MB)", err=True)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -928,8 +939,9 @@ def compile_cmd(file: str | None, preset_name: str | None, archs: str, widths: s
     """
     from ds4c.buckets import BucketSpec, check_prefill_chunks
     from ds4c.config import preset
-    from ds4c.gguf_file import open_model
-    from ds4c.runtime.artifact import build_artifact, load_manifest
+    from ds4c.sources import open_model
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import load_manifest
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.targets import parse_targets
 
@@ -1004,7 +1016,7 @@ def _compile_taps(cfg, taps: str | None, draft: str | None) -> tuple[int, ...]:
     if taps is not None and draft is not None:
         raise click.UsageError("give --taps or --draft (whose target layers are the taps), not both")
     if draft is not None:
-        from ds4c.drafters.dspark_file import open_dspark
+        from ds4c.drafters.dspark_sources import open_dspark
 
         return tuple(open_dspark(Path(draft), cfg).taps)
     if taps is None:
@@ -1078,7 +1090,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
     With --prefill: prompt ingestion instead (ds4c/prefill_bench.py)."""
     from ds4c.bench import format_report, run_bench
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     ws = tuple(_parse_ints(widths, "--widths"))
     cs = tuple(_parse_ints(contexts, "--ctx"))
@@ -1089,7 +1101,7 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
         llama_bench = os.path.abspath(llama_bench)  # the path checked is the path run (not looked up on PATH)
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise Ds4cError(f"--llama-bench {llama_bench}: expected llama.cpp's llama-bench executable "
-                        f"(../shared/peers/build_llama.sh builds it), found no executable file")
+                        f"(built with llama.cpp, https://github.com/ggml-org/llama.cpp), found no executable file")
     chunks: tuple[int, ...] = ()
     src = click.get_current_context().get_parameter_source
     if prefill is None:
@@ -1155,8 +1167,9 @@ def bench_cmd(file: str | None, device: str, widths: str, contexts: str, repeats
 def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_source: bool, show_resources: bool,
                 show_sass: bool, arch: str | None, graph: str | None, model: str | None) -> None:
     """Inspect an artifact folder built by `ds4c compile` (every load checks that manifest.json is unchanged)."""
-    from ds4c.runtime.artifact import (check_lowering, check_serves, disassemble, find_binaries, find_graph,
-                                       find_target, load_manifest)
+    from ds4c.runtime.artifact_inspect import disassemble, find_binaries
+    from ds4c.runtime.artifact_manifest import find_graph, find_target, load_manifest
+    from ds4c.runtime.artifact_serve import check_lowering, check_serves
 
     if sum((show_source, show_resources, show_sass)) > 1:
         raise click.UsageError("give at most one of --source, --resources, --sass")
@@ -1166,7 +1179,7 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         raise click.UsageError("--model checks the whole artifact: give it alone")
     man = load_manifest(artifact)
     if model is not None:
-        from ds4c.gguf_file import open_model
+        from ds4c.sources import open_model
 
         mf = open_model(model)
         types = {n: mf.ggml_type(n) for n in mf.specs}
@@ -1180,6 +1193,8 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
         return
     slug = find_target(man, arch)
     t = man["targets"][slug]
+    if graph is not None:  # checked before anything is printed: an error comes alone
+        find_graph(man, slug, graph)
     if kernel is not None:
         gk = find_graph(man, slug, graph)
         if graph is None and man.get("layer_split"):  # a split artifact: the first graph of the kernel's shard
@@ -1271,8 +1286,6 @@ def inspect_cmd(artifact: str, list_kernels: bool, kernel: str | None, show_sour
             click.echo(f"  {gk:10s} kernels {len(g['kernels']):4d} launches {n_l:4d} arena {g['arena_bytes']:>12,d} B "
                        f"graph {g['graph_hash'][:12]}  per layer {layers}"
                        + (f"  (prefill chunk, {g['width']} rows)" if g.get("prefill") else ""))
-    if graph is not None:
-        find_graph(man, slug, graph)
 
 
 # ------------------------------------------------------------------------------------------------------

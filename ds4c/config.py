@@ -1,7 +1,7 @@
-"""DeepSeek-V4-Flash hyper-parameters (spec ds4-flash.md section 1) and their GGUF metadata keys.
+"""DeepSeek-V4-Flash hyper-parameters (docs/model.md section 1) and their GGUF metadata keys.
 
 :class:`Ds4Config` holds every hyper-parameter the step needs. It is read from and written to GGUF metadata
-with the ``deepseek4.*`` keys of ``gguf-deepseek4.md``; keys ds4c adds for itself use the ``ds4c.`` prefix.
+with the ``deepseek4.*`` keys of docs/gguf-layout.md; keys ds4c adds for itself use the ``ds4c.`` prefix.
 
 Presets:
 
@@ -181,8 +181,15 @@ class Ds4Config:
     def rope_base(self, layer: int) -> float:
         return self.rope_theta if self.ratio(layer) == 0 else self.compress_rope_theta
 
+    @property
+    def yarn(self) -> bool:
+        """Whether the compressing layers scale their RoPE with YaRN: ``rope_factor`` != 1 (a file without
+        ``rope.scaling.*`` keys reads as factor 1: no scaling, as llama.cpp runs it)."""
+        return self.rope_factor != 1.0
+
     def uses_yarn(self, layer: int) -> bool:
-        """YaRN applies to compressing layers only (spec P6, checklist item 1)."""
+        """YaRN applies to compressing layers only (spec P6, checklist item 1); with ``rope_factor`` 1 (no
+        :attr:`yarn`) their frequencies are the plain ones of ``compress_rope_theta``."""
         return self.ratio(layer) != 0
 
     # ----------------------------------------------------------------------------------------------
@@ -284,6 +291,46 @@ _KEYS: list[tuple[str, str, str]] = [
 ]
 
 
+# Keys of _KEYS that llama.cpp's loader reads as optional (src/llama-model.cpp load_hparams, l. 1407-1432, and
+# llama-hparams.h), with the value it then uses: a DeepSeek-V4 config.json saved by transformers 5.x has no raw
+# rope_scaling, so the converter (conversion/base.py l. 1462-1482) writes no rope.scaling.* keys, and llama.cpp runs
+# such a file without scaling (freq_scale 1, no YaRN ramp). The other keys its loader takes as optional (head
+# count, key/value length, rope dimension count, expert counts) default to values no DeepSeek-V4 model has
+# (n_embd / n_head, 0 experts), so ds4c keeps requiring them.
+#: metadata key (without the arch prefix) -> the value used when it is absent (None: see from_gguf_metadata)
+OPTIONAL_KEYS: dict[str, Any] = {
+    "rope.freq_base": 10000.0,                   # hparams.rope_freq_base_train's default
+    "rope.scaling.factor": 1.0,                  # no factor: freq_scale_train = 1, no scaling
+    "rope.scaling.original_context_length": None,  # n_ctx_orig_yarn = n_ctx_train (context_length)
+    "rope.scaling.yarn_beta_fast": 32.0,         # llama_hparams.yarn_beta_fast
+    "rope.scaling.yarn_beta_slow": 1.0,          # llama_hparams.yarn_beta_slow
+}
+
+
+def absent_optional_keys(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`OPTIONAL_KEYS` missing from ``meta`` (full key -> the value read instead), in table order."""
+    out: dict[str, Any] = {}
+    for key, default in OPTIONAL_KEYS.items():
+        if _P + key not in meta:
+            out[_P + key] = meta.get(_P + "context_length") if default is None else default
+    return out
+
+
+def rope_scaling_text(cfg: Ds4Config) -> str:
+    """How the compressing layers' RoPE is scaled, in words: YaRN with its factor, original context and betas,
+    or none (``rope_factor`` 1, as a file without ``rope.scaling.*`` keys is read)."""
+    if not cfg.yarn:
+        return "none (factor 1: plain RoPE on every layer)"
+    return (f"YaRN on the compressing layers (factor {cfg.rope_factor:g}, original context {cfg.original_seq_len}, "
+            f"beta_fast {cfg.beta_fast:g}, beta_slow {cfg.beta_slow:g})")
+
+
+def absent_keys_text(absent: Mapping[str, Any]) -> str:
+    """``absent`` (:func:`absent_optional_keys`) in words: the keys and the values read instead."""
+    return (f"no {', '.join(absent)}: read with llama.cpp's defaults ("
+            + ", ".join(f"{k.removeprefix(_P)} {v:g}" for k, v in absent.items()) + ")")
+
+
 def to_gguf_metadata(cfg: Ds4Config) -> list[tuple[str, Any, str]]:
     """The metadata entries for ``cfg`` as ``(full_key, value, kind)`` with kind in
     ``u32, f32, bool, str, arr_i32, arr_f32`` (the GGUF writer maps kinds to GGUF value types)."""
@@ -323,17 +370,23 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>", voca
     (the caller passes the rows of ``token_embd.weight``: llama.cpp's converter writes no such key), else the
     length of ``tokenizer.ggml.tokens``.
 
+    The :data:`OPTIONAL_KEYS` (``rope.freq_base`` and the ``rope.scaling.*`` keys) may be absent, as llama.cpp's
+    loader allows: they then take its defaults (no ``rope.scaling.factor``: factor 1, no YaRN);
+    :func:`absent_optional_keys` lists those a file lacks.
+
     Raises:
         ConfigError: when ``general.architecture`` is not ``deepseek4``, a required key is missing, the
-            gating function is not sqrt-softplus, or the values are inconsistent.
+            gating function is not sqrt-softplus, the RoPE scaling is not YaRN (nor absent), or the values are
+            inconsistent.
     """
     arch = meta.get("general.architecture")
     if arch != ARCH:
         raise ConfigError(f"{source}: expected general.architecture = {ARCH!r}, found {arch!r}")
     kw: dict[str, Any] = {}
+    meta = {**absent_optional_keys(meta), **meta}
     for key, fld, kind in _KEYS:
         full = _P + key
-        if full not in meta:
+        if full not in meta or meta[full] is None:
             raise ConfigError(f"{source}: missing metadata key {full!r} (needed for Ds4Config.{fld})")
         v = meta[full]
         if kind == "arr_i32":
@@ -374,6 +427,10 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "<metadata>", voca
         if len(set(vals)) > 1:
             raise ConfigError(f"{source}: expected one swiglu_clamp_exp value for all layers, found {sorted(set(vals))}")
         kw["swiglu_limit"] = vals[0]
+    scaling = meta.get(_P + "rope.scaling.type", "yarn")
+    if scaling not in ("yarn", "none") or (scaling == "none" and kw["rope_factor"] != 1.0):
+        raise ConfigError(f"{source}: expected {_P}rope.scaling.type 'yarn' (DeepSeek-V4's YaRN, spec P6) or no "
+                          f"scaling, found {scaling!r} with factor {kw['rope_factor']:g}")
     kw["bos_id"] = int(meta.get("tokenizer.ggml.bos_token_id", 0))
     kw["eos_id"] = int(meta.get("tokenizer.ggml.eos_token_id", 1))
     kw["name"] = str(meta.get("general.name", "deepseek4"))

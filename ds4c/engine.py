@@ -1,12 +1,17 @@
 """The one place that picks the engine that runs a model's steps.
 
-:func:`open_engine` returns a *stepper*: an object with ``reset()``, ``verify(tokens, pos)``,
-``decode(token, pos)`` and ``max_ctx`` that :func:`ds4c.generate.generate` drives. Engines:
+:func:`open_engine` returns a *stepper*: an :class:`~ds4c.engine_protocol.Engine` (``reset()``,
+``verify(tokens, pos)``, ``decode(token, pos)``, ``rollback(accepted)``, ``pos``, ``max_ctx``, ``cfg``) that
+:func:`ds4c.generate.generate` drives. Engines:
 
 * ``reference``: the eager PyTorch reference (:class:`ds4c.reference.Reference`), on ``cpu`` or ``cuda``;
-* ``compiled``: the compiled step (:class:`ds4c.runtime.executor.CompiledStep`: kernels + CUDA graph replay),
+* ``compiled``: the compiled step (:class:`ds4c.runtime.step.CompiledStep`: kernels + CUDA graph replay),
   on ``cuda`` only, its kernels compiled through the kernel cache or taken from an AOT ``artifact``;
 * ``auto``: ``compiled`` on ``cuda``, ``reference`` on ``cpu``.
+
+A drafter's needs (:class:`~ds4c.engine_protocol.EngineNeeds`: the DSpark taps, the MTP drafter's final HC state) are
+resolved here when the engine opens (:func:`resolve_needs`): the compiled step records them in its graphs, so they are
+part of how it is built; the reference records them on request.
 
 A layer split (``devices`` / ``layer_split``, :func:`shard_plan`; ``ds4c.shard_plan``) runs either engine shard
 by shard: :class:`ds4c.runtime.sharded.ShardedStep` or :class:`ds4c.reference.sharded.ShardedReference`.
@@ -24,9 +29,10 @@ from typing import Any
 
 import torch
 
+from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
+from ds4c.engine_protocol import Drafter, EngineNeeds, drafter_needs
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
-from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
 from ds4c.shard_plan import ShardPlan, ShardPlanError
 
 DEVICES = ("cpu", "cuda")
@@ -69,7 +75,7 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
 
     ``layer_split`` without ``devices`` splits on ``device`` alone (a virtual split: every shard on the same
     device). ``devices`` without ``layer_split`` places layers automatically: on CUDA from the memory plan
-    (:func:`ds4c.runtime.sharded.memory_model`, for ``buckets``; from ``parts`` when given:
+    (:func:`ds4c.runtime.memory_plan.memory_model`, for ``buckets``; from ``parts`` when given:
     :func:`ds4c.runtime.memory_plan.plan_parts`) against each device's free memory, on the CPU evenly.
 
     Raises:
@@ -87,7 +93,8 @@ def shard_plan(mf: ModelFile, device: str, devices: str | list[str] | None = Non
     if layer_split is None and buckets is not None:
         probe = parse_plan(devices, None, n, default_device=device)  # validates the list (even split)
         if probe.kind == "cuda" and probe.is_split:
-            from ds4c.runtime.sharded import free_memory, memory_model
+            from ds4c.runtime.memory_plan import memory_model
+            from ds4c.runtime.sharded import free_memory
 
             memory, free = memory_model(mf, buckets, parts=parts), free_memory(list(probe.devices))
     plan = parse_plan(devices, layer_split, n, default_device=device, memory=memory, free_bytes=free)
@@ -118,9 +125,40 @@ def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str,
     return mp
 
 
+def resolve_needs(needs: EngineNeeds, engine: str, split: bool, artifact: Any = None,
+                  taps: tuple[int, ...] = (), record_hc: bool = False) -> tuple[tuple[int, ...], bool]:
+    """What the engine ``engine`` (``reference`` or ``compiled``) is built to record for a drafter's ``needs``, with
+    the caller's own ``taps`` / ``record_hc``: ``(taps, record_hc)`` of the compiled step (the union of both), or
+    ``((), False)`` for the reference, which records taps and the final HC state on request (the drafter's
+    ``prepare`` asks).
+
+    Raises:
+        Ds4cError: needs this engine cannot serve (one line, in the command line's spelling): taps on a layer split
+            (the DSpark drafter runs on an unsplit target), taps on a compiled step from an ``artifact`` (the
+            compiled DSpark drafter compiles its kernels through the kernel cache), the final HC state on a
+            reference layer split, or ``taps`` other than the drafter's.
+    """
+    if needs.taps and split:
+        raise Ds4cError("the DSpark drafter runs on an unsplit target (no --devices / --layer-split): its taps are "
+                        "read on one device")
+    if needs.taps and engine == "compiled" and artifact is not None:
+        raise Ds4cError("the compiled DSpark drafter is not served from an artifact yet; run without --artifact "
+                        "(the step then compiles with the drafter's taps)")
+    if needs.final_hc and split and engine == "reference":
+        raise Ds4cError("the MTP drafter reads the target's final HC state, which the reference engine records "
+                        "unsplit only (no --devices / --layer-split; the compiled engine records it on a split too)")
+    taps = tuple(taps)
+    if needs.taps and taps and taps != needs.taps:
+        raise Ds4cError(f"taps {list(taps)}: the drafter reads the taps of layers {list(needs.taps)}; give those or "
+                        f"none (the drafter's are used)")
+    if engine != "compiled":
+        return (), False
+    return taps or needs.taps, bool(record_hc) or needs.final_hc
+
+
 def default_prefill_tries(max_ctx: int) -> list[tuple[int, ...]]:
     """The chunk sets a compiled engine without an artifact tries in turn, keeping the first whose memory plan
-    fits (issue 12): :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` no longer than ``max_ctx``, then fewer (the
+    fits (docs/prefill.md): :data:`~ds4c.buckets.DEFAULT_PREFILL_CHUNKS` no longer than ``max_ctx``, then fewer (the
     largest dropped first), then none (verify steps). E.g. 4096 -> ``[(256, 2048), (256,), ()]``."""
     fit = tuple(c for c in DEFAULT_PREFILL_CHUNKS if c <= max_ctx)
     return [fit[:n] for n in range(len(fit), 0, -1)] + [()]
@@ -130,7 +168,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
                 devices: str | list[str] | None = None, layer_split: str | list[int] | None = None,
-                taps: tuple[int, ...] = (), record_hc: bool = False, prefill_chunks: Any = None) -> Any:
+                taps: tuple[int, ...] = (), record_hc: bool = False, prefill_chunks: Any = None,
+                draft: Drafter | None = None) -> Any:
     """Open the stepper that runs ``mf`` on ``device``.
 
     Args:
@@ -149,18 +188,21 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             (compiled, loaded, weights uploaded, captured: ``CompiledStep.prepare_all``; its timings are the
             step's ``prepare_stats``), so nothing is compiled or captured once generation starts.
         progress: print the compile line and progress bars of that preparation to stderr.
+        draft: the drafter that will run on the engine (:class:`~ds4c.engine_protocol.Drafter`): what it needs
+            (its ``needs``: taps, the final HC state) is resolved here (:func:`resolve_needs`), so ``taps`` and
+            ``record_hc`` need not be given.
         taps: compiled engine: the DSpark tap layers its graphs record (spec 5.2(q); a DSpark drafter file's
-            ``taps``), read by the compiled drafter (``CompiledStep(taps=...)``); the reference records them
-            on request.
+            ``taps``; default: those ``draft`` needs), read by the compiled drafter (``CompiledStep(taps=...)``);
+            the reference records them on request.
         record_hc: compiled engine: its graphs record the final HC state (spec 7.5's ``X_main``) that the MTP
             drafter (``--draft mtp`` / ``mtp:PATH``, :class:`~ds4c.drafters.mtp.MTPDrafter`) reads
-            (``CompiledStep(record_hc=True)``; of a layer split, the last shard); the unsplit reference records it
-            on request (``Reference.record_final_hc``).
+            (``CompiledStep(record_hc=True)``; of a layer split, the last shard; default: whether ``draft`` needs
+            it); the unsplit reference records it on request (``Reference.record_final_hc``).
         dataflow: reference only: ``"bf16"`` (the spec) or ``"fp32"`` activations between operations (see
             :class:`~ds4c.reference.Reference`; for token-exact comparisons with ports).
         devices, layer_split: a layer split (:func:`shard_plan`): the stepper runs one shard per device entry,
             the HC state handed from shard to shard.
-        prefill_chunks: compiled engine: the prefill chunk graphs' row counts (issue 12, e.g. ``(256, 2048)`` or
+        prefill_chunks: compiled engine: the prefill chunk graphs' row counts (docs/prefill.md, e.g. ``(256, 2048)`` or
             ``"256,2048"``: :func:`~ds4c.buckets.check_prefill_chunks`); prompts are then prefilled in chunks
             (``CompiledStep.prefill``). Empty: verify steps. ``None`` (the default): with an ``artifact``, the
             chunk sizes it holds (``ds4c compile --prefill``; none when it was compiled without, or with taps,
@@ -173,7 +215,7 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             steps) and refuses them.
 
     Returns:
-        a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.executor.CompiledStep` (split:
+        a :class:`~ds4c.reference.Reference` or a :class:`~ds4c.runtime.step.CompiledStep` (split:
         :class:`~ds4c.reference.sharded.ShardedReference`, :class:`~ds4c.runtime.sharded.ShardedStep`); its
         ``max_ctx`` is the context it serves (a split one's ``plan`` is its :class:`~ds4c.shard_plan.ShardPlan`).
         A compiled one's ``memory_plan`` is its :class:`~ds4c.runtime.memory_plan.MemoryPlan`, checked (and
@@ -186,9 +228,13 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             memory (``ShardPlanError`` naming the shortfall), ``dataflow="fp32"`` with the compiled engine or an
             unknown dataflow, ``threads`` < 1, ``max_ctx`` outside the model's
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
-            does not serve this model: ``ArtifactError``).
+            does not serve this model: ``ArtifactError``); needs of ``draft`` the engine cannot serve
+            (:func:`resolve_needs`).
     """
     name = resolve_engine(device, engine, dataflow)
+    if draft is not None:
+        split = devices is not None or layer_split is not None
+        taps, record_hc = resolve_needs(drafter_needs(draft), name, split, artifact, taps, record_hc)
     from ds4c.buckets import check_prefill_chunks
 
     chunks = check_prefill_chunks(() if prefill_chunks is None else prefill_chunks)
@@ -204,14 +250,16 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
             raise Ds4cError(f"max_ctx must be an int in 1..{limit} (the model's context length), found {max_ctx!r}")
     if name == "compiled":
         from ds4c.buckets import BucketSpec
-        from ds4c.runtime.executor import CompiledStep, device_arch
+        from ds4c.runtime.step import CompiledStep, device_arch
 
         cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)
         mf.config = cfg
+        art = None
         if artifact is not None:
-            from ds4c.runtime.artifact import load_manifest, manifest_buckets, manifest_prefill_chunks
+            from ds4c.runtime.artifact_manifest import manifest_buckets, manifest_prefill_chunks, open_artifact
 
-            man = load_manifest(artifact)
+            art = open_artifact(artifact)  # loaded and verified here only: the steps take it as it is
+            man = art.manifest
             buckets = manifest_buckets(man)
             if max_ctx is not None and max_ctx > buckets.max_ctx:
                 raise Ds4cError(f"max_ctx {max_ctx} exceeds the artifact's max_ctx {buckets.max_ctx} ({artifact}); "
@@ -251,7 +299,6 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         if progress and i:
             print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
                   "plan", file=sys.stderr)
-        art = None if artifact is None else str(artifact)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 

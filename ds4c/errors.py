@@ -17,7 +17,7 @@ class ConfigError(Ds4cError):
 
 class ModelFileError(Ds4cError):
     """A GGUF model file is unreadable, truncated, of the wrong architecture, or has a missing,
-    mis-shaped or wrongly typed tensor (spec gguf-deepseek4.md)."""
+    mis-shaped or wrongly typed tensor (docs/gguf-layout.md)."""
 
 
 class QuantError(Ds4cError):
@@ -27,3 +27,18 @@ class QuantError(Ds4cError):
 class StepError(Ds4cError):
     """A decode/verify step was asked for with bad inputs: a position past the maximum context, a width
     outside 1..5, a token id outside the vocabulary, or a state of another model."""
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a KeyboardInterrupt) during :meth:`ds4c.Model.generate`: still a KeyboardInterrupt, carrying what
+    was generated until then in ``completion`` (a :class:`ds4c.api.Completion` with ``stop_reason``
+    ``"interrupted"``)."""
+
+    def __init__(self, completion: object):
+        super().__init__("generation interrupted")
+        self.completion = completion
+
+
+class ExportError(Ds4cError):
+    """A step graph cannot be exported (``ds4c.export``): an IR op with no lowering, a symbolic shape, a bad
+    option, the optional MLIR dependencies missing, or a conversion torch-mlir refuses."""

@@ -1,12 +1,12 @@
-"""Token generation on any stepper: prefill as verify steps of the widest width (or the compiled step's prefill
-chunk graphs, :meth:`~ds4c.runtime.executor.CompiledStep.prefill`), then q = 1 decodes.
+"""Token generation on any engine: prefill as verify steps of the widest width (or the compiled step's prefill
+chunk graphs: an engine with the :class:`~ds4c.engine_protocol.ChunkedPrefill` capability), then q = 1 decodes.
 
-Spec ds4-flash.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is the reference
-(:class:`~ds4c.reference.Reference`, CPU or CUDA) or the compiled step
-(:class:`~ds4c.runtime.executor.CompiledStep`). The first token is sampled on the CPU from the prefill's logits;
-after it, a stepper with ``decode_tokens`` (the compiled step) samples on its device inside the replayed graphs
-(runtime/sampler.py: the same rule, equal in distribution, its own seeded noise), any other brings each step's
-logits to the CPU sampler. Greedy tokens are the same either way; seeded samples are reproducible per engine.
+docs/model.md sections 5-6 and P12 (sampling). Device-agnostic: the stepper is any
+:class:`~ds4c.engine_protocol.Engine`, the reference (:class:`~ds4c.reference.Reference`, CPU or CUDA) or the
+compiled step (:class:`~ds4c.runtime.step.CompiledStep`). The first token is sampled on the CPU from the prefill's
+logits; after it, an engine with the :class:`~ds4c.engine_protocol.DeviceLoop` capability (the compiled step)
+samples on its device inside the replayed graphs (runtime/sampler.py: the same rule, equal in distribution, its own
+seeded noise), any other brings each step's logits to the CPU sampler. Greedy tokens are the same either way; seeded samples are reproducible per engine.
 
 Two forms: :func:`generate` runs to the end (an ``on_token`` callback sees each token as it is sampled and may
 stop the run); :func:`stream` returns a :class:`TokenStream`, an iterator of the new token ids whose
@@ -23,13 +23,17 @@ from typing import Any
 
 import torch
 
+from ds4c.engine_protocol import ChunkedPrefill, DeviceLoop, Drafter, Engine
 from ds4c.errors import StepError
-from ds4c.reference import MAX_WIDTH, Reference
+from ds4c.reference import MAX_WIDTH
 from ds4c.reference.primitives import sample
+from ds4c.sampling import check_sampling, check_seed, filter_logits  # noqa: F401 (re-exported)
+from ds4c.speculative import SpecStats, WidthPolicy, drafter_name, measure_width_costs, speculative_tokens
 
 #: Why generation ended: a stop id was sampled (``"eos"``), the caller stopped it (``"stop"``: an ``on_token``
-#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made.
-STOP_REASONS = ("eos", "stop", "length")
+#: callback returned true or :meth:`TokenStream.stop`, e.g. at a stop string), ``max_new_tokens`` were made, or
+#: Ctrl-C (``"interrupted"``: a KeyboardInterrupt during the run, :class:`ds4c.errors.GenerationInterrupted`).
+STOP_REASONS = ("eos", "stop", "length", "interrupted")
 
 
 @dataclass
@@ -75,47 +79,6 @@ class GenerationResult:
                 **({"prefill_plan": self.prefill_plan} if self.prefill_plan is not None else {})}
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then top-p (nucleus) filtering of fp32 ``[R, V]`` logits: removed tokens get ``-inf``.
-
-    ``top_k`` keeps the tokens whose logit is at least the k-th largest (ties at the boundary are kept, as
-    HuggingFace's ``TopKLogitsWarper``); 0 or >= V keeps all. ``top_p`` keeps the smallest set of most probable
-    tokens (probabilities of ``softmax(logits / temperature)``, after top-k) whose mass reaches ``top_p``, at
-    least one token; 1.0 keeps all. Greedy (``temperature == 0``) is returned unfiltered: both keep the argmax.
-    """
-    if temperature == 0:
-        return logits
-    v = logits.shape[-1]
-    if 0 < top_k < v:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        sp, idx = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sp, dim=-1) - sp   # mass of the more probable tokens
-        drop_sorted = before >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Raises StepError unless ``temperature`` is finite >= 0, ``top_k`` an int >= 0, ``top_p`` in (0, 1]."""
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
-        raise StepError(f"temperature must be a finite number >= 0, found {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise StepError(f"top_k must be an int >= 0 (0 = off), found {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise StepError(f"top_p must be in (0, 1] (1 = off), found {top_p!r}")
-
-
-def check_seed(seed: Any) -> None:
-    """Raises StepError unless ``seed`` is an int in 0..2^63-1."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise StepError(f"seed must be an int in 0..2^63-1, found {seed!r}")
-
-
 _ACTIVE: "weakref.WeakKeyDictionary[Any, TokenStream]" = weakref.WeakKeyDictionary()
 """Per stepper, the generation running on it: a generation that starts ends the one before it (module docstring
 of :class:`TokenStream`), so an unfinished stream never shares the sequence state with another."""
@@ -145,11 +108,17 @@ class TokenStream:
 
     One generation runs on a stepper at a time (they share its sequence state): a generation that starts on the
     same stepper while this one is unfinished ends it, and reading this one on raises a one-line StepError.
+    ``on_end`` (if given) is called once when the run is over and closed (read to its end, :meth:`stop`, failed,
+    ended by another generation, or garbage-collected). ``on_prefill(done, total)`` (if given) is called as the
+    prompt is ingested: after each verify step with the prompt tokens done so far, or once after the compiled
+    step's chunked prefill, the last call with ``done == total``.
     """
 
-    def __init__(self, ref: Any, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
-                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Any = None, spec_width: int | str = MAX_WIDTH):
+    def __init__(self, ref: Engine, prompt: list[int], max_new_tokens: int, temperature: float, seed: int, width: int,
+                 top_k: int, top_p: float, stop_ids: frozenset[int], draft: Drafter | None = None, spec_width: int | str = MAX_WIDTH,
+                 on_end: Callable[[], Any] | None = None, on_prefill: Callable[[int, int], Any] | None = None):
         self._ref, self._prompt, self._n = ref, list(prompt), max_new_tokens
+        self._on_end, self._on_prefill = on_end, on_prefill
         check_seed(seed)
         self._temp, self._seed, self._width = temperature, seed, width
         self._top_k, self._top_p, self._stop_ids = top_k, top_p, stop_ids
@@ -179,10 +148,12 @@ class TokenStream:
         return next(self._gen)
 
     def stop(self) -> GenerationResult:
-        """End the run now (``stop_reason`` ``"stop"`` unless it had already ended); returns the result."""
+        """End the run now (``stop_reason`` ``"stop"`` unless it had already ended) and close it (its device loop
+        records its position now, not at garbage collection); returns the result."""
+        self._gen.close()
         if self.result is None:
-            self._gen.close()
             self.result = self._finish("stop")
+        self._ended()  # a run closed before its first step ran no finally
         return self.result
 
     def run(self) -> GenerationResult:
@@ -196,6 +167,12 @@ class TokenStream:
         logits = filter_logits(logits, self._temp, self._top_k, self._top_p)
         return int(sample(logits, self._temp, self._rng)[0])
 
+    def _ended(self) -> None:
+        """Call ``on_end`` (once)."""
+        cb, self._on_end = self._on_end, None
+        if cb is not None:
+            cb()
+
     def _finish(self, reason: str) -> GenerationResult:
         if self._outer is not None:  # the generation this one ran inside of is the running one again
             try:
@@ -208,13 +185,17 @@ class TokenStream:
                                 None if self._spec is None else self._spec.as_dict(), self._prefill_plan)
 
     def _run(self) -> Iterator[int]:
+        try:
+            yield from self._loop()
+        finally:  # closed, ended, failed or superseded: the run is over
+            self._ended()
+
+    def _loop(self) -> Iterator[int]:
         ref, prompt = self._ref, self._prompt
         _claim(ref, self)
         self._rng = torch.Generator().manual_seed(self._seed)
         self._policy = None
         if self._draft is not None:
-            from ds4c.speculative import SpecStats, WidthPolicy, drafter_name, measure_width_costs
-
             sw = self._spec_width
             t_prep = time.perf_counter()
             if self._n > 1:  # something to speculate: e.g. the oracle's autoregressive pass, before the prefill
@@ -234,13 +215,15 @@ class TokenStream:
         ref.reset()
         t0 = time.perf_counter()
         logits = None
-        chunked = getattr(ref, "prefill_chunks", ())
-        if chunked and prompt:  # the compiled step's prefill chunk graphs (CompiledStep.prefill)
+        told = self._on_prefill or (lambda done, total: None)
+        if isinstance(ref, ChunkedPrefill) and ref.prefill_chunks and prompt:  # the compiled step's chunk graphs
             logits = ref.prefill(prompt, 0)
-            self._prefill_plan = getattr(ref, "last_prefill", None)
+            self._prefill_plan = ref.last_prefill
+            told(len(prompt), len(prompt))
         else:
             for s in range(0, len(prompt), self._width):
                 logits = ref.verify(prompt[s:s + self._width], s)
+                told(min(s + self._width, len(prompt)), len(prompt))
             self._prefill_plan = {"chunks": [], "verify_tokens": len(prompt)}
         t1 = time.perf_counter()
         self._prefill_s = t1 - t0
@@ -252,11 +235,9 @@ class TokenStream:
         self._decode_s += time.perf_counter() - t1
         # a stepper that samples on its device (the compiled step) decodes host-free; else logits come to
         # the CPU sampler step by step
-        on_device = getattr(ref, "decode_tokens", None)
+        on_device = ref.decode_tokens if isinstance(ref, DeviceLoop) else None
         more = None
         if self._draft is not None and self._n > 1 and tok not in self._stop_ids:
-            from ds4c.speculative import speculative_tokens
-
             more = speculative_tokens(ref, self._draft, prompt, tok, self._n - 1, self._policy, self._temp,
                                       self._top_k, self._top_p, self._rng, self._spec, self._sample)
         elif on_device is not None and self._n > 1 and tok not in self._stop_ids:
@@ -285,10 +266,13 @@ class TokenStream:
                 more.close()
 
 
-def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+def stream(ref: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
            width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-           stop_ids: Collection[int] = (), draft: Any = None, spec_width: int | str = MAX_WIDTH) -> TokenStream:
-    """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled).
+           stop_ids: Collection[int] = (), draft: Drafter | None = None, spec_width: int | str = MAX_WIDTH,
+           on_end: Callable[[], Any] | None = None,
+           on_prefill: Callable[[int, int], Any] | None = None) -> TokenStream:
+    """The generation of :func:`generate` as a :class:`TokenStream` (token ids as they are sampled); ``on_end`` is
+    called once when it ends, ``on_prefill(done, total)`` as the prompt is ingested (:class:`TokenStream`).
 
     The arguments are checked here, before any step runs. Raises as :func:`generate`."""
     if not prompt:
@@ -298,32 +282,30 @@ def stream(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempera
         raise StepError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
     if len(prompt) + max_new_tokens > ref.max_ctx:
         raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={ref.max_ctx}")
-    from ds4c.speculative import WidthPolicy
-
     if spec_width != "auto" and not isinstance(spec_width, WidthPolicy) and (
             isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH):
         raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step) or 'auto', "
                         f"found {spec_width!r}")
-    if draft is not None and not (callable(getattr(draft, "prepare", None))
-                                  and callable(getattr(draft, "propose", None))):
+    if draft is not None and not isinstance(draft, Drafter):
         raise StepError(f"draft: expected a drafter spelling (a str such as 'oracle:0.8', 'dspark:PATH', 'mtp', "
                         f"'mtp:PATH'; ds4c.Model.generate and the CLI take those) or a drafter object with prepare() "
-                        f"and propose() (ds4c.speculative.Drafter), found {type(draft).__name__} {draft!r:.60}")
+                        f"and propose() (ds4c.engine_protocol.Drafter), found {type(draft).__name__} {draft!r:.60}")
     return TokenStream(ref, prompt, max_new_tokens, temperature, seed, width, top_k, top_p,
-                       frozenset(int(t) for t in stop_ids), draft, spec_width)
+                       frozenset(int(t) for t in stop_ids), draft, spec_width, on_end, on_prefill)
 
 
-def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(ref: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
-             stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None, draft: Any = None,
+             stop_ids: Collection[int] = (), on_token: Callable[[int], Any] | None = None,
+             draft: Drafter | None = None,
              spec_width: int | str = MAX_WIDTH) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` on a fresh sequence.
 
-    ``ref`` is a :class:`~ds4c.reference.Reference` or any stepper with ``reset()``, ``verify(tokens, pos)``,
-    ``decode(token, pos)`` and ``max_ctx`` (the compiled step's :class:`~ds4c.runtime.executor.CompiledStep`;
-    :func:`ds4c.engine.open_engine` opens either). The prompt runs as verify steps of ``width`` rows (the last
-    may be narrower), or, on a stepper with ``prefill_chunks`` (the compiled step opened with prefill chunk
-    graphs), through its ``prefill(tokens, pos)``; the last row's logits give the first new token; each further
+    ``ref`` is any :class:`~ds4c.engine_protocol.Engine` (a :class:`~ds4c.reference.Reference` or the compiled
+    step's :class:`~ds4c.runtime.step.CompiledStep`; :func:`ds4c.engine.open_engine` opens either). The prompt runs
+    as verify steps of ``width`` rows (the last may be narrower), or, on a :class:`~ds4c.engine_protocol.ChunkedPrefill`
+    engine with ``prefill_chunks`` (the compiled step opened with prefill chunk graphs), through its
+    ``prefill(tokens, pos)``; the last row's logits give the first new token; each further
     token is one decode step.
 
     Sampling: greedy when ``temperature == 0`` (``top_k`` / ``top_p`` change nothing then); else the logits are
@@ -332,7 +314,7 @@ def generate(ref: Reference | Any, prompt: list[int], max_new_tokens: int, tempe
     ``"eos"``), when ``on_token(token)`` returns a true value (``"stop"``), or after ``max_new_tokens``
     (``"length"``). Without ``stop_ids`` (the default) it always runs ``max_new_tokens``.
 
-    Speculative decoding: with a ``draft`` (:func:`ds4c.speculative.make_drafter`) each step after the first
+    Speculative decoding: with a ``draft`` (:func:`ds4c.drafters.factory.make_drafter`) each step after the first
     token verifies up to ``spec_width`` rows (the last token and ``spec_width - 1`` drafts; ``"auto"``: a width
     per step from the observed acceptance and each width's measured cost, :class:`ds4c.speculative.WidthPolicy`;
     or a ``WidthPolicy`` of the caller's)

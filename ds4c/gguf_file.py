@@ -1,4 +1,4 @@
-"""Read and write DeepSeek-V4-Flash GGUF model files (spec gguf-deepseek4.md).
+"""Read and write DeepSeek-V4-Flash GGUF model files (docs/gguf-layout.md).
 
 Reading memory-maps the file (``gguf.GGUFReader``), builds the :class:`~ds4c.config.Ds4Config` from the
 metadata, and checks every tensor of :func:`~ds4c.tensors.tensor_specs` for presence, shape and type before
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -23,19 +24,32 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from ds4c.config import ARCH, Ds4Config, from_gguf_metadata, to_gguf_metadata
+from ds4c.config import (ARCH, Ds4Config, absent_keys_text, absent_optional_keys, from_gguf_metadata,
+                         rope_scaling_text, to_gguf_metadata)
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
-from ds4c.tempfiles import OwnedTemp, remove_stale
+from ds4c.tempfiles import OwnedTemp, remove_stale, usual_file_mode
 from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
                           storage_type, tensor_specs)
+from ds4c.write_errors import write_error_text
 
 _TYPE_NAMES = {int(t): t.name for t in GGMLType}
 
 
 class _CheckedReader(GGUFReader):
     """GGUFReader that names the tensor whose data runs past the end of the file (gguf itself fails with a
-    reshape error that names nothing)."""
+    reshape error that names nothing), and says "truncated" when the header does (gguf leaks numpy's view errors:
+    "When changing to a larger dtype...")."""
+
+    def _need(self, offset: int, nbytes: int) -> None:
+        """Raise ModelFileError when the header bytes ``offset .. offset + nbytes`` run past the end of the file."""
+        if offset + nbytes > len(self.data):
+            raise ModelFileError(f"truncated GGUF file: its header (metadata and tensor table) needs bytes up to "
+                                 f"{offset + nbytes} but the file has {len(self.data)} bytes")
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:  # type: ignore[override]
+        self._need(offset, int(np.dtype(dtype).itemsize) * int(count))
+        return super()._get(offset, dtype, count, override_order)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):  # type: ignore[override]
         """Arrays parsed in one pass: gguf's reader makes two memory-mapped views per array element, 15 s for
@@ -56,8 +70,10 @@ class _CheckedReader(GGUFReader):
             types.append(itype)
             idxs = list(range(3, 3 + 2 * n, 2))
             for _ in range(n):
+                self._need(offs, 8)
                 slen = np.frombuffer(buf, dtype=np.uint64, count=1, offset=offs)
                 k = int(slen[0])
+                self._need(offs + 8, k)
                 parts.append(slen)
                 parts.append(np.frombuffer(buf, dtype=np.uint8, count=k, offset=offs + 8))
                 offs += 8 + k
@@ -66,6 +82,7 @@ class _CheckedReader(GGUFReader):
         if nptype is None:  # nested arrays: gguf's path
             return super()._get_field_parts(orig_offs, raw_type)
         types.append(itype)
+        self._need(offs, n * int(np.dtype(nptype).itemsize))
         arr = np.frombuffer(buf, dtype=nptype, count=n, offset=offs)
         parts += list(arr.reshape(n, 1)) if n else []
         return 12 + arr.nbytes, parts, list(range(2, 2 + n)), types
@@ -160,8 +177,9 @@ class ModelFile:
         allow_mtp_only: open an MTP-only file (only ``ds4c info`` and the draft loader want that).
 
     Raises (from the constructor):
-        ModelFileError: the file is missing, not GGUF, truncated, of another architecture, or a needed
-            tensor is missing, mis-shaped or of a type its role does not allow. The message names the
+        ModelFileError: the file is missing, not GGUF, truncated, of another architecture, its embedding and
+            tokenizer disagree on the vocabulary size, or a needed tensor is missing, mis-shaped or of a type its
+            role does not allow. The message names the
             tensor, what was expected and what was found. Also an MTP-only file unless ``allow_mtp_only``.
     """
 
@@ -190,6 +208,13 @@ class ModelFile:
                                     arch)
         self._tensors = {t.name: t for t in self._reader.tensors}
         emb = self._tensors.get("token_embd.weight")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if emb is not None and isinstance(tokens, list) and len(tokens) != int(emb.shape.tolist()[-1]):
+            # before the config: its vocabulary comes from the embedding, and the first tensor whose shape then
+            # disagrees (a hash layer's tid2eid) would be blamed instead
+            raise ModelFileError(f"{self.path}: vocabulary mismatch: token_embd.weight has "
+                                 f"{int(emb.shape.tolist()[-1])} rows (one per token) but the tokenizer "
+                                 f"(tokenizer.ggml.tokens) has {len(tokens)} tokens")
         meta, n_nextn = self._trunk_metadata()
         try:
             self.config = from_gguf_metadata(meta, source=str(self.path),
@@ -197,6 +222,10 @@ class ModelFile:
         except ConfigError as e:
             raise ModelFileError(str(e)) from None
         cfg = self.config
+        self.absent_keys = absent_optional_keys(meta)
+        """Optional metadata keys the file lacks (full key -> the value read instead, llama.cpp's default; see
+        :data:`ds4c.config.OPTIONAL_KEYS`): ``{}`` for a file ds4c wrote."""
+        _note_absent_keys(self.path, self.absent_keys, cfg)
         self.nextn_blocks = list(range(cfg.n_layers, cfg.n_layers + n_nextn))
         """Block ids of the MTP (nextn) blocks the file holds (``[]`` for a file without them)."""
         self.mtp_only = bool(self.nextn_blocks) and "blk.0.attn_norm.weight" not in self._tensors
@@ -371,18 +400,16 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
 
 
-def open_model(path: str | os.PathLike[str], allow_mtp_only: bool = False) -> ModelFile:
-    """Open and validate a DeepSeek-V4-Flash GGUF (see :class:`ModelFile`); an MTP-only file (the converter's
-    ``--mtp`` export) raises :class:`ModelFileError` unless ``allow_mtp_only``.
+_NOTED: set[str] = set()  # files whose absent optional keys were noted on stderr (once per process and file)
 
-    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.synth_source.SyntheticModel` of that
-    make-model (preset, formats, seed), whose tensors are generated on demand (a bad spec: one line listing the
-    presets and formats)."""
-    if str(path).startswith("synthetic:"):
-        from ds4c.synth_source import open_synthetic  # the synthetic source stands where this reader stands
 
-        return open_synthetic(str(path))
-    return ModelFile(path, allow_mtp_only=allow_mtp_only)
+def _note_absent_keys(path: Path, absent: dict[str, Any], cfg: Ds4Config) -> None:
+    """Say once per process and file, on stderr, which optional keys a file lacks and how it is read then."""
+    where = str(path.resolve())
+    if not absent or where in _NOTED:
+        return
+    _NOTED.add(where)
+    print(f"ds4c: note: {path}: {absent_keys_text(absent)}; RoPE scaling: {rope_scaling_text(cfg)}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,7 +439,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         produce: ``(spec, ggml_type) -> iterable of numpy chunks`` giving the stored bytes of one tensor.
         extra_metadata: extra ``ds4c.*`` string/int/float keys.
         progress: called with ``(spec, bytes)`` after each tensor.
-        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.tokenizer.synthetic_vocab`), written with the
+        tokenizer: the ``tokenizer.*`` keys (e.g. :func:`ds4c.synth_vocab.synthetic_vocab`), written with the
             GGUF types llama.cpp's converter uses (string arrays, INT32 token types, UINT32 ids, BOOL flags);
             its bos/eos ids must equal ``cfg``'s.
         arch, specs, metadata: for files of another layout (the DSpark drafter, :mod:`ds4c.drafters.dspark_file`):
@@ -443,9 +470,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
     w = None
     try:
         with _signals_raise():
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files: give the model the usual umask-based mode
+            os.chmod(tmp, usual_file_mode())  # owned temporaries are 0600: give the model the usual mode
             w = GGUFWriter(tmp, arch)
             _add_metadata(w, cfg, extra_metadata or {}, types, metadata)
             add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))
@@ -466,7 +491,7 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
                 for chunk in produce(s, t):
                     b = np.ascontiguousarray(chunk).view(np.uint8)
                     got += b.nbytes
-                    b.tofile(fout)
+                    fout.write(b.data)  # not ndarray.tofile: its short write on a full disk has no errno
                 if got != want:
                     raise ModelFileError(f"writing {s.name}: producer gave {got} bytes, expected {want} "
                                          f"({t.name} {list(s.shape)})")
@@ -480,10 +505,11 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             owned.release()
     except BaseException as e:
         if w is not None:
-            w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
+            with contextlib.suppress(OSError):  # a full disk fails the flush again; the handle closes all the same
+                w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
         owned.discard()
         if isinstance(e, OSError):
-            raise ModelFileError(f"cannot write {path}: {e.strerror or e}") from None
+            raise ModelFileError(f"{write_error_text(e, path)} (nothing was written)") from None
         raise
     return path
 

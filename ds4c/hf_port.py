@@ -33,7 +33,7 @@ Usage (the benchmark's eager peer on a GPU; flash-l4 in bf16 holds about 55 GB):
     model = load_hf_model(mf, "cuda", torch.bfloat16)
     ms = time_hf_widths(model, prompt_ids, next_ids, widths=[1, 2, 3, 4, 5], repeats=20)
 
-Semantics of the port that differ from the reference (spec ds4-flash.md), found by reading the port:
+Semantics of the port that differ from the reference (docs/model.md), found by reading the port:
 
 * no quantization emulation at all: no activation FP8 before FP8/FP4 projections, no KV FP8 fake-quant, no
   indexer FP4 fake-quant (compare with ``quant_emulation=False``);

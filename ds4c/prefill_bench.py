@@ -1,4 +1,4 @@
-"""``ds4c bench --prefill LENGTHS``: prompt ingestion as a user meets it (issue 12), in one run.
+"""``ds4c bench --prefill LENGTHS``: prompt ingestion as a user meets it (docs/prefill.md), in one run.
 
 For each prompt length L (random ids, a fresh sequence each time):
 
@@ -29,6 +29,7 @@ import torch
 
 from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
 from ds4c.config import Ds4Config
+from ds4c.engine_protocol import ChunkedPrefill, Engine, GraphHost
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
 
@@ -171,16 +172,16 @@ class PrefillReport:
         return d
 
 
-def _timed(stepper: Any, prompt: list[int], chunks: tuple[int, ...] | None) -> tuple[float, float, torch.Tensor]:
+def _timed(stepper: Engine, prompt: list[int], chunks: tuple[int, ...] | None) -> tuple[float, float, torch.Tensor]:
     """(prefill seconds, TTFT seconds, the last token's fp32 logits ``[vocab]`` on the host) of one fresh prompt:
     ``chunks`` None = verify steps of 5 rows (a stepper without chunk graphs), else the compiled step's prefill
     with those chunks."""
-    cuda = isinstance(getattr(stepper, "dev", None), torch.device) and stepper.dev.type == "cuda"
+    cuda = isinstance(stepper, GraphHost)  # the compiled step (on its CUDA device ``dev``)
     stepper.reset()
     if cuda:
         torch.cuda.synchronize(stepper.dev)
     t0 = time.perf_counter()
-    if hasattr(stepper, "prefill"):
+    if isinstance(stepper, ChunkedPrefill):
         logits = stepper.prefill(prompt, 0, chunks=chunks or ())
     else:
         for s in range(0, len(prompt), 5):

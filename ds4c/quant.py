@@ -3,7 +3,7 @@
 Two families live here, both vectorized in torch (CPU or any device; no Python loop over blocks --
 large tensors are processed in chunks of ~16M elements only to bound temporary memory):
 
-* **GGUF storage formats** (spec ``gguf-deepseek4.md``, "Tensor types ds4c supports"):
+* **GGUF storage formats** (docs/gguf-layout.md, "Tensor types ds4c reads"):
   F32, F16, BF16, I32 (plain) and the block formats
 
   - ``Q8_0``: blocks of 32 values in 34 bytes: fp16 scale ``d`` (little-endian) then 32 int8 ``q``;
@@ -15,7 +15,7 @@ large tensors are processed in chunks of ~16M elements only to bound temporary m
     ``0,1,2,3,4,6,8,12`` (codes 8..15 the same negated); value = ``table[nibble] * 2^(e-128)``, i.e.
     ``e2m1[nibble] * 2^(e-127)``. Dequantization is bit-identical to ``gguf.quants.dequantize`` for every
     byte pattern (including ``e < 2``, which ggml decodes to the subnormals ``2^-128``, ``2^-127``).
-    The quantizer uses the DeepSeek scale rule (spec ds4-flash.md P4), not gguf's ``floor(log2 amax) - 2``.
+    The quantizer uses the DeepSeek scale rule (docs/model.md P4), not gguf's ``floor(log2 amax) - 2``.
   - **K-quants and IQ4_XS** (llama.cpp's ``block_q*_K`` / ``block_iq4_xs``; read only, see :func:`quantize`):
     super-blocks of ``QK_K = 256`` values along the row, so a row must be a multiple of 256 values
     (:data:`SUPER_BLOCKS`, :func:`super_block`). ``fp16`` fields are little-endian and converted exactly to
@@ -48,11 +48,11 @@ large tensors are processed in chunks of ~16M elements only to bound temporary m
       code ``c = (qs[16j + (i%32)%16] >> 4((i%32)/16)) & 15`` into the non-linear table
       ``-127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113``. value = ``(d * sc) * table[c]``.
 
-* **DeepSeek numeric primitives** (spec ds4-flash.md section 2.3 step 1, section 3 P3 and P4):
+* **DeepSeek numeric primitives** (docs/model.md section 2.3 step 1, section 3 P3 and P4):
   ``pow2_ceil_scale`` (UE8M0 power-of-two scale), ``e2m1_round``, ``fp4_fake_quant`` (P4, block 32),
   ``fp8_fake_quant`` (P3, block 64) and ``act_quant_fp8`` / ``act_quant_dequant`` (2.3 step 1, block 128).
 
-and the exact repack between the official DeepSeek FP4 expert layout (spec ds4-flash.md 2.1: two codes per
+and the exact repack between the official DeepSeek FP4 expert layout (docs/model.md 2.1: two codes per
 byte, *even* index in the low nibble, ``F8_E8M0`` scale ``2^(e-127)`` per 32 K-elements over the plain e2m1
 table) and GGUF MXFP4 (same codes, same exponent byte, different nibble order).
 
@@ -204,7 +204,7 @@ def nbytes(ggml_type, shape: Sequence[int]) -> int:
 
     Block formats (:data:`BLOCK`: Q8_0 32 values / 34 bytes, MXFP4 32 / 17, the K-quants and IQ4_XS 256 values
     per super-block) need the last dim to be a multiple of their block; otherwise :class:`QuantError`.
-    Spec gguf-deepseek4.md "Tensor types ds4c supports"; docs/gguf-layout.md "K-quants".
+    docs/gguf-layout.md "Tensor types ds4c reads" and "K-quants and IQ4_XS".
     """
     t = _ggml_type(ggml_type)
     shp = _shape(shape)
@@ -356,7 +356,7 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """FP4 fake-quant, spec ds4-flash.md P4: per block of ``block`` (32) along the last dim,
+    """FP4 fake-quant, docs/model.md P4: per block of ``block`` (32) along the last dim,
     ``amax = max(max|x|, 6*2^-126)``, ``s = 2^ceil(log2(amax/6))`` (exact), ``x <- bf16(e2m1(clamp(x/s, ±6)) * s)``.
 
     ``x``: bf16 ``[..., K]`` with ``K % block == 0`` (other float dtypes are accepted and their values used
@@ -386,7 +386,7 @@ def _fp8_quant_blocks(b: torch.Tensor) -> tuple:
 
 
 def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """FP8 fake-quant ("act_quant inplace"), spec ds4-flash.md P3: per block of ``block`` (64) along the last
+    """FP8 fake-quant ("act_quant inplace"), docs/model.md P3: per block of ``block`` (64) along the last
     dim, ``amax = max(max|x|, 1e-4)``, ``s = 2^ceil(log2(amax/448))`` (exact), ``x <- bf16(fp32(e4m3(clamp(x/s,
     ±448))) * s)`` with e4m3 (``torch.float8_e4m3fn``) round-to-nearest-even.
 
@@ -407,7 +407,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
 
 
 def act_quant_fp8(x: torch.Tensor, block: int = 128) -> tuple:
-    """Activation quantization of the quantized linear, spec ds4-flash.md 2.3 step 1.
+    """Activation quantization of the quantized linear, docs/model.md 2.3 step 1.
 
     ``x``: bf16 ``[..., K]`` with ``K % block == 0`` (block 128). Per block: ``amax = max(max|x|, 1e-4)``,
     ``s = 2^ceil(log2(amax/448))`` (exact UE8M0), ``q = e4m3(clamp(x/s, ±448))`` (RNE).
@@ -447,7 +447,7 @@ def _q8_0_quant_blocks(b: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q8_0(x: ArrayLike) -> torch.Tensor:
-    """Quantize to GGUF Q8_0 (spec gguf-deepseek4.md), byte-identical to ``gguf.quants.quantize(.., Q8_0)``.
+    """Quantize to GGUF Q8_0 (docs/gguf-layout.md), byte-identical to ``gguf.quants.quantize(.., Q8_0)``.
 
     ``x``: float ``[..., K]`` (used as float32), ``K % 32 == 0``. Per block of 32: ``d = amax/127`` (fp32),
     ``q = round_half_away(x * (1/d))`` (``1/d`` from the fp32 ``d``; 0 when ``d == 0``), stored as fp16 ``d``
@@ -506,7 +506,7 @@ def _mxfp4_quant_blocks(b: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(x: ArrayLike) -> torch.Tensor:
-    """Quantize to GGUF MXFP4 with the DeepSeek scale rule (spec ds4-flash.md P4; layout gguf-deepseek4.md).
+    """Quantize to GGUF MXFP4 with the DeepSeek scale rule (docs/model.md P4; layout docs/gguf-layout.md).
 
     ``x``: float ``[..., K]`` (used as float32, finite), ``K % 32 == 0``. Per block of 32:
     ``amax = max(max|x|, 6*2^-126)``, ``s = 2^ceil(log2(amax/6))``, exponent byte ``e = log2(s) + 127``
@@ -687,7 +687,7 @@ def dequantize_super_block(raw: ArrayLike, ggml_type, shape: Sequence[int]) -> t
 
 
 # ---------------------------------------------------------------------------------------------------------
-# DeepSeek FP4 <-> GGUF MXFP4 repack (spec ds4-flash.md 2.1, gguf-deepseek4.md)
+# DeepSeek FP4 <-> GGUF MXFP4 repack (docs/model.md 2.1, docs/gguf-layout.md)
 # ---------------------------------------------------------------------------------------------------------
 
 

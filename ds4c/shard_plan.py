@@ -1,5 +1,5 @@
-"""The layer split of one model over devices: which contiguous layer range runs on which device (issue: layer
-split; the seed PR #507's HC handoff).
+"""The layer split of one model over devices: which contiguous layer range runs on which device
+(docs/layer-split.md).
 
 A :class:`ShardPlan` is data: ``devices`` (one per shard, in order) and ``layers`` (layers per shard, summing
 to the model's ``n_layers``). Shard 0 embeds the tokens and expands them to the HC streams; every shard runs

@@ -1,5 +1,5 @@
-"""Speculative decoding on any stepper (issue: speculative decoding; spec ds4-flash.md section 6 for the verify
-step and its rollback).
+"""Speculative decoding on any stepper (docs/model.md section 6 for the verify step and its rollback;
+docs/drafter.md for the drafters and the request's report).
 
 Each step drafts ``k <= width - 1`` tokens, runs the last accepted token and the drafts as one verify step of
 ``k + 1`` rows, keeps the longest prefix the target agrees with plus one token of the target's own, and rolls
@@ -32,206 +32,40 @@ The stats report the policy that ran, the widths chosen and, for the confidence 
 the calibration's final parameters per depth.
 
 Greedy acceptance compares draft ids with the argmax of each verify row, taken on the verify step's device
-(only ``q`` ids cross to the host); on a stepper with ``verify_greedy`` (the compiled step) the comparison, the
-accepted count and the rollback run on the device too, enqueued behind the verify graph with one wait per step
-(:meth:`ds4c.runtime.executor.CompiledStep.verify_greedy`). With a host-only drafter (``Drafter.host_only``,
-the oracle) the compiled step also queues each verify step, graph launch included, before the previous step's
-ids are back, and starts it with one store to a host flag once its drafts are made
-(:mod:`ds4c.runtime.spec_pipeline`). Sampling brings the rows' logits to the CPU for the exact rule.
+(only ``q`` ids cross to the host); on an engine with the :class:`~ds4c.engine_protocol.DeviceGreedyVerify`
+capability (the compiled step) the comparison, the accepted count and the rollback run on the device too, enqueued
+behind the verify graph with one wait per step (:meth:`ds4c.runtime.step.CompiledStep.verify_greedy`). With a
+host-only drafter (:class:`~ds4c.engine_protocol.HostOnlyDrafter`, the oracle) an engine with the
+:class:`~ds4c.engine_protocol.PipelinedVerify` capability (the compiled step) also queues each verify step, graph
+launch included, before the previous step's ids are back, and starts it with one store to a host flag once its
+drafts are made (:mod:`ds4c.runtime.spec_pipeline`). Sampling brings the rows' logits to the CPU for the exact rule.
 
-Drafters (:func:`make_drafter`): ``oracle:ALPHA`` drafts the target's own greedy continuation, computed by an
+Drafters (:func:`ds4c.drafters.factory.make_drafter` makes the one a ``--draft`` value names): ``oracle:ALPHA``
+(:class:`ds4c.drafters.oracle.OracleDrafter`) drafts the target's own greedy continuation, computed by an
 autoregressive pass before the request, with each draft token replaced by a wrong one with probability
 ``1 - ALPHA`` (seeded): a benchmark of the loop at a chosen acceptance rate, since synthetic weights make any
 trained-style drafter's acceptance near zero. ``dspark:PATH`` (or a ``PATH.gguf``) is the DeepSeek-V4-Flash-0731
-DSpark drafter of that file on the reference engine (:class:`ds4c.drafters.dspark.DSparkDrafter`; spec section 7).
-``mtp`` / ``mtp:PATH`` is the MTP (nextn) block of the target file or of a separate file, on the reference engine
-(:class:`ds4c.drafters.mtp.MTPDrafter`; spec 7.5).
-A drafter with a ``configure_sampling(temperature, top_k, top_p, generator)`` method is told the request's sampling
-before its first proposal (the DSpark drafter then samples its drafts from the ``q`` it returns, as the exact rule
-needs).
+DSpark drafter of that file (:class:`ds4c.drafters.dspark.DSparkDrafter`; spec section 7). ``mtp`` / ``mtp:PATH``
+is the MTP (nextn) block of the target file or of a separate file (:class:`ds4c.drafters.mtp.MTPDrafter`; spec 7.5).
+A drafter is a :class:`~ds4c.engine_protocol.Drafter`; a :class:`~ds4c.engine_protocol.SamplingDrafter` is told the
+request's sampling before its first proposal (the DSpark drafter then samples its drafts from the ``q`` it returns,
+as the exact rule needs).
 """
 
 from __future__ import annotations
 
-import math
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from ds4c.engine_protocol import (ConfidenceHead, DeviceGreedyVerify, Drafter, Engine, HostOnlyDrafter,
+                                  PipelinedVerify, ReportsConfidence, SamplingDrafter, VerifyPipeline)
 from ds4c.errors import StepError
+from ds4c.sampling import accept, accept_greedy  # noqa: F401 (re-exported)
 from ds4c.width_policy import ConfidenceCalibration, ConfidencePolicy, best_draft_count  # noqa: F401 (re-exported)
-
-
-class Drafter(Protocol):
-    """What the loop needs of a drafter.
-
-    Optional attribute ``host_only`` (default False): True when :meth:`propose` does no GPU work. A greedy
-    request on the compiled step then queues each verify step before the previous one's result is back
-    (:mod:`ds4c.runtime.spec_pipeline`). GPU work in ``propose`` would wait behind the queued step, so it is
-    only allowed for drafters that say so. Optional ``has_confidence``: it sets ``confidence`` per proposal; an
-    adaptive request then trims each step's drafts by it, which the pipelined loop (widths fixed ahead) cannot
-    do, so such a request runs its steps one by one."""
-
-    name: str
-
-    def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
-        """Called once per request, before the target's prefill (it may use the stepper, then must leave it
-        to be reset)."""
-
-    def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        """``k`` draft tokens continuing ``context`` (prompt + tokens so far), and their distributions
-        ``q`` (fp32 ``[k, V]``, the drafts drawn from them) or None for a deterministic drafter.
-
-        Optional: ``configure_sampling(temperature, top_k, top_p, generator)``, called by the loop once per request
-        before the first proposal; a ``confidence`` attribute, set by each proposal to one probability per draft
-        (that the draft is accepted given the ones before it are), read by the ``auto`` width in greedy requests
-        (:mod:`ds4c.width_policy`)."""
-
-
-class OracleDrafter:
-    """Drafts the target's greedy continuation of the prompt, each token kept with probability ``alpha`` and
-    otherwise replaced by another id (uniform over the rest of the vocabulary), from ``random.Random(seed)``.
-
-    With greedy decoding the target follows that continuation, so ``alpha`` is the per-token acceptance; with
-    sampling the output leaves it after the first sampled difference and the drafts are then mostly rejected.
-
-    ``sep`` (>= 0, optional) emulates a confidence head of known informativeness: after each proposal
-    :attr:`confidence` holds, per draft, ``sigmoid(z)`` with ``z`` drawn from ``N(+sep/2, 1)`` when the draft is the
-    continuation's token and from ``N(-sep/2, 1)`` when it is not (its own ``random.Random``, seeded from
-    ``seed``), so ``logit(alpha) + sep * z`` is the exact log-odds of a right draft (``sep = 0``: a useless head).
-    Without ``sep``, :attr:`confidence` stays None (a drafter without a head).
-
-    Raises:
-        StepError: ``alpha`` not in [0, 1], ``sep`` not a finite number >= 0 (one line).
-    """
-
-    host_only = True
-    """Its proposals are list lookups on the host (the pipelined loop may run it while a step is queued)."""
-
-    def __init__(self, alpha: float, vocab_size: int, seed: int = 0, continuation: list[int] | None = None,
-                 sep: float | None = None):
-        if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
-            raise StepError(f"oracle drafter: ALPHA must be a number in [0, 1], found {alpha!r}")
-        if sep is not None and (isinstance(sep, bool) or not isinstance(sep, (int, float))
-                                or not 0.0 <= float(sep) < float("inf")):
-            raise StepError(f"oracle drafter: SEP (confidence separation) must be a finite number >= 0, found {sep!r}")
-        self.alpha, self.vocab_size, self.seed = float(alpha), int(vocab_size), int(seed)
-        self.sep = None if sep is None else float(sep)
-        self.name = f"oracle:{self.alpha:g}" + ("" if self.sep is None else f":{self.sep:g}")
-        self._given = None if continuation is None else [int(t) for t in continuation]
-        self._continuation: list[int] = []
-        self._prompt_len = 0
-        self._rng = random.Random(seed)
-        self._conf_rng = random.Random(f"{seed}:confidence")
-        self.confidence: list[float] | None = None
-
-    @property
-    def has_confidence(self) -> bool:
-        """It reports a confidence per draft (made with ``sep``)."""
-        return self.sep is not None
-
-    def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
-        """The target's greedy continuation of ``prompt`` (an autoregressive pass on ``stepper``), unless the
-        drafter was made with a ``continuation`` (for benchmarks that already ran it)."""
-        from ds4c.generate import generate
-
-        if self._given is not None:
-            self._continuation = self._given
-        else:
-            self._continuation = generate(stepper, prompt, max_new_tokens).tokens if max_new_tokens else []
-        self._prompt_len = len(prompt)
-        self._rng = random.Random(self.seed)
-        self._conf_rng = random.Random(f"{self.seed}:confidence")
-        self.confidence = None
-
-    def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
-        at = len(context) - self._prompt_len
-        out, conf = [], []
-        for i in range(k):
-            j = at + i
-            t = self._continuation[j] if j < len(self._continuation) else 0
-            right = self._rng.random() < self.alpha
-            if not right:
-                t = (t + 1 + self._rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            out.append(t)
-            if self.sep is not None:
-                z = self._conf_rng.gauss(self.sep / 2 if right else -self.sep / 2, 1.0)
-                conf.append(1.0 / (1.0 + math.exp(-z)))
-        self.confidence = conf if self.sep is not None else None
-        return out, None
-
-
-def make_drafter(spec: str, vocab_size: int, seed: int = 0, config: Any = None, target_file: Any = None) -> Drafter:
-    """The drafter a ``--draft`` value names: ``oracle:ALPHA`` (``oracle:ALPHA:SEP``: with an emulated confidence
-    head of separation SEP, :class:`OracleDrafter`); ``dspark:PATH`` / ``PATH.gguf`` (a DSpark drafter
-    file, :class:`ds4c.drafters.dspark.DSparkDrafter`, checked against ``config``, the target's
-    :class:`~ds4c.config.Ds4Config`, when given, else at its ``prepare``); ``dspark:synthetic:PRESET[:FORMATS[:SEED]]``
-    (the same drafter with no file, :class:`ds4c.drafters.dspark_source.SyntheticDSpark`, checked likewise); ``mtp`` (the MTP block of the target file
-    ``target_file`` itself) or ``mtp:PATH`` (a separate file holding one, llama.cpp's ``convert --mtp`` export or
-    ``ds4c make-model --drafter mtp``; checked against ``config`` and the target file's embedding and head):
-    :class:`ds4c.drafters.mtp.MTPDrafter`, spec 7.5.
-
-    Raises:
-        StepError: an unknown drafter, a bad ALPHA or SEP, ``mtp`` without ``target_file`` (one line, naming what
-            was expected).
-        ModelFileError: a DSpark or MTP file that is missing, invalid, or does not fit the target (its vocabulary not
-            ``vocab_size``); ``mtp`` with a target that holds no MTP block.
-    """
-    text = str(spec)
-    kind, _, arg = text.partition(":")
-    if kind == "oracle":
-        fields = arg.split(":")
-        if len(fields) > 2:
-            raise StepError(f"--draft oracle:ALPHA[:SEP]: expected at most two numbers after 'oracle:', found {arg!r}")
-        bad_alpha = f"--draft {text!r}: expected oracle:ALPHA[:SEP] with ALPHA a number in [0, 1], found " \
-            f"{'no ALPHA' if not fields[0] else repr(fields[0])}"
-        try:
-            alpha = float(fields[0])
-        except ValueError:
-            raise StepError(bad_alpha) from None
-        if not 0.0 <= alpha <= 1.0:  # (nan fails too) named as typed, not as parsed
-            raise StepError(bad_alpha)
-        sep = None
-        if len(fields) == 2:
-            bad_sep = f"--draft {text!r}: expected oracle:ALPHA:SEP with SEP a finite number >= 0, found {fields[1]!r}"
-            try:
-                sep = float(fields[1])
-            except ValueError:
-                raise StepError(bad_sep) from None
-            if not 0.0 <= sep < float("inf"):
-                raise StepError(bad_sep)
-        return OracleDrafter(alpha, vocab_size, seed, sep=sep)
-    if kind == "mtp":
-        from ds4c.drafters.mtp import MTPDrafter
-
-        if arg:
-            return MTPDrafter(arg, seed=seed, target=config, target_file=target_file)
-        if text != "mtp":
-            raise StepError(f"--draft {text!r}: expected mtp (the target's own MTP block) or mtp:PATH, found "
-                            f"{'an empty path' if text == 'mtp:' else repr(text)}")
-        if target_file is None:
-            raise StepError("--draft mtp uses the target file's own MTP block: expected the target's model file "
-                            "(make_drafter(..., target_file=...)), found none")
-        return MTPDrafter.of_target(target_file, seed=seed)
-    if kind == "dspark" and not arg:
-        raise StepError(f"--draft {text!r}: expected dspark:PATH (a DSpark drafter file) or "
-                        f"dspark:synthetic:PRESET, found an empty path")
-    path = arg if kind == "dspark" else text if text.endswith(".gguf") else None
-    if path is not None:
-        from ds4c.drafters.dspark import DSparkDrafter
-        from ds4c.errors import ModelFileError
-
-        d = DSparkDrafter(path, seed=seed, target=config)
-        if d.file.config.vocab_size != vocab_size:
-            raise ModelFileError(f"{path}: the drafter's vocabulary has {d.file.config.vocab_size} tokens, the "
-                                 f"target's {vocab_size}")
-        return d
-    raise StepError(f"unknown drafter {spec!r}: expected oracle:ALPHA[:SEP], dspark:PATH or PATH.gguf (a DSpark drafter "
-                    f"file), dspark:synthetic:PRESET[:FORMATS[:SEED]] (the synthetic DSpark drafter, no file), mtp (the target's own MTP block) or mtp:PATH (an MTP file)")
 
 
 class WidthPolicy:
@@ -320,11 +154,9 @@ class WidthPolicy:
             self.by_confidence.update(k, n_accepted)
 
 
-def measure_width_costs(stepper: Any, widths: tuple[int, ...] = (1, 2, 3, 4, 5), repeats: int = 3) -> dict[int, float]:
+def measure_width_costs(stepper: Engine, widths: tuple[int, ...] = (1, 2, 3, 4, 5), repeats: int = 3) -> dict[int, float]:
     """Seconds of one verify step (and its rollback) per width on ``stepper``, median of ``repeats``, from a
     reset sequence (left reset). On a CUDA stepper each is synchronised; graphs are warm after one run."""
-    import time
-
     stepper.reset()
     out: dict[int, float] = {}
     toks = [1, 2, 3, 4, 5]
@@ -413,45 +245,6 @@ class SpecStats:
                 "widths": {str(w): n for w, n in sorted(self.widths.items())}}
 
 
-def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, temperature: float, top_k: int = 0,
-           top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
-    """The tokens one verify step adds: the accepted prefix of ``drafts`` then one token of the target's.
-
-    Args:
-        logits: fp32 ``[k + 1, V]`` (CPU): row ``i`` is the target's next-token logits after draft ``i - 1``
-            (row 0 after the step's first row, the last accepted token).
-        drafts: the ``k`` draft ids; q: the drafter's distributions ``[k, V]`` or None (one-hot on the drafts).
-        temperature, top_k, top_p: the request's sampling (greedy when ``temperature == 0``).
-        generator: CPU generator for the accept/reject draws and the residual / bonus samples.
-    Returns:
-        1..k+1 token ids.
-    """
-    from ds4c.generate import filter_logits
-
-    k = len(drafts)
-    if temperature == 0:
-        out = []
-        for i, d in enumerate(drafts):
-            y = int(torch.argmax(logits[i]))
-            if y != d:
-                return out + [y]
-            out.append(d)
-        return out + [int(torch.argmax(logits[k]))]
-    p = torch.softmax(filter_logits(logits.float(), temperature, top_k, top_p) / temperature, dim=-1)
-    out = []
-    for i, d in enumerate(drafts):
-        qi = q[i].float() if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).float()
-        ratio = float(p[i, d]) / max(float(qi[d]), 1e-30)
-        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-            out.append(d)
-            continue
-        resid = torch.clamp(p[i] - qi, min=0)
-        if float(resid.sum()) <= 0:
-            resid = p[i]
-        return out + [int(torch.multinomial(resid / resid.sum(), 1, generator=generator))]
-    return out + [int(torch.multinomial(p[k], 1, generator=generator))]
-
-
 def drafter_name(drafter: Any) -> str:
     """The drafter's ``name`` (its class name when it has none: a custom drafter may omit it)."""
     name = getattr(drafter, "name", None)
@@ -506,18 +299,7 @@ def call_propose(drafter: Any, context: list[int], k: int, vocab: int | None) ->
     return ids, q
 
 
-def accept_greedy(top: list[int], drafts: list[int]) -> list[int]:
-    """Greedy acceptance from each verify row's argmax ``top`` (``k + 1`` ids): the drafts up to the first that
-    differs from its row's argmax, then that row's argmax (or, all kept, the last row's)."""
-    out = []
-    for i, d in enumerate(drafts):
-        if top[i] != d:
-            return out + [top[i]]
-        out.append(d)
-    return out + [top[len(drafts)]]
-
-
-def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first: int, n: int,
+def speculative_tokens(stepper: Engine, drafter: Drafter, prompt: list[int], first: int, n: int,
                        width: int | WidthPolicy, temperature: float, top_k: int, top_p: float,
                        generator: torch.Generator, stats: SpecStats, sample_one: Any) -> Iterator[int]:
     """The ``n`` tokens after ``first`` (sampled from the prefill, at position ``len(prompt)``), produced by
@@ -526,20 +308,19 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
     closing the generator stops it (the state then holds the last step's accepted rows)."""
     policy = width if isinstance(width, WidthPolicy) else WidthPolicy(width)
     stats.policy = policy
-    vocab = getattr(getattr(stepper, "cfg", None), "vocab_size", None)
+    vocab = stepper.cfg.vocab_size
     # the pipelined loop fixes each step's width before its drafts exist, so it cannot trim them by confidence
-    by_confidence = policy.adaptive and getattr(drafter, "has_confidence", False)
-    if temperature == 0 and getattr(drafter, "host_only", False) and not by_confidence:
-        make = getattr(stepper, "greedy_pipeline", None)
-        pipe = make() if callable(make) else None
+    by_confidence = policy.adaptive and isinstance(drafter, ConfidenceHead) and drafter.has_confidence
+    if temperature == 0 and isinstance(drafter, HostOnlyDrafter) and drafter.host_only and not by_confidence \
+            and isinstance(stepper, PipelinedVerify):
+        pipe = stepper.greedy_pipeline()
         if pipe is not None:  # the compiled step: the next verify queued while this one runs
             yield from _pipelined_tokens(pipe, drafter, prompt, first, n, policy, stats)
             return
     # greedy on a stepper that accepts and rolls back on its device (the compiled step): one call per step
-    fused = getattr(stepper, "verify_greedy", None) if temperature == 0 else None
-    configure = getattr(drafter, "configure_sampling", None)
-    if callable(configure):  # e.g. the DSpark drafter: sample the drafts from the q it returns
-        configure(temperature, top_k, top_p, generator)
+    fused = stepper.verify_greedy if temperature == 0 and isinstance(stepper, DeviceGreedyVerify) else None
+    if isinstance(drafter, SamplingDrafter):  # e.g. the DSpark drafter: sample the drafts from the q it returns
+        drafter.configure_sampling(temperature, top_k, top_p, generator)
     out = [int(first)]
     pos = len(prompt)
     produced = 0
@@ -555,7 +336,8 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
         else:
             t0 = time.perf_counter()
             drafts, q = call_propose(drafter, prompt + out, k, vocab)
-            k = policy.trim(len(drafts), getattr(drafter, "confidence", None) if temperature == 0 else None)
+            k = policy.trim(len(drafts), drafter.confidence if temperature == 0 and isinstance(drafter, ReportsConfidence)
+                            else None)
             drafts, q = drafts[:k], None if q is None else q[:k]  # greedy only trims; k == 0: a 1-row verify
             t1 = time.perf_counter()
             if fused is not None:  # verify, acceptance and rollback enqueued together, one wait
@@ -582,7 +364,7 @@ def speculative_tokens(stepper: Any, drafter: Drafter, prompt: list[int], first:
             yield t
 
 
-def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int, n: int, policy: WidthPolicy,
+def _pipelined_tokens(pipe: VerifyPipeline, drafter: Drafter, prompt: list[int], first: int, n: int, policy: WidthPolicy,
                       stats: SpecStats) -> Iterator[int]:
     """:func:`speculative_tokens` for a greedy request with a host-only drafter on a
     :class:`~ds4c.runtime.spec_pipeline.GreedyPipeline`. Each step N+1 is queued (its width chosen by the policy
@@ -594,7 +376,7 @@ def _pipelined_tokens(pipe: Any, drafter: Drafter, prompt: list[int], first: int
     far it went)."""
     out = [int(first)]
     pos, last, produced = len(prompt), int(first), 0
-    vocab = getattr(getattr(pipe.step, "cfg", None), "vocab_size", None)
+    vocab = pipe.step.cfg.vocab_size
 
     def drafts_for(k: int) -> list[int]:
         if not k:

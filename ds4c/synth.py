@@ -27,7 +27,7 @@ sub-block output projections (``wo_b``, expert/shared ``w2``) have gain :data:`O
 grows slowly; the HC comb logits favour the diagonal so Sinkhorn converges from a well-conditioned start.
 
 Every synthetic file carries a real byte-level BPE vocabulary of the preset's vocab size with DeepSeek's
-special tokens and a chat template (:func:`ds4c.tokenizer.synthetic_vocab`, deterministic), so text works on
+special tokens and a chat template (:func:`ds4c.synth_vocab.synthetic_vocab`, deterministic), so text works on
 every preset.
 
 The generator replaced numpy PCG64 streams: make-model files of a (preset, seed) have other
@@ -524,7 +524,7 @@ def make_model(cfg: Ds4Config, path: str | Path, seed: int = 0, formats: str = "
 
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
-    from ds4c.tokenizer import synthetic_vocab
+    from ds4c.synth_vocab import synthetic_vocab
 
     tok = synthetic_vocab(cfg.vocab_size, seed)
     threads = torch.get_num_threads()

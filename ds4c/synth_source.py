@@ -2,7 +2,7 @@
 
 ``synthetic:PRESET[:FORMATS[:SEED]]`` (e.g. ``synthetic:flash:official``, ``synthetic:tiny:bf16:3``) names, where a
 model path goes, the model ``ds4c make-model --preset PRESET --formats FORMATS --seed SEED`` would write; opening it
-(:func:`ds4c.gguf_file.open_model`) gives a :class:`SyntheticModel` instead of a
+(:func:`ds4c.sources.open_model`) gives a :class:`SyntheticModel` instead of a
 :class:`~ds4c.gguf_file.ModelFile`. Every tensor comes from the generator of :mod:`ds4c.synth`, so it equals the
 file's tensor byte for byte, and it is made directly on the device asked for (``stored(name, device)``,
 ``tensor(name, device=)``): the compiled step generates each weight in GPU memory with no host staging, and the
@@ -115,6 +115,7 @@ class SyntheticModel(ModelFile):
         self.nextn_blocks: list[int] = []
         self.mtp_only = False
         self.legacy_names: list[str] = []
+        self.absent_keys: dict = {}  # the preset's config: no metadata key to lack
 
     @classmethod
     def from_spec(cls, text: str, device: torch.device | str = "cpu") -> "SyntheticModel":
@@ -128,7 +129,7 @@ class SyntheticModel(ModelFile):
     @cached_property
     def metadata(self) -> dict[str, Any]:  # type: ignore[override]
         """Every metadata key of the make-model file of this model -> its value as the GGUF reader gives it."""
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         cfg = self.config
         out: dict[str, Any] = {"general.architecture": ARCH}

@@ -34,7 +34,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 TMP_TAG = ".tmp-"
 FOREIGN_AGE_S = 3600.0
@@ -242,6 +242,32 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     p = Path(path)
     with OwnedTemp.create(p.parent, p.name) as owned:
         owned.path.write_text(text)
+        os.replace(owned.path, p)
+
+
+def usual_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` would give a new file under this process's umask (owned temporaries
+    are 0600 until published)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_stream_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Write a file too large to hold in memory whole or not at all: the stale temporaries of ``path`` (left by
+    writers killed with ``kill -9``) removed, ``write(f)`` called on a binary file open on an owned temporary
+    beside ``path``, and the temporary renamed over ``path`` once ``write`` returns (removed if it raises), with
+    the :func:`usual_file_mode`.
+
+    Raises:
+        OSError: the folder does not exist or is not writable, or the write fails; whatever ``write`` raises.
+    """
+    p = Path(path)
+    remove_stale(p.parent, p.name)
+    with OwnedTemp.create(p.parent, p.name) as owned:
+        with open(owned.path, "wb") as f:
+            write(f)
+        os.chmod(owned.path, usual_file_mode())
         os.replace(owned.path, p)
 
 

@@ -1,4 +1,4 @@
-"""The tensor inventory of a DeepSeek-V4-Flash GGUF (spec gguf-deepseek4.md, "Tensors").
+"""The tensor inventory of a DeepSeek-V4-Flash GGUF (docs/gguf-layout.md, "Tensors").
 
 For a :class:`~ds4c.config.Ds4Config`, :func:`tensor_specs` lists every tensor a model file must hold, with
 its GGUF name, its shape in **torch order** (the reverse of the ggml order the GGUF spec lists: a projection

@@ -1,5 +1,5 @@
-"""Confidence-adaptive verify width (issue: speculative decoding, deliverable 4; spec ds4-flash.md 7.3.4 for the
-DSpark confidence head, section 6 for the verify step).
+"""Confidence-adaptive verify width (docs/model.md 7.3.4 for the DSpark confidence head, section 6 for the
+verify step; docs/drafter.md "The request's report" for what it reports).
 
 When a drafter reports a confidence per draft depth after each proposal (``drafter.confidence``: one probability
 per draft, the sigmoid of the head's logit; :class:`ds4c.drafters.dspark.DSparkDrafter`, or the oracle drafter's

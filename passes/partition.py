@@ -106,7 +106,7 @@ class KernelPlan:
 
 def plan_weight_types(cfg: Any, types: dict[str, GGMLType]) -> dict[str, Any]:
     """The ``weight_types`` argument of :func:`kernel_plan` for a model: ``types`` (tensor name -> stored GGUF
-    type, e.g. of a model file) plus every tensor's shape under ``"<name>:shape"`` (spec gguf-deepseek4.md)."""
+    type, e.g. of a model file) plus every tensor's shape under ``"<name>:shape"`` (docs/gguf-layout.md)."""
     from ds4c.tensors import tensor_specs
 
     return {**types, **{s.name + ":shape": s.shape for s in tensor_specs(cfg)}}

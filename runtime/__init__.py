@@ -1,2 +1,2 @@
-"""Rendering, toolchains, the compile cache, artifacts and graph replay (``ds4c.runtime``). Populated by
-the codegen/runtime work (issue 4); nothing upstream imports it."""
+"""Rendering, toolchains, the compile cache, artifacts and graph replay (``ds4c.runtime``). docs/codegen.md
+describes them; nothing upstream imports this package."""

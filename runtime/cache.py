@@ -1,4 +1,4 @@
-"""The content-addressed kernel cache (design.md, "Cache keys are content, not names"; "Cold start").
+"""The content-addressed kernel cache (docs/codegen.md, "Cache, artifacts, runtime").
 
 Key: the sha256 of a canonical JSON (sorted keys, no whitespace) of the rendered source, the text of every
 template used, the render parameters, the kernel's name / family / entry, vendor + arch + wave, the toolchain's
@@ -46,7 +46,9 @@ from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
 from ds4c.runtime.toolchain import Toolchain, find_toolchain, is_valid_binary, resource_usage
+from ds4c.progress import progress_bar
 from ds4c.tempfiles import TMP_TAG, OwnedTemp, find_leftovers, owner_tag, remove_stale
+from ds4c.write_errors import write_error_text
 
 META = "meta.json"
 _KEY_FIELDS = ("ds4c_version", "kernel", "templates", "params", "target", "toolchain", "flags")
@@ -57,7 +59,8 @@ _LOCKS = ".locks"
 
 
 class CacheError(Ds4cError):
-    """A cache lookup by key found nothing (or several entries), or a key input cannot be hashed."""
+    """A cache lookup by key found nothing (or several entries), a key input cannot be hashed, or an entry cannot
+    be written (a full disk: ``no space left on device``, naming the entry)."""
 
 
 def cache_root() -> Path:
@@ -274,7 +277,8 @@ class KernelCache:
         ``target`` (optional) must equal ``src.target``; ``toolchain`` defaults to :func:`find_toolchain`'s.
 
         Raises:
-            CacheError: ``target`` differs from the source's target.
+            CacheError: ``target`` differs from the source's target; the entry cannot be written (a full disk,
+                also when the compiler exited 0 on it; nothing is published).
             ToolchainError: no compiler for the target.
             CompileError: the compile failed (nothing is published).
         """
@@ -311,8 +315,11 @@ class KernelCache:
 
     def _compile_and_publish(self, src: KernelSource, tc: Toolchain, inputs: dict[str, Any], key: str,
                              final: Path) -> CacheEntry:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        owned = OwnedTemp.create(final.parent, "." + final.name, TMP_TAG, is_dir=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            owned = OwnedTemp.create(final.parent, "." + final.name, TMP_TAG, is_dir=True)
+        except OSError as e:
+            raise self._write_error(e, final) from None
         tmp = owned.path
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a published entry is as readable as its siblings
@@ -356,8 +363,15 @@ class KernelCache:
             if entry is None:  # pragma: no cover - removed by someone else right after publication
                 raise CacheError(f"cache entry {final} vanished right after it was written")
             return dataclasses.replace(entry, hit=False)
+        except OSError as e:  # a full disk (the compiler's output or ours): nothing is published
+            raise self._write_error(e, final) from None
         finally:
             owned.discard()  # after a publication only the lock is left to drop
+
+    def _write_error(self, e: OSError, final: Path) -> CacheError:
+        """The one-line error of a failed write of the entry ``final`` (``no space left on device`` when full)."""
+        return CacheError(f"{write_error_text(e, f'the kernel cache entry {final}')}; free space under {self.root} "
+                          f"or set $DS4C_CACHE to a folder on another device")
 
     # -------------------------------------------------------------------------------- compile many
     def compile_many(self, sources: Sequence[KernelSource], jobs: int | None = None, progress: bool = True,
@@ -367,15 +381,14 @@ class KernelCache:
 
         First prints one line per target to stderr, e.g. ``cuda-sm_90: 37 distinct kernels, compiling 25, 12 cached``,
         then a progress bar over the
-        compiles (``progress=False`` prints neither). Hits compile nothing; a source given twice is compiled
+        compiles (plain lines when stderr is not a terminal, :func:`ds4c.progress.progress_bar`; ``progress=False``
+        prints neither). Hits compile nothing; a source given twice is compiled
         once.
 
         Raises:
             ToolchainError, CompileError: as :meth:`get_or_compile` (the first failure, after the other
                 compiles in flight finish).
         """
-        from tqdm import tqdm
-
         jobs = max(1, jobs or os.cpu_count() or 1)
         keyed: list[tuple[str, Path]] = []
         by_key: dict[tuple[str, Path], KernelSource] = {}
@@ -402,8 +415,7 @@ class KernelCache:
                       f"{cached} cached", file=sys.stderr, flush=True)
         if todo:
             self.check_writable()
-            with tqdm(total=len(todo), desc="compile", unit="kernel", disable=not progress, file=sys.stderr,
-                      leave=True) as bar, ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
+            with progress_bar(len(todo), "compile", "kernel", disable=not progress) as bar, ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
                 futs = {ex.submit(self.get_or_compile, by_key[kk], None, tcs[by_key[kk].target]): kk
                         for kk in todo}
                 first_err: BaseException | None = None

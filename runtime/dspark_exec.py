@@ -1,12 +1,12 @@
-"""The DSpark drafter compiled (spec ds4-flash.md section 7; issue 13, speculative decoding): its commit and draft
+"""The DSpark drafter compiled (docs/model.md section 7; docs/drafter.md): its commit and draft
 graphs (:mod:`ds4c.ir.dspark`) through the target's passes, lowering, kernel families and kernel cache, bound on the
-target :class:`~ds4c.runtime.executor.CompiledStep`'s device, captured as CUDA graphs at :meth:`CompiledDSpark.prepare`
+target :class:`~ds4c.runtime.step.CompiledStep`'s device, captured as CUDA graphs at :meth:`CompiledDSpark.prepare`
 and replayed after.
 
 What it shares with the target step (no second copy): the embedding ``token_embd`` and the head ``output``
 (:meth:`CompiledStep.shared_weight`), the loaded kernel binaries (:meth:`CompiledStep.module`: the HC, GEMV, router,
 experts and row-chain kernels of the stages are the target's when the shapes agree), the kernel cache and the arena
-layout rule (:func:`~ds4c.runtime.executor.arena_layout`). Its own: the stages' weights (uploaded from the drafter
+layout rule (:func:`~ds4c.runtime.step.arena_layout`). Its own: the stages' weights (uploaded from the drafter
 file in the forms the kernels read), the three rings bf16 [window, head_dim], an activation arena, a per-step scalar
 buffer in device memory (``pos``, ``positions``, ``tokens``: each replay reads its position and anchor from there, so
 one capture serves every step) and the ``main_hidden`` input rows of a commit.
@@ -38,8 +38,9 @@ from ds4c.ir.graph import Graph
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
 from ds4c.quant import GGMLType
-from ds4c.runtime.executor import CompiledStep, _Bound, arena_layout, resolve_arg
-from ds4c.runtime.lower import LoweredKernel, lower_graph
+from ds4c.runtime.step import Bound, CompiledStep, arena_layout, resolve_arg
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import LoweredKernel
 
 SHARED = ("token_embd.weight", "output.weight")
 """The target's tensors the drafter reads (7: "all stages reuse the main model's embed and head")."""
@@ -50,7 +51,7 @@ class _Graph:
     key: str
     graph: Graph
     kernels: list[LoweredKernel]
-    launches: list[_Bound] = field(default_factory=list)
+    launches: list[Bound] = field(default_factory=list)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     cuda_graph: Any = None
     runner: Any = None
@@ -135,7 +136,7 @@ class CompiledDSpark:
     """The DSpark drafter on the target step's GPU (module docstring).
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`), or the synthetic source
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_sources.open_dspark`), or the synthetic source
             (``synthetic:PRESET``, :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`): its weights are then
             generated in device memory, nothing uploaded from the host.
         step: the target's :class:`CompiledStep` (whole model, no layer split): its device, kernel cache,
@@ -153,10 +154,10 @@ class CompiledDSpark:
 
     def __init__(self, dfile: DSparkFile, step: CompiledStep, use_graphs: bool = True):
         dfile.check_target(step.cfg)
-        if getattr(step, "_split", False):
+        if step.is_split:
             raise StepError("the compiled DSpark drafter needs the whole target on one device (its embedding and "
                             "head); found a layer-split shard")
-        if getattr(step, "artifact", None) is not None:
+        if step.artifact is not None:
             raise StepError("the compiled DSpark drafter compiles its kernels through the kernel cache; a target "
                             "loaded from an artifact has no drafter kernels (run it without --artifact)")
         self.file, self.step, self.use_graphs = dfile, step, use_graphs
@@ -274,7 +275,7 @@ class CompiledDSpark:
         for b, src in zip(greedy, sources):
             c = compiled[src.digest()]
             fn = self.step.module(c.key, c.binary).function(src.entry, b.smem)
-            depth.append(_Bound(fn, b.grid, b.block, b.smem, b.args))
+            depth.append(Bound(fn, b.grid, b.block, b.smem, b.args))
         self.sampler = DeviceSampler(self.cfg.vocab_size, self.dev, ring=64)
         self._q = torch.zeros(self.block_size, self.cfg.vocab_size, dtype=torch.float32, device=self.dev)
         logits, drafts = sg.values["markov.logits"], sg.values["markov.drafts"]
@@ -340,7 +341,7 @@ class CompiledDSpark:
             for la in k.launches:
                 c = compiled[la.kernel.digest()]
                 fn = self.step.module(c.key, c.binary).function(la.kernel.entry, la.smem)
-                sg.launches.append(_Bound(fn, la.grid, la.block, la.smem, [self._resolve(a, sg, consts)
+                sg.launches.append(Bound(fn, la.grid, la.block, la.smem, [self._resolve(a, sg, consts)
                                                                            for a in la.args]))
         self._graphs[key] = sg
 

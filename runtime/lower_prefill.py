@@ -1,4 +1,4 @@
-"""Lowering of a prefill chunk graph (issue 12: ``build_step(cfg, C, max_ctx, prefill=True)`` after the default
+"""Lowering of a prefill chunk graph (docs/prefill.md: ``build_step(cfg, C, max_ctx, prefill=True)`` after the default
 pipeline) to family launches over C rows. Entered through :func:`ds4c.runtime.lower.lower_graph`, which hands
 every graph with ``meta["prefill"]`` to :func:`lower_prefill`; the decode / verify lowering is untouched.
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from ds4c.config import Ds4Config
 from ds4c.ir.graph import Graph, Op, Value
 from ds4c.quant import GGMLType
-from ds4c.runtime import lower as L
+from ds4c.runtime import lower_step as L
 from ds4c.runtime.families import compressor as _cmp
 from ds4c.runtime.families import gemm as _gm
 from ds4c.runtime.families import hc as _hc
@@ -60,7 +60,8 @@ from ds4c.runtime.families import moe_gemm as _mg
 from ds4c.runtime.families import rowchain as _rc
 from ds4c.runtime.families import takerow as _tr
 from ds4c.runtime.families import tap as _tap
-from ds4c.runtime.lower import Arg, Launch, LoweredKernel, LoweringError, _Ctx, _launch
+from ds4c.runtime.lower_step import _Ctx, _launch
+from ds4c.runtime.lowered import Arg, Launch, LoweredKernel, LoweringError
 from ds4c.runtime.render import RenderError as _RenderError
 from ds4c.runtime.targets import Target
 from ds4c.tensors import storage_types
@@ -146,7 +147,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
 
 
 def _lower_linears(c: _Ctx, op: Op) -> list[Launch]:
-    """``multi_gemv`` / ``linear`` at C rows: :func:`ds4c.runtime.lower._lower_gemv_group` with the GEMM calls of
+    """``multi_gemv`` / ``linear`` at C rows: :func:`ds4c.runtime.lower_step._lower_gemv_group` with the GEMM calls of
     :func:`_gemm_linears`. Pending: a fused ``ring_write`` epilogue."""
     if any(b.kind == "ring_write" for b in (op.body or [])):
         raise PendingLowering("a ring write fused into a projection epilogue: the row-chain ring store has no "
@@ -293,7 +294,7 @@ def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
     n_valid`` write (R = the ring's rows: the window for the tap ring, window + MAX_WIDTH for the final HC ring),
     one writer per ring slot, so the ring is left as token-wise decoding leaves it (the IR ops write rows ``0 ..
     n_valid - 1`` in order); the grid covers ``min(C, R)`` rows. Bindings as the decode lowering's
-    (:func:`ds4c.runtime.lower._lower_tap`) plus ``n_valid``.
+    (:func:`ds4c.runtime.lower_step._lower_tap`) plus ``n_valid``.
 
     Raises:
         LoweringError: a tap op without its ``n_valid`` input (an unpadded graph has no prefill lowering).

@@ -4,9 +4,9 @@ Everything is arithmetic on the model's tensor inventory and the lowered graphs 
 to read its free memory, which the caller passes in): every weight in the form its kernels read it (stored
 bytes for quantized tensors, fp32 / bf16 / int64 conversions otherwise), grouped by kind; the sequence state at
 each context bucket (the step holds the largest); per shard the activation arena and HC boundary rows, the
-logits buffer (last shard), and :data:`~ds4c.runtime.sharded.SHARD_OVERHEAD_BYTES` for CUDA graphs, kernel
+logits buffer (last shard), and :data:`SHARD_OVERHEAD_BYTES` for CUDA graphs, kernel
 modules, workspaces and allocator slack; each device's free memory less the headroom. The same numbers feed the
-automatic layer split (:func:`ds4c.runtime.sharded.memory_model`).
+automatic layer split (:func:`memory_model`).
 
 :func:`memory_plan` builds a :class:`MemoryPlan`; :meth:`MemoryPlan.describe` is what ``ds4c generate`` /
 ``bench`` print to stderr before loading and ``ds4c info MODEL --plan`` prints without a GPU;
@@ -21,7 +21,7 @@ from typing import Any
 
 from ds4c.buckets import BucketSpec
 from ds4c.gguf_file import ModelFile
-from ds4c.shard_plan import ShardPlan, ShardPlanError
+from ds4c.shard_plan import MemoryModel, ShardPlan, ShardPlanError
 
 HEADROOM = 0.05
 """Fraction of each device's free memory the plan leaves unused (as :class:`ds4c.shard_plan.MemoryModel`)."""
@@ -31,6 +31,11 @@ KINDS = ("routed experts", "shared expert", "attention", "compressor+indexer", "
 """Weight kinds of the plan, in print order."""
 
 _SIZE = {"f32": 4, "bf16": 2, "i64": 8, "bool": 1, "u8": 1}
+
+
+#: Per shard, beyond its weights, state and activation arena: CUDA graph instantiation, kernel modules,
+#: workspaces and the caching allocator's slack (measured on the H200 at flash-l4: ~0.2 GiB; 0.5 GiB kept).
+SHARD_OVERHEAD_BYTES = 512 << 20
 
 
 def weight_kind(name: str) -> str:
@@ -117,6 +122,27 @@ def plan_parts(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90", prefill_
                              for t in state_inputs(cfg, c, (i, i + 1)).values()) for i in range(cfg.n_layers))
     maxq = max(buckets.widths)
     return Parts(weights, state, arena, maxq * cfg.hc_mult * cfg.hidden_size * 2, maxq * cfg.vocab_size * 4)
+
+
+def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90",
+                 parts: Parts | None = None) -> MemoryModel:
+    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``), from
+    :func:`plan_parts` (or the given ``parts``): every weight in the form its kernels read it (from the lowered q = 1 and widest graphs of the largest bucket: stored bytes for quantized tensors,
+    fp32 / bf16 / int64 conversions otherwise), the layer's sequence state at the largest bucket, the token
+    embedding on the first shard, the head and logits on the last, and per shard the largest activation arena
+    of its graphs, the HC boundary buffers and :data:`SHARD_OVERHEAD_BYTES`."""
+    p = parts or plan_parts(mf, buckets, arch)
+    per_layer = list(p.state[buckets.contexts[-1]])
+    first = last = 0
+    for _name, (layer, kind, n) in p.weights.items():
+        if layer >= 0:
+            per_layer[layer] += n
+        elif kind == "embedding":
+            first += n
+        else:
+            last += n
+    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last + p.logits,
+                       shard_bytes=p.arena + 2 * p.hc_rows + SHARD_OVERHEAD_BYTES)
 
 
 def _gib(n: float) -> str:
@@ -264,8 +290,6 @@ def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = Non
             ``free`` is what the earlier shards on its device leave.
         parts: precomputed :func:`plan_parts` (else computed here).
     """
-    from ds4c.runtime.sharded import SHARD_OVERHEAD_BYTES
-
     p = parts or plan_parts(mf, buckets, arch)
     cfg = mf.config
     devices = ["cuda"] if plan is None else list(plan.devices)

@@ -1,7 +1,7 @@
 """Token sampling on the device, as fixed-shape torch operations a CUDA graph can capture (spec P12).
 
 The same rule as the CPU sampler (:func:`ds4c.reference.primitives.sample` after
-:func:`ds4c.generate.filter_logits`): greedy is the argmax (ties to the lower id); otherwise the logits are
+:func:`ds4c.sampling.filter_logits`): greedy is the argmax (ties to the lower id); otherwise the logits are
 divided by the temperature, filtered by top-k (keep the tokens whose logit is at least the k-th largest) then
 top-p (the smallest most-probable set whose mass reaches p, at least one token), and the token is
 ``argmax(p / E)`` with ``E`` i.i.d. Exp(1) noise, which draws from ``p``. Only the noise source differs: here it

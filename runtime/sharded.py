@@ -1,5 +1,5 @@
-"""The compiled step of a layer split: one :class:`~ds4c.runtime.executor.CompiledStep` per shard, chained by
-the HC state (issue: layer split; the seed PR #507's handoff).
+"""The compiled step of a layer split: one :class:`~ds4c.runtime.step.CompiledStep` per shard, chained by
+the HC state (docs/layer-split.md, "What a shard owns, and the boundary").
 
 Each shard (``ds4c.shard_plan.ShardPlan``: a contiguous layer range on one device) owns, on its device, its
 weights, sequence state, kernel modules, captured CUDA graphs, step-scalar buffer, activation arena and
@@ -28,33 +28,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ds4c.buckets import BucketSpec
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
+from ds4c.runtime.artifact_manifest import Artifact, open_artifact
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.executor import CompiledStep
-from ds4c.shard_plan import MemoryModel, ShardPlan, validate
-
-if TYPE_CHECKING:
-    from ds4c.runtime.memory_plan import Parts
+from ds4c.runtime.step import CompiledStep
+from ds4c.shard_plan import ShardPlan, validate
 
 
 class ShardedStep:
     """The compiled decode/verify step of one model over the shards of ``plan``.
 
     Args:
-        mf, buckets, arch, cache, use_graphs, artifact: as :class:`~ds4c.runtime.executor.CompiledStep`
+        mf, buckets, arch, cache, use_graphs, artifact: as :class:`~ds4c.runtime.step.CompiledStep`
             (every shard serves the same widths and context buckets).
         plan: the layer split (validated against the model); its devices are CUDA devices, a device may
             repeat (a virtual split).
-        taps: the DSpark tap layers (spec 5.2(q)), as :class:`~ds4c.runtime.executor.CompiledStep`: each shard's
+        taps: the DSpark tap layers (spec 5.2(q)), as :class:`~ds4c.runtime.step.CompiledStep`: each shard's
             graphs write the taps of its layers into its own ``tap_ring`` (full width; its columns only);
             :meth:`main_hidden` gathers them.
-        record_hc: record the final HC state (spec 7.5's ``X_main``), as :class:`~ds4c.runtime.executor.CompiledStep`:
+        record_hc: record the final HC state (spec 7.5's ``X_main``), as :class:`~ds4c.runtime.step.CompiledStep`:
             the last shard's graphs write it (it runs the last layer); :meth:`final_hc` and the rest of the MTP
             drafter's interface forward to it.
 
@@ -63,13 +61,14 @@ class ShardedStep:
     """
 
     def __init__(self, mf: ModelFile, buckets: BucketSpec, plan: ShardPlan, arch: str = "sm_90",
-                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | None = None,
+                 cache: KernelCache | None = None, use_graphs: bool = True, artifact: str | Artifact | None = None,
                  taps: tuple[int, ...] = (), record_hc: bool = False):
         plan = validate(plan, mf.config.n_layers)
         if plan.kind != "cuda":
             raise StepError(f"the compiled step runs on CUDA devices, found the plan {plan.describe()}")
         self.mf, self.cfg, self.buckets, self.plan = mf, mf.config, buckets, plan
         cache = cache or KernelCache()
+        artifact = None if artifact is None else open_artifact(artifact)  # loaded and verified once for every shard
         self.shards = [CompiledStep(mf, buckets, arch, cache, use_graphs, artifact, plan=plan, shard=k, taps=taps,
                                     record_hc=record_hc) for k in range(plan.n_shards)]
         self.taps: tuple[int, ...] = self.shards[0].taps
@@ -92,6 +91,9 @@ class ShardedStep:
         self._token_far = [s for s in self.shards[:-1] if s.dev != last.dev]
         self._token_event = torch.cuda.Event()
         self.prepare_stats: dict[str, Any] = {}
+        self.memory_plan: Any = None
+        """The :class:`~ds4c.runtime.memory_plan.MemoryPlan` checked before it was built (set by
+        :func:`ds4c.engine.open_engine`), or None."""
         self._undo: tuple[list[int], int] | None = None
 
     # -------------------------------------------------------------------------------------- the stepper
@@ -135,7 +137,7 @@ class ShardedStep:
 
     @property
     def final_hc_ring(self) -> torch.Tensor | None:
-        """The last shard's :attr:`~ds4c.runtime.executor.CompiledStep.final_hc_ring` (on its device), or None."""
+        """The last shard's :attr:`~ds4c.runtime.step.CompiledStep.final_hc_ring` (on its device), or None."""
         return self.shards[-1].final_hc_ring
 
     @property
@@ -143,13 +145,13 @@ class ShardedStep:
         return self.shards[-1].final_hc_rows
 
     def record_final_hc(self, on: bool = True) -> None:
-        """The last shard's :meth:`~ds4c.runtime.executor.CompiledStep.record_final_hc` (raises the same)."""
+        """The last shard's :meth:`~ds4c.runtime.step.CompiledStep.record_final_hc` (raises the same)."""
         self.shards[-1].record_final_hc(on)
 
     def final_hc(self, start: int, stop: int) -> torch.Tensor:
         """The final HC states of the committed positions ``start .. stop - 1`` from the last shard: bf16
         ``[stop - start, hc, hidden]`` on its device, a copy (raises as
-        :meth:`~ds4c.runtime.executor.CompiledStep.final_hc`)."""
+        :meth:`~ds4c.runtime.step.CompiledStep.final_hc`)."""
         return self.shards[-1].final_hc(start, stop)
 
     def main_hidden(self, start: int, stop: int) -> torch.Tensor:
@@ -159,7 +161,7 @@ class ShardedStep:
 
         Raises:
             StepError: no taps, or the range is not committed positions the rings still hold
-                (:meth:`~ds4c.runtime.executor.CompiledStep.tap_rows`).
+                (:meth:`~ds4c.runtime.step.CompiledStep.tap_rows`).
         """
         if not self.taps:
             raise StepError("main_hidden: this compiled step records no taps (ShardedStep(..., taps=...))")
@@ -175,7 +177,7 @@ class ShardedStep:
         return torch.cat(parts, dim=1)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Every shard's :meth:`~ds4c.runtime.executor.CompiledStep.snapshot`, in shard order."""
+        """Every shard's :meth:`~ds4c.runtime.step.CompiledStep.snapshot`, in shard order."""
         return [s.snapshot() for s in self.shards]
 
     def restore(self, snap: list[dict[str, Any]]) -> None:
@@ -184,7 +186,7 @@ class ShardedStep:
 
     def prepare_all(self, widths: tuple[int, ...] | None = None, max_ctx: int | None = None,
                     progress: bool = True) -> dict[str, Any]:
-        """Every shard's :meth:`~ds4c.runtime.executor.CompiledStep.prepare_all` (graphs, binaries, weights,
+        """Every shard's :meth:`~ds4c.runtime.step.CompiledStep.prepare_all` (graphs, binaries, weights,
         captures; nothing is compiled or captured later). Returns the summed costs and ``shards``: each
         shard's own result with its device and layer range."""
         per = []
@@ -204,7 +206,7 @@ class ShardedStep:
         [q, vocab] (on its device, valid until its next step of the same width and bucket).
 
         Raises:
-            StepError: as :meth:`~ds4c.runtime.executor.CompiledStep.step`.
+            StepError: as :meth:`~ds4c.runtime.step.CompiledStep.step`.
         """
         q = len(tokens)
         for k, s in enumerate(self.shards):
@@ -245,13 +247,13 @@ class ShardedStep:
         if not 0 <= accepted <= len(tokens):
             raise StepError(f"rollback: accepted must be in 0..{len(tokens)}, found {accepted}")
         self._undo = None
-        if accepted == len(tokens) or all(s._undo[0] == "kernel" for s in self.shards):
+        if accepted == len(tokens) or all(s.sequence.undo[0] == "kernel" for s in self.shards):
             for s in self.shards:
                 s.rollback(accepted)
             return
         for s in self.shards:
-            s.restore(s._undo[1])
-            s._undo = None
+            s.restore(s.sequence.undo[1])
+            s.sequence.undo = None
         if accepted:
             self.step(tokens[:accepted], pos)
 
@@ -259,7 +261,7 @@ class ShardedStep:
                       top_p: float = 1.0, seed: int = 0, lag: int = 4) -> Iterator[int]:
         """Decode ``n`` tokens after ``token`` (at ``pos``) through every shard with sampling on the last
         shard's device, host-free (module docstring): the split's form of
-        :meth:`~ds4c.runtime.executor.CompiledStep.decode_tokens`, the same ids for the same seed.
+        :meth:`~ds4c.runtime.step.CompiledStep.decode_tokens`, the same ids for the same seed.
 
         Raises:
             StepError: ``pos`` is not the sequence's next position, positions past ``max_ctx``, ``use_graphs``
@@ -277,18 +279,18 @@ class ShardedStep:
         mode = "greedy" if temperature == 0 else "sample"
         last = self.shards[-1]
         with torch.cuda.device(last.dev):
-            sampler = last._device_sampler()
+            sampler = last.loop.sampler()
             sampler.configure(temperature, top_k, top_p, seed)
-            host, done = last._ring_host
+            host, done = last.loop.ring_host
         ring = sampler.ring_size
         contexts = [self.buckets.bucket(pos + i, 1) for i in range(n)]
         graphs = []
         for s in self.shards:
             with torch.cuda.device(s.dev):
                 m = mode if s.is_last else "advance"
-                by_c = {c: s._decode_graph(c, m) for c in sorted(set(contexts))}  # captured by prepare_all
+                by_c = {c: s.loop.graph(c, m) for c in sorted(set(contexts))}  # captured by prepare_all
                 graphs.append([by_c[c] for c in contexts])
-                s._upload([token], pos)
+                s.scalars.upload([token], pos)
         launched = consumed = 0
         try:
             while consumed < n:
@@ -361,7 +363,7 @@ class ShardedStep:
             with torch.cuda.device(s.dev):
                 if k and self._cross[k - 1]:
                     torch.cuda.current_stream().wait_event(self._events[k - 1])
-                s._graphs[(q, s.buckets.bucket(pos, q))].cuda_graph.replay()
+                s.graphs.by_key[(q, s.buckets.bucket(pos, q))].cuda_graph.replay()
                 if k + 1 < len(self.shards) and self._cross[k]:
                     self.shards[k + 1].hc_in[:q].copy_(s.hc_out[:q], non_blocking=True)
                     self._events[k].record()
@@ -373,9 +375,9 @@ class ShardedStep:
         each shard's tensors are on its device."""
         out = []
         for s in self.shards:
-            bound = [b for sg in s._graphs.values() for b in sg.launches + ([sg.rollback] if sg.rollback else [])]
+            bound = [b for sg in s.graphs.by_key.values() for b in sg.launches + ([sg.rollback] if sg.rollback else [])]
             ts = [a for b in bound for a in b.args if isinstance(a, torch.Tensor)]
-            ts += [t for t in (s.hc_in, s.hc_out, s._logits, s._step_dev) if t is not None]
+            ts += [t for t in (s.hc_in, s.hc_out, s.graphs.logits, s.scalars.buffer) if t is not None]
             out.append(ts)
         return out
 
@@ -409,37 +411,6 @@ def _host_ms(step: ShardedStep, tokens: list[int], pos: int, repeats: int) -> fl
     dt = (time.perf_counter() - t0) / repeats * 1e3
     step.restore(snap)
     return dt
-
-
-# ------------------------------------------------------------------------------------------- memory plan
-#: Per shard, beyond its weights, state and activation arena: CUDA graph instantiation, kernel modules,
-#: workspaces and the caching allocator's slack (measured on the H200 at flash-l4: ~0.2 GiB; 0.5 GiB kept).
-SHARD_OVERHEAD_BYTES = 512 << 20
-
-
-def memory_model(mf: ModelFile, buckets: BucketSpec, arch: str = "sm_90",
-                 parts: "Parts | None" = None) -> MemoryModel:
-    """The exact bytes the compiled step holds per layer on its device (``ds4c.shard_plan.MemoryModel``), from
-    :func:`ds4c.runtime.memory_plan.plan_parts` (or the given ``parts``): every weight in the form its kernels
-    read it (from the lowered q = 1 and widest graphs of the largest bucket: stored bytes for quantized tensors,
-    fp32 / bf16 / int64 conversions otherwise), the layer's sequence state at the largest bucket, the token
-    embedding on the first shard, the head and logits on the last, and per shard the largest activation arena
-    of its graphs, the HC boundary buffers and :data:`SHARD_OVERHEAD_BYTES`."""
-    from ds4c.runtime.memory_plan import plan_parts
-
-    p = parts or plan_parts(mf, buckets, arch)
-    cfg = mf.config
-    per_layer = list(p.state[buckets.contexts[-1]])
-    first = last = 0
-    for _name, (layer, kind, n) in p.weights.items():
-        if layer >= 0:
-            per_layer[layer] += n
-        elif kind == "embedding":
-            first += n
-        else:
-            last += n
-    return MemoryModel(tuple(per_layer), first_bytes=first, last_bytes=last + p.logits,
-                       shard_bytes=p.arena + 2 * p.hc_rows + SHARD_OVERHEAD_BYTES)
 
 
 def free_memory(devices: list[str]) -> list[int]:

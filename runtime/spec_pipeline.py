@@ -1,4 +1,4 @@
-"""Pipelined submission of greedy verify steps (issue: speculative decoding; the loop is ds4c/speculative.py).
+"""Pipelined submission of greedy verify steps (the speculative loop is ds4c/speculative.py).
 
 A synchronous speculative step leaves the GPU idle while the host turns one step's result into the next step's
 launch: waking up, accepting, drafting, writing the step scalars, uploading them, and launching the verify's CUDA
@@ -9,7 +9,7 @@ graph launch was its largest part.
 enqueues step N+1 *before* knowing its tokens. The stream waits on a host flag (:class:`~ds4c.runtime.launch.HostFlag`,
 ``cuStreamWaitValue32``), then copies the step scalars from a pinned buffer, replays the verify graph and
 enqueues the greedy acceptance and rollback behind it
-(:meth:`~ds4c.runtime.executor.CompiledStep.accept_on_device`). Once step N's ids are back, the host drafts, writes
+(:meth:`~ds4c.runtime.step.CompiledStep.accept_on_device`). Once step N's ids are back, the host drafts, writes
 the scalars of N+1 into that pinned buffer, and stores the flag. The GPU starts N+1 within microseconds of that
 store, with the graph already launched.
 
@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from ds4c.errors import StepError
+from ds4c.runtime.launch import HostFlag, LaunchError
+from ds4c.sampling import accept_greedy
 
 
 @dataclass
@@ -52,7 +54,7 @@ class _Queued:
 
 
 class GreedyPipeline:
-    """Queued greedy verify steps on one unsplit :class:`~ds4c.runtime.executor.CompiledStep` (module docstring).
+    """Queued greedy verify steps on one unsplit :class:`~ds4c.runtime.step.CompiledStep` (module docstring).
 
     Use: :meth:`enqueue` a step of ``width`` rows for positions up to ``pos_bound``, :meth:`release` it with its
     tokens and position once they are known, :meth:`result` for its accepted ids (in order), and :meth:`close`
@@ -66,12 +68,10 @@ class GreedyPipeline:
     DEPTH = 2
 
     def __init__(self, step: Any):
-        from ds4c.runtime.launch import HostFlag
-
         self.step = step
         with torch.cuda.device(step.dev):
             self.flag = HostFlag()
-            n = step._step_dev.numel()
+            n = step.scalars.buffer.numel()
             self._scalars = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(self.DEPTH)]
             self._np = [t.numpy() for t in self._scalars]
             maxq = max(step.buckets.widths)
@@ -106,7 +106,7 @@ class GreedyPipeline:
     def _graph(self, width: int, pos_bound: int) -> Any:
         st = self.step
         ctx = st.buckets.bucket(min(pos_bound, st.buckets.max_ctx - width), width)
-        sg = st._graphs.get((width, ctx))
+        sg = st.graphs.by_key.get((width, ctx))
         if sg is None or sg.cuda_graph is None:
             raise StepError(f"pipelined verify: no captured graph for (width {width}, context {ctx}); "
                             f"prepare_all captures them")
@@ -126,7 +126,7 @@ class GreedyPipeline:
             self._done[q.slot].synchronize()  # the slot's last step (two back) has read its scalars and ids
             self.flag.wait(q.seq)
             self._queue.append(q)  # from here on the stream waits for it: close() must find it, even on an error
-            st._step_dev.copy_(self._scalars[q.slot], non_blocking=True)
+            st.scalars.buffer.copy_(self._scalars[q.slot], non_blocking=True)
             sg.cuda_graph.replay()
             st.accept_on_device(sg, self._ids[q.slot])
             self._done[q.slot].record()
@@ -159,8 +159,6 @@ class GreedyPipeline:
         token); the step's ``pos`` moves past them."""
         if not self._queue or self._queue[0].tokens is None:
             raise StepError("pipelined verify: no released step to wait for")
-        from ds4c.speculative import accept_greedy
-
         q = self._queue.popleft()
         self._done[q.slot].synchronize()
         new = accept_greedy(self._ids[q.slot][:q.sg.width].tolist(), q.tokens[1:])
@@ -171,9 +169,7 @@ class GreedyPipeline:
     def _advance(self, written: int, pos: int) -> None:
         """The step's bookkeeping after a queued step of rows up to ``written`` (exclusive) kept rows up to
         ``pos``: its position, and how far its tap ring was written (as ``CompiledStep.step`` keeps them)."""
-        st = self.step
-        st.pos = pos
-        st._tap_end = max(st._tap_end, written)
+        self.step.sequence.advance(pos, written)
 
     def close(self, token: int, pos: int) -> None:
         """End the pipeline's request: wait for the released steps (their ids are not needed, but the position
@@ -197,17 +193,15 @@ def pipeline(step: Any) -> GreedyPipeline | None:
     milliseconds) when it can run one: an unsplit compiled step whose graphs ``prepare_all`` captured, on a
     device with stream memory operations and mapped pinned memory; else None (the loop then runs its steps one
     by one)."""
-    if not getattr(step, "use_graphs", False) or getattr(step, "_split", True) or not step._graphs:
+    if not step.use_graphs or step.is_split or not step.graphs.by_key:
         return None
-    if any(sg.cuda_graph is None or (sg.width, sg.context) not in step._accept_graphs
-           for sg in step._graphs.values()):
+    if any(sg.cuda_graph is None or (sg.width, sg.context) not in step.verifier.accept_graphs
+           for sg in step.graphs.by_key.values()):
         return None
-    pipe = getattr(step, "_greedy_pipeline", None)
+    pipe = step.verifier.pipeline
     if pipe is None:
-        from ds4c.runtime.launch import LaunchError
-
         try:
-            pipe = step._greedy_pipeline = GreedyPipeline(step)
+            pipe = step.verifier.pipeline = GreedyPipeline(step)
         except LaunchError:  # no mapped host memory or no stream memory ops: the synchronous loop
             return None
     pipe.abandon()  # a request left unclosed: end it (nothing queued: no-op)

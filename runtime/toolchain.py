@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
+from ds4c.write_errors import device_full, no_space_error
 
 MIN_CLANG_MAJOR = 19
 COMPILE_TIMEOUT_S = 600.0
@@ -163,6 +164,8 @@ class Toolchain:
         Raises:
             ToolchainError: ``src.target`` is of the other vendor.
             CompileError: the compiler failed (or timed out, or wrote no valid binary).
+            OSError: ``workdir``'s device is full (ENOSPC; also when the compiler exited 0 on it: its output cannot
+                be trusted then).
         """
         flags = self.flags(src.target)
         workdir = Path(workdir)
@@ -184,6 +187,8 @@ class Toolchain:
         seconds = time.perf_counter() - t0
         if proc.returncode != 0:
             raise CompileError(src.name, src.target, cmd, proc.stdout, f"exit status {proc.returncode}")
+        if device_full(workdir):  # nvcc exits 0 with a truncated (still ELF) or missing cubin when the disk fills
+            raise no_space_error(out_file)
         binary = out_file.read_bytes() if out_file.is_file() else b""
         if not is_valid_binary(binary, self.kind):
             raise CompileError(src.name, src.target, cmd, proc.stdout,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import ReferenceWeights
 from ds4c.synth import make_model
 

@@ -455,7 +455,7 @@ def _stored(form: str, src: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------------
 def write_llama_layout_model(path: str | Path, *, seed: int = 0, mtp: bool = False,
-                             vision_bias: bool = False) -> dict[str, Any]:
+                             vision_bias: bool = False, rope_scaling: bool = True) -> dict[str, Any]:
     """Write a small DeepSeek-V4 GGUF at ``path`` in llama.cpp's converter layout.
 
     Args:
@@ -466,6 +466,11 @@ def write_llama_layout_model(path: str | Path, *, seed: int = 0, mtp: bool = Fal
         vision_bias: add ``exp_probs_b_vl.bias`` on the hash layers, as the converter does for a checkpoint
             that carries ``ffn.gate.bias_vl`` (the vision variant; deepseek.py l. 858, 884). The text checkpoint
             has none.
+        rope_scaling: False: the config.json has no raw ``rope_scaling`` (as transformers 5.x saves a DeepSeek-V4
+            config, its RoPE parameters under ``rope_parameters`` without a ``rope_type``): ``set_gguf_parameters``
+            then finds no rope type and writes no ``rope.scaling.*`` key (base.py l. 1462-1482; deepseek.py
+            l. 544-548 copies a raw ``rope_scaling`` only when there is one); ``rope.freq_base`` is still written
+            from the ``rope_theta`` (l. 1501).
 
     Returns:
         ``{"path", "hparams" (the config.json), "metadata" (key -> (value, gguf type name)), "tensors" (name ->
@@ -476,6 +481,8 @@ def write_llama_layout_model(path: str | Path, *, seed: int = 0, mtp: bool = Fal
     path = Path(path)
     tok = train_tokenizer()
     hp = json.loads(json.dumps(HF_CONFIG))
+    if not rope_scaling:
+        del hp["rope_scaling"]
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     vocab = -(-n_tok // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     hp["vocab_size"] = vocab
@@ -483,7 +490,7 @@ def write_llama_layout_model(path: str | Path, *, seed: int = 0, mtp: bool = Fal
     block_count = n_main + (n_mtp if mtp else 0)
     ratios = hp["compress_ratios"]
     assert len(ratios) >= block_count
-    rs = hp["rope_scaling"]
+    rs = hp.get("rope_scaling")
 
     g = _Gen(seed)
     tensors: list[tuple[str, str, np.ndarray]] = []
@@ -537,11 +544,12 @@ def write_llama_layout_model(path: str | Path, *, seed: int = 0, mtp: bool = Fal
     u32("EMBEDDING_LENGTH", hp["hidden_size"])
     u32("HEAD_COUNT", hp["num_attention_heads"])
     u32("HEAD_COUNT_KV", hp["num_key_value_heads"])
-    string("ROPE_SCALING_TYPE", ROPE_YARN)
-    f32("ROPE_SCALING_FACTOR", rs["factor"])
-    u32("ROPE_SCALING_ORIG_CTX_LEN", rs["original_max_position_embeddings"])
-    f32("ROPE_SCALING_YARN_BETA_FAST", rs["beta_fast"])
-    f32("ROPE_SCALING_YARN_BETA_SLOW", rs["beta_slow"])
+    if rs is not None:
+        string("ROPE_SCALING_TYPE", ROPE_YARN)
+        f32("ROPE_SCALING_FACTOR", rs["factor"])
+        u32("ROPE_SCALING_ORIG_CTX_LEN", rs["original_max_position_embeddings"])
+        f32("ROPE_SCALING_YARN_BETA_FAST", rs["beta_fast"])
+        f32("ROPE_SCALING_YARN_BETA_SLOW", rs["beta_slow"])
     f32("ROPE_FREQ_BASE", hp["rope_theta"])
     f32("LAYERNORM_RMS_EPS", hp["rms_norm_eps"])
     u32("EXPERT_COUNT", hp["n_routed_experts"])

@@ -12,19 +12,11 @@ from ds4c import quant
 from ds4c.runtime.families import actq as A
 from ds4c.runtime.render import RenderError, render
 from ds4c.runtime.targets import target
+from emulators import launch_emu
+from emulators.experts_emu import host_unavailable
 
 
 def _emu():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    try:
-        from tools import launch_emu
-        from tools.experts_emu import host_unavailable
-    finally:
-        sys.path.pop(0)
-
     why = host_unavailable()
     if why:
         pytest.skip(why)

@@ -18,9 +18,9 @@ from ds4c.cli import main
 from ds4c.engine import open_engine, resolve_engine
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import filter_logits, generate, stream
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference
-from ds4c.tokenizer import V4_TOOLS_FOOTER, V4_TOOLS_HEADER
+from ds4c.synth_vocab import V4_TOOLS_FOOTER, V4_TOOLS_HEADER
 
 PROMPT = "The quick brown fox"
 # "Hi" sampled at temperature 5: seed 10 draws eos (id 1) as its 31st new token (measured on x86 CPUs); the
@@ -282,6 +282,23 @@ def test_bad_generate_arguments(model):
     with pytest.raises(Ds4cError) as e:
         model.generate([1, "x"])
     one_line(e, "token ids")
+
+
+def test_bad_argument_types_are_one_line_errors(model):
+    """Issue 28.7: a model path that is not a path, stop strings that are not strings and bools among the prompt
+    ids raised Python's raw TypeError (or ran True as id 1)."""
+    for bad, found in ((123, "int 123"), (b"model.gguf", "bytes"), (["a.gguf"], "list")):
+        with pytest.raises(Ds4cError) as e:
+            Model(bad)
+        one_line(e, "expected a GGUF file path", found)
+    for stop, found in ((5, "int"), ([5], "int"), (["ok", None], "NoneType"), (b"\n", "bytes")):
+        with pytest.raises(Ds4cError) as e:
+            model.generate(PROMPT, max_new_tokens=2, stop=stop)
+        one_line(e, "stop", "str", found)
+    for prompt in ([True, 2], [1, False], (True,)):
+        with pytest.raises(Ds4cError) as e:
+            model.generate(prompt, max_new_tokens=2)
+        one_line(e, "token ids", "bool")
 
 
 def test_file_without_tokenizer_takes_ids_only(bare_path, model):
@@ -551,12 +568,46 @@ def test_reasoning_effort_is_checked_against_the_template(tiny_path):
     assert "\n" not in str(e.value)
 
 
+def test_chat_rules_refuse_what_the_template_would_drop(model, tmp_path, tiny_path):
+    """Issue 28.6: a reasoning effort without thinking (DeepSeek-V4's template then ignores it) and a tool result,
+    call or tool that the template would drop are one-line errors, in the API and in ds4c generate (before the engine
+    starts), not a prompt that silently lacks them."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for thinking in (None, False):
+        with pytest.raises(Ds4cError) as e:
+            model.apply_chat_template(msgs, thinking=thinking, reasoning_effort="high")
+        one_line(e, "reasoning_effort 'high' would change nothing in the prompt", "thinking=True", "--think")
+    assert "Reasoning Effort: high." in model.apply_chat_template(msgs, thinking=True, reasoning_effort="high")
+    # a tool result, a tool call and an offered tool must show in the prompt: DeepSeek-V4's template renders them,
+    # a template that knows only user and assistant turns would drop them
+    tool = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny, 21 C"}]
+    assert "<tool_result>sunny, 21 C</tool_result>" in model.apply_chat_template(tool)
+    call = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    m2 = Model(tiny_path, max_ctx=16)
+    m2.tokenizer._chat_template = ("{% for m in messages %}{% if m.role in ['user', 'assistant'] %}"
+                                   "{{ m.role }}: {{ m.content or '' }}\n{% endif %}{% endfor %}")
+    for msgs2, kw, where in ((tool, {}, "messages[1] (a tool result)"), (call, {}, "messages[1].tool_calls[0]"),
+                             (msgs, {"tools": tools}, "tools[0]")):
+        with pytest.raises(Ds4cError) as e:
+            m2.chat(msgs2, max_new_tokens=1, **kw)
+        one_line(e, where, "the chat template does not render it", "does not support tool calls")
+    with pytest.raises(Ds4cError) as e:
+        model.apply_chat_template([{"role": "usr", "content": "hi"}])
+    one_line(e, "messages[0]", "expected role 'system', 'user', 'assistant', 'tool'", "found 'usr'")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "high"),
+                      "reasoning_effort 'high' would change nothing", "--think")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--no-think", "--reasoning-effort", "max"),
+                      "reasoning_effort 'max' would change nothing", "--think")
+
+
 def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
     """Model.generate(draft=...) takes a drafter spelling, a path to a drafter file (os.PathLike) or a drafter
     object; the completion carries the speculative report (``speculative``, also in ``as_dict``), and greedy
     speculative output equals plain greedy output."""
     from ds4c.drafters.dspark_synth import make_dspark
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ids = [5, 17, 301, 42]
     plain = model.generate(ids, max_new_tokens=8, ignore_eos=True)
@@ -567,3 +618,54 @@ def test_generate_with_a_drafter_reports_it_on_the_completion(model, tmp_path):
         assert c.ids == plain.ids and c.speculative["steps"] > 0 and c.as_dict()["speculative"] == c.speculative
     with pytest.raises(Ds4cError, match="draft: expected a drafter spelling"):
         model.generate(ids, max_new_tokens=4, draft=0.7)
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C (issue 28.5)
+
+def _ctrl_c_at_decode(monkeypatch, n: int) -> None:
+    """Ctrl-C during the ``n``-th decode step of the reference (after ``n`` new tokens)."""
+    real, calls = Reference.decode, [0]
+
+    def decode(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Reference, "decode", decode)
+
+
+def test_api_ctrl_c_keeps_what_was_made(tiny_path, monkeypatch):
+    from ds4c.errors import GenerationInterrupted
+
+    m = Model(tiny_path, max_ctx=64)
+    want = m.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    _ctrl_c_at_decode(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt) as ei:
+        m.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert isinstance(ei.value, GenerationInterrupted)
+    c = ei.value.completion
+    assert c.stop_reason == c.result.stop_reason == "interrupted" and c.ids == want.ids[:3]
+    assert want.text.startswith(c.text)
+    monkeypatch.undo()
+    assert m.generate(PROMPT, max_new_tokens=8, ignore_eos=True).ids == want.ids  # the Model's turn was released
+
+
+@pytest.mark.parametrize("mode", ["text", "json", "ids"])
+def test_cli_ctrl_c_ends_with_the_tokens_so_far_and_exit_130(tmp_path, tiny_path, model, monkeypatch, mode):
+    want = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    _ctrl_c_at_decode(monkeypatch, 3)
+    args = ["generate", tiny_path, "--max-new-tokens", "8", "--ignore-eos"]
+    args += ["--prompt-ids", ",".join(map(str, want.prompt_ids))] if mode == "ids" else ["--prompt", PROMPT]
+    r = run(tmp_path, *args, *(["--json"] if mode == "json" else []))
+    assert r.exit_code == 130, (r.exit_code, r.output)
+    assert "Aborted" not in r.output
+    if mode == "json":
+        rec = json.loads(r.stdout)
+        assert rec["stop_reason"] == "interrupted" and rec["tokens"] == want.ids[:3], rec
+        return
+    assert re.search(r"[(; ]3 new tokens, stop: interrupted\)$", r.stderr, re.M), r.stderr
+    if mode == "ids":
+        assert f"tokens: {want.ids[:3]}" in r.stdout
+    else:
+        assert want.text.startswith(r.stdout.rstrip("\n")) and r.stdout.strip(), r.stdout

@@ -32,11 +32,12 @@ from ds4c.ir import build_step
 from ds4c.ir.printer import graph_hash
 from ds4c.passes.manager import run_pipeline
 from ds4c.passes.partition import kernel_plan
-from ds4c.runtime import artifact as art
+from ds4c.runtime import artifact_inspect, artifact_manifest, artifact_publish
 from ds4c.runtime import lower as lower_mod
-from ds4c.runtime.artifact import ArtifactError, build_artifact, load_manifest
+from ds4c.runtime.artifact import build_artifact
+from ds4c.runtime.artifact_manifest import ArtifactError, load_manifest
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.lower import Arg, Launch, LoweredKernel
+from ds4c.runtime.lowered import Arg, Launch, LoweredKernel
 from ds4c.runtime.render import render
 from ds4c.runtime.targets import TargetError, parse_targets
 from ds4c.runtime.toolchain import ToolchainError, find_toolchain, is_valid_binary
@@ -222,14 +223,15 @@ def test_interrupted_build_keeps_previous_artifact(tmp_path, cache_dir, fake_low
             raise OSError(28, "No space left on device", str(b))
         return real_copy(a, b, *k, **kw)
 
-    monkeypatch.setattr(art.shutil, "copyfile", copy_then_fail)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(shutil, "copyfile", copy_then_fail)
+    with pytest.raises(ArtifactError, match="no space left on device: cannot write the artifact .*; nothing was "
+                                            "written"):
         build_artifact(TINY, targets, tiny_buckets((1, 2), 128), out, cache, progress=False)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert leftovers(out) == []
 
     # a failed first build leaves nothing at all
-    with pytest.raises(OSError):
+    with pytest.raises(ArtifactError, match="no space left on device"):
         calls.clear()
         build_artifact(TINY, targets, tiny_buckets(), tmp_path / "new", cache, progress=False)
     assert not (tmp_path / "new").exists() and leftovers(tmp_path / "new") == []
@@ -249,7 +251,7 @@ def test_leftovers_of_a_killed_build_are_cleaned(tmp_path, monkeypatch):
     (old / "manifest.json").write_text("{}")
     live = tmp_path / f"art.tmp-{os.getpid()}-{host_id()}-live"  # a build in progress (this process) is kept
     live.mkdir()
-    art._clean_leftovers(out)
+    artifact_publish.clean_leftovers(out)
     assert (out / "manifest.json").read_text() == "{}"
     assert leftovers(out) == [live.name]
 
@@ -339,6 +341,7 @@ def test_cli_compile_and_inspect_fake(tmp_path, cache_env, fake_lower):
     assert_error_line(r, "no kernel 'nope'")
     r = run("inspect", out, "--graph", "q9_c64")
     assert_error_line(r, "no graph 'q9_c64'", "q1_c64")
+    assert r.stdout == ""  # checked before the summary is printed (issue 28.8)
     r = run("inspect", out, "--target", "sm_80")
     assert_error_line(r, "no target 'sm_80'")
     r = run("inspect", tmp_path / "missing")
@@ -362,33 +365,33 @@ def test_cli_compile_from_gguf_records_weight_types(tmp_path, cache_env, tiny_bf
     assert man["config_hash"] == TINY.hash()
     assert seen and all(w is not None and w["blk.0.attn_q_a.weight"].name == "BF16" for w in seen)
     assert set(man["weight_types"].values()) <= {"BF16", "F32", "I32"}
-    assert man["weight_types_hash"] == art.weight_types_hash(man["weight_types"])
+    assert man["weight_types_hash"] == artifact_manifest.weight_types_hash(man["weight_types"])
     # a preset compiles the official formats
     out2 = tmp_path / "art2"
     assert run("compile", "--preset", "tiny", "--arch", "sm_90", "--widths", "2", "--max-ctx", "64", "-o",
                out2).exit_code == 0
     man2 = load_manifest(out2)
-    assert man2["weight_types"] == art.effective_weight_types(TINY) and "Q8_0" in man2["weight_types"].values()
+    assert man2["weight_types"] == artifact_manifest.effective_weight_types(TINY) and "Q8_0" in man2["weight_types"].values()
     assert man2["weight_types_hash"] != man["weight_types_hash"]
     r = run("compile", tiny_bf16_path, "--preset", "tiny", "--arch", "sm_90", "-o", tmp_path / "x")
     assert r.exit_code == 2 and "not both" in r.output
 
 
 def test_disassembler_missing_tools(monkeypatch):
-    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: None)
+    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: None)
     with pytest.raises(ArtifactError, match="cuobjdump and nvdisasm"):
-        art.disassembler("cubin", "sm_90")
-    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: "/x/cuobjdump" if tool == "cuobjdump" else None)
+        artifact_inspect.disassembler("cubin", "sm_90")
+    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: "/x/cuobjdump" if tool == "cuobjdump" else None)
     with pytest.raises(ArtifactError, match=r"needs nvdisasm \(cuobjdump -sass runs it\)"):
-        art.disassembler("cubin", "sm_90")
-    monkeypatch.setattr(art, "_find_cuda_tool", lambda tool: f"/x/{tool}")
-    cmd, tool, env = art.disassembler("cubin", "sm_90")
+        artifact_inspect.disassembler("cubin", "sm_90")
+    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: f"/x/{tool}")
+    cmd, tool, env = artifact_inspect.disassembler("cubin", "sm_90")
     assert cmd == ["/x/cuobjdump", "-sass"] and env["NVDISASM_PATH"] == "/x"
-    monkeypatch.setattr(art.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ArtifactError, match="needs llvm-objdump"):
-        art.disassembler("hsaco", "gfx1151")
-    monkeypatch.setattr(art.shutil, "which", lambda name: "/y/llvm-objdump" if name == "llvm-objdump" else None)
-    assert art.disassembler("hsaco", "gfx1151")[0] == ["/y/llvm-objdump", "-d", "--mcpu=gfx1151"]
+        artifact_inspect.disassembler("hsaco", "gfx1151")
+    monkeypatch.setattr(shutil, "which", lambda name: "/y/llvm-objdump" if name == "llvm-objdump" else None)
+    assert artifact_inspect.disassembler("hsaco", "gfx1151")[0] == ["/y/llvm-objdump", "-d", "--mcpu=gfx1151"]
 
 
 # --------------------------------------------------------------------------------------- CLI bad inputs
@@ -476,7 +479,7 @@ def test_real_inspect_levels(real_artifact):
         assert r.exit_code == 0 and "registers" in r.stdout, r.output
         r = run("inspect", out, "--kernel", name, "--sass", "--target", arch)
         try:
-            art.disassembler("cubin" if arch.startswith("sm") else "hsaco", arch)
+            artifact_inspect.disassembler("cubin" if arch.startswith("sm") else "hsaco", arch)
         except ArtifactError as e:
             assert_error_line(r, str(e))
         else:
@@ -491,7 +494,8 @@ def test_runtime_finds_every_launch_binary_in_the_artifact(real_artifact):
     from ds4c.config import preset
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.artifact import ArtifactError, launch_binaries, load_manifest
+    from ds4c.runtime.artifact_manifest import ArtifactError, load_manifest
+    from ds4c.runtime.artifact_serve import launch_binaries
     from ds4c.runtime.lower import lower_graph
     from ds4c.runtime.targets import target
 
@@ -528,7 +532,7 @@ def test_an_artifact_under_a_file_is_an_error_before_any_work(tmp_path):
 def test_split_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
     """``layer_split`` compiles one graph per shard and key (``s{k}_q{w}_c{c}``), records the split, and the
     artifact serves that split only (checked before any GPU work)."""
-    from ds4c.runtime.artifact import check_serves
+    from ds4c.runtime.artifact_serve import check_serves
 
     out = build_artifact(TINY, parse_targets("sm_90"), tiny_buckets((1, 2)), tmp_path / "art", KernelCache(cache_dir),
                          progress=False, layer_split=(2, 4))
@@ -575,7 +579,7 @@ def test_edited_split_is_refused(tmp_path, cache_dir, fake_lower):
 def test_real_compile_of_a_split(tmp_path, cache_dir):
     """``ds4c compile --layer-split``: the shards' kernels are the unsplit step's plus the boundary's
     hc_post_out / hc_pre; check_lowering pairs every shard graph with this model's lowering."""
-    from ds4c.runtime.artifact import check_lowering
+    from ds4c.runtime.artifact_serve import check_lowering
 
     out = tmp_path / "split"
     env = {"DS4C_CACHE": str(cache_dir)}
@@ -610,7 +614,7 @@ def test_real_compile_of_a_split(tmp_path, cache_dir):
 def test_taps_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
     """``taps`` builds every graph with the dspark_tap kernel and records them; the artifact serves a step with
     exactly those taps (in that order), and an artifact without taps refuses a request for taps, in one line."""
-    from ds4c.runtime.artifact import check_lowering, check_serves
+    from ds4c.runtime.artifact_serve import check_lowering, check_serves
     from ds4c.tensors import FORMATS, tensor_specs
 
     b = tiny_buckets((1, 2))
@@ -638,8 +642,8 @@ def test_taps_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
     mpath = out / "manifest.json"
     bad = json.loads(mpath.read_text())
     bad["taps"] = [3, 3]
-    bad["integrity"] = art._integrity({k: v for k, v in bad.items() if k != "integrity"})
-    mpath.write_text(art._manifest_text(bad))
+    bad["integrity"] = artifact_manifest.integrity_record({k: v for k, v in bad.items() if k != "integrity"})
+    mpath.write_text(artifact_manifest.manifest_text(bad))
     with pytest.raises(ArtifactError, match=r"taps: expected a non-empty list of distinct layer ids, found \[3, 3\]"):
         load_manifest(out)
     with pytest.raises(Exception, match="taps: expected distinct layer ids in 0..5"):
@@ -680,7 +684,7 @@ def test_record_hc_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower
     """``record_hc`` builds every graph with the record_hc kernel after the last layer and records it; the artifact
     serves only a step that records it, a plain one only a step that does not, in one line; an edited manifest value
     fails closed."""
-    from ds4c.runtime.artifact import check_lowering, check_serves
+    from ds4c.runtime.artifact_serve import check_lowering, check_serves
     from ds4c.tensors import FORMATS, tensor_specs
 
     b = tiny_buckets((1, 2))
@@ -708,8 +712,8 @@ def test_record_hc_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower
     mpath = out / "manifest.json"
     bad = json.loads(mpath.read_text())
     bad["record_hc"] = False
-    bad["integrity"] = art._integrity({k: v for k, v in bad.items() if k != "integrity"})
-    mpath.write_text(art._manifest_text(bad))
+    bad["integrity"] = artifact_manifest.integrity_record({k: v for k, v in bad.items() if k != "integrity"})
+    mpath.write_text(artifact_manifest.manifest_text(bad))
     with pytest.raises(ArtifactError, match=r"record_hc: expected true \(absent: not recorded\), found False"):
         load_manifest(out)
 

@@ -18,6 +18,7 @@ from ds4c.runtime.families import attention as A
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel, toolchain_or_skip
+from numerics import BF16_ULP, assert_same_roundings, rel_l2
 
 BF16 = torch.bfloat16
 
@@ -193,10 +194,6 @@ def test_reference_matches_ir_op() -> None:
         assert torch.equal(got, want), kind
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("kind", STEP_KINDS)
 @pytest.mark.parametrize("pos", [0, 5, 127, 3000])
 def test_kernel_model_split_matches_reference(kind: str, pos: int) -> None:
@@ -210,4 +207,13 @@ def test_kernel_model_split_matches_reference(kind: str, pos: int) -> None:
         spec = A.AttentionSpec(kind, 5, 4, 512, 128, splits=splits, **KIND_ARGS["official"][kind])
         got = A.kernel_model(spec, q_, ring, kv, comp, sel, sink, pos, live)
         assert not torch.isnan(got).any()
-        assert _rel(got, ref) < (5e-3 if splits > 1 else 1e-5), (splits, _rel(got, ref))
+        if splits == 1:
+            # one split is the reference's own loop up to fp32 summation order: bf16 roundings of fp32 values
+            # that differ only in order over the key list, equal or one ulp apart
+            assert_same_roundings(got, ref, k=spec.window + spec.cap, what="splits 1")
+        else:
+            # each split rounds its probabilities exp(s - m_split) to bf16 against its own running max, so they
+            # are other roundings than the reference's: relative error <= u_bf16 on each probability (hence on
+            # their weighted sum), plus the output's own bf16 rounding (<= u_bf16): 2 u_bf16 = one bf16 ulp
+            # (measured 1.5e-3 to 2.4e-3 with AVX-512, AVX2 and the default CPU path alike)
+            assert rel_l2(got, ref) <= BF16_ULP, (splits, rel_l2(got, ref))

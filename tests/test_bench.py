@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ds4c.bench import BenchError, family_table, format_report, plan_weight_bytes, run_bench, state_read_bytes
 from ds4c.cli import main
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 
 
 def test_state_bytes_count_every_buffer_the_step_reads():

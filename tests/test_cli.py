@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 from ds4c import __version__
 from ds4c.cli import main
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 
 TINY = preset("tiny")
 VOCAB = TINY.vocab_size  # 512

@@ -43,10 +43,10 @@ def mtp_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -180,7 +180,7 @@ def test_decode_loop_graphs_record_the_final_hc(env, tokens):
 def test_a_step_without_record_hc_is_refused_in_one_line(env, mtp_path):
     from ds4c.drafters.mtp import MTPDrafter
     from ds4c.errors import StepError
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf, buckets, cache, _, _ = env
     plain = CompiledStep(mf, buckets, device_arch(), cache)
@@ -333,7 +333,7 @@ def test_virtual_split_final_hc_equals_the_unsplit_step(env, tokens, split):
     """A virtual split (every shard on this GPU): the last shard records; ShardedStep.final_hc equals the unsplit
     compiled step's bit for bit over verify and decode steps; a shard before the last refuses in one line."""
     from ds4c.errors import StepError
-    from ds4c.runtime.executor import device_arch
+    from ds4c.runtime.step import device_arch
     from ds4c.runtime.sharded import ShardedStep
     from ds4c.shard_plan import ShardPlan
 
@@ -360,8 +360,9 @@ def test_artifact_with_record_hc_serves_and_one_without_refuses(env, tokens, tmp
     """``build_artifact(record_hc=True)`` (``ds4c compile --draft mtp``) for this GPU's arch: a CompiledStep with
     record_hc runs from it and records the same rows as the cache-built step bit for bit; it refuses a step without,
     and a plain artifact refuses a step with it, in one line, before any GPU work."""
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
     mf, buckets, cache, ex, _ = env

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_compare import teacher_forced_errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")]
@@ -19,10 +20,10 @@ def tokens():
 @pytest.fixture(scope="module")
 def setup(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -31,29 +32,9 @@ def setup(tiny_path, tmp_path_factory):
     return ex, ref
 
 
-def teacher_forced_errors(ex, ref, tokens: list[int], widths: tuple[int, ...], end: int) -> torch.Tensor:
-    """Relative L2 error per logits row of the compiled step against the reference, each step started from the
-    reference's state (copied in), widths cycling through ``widths`` until position ``end``."""
-    from ds4c.ir.interpreter import state_to_inputs
-
-    ref.reset()
-    errs, p, k = [], 0, 0
-    while p < end:
-        q = widths[k % len(widths)]
-        k += 1
-        for name, buf in state_to_inputs(ref.state).items():
-            ex.state[name].copy_(buf)
-        ex.pos = p
-        got = ex.step(tokens[p:p + q], p).float().cpu()
-        want = ref.verify(tokens[p:p + q], p).cpu()
-        errs.append((got - want).norm(dim=-1) / want.norm(dim=-1))
-        p += q
-    return torch.cat(errs)
-
-
 def test_teacher_forced_steps_match_the_reference(setup, tokens):
     ex, ref = setup
-    e = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 60)
+    e, _ = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 60)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
 
 
@@ -158,7 +139,7 @@ def test_rollback_kernel_restores_exactly_what_the_verify_saved(setup, tokens):
             for what, d in (("comp", cfg.head_dim), ("idx", cfg.index_head_dim))[:2 if r == 4 else 1]:
                 w = 2 * d if r == 4 else d
                 n = U.compressor_undo_floats(r, w)
-                undo = ex._workspaces[U.workspace_name(i, what)].view(torch.float32)[:n].cpu()
+                undo = ex.graphs.workspaces[U.workspace_name(i, what)].view(torch.float32)[:n].cpu()
                 if r == 4:
                     assert torch.equal(undo[:8 * w].view(8, w), before[f"l{i}.{what}_kv"].cpu())
                 spec = U.RollbackSpec(5, cfg.window, cfg.head_dim, 1, ((r, w),))
@@ -199,7 +180,7 @@ def test_verify_greedy_equals_verify_then_rollback(setup, tokens, agree):
     want = {k: v.clone() for k, v in ex.state.items()}
     prefix()
     assert ex.verify_greedy([first] + drafts, start) == want_new
-    assert ex.pos == start + len(want_new) and ex._undo is None
+    assert ex.pos == start + len(want_new) and ex.sequence.undo is None
     for k, v in want.items():
         assert torch.equal(ex.state[k], v), k
     ex.reset()
@@ -210,10 +191,10 @@ def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_fac
     """The compiled step with K-quant / IQ4_XS expert banks (and the GEMVs of the K mix) on the synthetic tiny
     model against the reference dequantizing the same bytes (issue 14 part 2), teacher-forced at widths 5, 1, 3."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(f"synthetic:tiny:{formats}")
     assert formats.upper() in {mf.ggml_type(n).name for n in mf.specs}, "no tensor in the format under test"
@@ -221,7 +202,7 @@ def test_kquant_experts_step_matches_the_reference(formats, tokens, tmp_path_fac
     cache = KernelCache(tmp_path_factory.getbasetemp() / "kquant-kcache")  # shared: only the expert kernels differ
     ex = CompiledStep(mf, buckets, device_arch(), cache)
     ref = Reference(ReferenceWeights.load(mf, "cuda"), max_ctx=64)
-    e = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 40)
+    e, _ = teacher_forced_errors(ex, ref, tokens, (5, 1, 3), 40)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
 
 
@@ -231,7 +212,7 @@ def test_bench_times_the_compiled_step(tiny_path, reference):
     is in the plan but not in the step's launches), the end-to-end generate row; --no-reference / --no-generate
     leave those columns out."""
     from ds4c.bench import run_bench
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     rep = run_bench(open_model(tiny_path), "cuda", (1, 5), (40,), repeats=3, ref_repeats=1, compile_modes=(),
                     transformers=False, reference=reference, end_to_end=reference, say=lambda m: None)

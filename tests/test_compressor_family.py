@@ -23,9 +23,9 @@ from ds4c.reference.model import Reference
 from ds4c.runtime.families import compressor as C
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from emulators.experts_emu import FIBERS
+from gpu_checks import compressor as G
 from kernel_compile import compile_kernel, toolchain_or_skip
-from tools.experts_emu import FIBERS
-from tools.gpu_checks import compressor as G
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -170,7 +170,7 @@ def test_check_positions_cover_flush_counts() -> None:
 
 
 # --------------------------------------------------------------------------------------- CPU emulation
-# A CPU stand-in for the vendor prelude: one fiber per GPU thread on one OS thread (tools/experts_emu.py's
+# A CPU stand-in for the vendor prelude: one fiber per GPU thread on one OS thread (emulators/experts_emu.py's
 # FIBERS; blocks one after another), barriers for ds4c_sync, a per-wave exchange buffer for the shuffles, shared
 # arrays as statics. The kernel body (after the vendor prelude of the rendered CUDA source) is compiled unchanged.
 EMU_PRELUDE = r"""

@@ -15,13 +15,14 @@ from ds4c.config import (
     GATING_SQRT_SOFTPLUS,
     PRESETS,
     Ds4Config,
+    absent_optional_keys,
     from_gguf_metadata,
     preset,
     to_gguf_metadata,
     yarn_ramp_bounds,
 )
 from ds4c.errors import ConfigError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference.primitives import rope_freqs
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
@@ -256,6 +257,34 @@ def test_from_metadata_missing_key_named(key):
     with pytest.raises(ConfigError, match="missing metadata key '" + key.replace(".", r"\.") + "'") as ei:
         from_gguf_metadata(m, vocab_size=512, source="model.gguf")
     assert "model.gguf" in str(ei.value)
+
+
+def test_from_metadata_optional_keys_take_llama_cpp_defaults():
+    """Issue 28.2: llama.cpp's loader reads rope.freq_base and the rope.scaling.* keys as optional (freq base
+    10000; no factor: no scaling; original context = context_length; betas 32 / 1): so does ds4c."""
+    m = _meta("flash")
+    absent = ["deepseek4.rope.freq_base", "deepseek4.rope.scaling.type", "deepseek4.rope.scaling.factor",
+              "deepseek4.rope.scaling.original_context_length", "deepseek4.rope.scaling.yarn_beta_fast",
+              "deepseek4.rope.scaling.yarn_beta_slow"]
+    for k in absent:
+        del m[k]
+    m["deepseek4.context_length"] = 4096
+    c = from_gguf_metadata(m, vocab_size=129280)
+    assert (c.rope_theta, c.rope_factor, c.original_seq_len, c.beta_fast, c.beta_slow) == (10000.0, 1.0, 4096, 32.0, 1.0)
+    assert not c.yarn and preset("flash").yarn
+    assert absent_optional_keys(m) == {"deepseek4.rope.freq_base": 10000.0, "deepseek4.rope.scaling.factor": 1.0,
+                                       "deepseek4.rope.scaling.original_context_length": 4096,
+                                       "deepseek4.rope.scaling.yarn_beta_fast": 32.0,
+                                       "deepseek4.rope.scaling.yarn_beta_slow": 1.0}
+    assert absent_optional_keys(_meta("flash")) == {}
+    # factor 1 is no scaling: the compressing layers' frequencies are exactly the plain ones
+    plain = rope_freqs(c.rope_dim, c.compress_rope_theta, False, 1.0, 4096, 32.0, 1.0)
+    assert torch.equal(rope_freqs(c.rope_dim, c.compress_rope_theta, True, 1.0, 4096, 32.0, 1.0), plain)
+    # a scaling ds4c does not implement is refused in one line (llama.cpp would run it as linear scaling)
+    with pytest.raises(ConfigError, match=r"rope\.scaling\.type 'yarn'.*found 'linear' with factor 4"):
+        from_gguf_metadata({**m, "deepseek4.rope.scaling.type": "linear", "deepseek4.rope.scaling.factor": 4.0},
+                           vocab_size=129280)
+    assert not from_gguf_metadata({**m, "deepseek4.rope.scaling.type": "none"}, vocab_size=129280).yarn
 
 
 def test_from_metadata_gating_func_not_sqrt_softplus():

@@ -26,16 +26,19 @@ from gguf import GGUFReader, GGUFValueType
 from ds4c.config import preset
 from ds4c.drafters.dspark import DSparkDrafter
 from ds4c.drafters.dspark_file import (ARCH, KEY_BLOCK_SIZE, KEY_MASK_ID, KEY_TARGET_LAYERS, dspark_metadata,
-                                       dspark_tensor_specs, open_dspark, stage_config)
+                                       dspark_tensor_specs, stage_config)
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_synth import drafter_seed, dspark_producer, make_dspark
 from ds4c.errors import ConfigError, ModelFileError, StepError
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model, write_model
+from ds4c.gguf_file import write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference
 from ds4c.reference import primitives as P
-from ds4c.speculative import OracleDrafter, make_drafter
+from ds4c.drafters.factory import make_drafter
+from ds4c.drafters.oracle import OracleDrafter
 from ds4c.tensors import FORMATS
 
 TINY = preset("tiny")
@@ -221,7 +224,7 @@ def test_bad_drafter_files_fail_in_one_line(tmp_path, change, expect):
 
 def test_damaged_files_and_wrong_targets(tmp_path, dspark5, tiny_path):
     data = dspark5.read_bytes()
-    for cut, what in ((1, "truncated"), (len(data) - 3000, "not a readable GGUF")):
+    for cut, what in ((1, "truncated"), (len(data) - 3000, "truncated GGUF file: its header")):
         p = tmp_path / f"cut{cut}.gguf"
         p.write_bytes(data[:-cut])
         with pytest.raises(ModelFileError, match=what) as ei:

@@ -9,7 +9,7 @@ CPU:
 * the kernel plan: the commit graph is two kernels (fc GEMV; the stages' wkv GEMV whose row chains also write the
   rings), the draft graph has no rollback kernel, the HC head exports the pre-norm ``hx``;
 * the new kernels render and compile for sm_90 and gfx942 without spills, and run on the CPU emulator
-  (tools/dspark_emu.py) against the reference: the Markov head (drafts equal, logits and confidence to fp32
+  (tests/emulators/dspark_emu.py) against the reference: the Markov head (drafts equal, logits and confidence to fp32
   tolerance, NaN-poisoned outputs all written) and the dspark attention list (bf16 tolerance);
 * a rejected verify changes no drafter state (the reference drafter; the compiled one on the GPU).
 
@@ -20,14 +20,13 @@ generation on the compiled target equal to autoregressive decoding, and one prop
 from __future__ import annotations
 
 import dataclasses
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from ds4c.drafters.dspark_file import open_dspark
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_synth import make_dspark
 from ds4c.errors import StepError
@@ -42,11 +41,13 @@ from ds4c.reference import Reference
 from ds4c.runtime.families import attention as A
 from ds4c.runtime.families import dspark as D
 from ds4c.runtime.families import hc as H
-from ds4c.runtime.lower import Arg, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import Arg
 from ds4c.runtime.targets import target
+from emulators import dspark_emu, experts_emu
 from kernel_compile import assert_no_spills, compile_kernel
+from numerics import BF16_ULP, fp32_order_bound
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 301, 42, 7, 99, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 19 > tiny's 16-row window
 CHUNKS = (5, 5, 4, 3, 2)
 
@@ -211,11 +212,6 @@ def test_new_kernels_compile_without_spills(arch, tmp_path):
 
 
 def _emu():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from tools import dspark_emu, experts_emu
-    finally:
-        sys.path.pop(0)
     why = experts_emu.host_unavailable()
     if why:
         pytest.skip(f"CPU emulator: {why}")
@@ -233,8 +229,9 @@ def test_markov_head_emulated_matches_the_reference(tmp_path):
         drafts, logits, conf = D.reference(ins["base"], t0, ins["w1"], ins["w2"], ins["hx"], ins["proj"], ins["bias"])
         assert got["drafts"].tolist() == drafts.tolist()
         assert bool(torch.isfinite(got["logits"]).all())  # every row written over the NaN poison
-        assert float((got["logits"] - logits).norm() / logits.norm()) < 1e-6
-        assert float((got["conf"] - conf).abs().max()) < 1e-5 * float(conf.abs().max() + 1)
+        # fp32 logits: rank-R dots summed in another order; the confidence: a hidden-D dot, then a sigmoid
+        assert float((got["logits"] - logits).norm() / logits.norm()) <= fp32_order_bound(spec.rank)
+        assert float((got["conf"] - conf).abs().max()) <= fp32_order_bound(spec.hidden) * float(conf.abs().max() + 1)
 
 
 def test_sampled_markov_depths_emulated_read_the_drawn_ids(tmp_path):
@@ -249,7 +246,8 @@ def test_sampled_markov_depths_emulated_read_the_drawn_ids(tmp_path):
     prev = [5, 811, 3, 640]
     want = torch.stack([ins["base"][i] + w2 @ w1[p] for i, p in enumerate(prev)])
     assert got["drafts"].tolist() == [811, 3, 640, 999]
-    assert bool(torch.isfinite(got["logits"]).all()) and float((got["logits"] - want).norm() / want.norm()) < 1e-6
+    assert bool(torch.isfinite(got["logits"]).all())
+    assert float((got["logits"] - want).norm() / want.norm()) <= fp32_order_bound(spec.rank)  # rank-R fp32 dots
 
 
 def test_dspark_attention_emulated_matches_the_reference(tmp_path):
@@ -271,7 +269,8 @@ def test_dspark_attention_emulated_matches_the_reference(tmp_path):
         ir = SparseAttention.run(None, [ins["q"], ins["ring"], ins["kv_new"], positions, ins["sink"]],
                                  {"kind": "dspark", "window": 16, "scale": spec.scale_value})[0]
         assert torch.equal(ir, want)  # the family's reference is the IR op's
-        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (pos, splits)
+        # bf16 probabilities rounded per split against its own running max, and the output's rounding: 2 u_bf16
+        assert float((got.float() - want.float()).norm() / want.float().norm()) <= BF16_ULP, (pos, splits)
         # the ring rows count: another ring changes the result exactly when rows are committed (pos > 0)
         ins2 = dict(ins, ring=torch.randn(16, 192, generator=g).to(torch.bfloat16))
         other = A.reference(spec, ins2["q"], ins2["ring"], ins2["kv_new"], None, None, ins2["sink"], pos, 0)

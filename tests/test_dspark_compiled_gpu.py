@@ -31,14 +31,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def setup(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.drafters.dspark_file import open_dspark
+    from ds4c.drafters.dspark_sources import open_dspark
     from ds4c.drafters.dspark_model import DSparkModel
     from ds4c.drafters.dspark_synth import make_dspark
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.dspark_exec import CompiledDSpark
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     path = make_dspark(tiny_path, tmp_path_factory.mktemp("dsparkgpu") / "tiny-dspark4.gguf", seed=3, block_size=4,

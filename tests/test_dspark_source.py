@@ -20,14 +20,15 @@ import torch
 
 from ds4c.config import preset
 from ds4c.drafters.dspark import DSparkDrafter
-from ds4c.drafters.dspark_file import DSparkFile, open_dspark
+from ds4c.drafters.dspark_file import DSparkFile
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import DSparkModel
 from ds4c.drafters.dspark_source import SyntheticDSpark, open_synthetic_dspark
 from ds4c.drafters.dspark_synth import make_dspark
 from ds4c.errors import ModelFileError, StepError
 from ds4c.generate import generate
 from ds4c.reference import Reference
-from ds4c.speculative import make_drafter
+from ds4c.drafters.factory import make_drafter
 
 TINY = preset("tiny")
 PROMPT = [5, 17, 301, 42, 7, 99] + list(range(30, 50))  # 26 tokens: past tiny's 16-row window
@@ -225,10 +226,10 @@ def test_compiled_drafter_on_the_source_equals_it_on_the_file_and_generates_on_t
     (every one the graphs bind), the same rings and drafts bit for bit (same kernels, same bytes); every tensor the
     source is asked for is made on the GPU (no host generation, nothing uploaded)."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.dspark_exec import CompiledDSpark
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     f = open_dspark(files[("official", 3, True)], mf.config)

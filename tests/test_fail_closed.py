@@ -28,12 +28,14 @@ from click.testing import CliRunner
 
 from ds4c.cli import main
 from ds4c.config import preset
-from ds4c.gguf_file import open_model
-from ds4c.runtime import artifact as art
+from ds4c.sources import open_model
+from ds4c.runtime import artifact_manifest
 from ds4c.runtime import lower as lower_mod
-from ds4c.runtime.artifact import ArtifactError, build_artifact, check_serves, load_manifest
+from ds4c.runtime.artifact import build_artifact
+from ds4c.runtime.artifact_manifest import ArtifactError, load_manifest
+from ds4c.runtime.artifact_serve import check_serves, launch_binaries
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.lower import Arg, Launch, LoweredKernel
+from ds4c.runtime.lowered import Arg, Launch, LoweredKernel
 from ds4c.runtime.render import render
 from ds4c.runtime.targets import parse_targets
 from ds4c.runtime.toolchain import ToolchainError, find_toolchain
@@ -129,6 +131,17 @@ def test_binaries_record_the_formats_they_were_rendered_for(fake_art, tmp_path, 
     assert formats(official) == {"selftest.axpy1": ["MXFP4", "F32"], "selftest.axpy2": ["Q8_0", "F32"]}
 
 
+
+def test_open_artifact_loads_once_and_is_passed_on(fake_art, monkeypatch):
+    """open_artifact loads and verifies the manifest (load_manifest, which checks every binary's sha256); the
+    Artifact it returns is handed on as it is, not loaded again."""
+    loads = []
+    real = artifact_manifest.load_manifest
+    monkeypatch.setattr(artifact_manifest, "load_manifest", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    a = artifact_manifest.open_artifact(fake_art)
+    assert loads == [fake_art] and a.path == str(fake_art) and a.manifest == real(fake_art)
+    assert artifact_manifest.open_artifact(a) is a and len(loads) == 1
+
 def test_an_artifact_for_other_weight_formats_does_not_serve_the_model(fake_art):
     man = load_manifest(fake_art)
     check_serves(man, fake_art, TINY, bf16_types())  # the model it was built for
@@ -154,10 +167,10 @@ def test_the_pairing_checks_each_binary_even_when_the_table_was_forged(fake_art)
     man = load_manifest(fake_art)
     g = None
     ks = fake_lower_with_weights(g, TINY, parse_targets("gfx1151")[0])
-    assert art.launch_binaries(man, fake_art, "gfx1151", 1, 64, ks, bf16_types())
+    assert launch_binaries(man, fake_art, "gfx1151", 1, 64, ks, bf16_types())
     with pytest.raises(ArtifactError, match=r"rendered for tensor blk\.0\.(ffn_gate_exps|attn_q_a)\.weight as BF16, "
                                             r"the model has (MXFP4|Q8_0)"):
-        art.launch_binaries(man, fake_art, "gfx1151", 1, 64, ks, official_types())
+        launch_binaries(man, fake_art, "gfx1151", 1, 64, ks, official_types())
 
 
 def test_inspect_model_says_whether_the_artifact_serves_it(fake_art, tiny_path, tiny_bf16_path):
@@ -181,8 +194,8 @@ def test_inspect_model_pairs_each_graph_with_the_lowering(fake_art, tiny_bf16_pa
         for g in t["graphs"].values():
             g["kernels"].pop()
     man.pop("integrity")
-    man["integrity"] = art._integrity(man)
-    mpath.write_text(art._manifest_text(man))
+    man["integrity"] = artifact_manifest.integrity_record(man)
+    mpath.write_text(artifact_manifest.manifest_text(man))
     line = one_error_line(run("inspect", fake_art, "--model", tiny_bf16_path))
     assert "lists other plan kernels than this model's lowering" in line
 
@@ -209,7 +222,7 @@ def test_real_lowering_tiny_bf16_artifact_refused_for_tiny(tmp_path, cache_dir, 
     g = run_pipeline(build_step(TINY, 1, 64), "default", context=64).graph
     ks = lower_graph(g, TINY, target("gfx1151"), types)
     with pytest.raises(ArtifactError, match="other plan kernels|rendered for tensor .* as BF16"):
-        art.launch_binaries(man, out, "gfx1151", 1, 64, ks, types)
+        launch_binaries(man, out, "gfx1151", 1, 64, ks, types)
 
 
 # ----------------------------------------------------------------------------------------- 2. edits
@@ -270,8 +283,8 @@ def test_a_forged_integrity_record_is_caught_by_the_field_checks(fake_art):
         man = json.loads(good)
         fn(man)
         man.pop("integrity")
-        man["integrity"] = art._integrity(man)
-        mpath.write_text(art._manifest_text(man))
+        man["integrity"] = artifact_manifest.integrity_record(man)
+        mpath.write_text(artifact_manifest.manifest_text(man))
         return one_error_line(run("inspect", fake_art))
 
     h = json.loads(good)["config_hash"]
@@ -446,14 +459,14 @@ def test_sigkill_during_compile_leaves_old_artifact_and_no_compiler_temps(tmp_pa
 
 PUBLISH_KILL = r"""
 import os, signal, sys
-from ds4c.runtime import artifact as art
+from ds4c.runtime import artifact_publish as pub
 from ds4c.runtime import lower
 sys.path.insert(0, sys.argv[3])
 from test_fail_closed import fake_lower_with_weights
 lower.lower_graph = fake_lower_with_weights
 mode = sys.argv[2]
 if mode == "between-renames":
-    art._exchange = lambda a, b: False
+    pub._exchange = lambda a, b: False
     real_rename = os.rename
     def rename(src, dst):
         real_rename(src, dst)
@@ -461,11 +474,11 @@ if mode == "between-renames":
             os.kill(os.getpid(), signal.SIGKILL)
     os.rename = rename
 else:
-    real_exchange = art._exchange
+    real_exchange = pub._exchange
     def exchange(a, b):
         assert real_exchange(a, b)
         os.kill(os.getpid(), signal.SIGKILL)
-    art._exchange = exchange
+    pub._exchange = exchange
 from ds4c.cli import main
 main(["compile", "--preset", "tiny", "--arch", "gfx1151", "--widths", "1,2", "--max-ctx", "64", "-o", sys.argv[1]])
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_compare import teacher_forced_errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")]
@@ -15,9 +16,9 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def ready(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -43,14 +44,14 @@ def test_everything_is_ready_before_the_first_token(ready):
 
     ex, stats = ready
     assert stats["graphs"] == 5 * 3 and len(ex.capture_ms) == 15 and stats["graph_bytes"] > 0
-    assert sorted(ex._decode_graphs) == [(c, m) for c in (32, 64, 128) for m in ("greedy", "sample")]
+    assert sorted(ex.loop.graphs) == [(c, m) for c in (32, 64, 128) for m in ("greedy", "sample")]
     assert stats["weights"]["bytes"] > 0 and stats["weights"]["gb_per_s"] > 0
-    before = (ex.captures, ex.binary_batches, len(ex._modules), len(ex._graphs), len(ex._weights))
+    before = (ex.captures, ex.binary_batches, len(ex.graphs.modules), len(ex.graphs.by_key), len(ex.weights.tensors))
     # prompt 20 + 100 new: positions cross the 32 and 64 bucket boundaries
     res = generate(ex, list(range(7, 27)), 100)
     res2 = generate(ex, list(range(7, 27)), 100, temperature=0.8, top_k=40, top_p=0.9, seed=3)
     assert len(res.tokens) == 100 and len(res2.tokens) == 100
-    after = (ex.captures, ex.binary_batches, len(ex._modules), len(ex._graphs), len(ex._weights))
+    after = (ex.captures, ex.binary_batches, len(ex.graphs.modules), len(ex.graphs.by_key), len(ex.weights.tensors))
     assert after == before, (before, after)  # step and sampler graphs all captured by prepare_all
     gen = generate(ex, list(range(7, 27)), 100)
     assert (ex.captures, ex.binary_batches) == after[:2]
@@ -115,14 +116,13 @@ def test_captured_sampler_draws_the_filtered_softmax():
 def test_shared_arena_steps_match_the_reference(ready, tiny_path):
     """After prepare_all every graph shares one activation arena: teacher-forced steps of mixed widths across
     all three buckets still match the reference."""
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
-    from test_compiled_step import teacher_forced_errors
 
     ex, _ = ready
     ref = Reference(ReferenceWeights.load(open_model(tiny_path), "cuda"), max_ctx=128)
     toks = torch.randint(0, 512, (110,), generator=torch.Generator().manual_seed(7)).tolist()
-    e = teacher_forced_errors(ex, ref, toks, (5, 1, 3, 2), 100)
+    e, _ = teacher_forced_errors(ex, ref, toks, (5, 1, 3, 2), 100)
     assert e.median() < 1e-2 and torch.quantile(e, 0.9) < 3e-2 and e.max() < 0.25, e
     ex.reset()
 
@@ -132,7 +132,7 @@ def test_speculative_greedy_on_the_compiled_step(ready):
     the compiled step's own autoregressive output; where they part, the target's top two logits there are a
     near-tie (its verify rows and its decode steps round differently, within the kernels' tolerance)."""
     from ds4c.generate import generate
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ex, _ = ready
     prompt = [5, 17, 301, 42, 7, 99]
@@ -175,7 +175,7 @@ def test_pipelined_speculative_decoding_equals_the_synchronous_loop(ready, width
     ``ex.pos`` follows the autoregressive run. Prompt 20 + 60 new tokens cross the 32 and 64 buckets, where
     the queued step's bucket is chosen ahead."""
     from ds4c.generate import generate
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ex, _ = ready
     prompt = list(range(7, 27))
@@ -206,7 +206,7 @@ def test_a_pipelined_request_stopped_early_leaves_a_valid_state(ready):
     without waiting for it; the next request runs normally and gives the same tokens as a fresh run."""
     from ds4c.generate import stream
     from ds4c.generate import generate
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ex, _ = ready
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -215,7 +215,7 @@ def test_a_pipelined_request_stopped_early_leaves_a_valid_state(ready):
     got = [next(ts) for _ in range(7)]
     ts.stop()
     assert got == ar[:7]
-    assert ex._greedy_pipeline is not None and not ex._greedy_pipeline._queue
+    assert ex.verifier.pipeline is not None and not ex.verifier.pipeline._queue
     again = generate(ex, prompt, 40, draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4)
     assert again.tokens == generate(_Synchronous(ex), prompt, 40,
                                     draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=4).tokens
@@ -228,16 +228,16 @@ def test_a_pipelined_request_left_unread_is_ended_by_the_next_call(ready):
     forever behind it, and the stream then says so in one line."""
     from ds4c.errors import StepError
     from ds4c.generate import generate, stream
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     ex, _ = ready
     prompt = [2, 7, 1, 8, 2, 8]
     ar = generate(_HostSampled(ex), prompt, 30).tokens
     ts = stream(ex, prompt, 30, draft=OracleDrafter(0.9, 512, continuation=ar), spec_width=5)
     assert [next(ts) for _ in range(4)] == ar[:4]
-    assert ex._greedy_pipeline.busy
+    assert ex.verifier.pipeline.busy
     again = generate(ex, prompt, 30)  # would hang behind the queued step without the drain
-    assert again.tokens == ar and not ex._greedy_pipeline.busy
+    assert again.tokens == ar and not ex.verifier.pipeline.busy
     with pytest.raises(StepError, match="ended by another generation"):
         for _ in range(30):
             next(ts)

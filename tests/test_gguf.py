@@ -18,7 +18,8 @@ from gguf import GGUFValueType, GGUFWriter
 
 from ds4c.config import ARCH, preset, to_gguf_metadata
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import add_metadata_entries, ModelFile, open_model, write_model
+from ds4c.gguf_file import add_metadata_entries, ModelFile, write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType, dequantize, nbytes, quantize
 from ds4c.synth import make_model, producer
 from ds4c.tensors import (
@@ -427,7 +428,8 @@ def test_faithful_copy_opens(tmp_path, tiny):
 
 
 def test_extra_tensors_and_tokenizer_keys_are_ignored(tmp_path, tiny):
-    tokens = ["<bos>", "<eos>", "a", "b", "Ġthe"]
+    # one token per embedding row: a list of another length is a vocabulary mismatch (its own test)
+    tokens = ["<bos>", "<eos>", "a", "b", "Ġthe"] + [f"[PAD{i}]" for i in range(5, TINY.vocab_size)]
     p = copy_model(
         tiny, tmp_path / "extra.gguf",
         extra_tensors=[("dspark.0.attn_norm.weight", np.ones(TINY.hidden_size, np.float32), G.F32),
@@ -535,14 +537,28 @@ def test_truncated_file(tmp_path, tiny_path, cut):
     _open_fails(p, "truncated")
 
 
-def test_truncated_inside_header(tmp_path, tiny_path):
+@pytest.mark.parametrize("size", [5, 24, 100, 3000])
+def test_truncated_inside_header(tmp_path, tiny_path, size):
+    """Issue 28.8: a file cut inside its header says so, not numpy's "When changing to a larger dtype..."."""
     p = tmp_path / "head.gguf"
-    p.write_bytes(tiny_path.read_bytes()[:3000])
-    _open_fails(p, "not a readable GGUF")
+    p.write_bytes(tiny_path.read_bytes()[:size])
+    msg = _open_fails(p, "truncated GGUF file", f"the file has {size} bytes")
+    assert "dtype" not in msg and "index" not in msg and "Error" not in msg, msg
+
+
+def test_vocabulary_mismatch_names_the_embedding_and_the_tokenizer(tmp_path, tiny):
+    """Issue 28.8: a 500-row embedding with a 512-token tokenizer was reported as a bad tid2eid shape."""
+    tokens = tiny.metadata["tokenizer.ggml.tokens"]
+    emb = np.asarray(tiny.raw("token_embd.weight"))[:500]
+    p = copy_model(tiny, tmp_path / "vocab.gguf",
+                   replace={"token_embd.weight": (emb, tiny.ggml_type("token_embd.weight"))},
+                   meta_set={"tokenizer.ggml.tokens": (tokens, "arr_str")})
+    msg = _open_fails(p, "vocabulary mismatch", "token_embd.weight has 500 rows", "tokenizer", "512 tokens")
+    assert "tid2eid" not in msg
 
 
 @pytest.mark.parametrize("content,what", [(b"", "not a GGUF file"), (b"hello world\n", "not a GGUF file"),
-                                          (b"GGUF", "not a readable GGUF"), ("random", "not a GGUF file")])
+                                          (b"GGUF", "truncated GGUF file"), ("random", "not a GGUF file")])
 def test_not_a_gguf(tmp_path, content, what):
     p = tmp_path / "garbage.gguf"
     if content == "random":

@@ -7,7 +7,7 @@
   rms_norm, as ds4c.reference.model calls them) and the IR ops of the fused pattern, bit for bit;
 * the torch model of the kernels' split sums (``kernel_model``) matches the reference within fp32 tolerance.
 
-The GPU comparison is tools/gpu_checks/hc.py.
+The GPU comparison is tests/gpu_checks/hc.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ds4c.runtime.families import hc as H
 from ds4c.runtime.render import KernelSource, RenderError
 from ds4c.runtime.targets import target
 from kernel_compile import compile_kernel
+from numerics import BF16_ULP, fp32_order_bound
 
 WIDTHS = {"official": 4096, "tiny": 256}
 ARCHS = ("sm_90", "gfx942", "gfx1151")
@@ -187,7 +188,12 @@ def test_kernel_model_matches_reference(variant: str) -> None:
     ref, km = H.reference(spec, **inp), H.kernel_model(spec, **inp)
     for k in ref:
         err = (km[k].float() - ref[k].float()).abs().max() / ref[k].float().abs().max()
-        assert err < (1e-2 if ref[k].dtype == torch.bfloat16 else 1e-4), f"{k}: {err}"
+        # the block split reorders fp32 sums over the hc * hidden inputs of the mix (the rms and the mix
+        # products): fp32 outputs move by that order's bound; bf16 outputs are then roundings of such values,
+        # equal or one ulp (<= 2^-7 of the largest element) apart (measured: y 2e-3 on the default CPU path,
+        # 3e-5 with AVX2; fp32 outputs 4e-7)
+        bound = BF16_ULP if ref[k].dtype == torch.bfloat16 else fp32_order_bound(spec.hc * spec.hidden)
+        assert err <= bound, f"{k}: {err} > {bound}"
 
 
 def test_embed_pre_streams_are_copies() -> None:

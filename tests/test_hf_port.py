@@ -14,7 +14,7 @@ import torch
 from ds4c import hf_port
 from ds4c.config import preset
 from ds4c.errors import Ds4cError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference import primitives as P
 from ds4c.tensors import tensor_specs

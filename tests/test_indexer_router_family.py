@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,13 +23,9 @@ from ds4c.runtime.families import indexer as I
 from ds4c.runtime.families import router as R
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from emulators.experts_emu import FIBERS as _FIBERS
 from kernel_compile import compile_kernel, toolchain_or_skip
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    from tools.experts_emu import FIBERS as _FIBERS
-finally:
-    sys.path.pop(0)
 
 BF16 = torch.bfloat16
 ARCHS = ["sm_90", "gfx942", "gfx1151"]
@@ -346,7 +341,7 @@ def test_router_hand_ties() -> None:
 
 # ------------------------------------------------------------------------------------- CPU emulation of the kernels
 # The rendered kernels themselves, run on the CPU: the vendor prelude is swapped for one where a block's threads
-# are fibers on one OS thread (tools/experts_emu.py's FIBERS), ds4c_sync is a barrier that parks a fiber until the
+# are fibers on one OS thread (emulators/experts_emu.py's FIBERS), ds4c_sync is a barrier that parks a fiber until the
 # whole block arrives and a shuffle is an exchange through memory between two barriers (valid because every sync
 # and shuffle in these kernels is reached by the whole block). This runs the kernel
 # bodies as written, at wave 32 and wave 64, before any GPU sees them.

@@ -15,7 +15,7 @@ import torch
 
 from ds4c.config import MAX_WIDTH, preset
 from ds4c.errors import Ds4cError, StepError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.ir import (Interpreter, Sym, TensorType, Value, VerifyError, build_step, graph_hash, print_graph, run_step,
                      verify)
 from ds4c.ir.builder import state_inputs
@@ -25,6 +25,7 @@ from ds4c.ir.interpreter import InterpreterError, step_inputs
 from ds4c.ir.ops import OPS
 from ds4c.passes.manager import run_pipeline
 from ds4c.reference import Reference, ReferenceWeights
+from ds4c.reference import primitives as P
 from ds4c.reference.state import SequenceState
 from ds4c.tensors import tensor_specs
 
@@ -373,6 +374,34 @@ def test_interpreter_equals_reference_bit_for_bit(weights, tokens, q):
     assert state.layers[0].ring.abs().sum() > 0
     assert state.layers[3].comp[: N_POS // 16].abs().sum() > 0
     assert state.layers[2].idx_keys[: N_POS // 4].abs().sum() > 0
+
+
+@pytest.mark.parametrize("emulate", [True, False])
+def test_interpreter_equals_reference_bit_for_bit_in_the_fp32_dataflow(tiny_path, tokens, emulate):
+    """Interpreter(dataflow="fp32"): activations and state held in fp32, nothing rounded to bf16, as the
+    reference's fp32 dataflow computes them; logits and state equal the reference's exactly over 40 positions."""
+    w = ReferenceWeights.load(open_model(tiny_path), dataflow="fp32")
+    w.config = w.config.replace(quant_emulation=emulate)
+    ip = Interpreter(build_step(w.config, 3, max_ctx=MAX_CTX), w)
+    assert ip.dataflow == "fp32"
+    ref = Reference(w, max_ctx=MAX_CTX)
+    with P.dataflow("fp32"):
+        state = SequenceState.new(w.config, MAX_CTX)
+    for p in range(0, N_POS - 2, 3):
+        want = ref.verify(tokens[p:p + 3], p)
+        got = run_step(ip, state, tokens[p:p + 3], p)
+        assert torch.equal(got, want), f"p={p}: max diff {(got - want).abs().max().item()}"
+        assert state.equal(ref.state), f"p={p}: state differs"
+    assert state.layers[2].idx_keys.dtype == torch.float32 and state.layers[2].idx_keys.abs().sum() > 0
+
+
+def test_interpreter_refuses_a_dataflow_its_weights_were_not_loaded_for(weights):
+    g = build_step(TINY, 1, max_ctx=MAX_CTX)
+    with pytest.raises(InterpreterError, match=r"dataflow 'fp32' needs weights loaded with ReferenceWeights\.load"
+                                               r"\(\.\.\., dataflow='fp32'\); these were loaded for 'bf16'"):
+        Interpreter(g, weights, dataflow="fp32")
+    with pytest.raises(InterpreterError, match=r"dataflow must be one of \['bf16', 'fp32'\], found 'fp16'"):
+        Interpreter(g, weights, dataflow="fp16")
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from ds4c import quant as Q
 from ds4c.cli import main
 from ds4c.config import preset
 from ds4c.errors import ConfigError, ModelFileError, QuantError
-from ds4c.gguf_file import open_model, write_model
+from ds4c.gguf_file import write_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.synth import make_model, producer
@@ -199,7 +200,7 @@ F32_TYPES = {**FORMATS["official"], ROLE_FP4: G.F32, ROLE_FP8: G.F32, ROLE_BF16:
 @pytest.fixture(scope="module")
 def kfiles(tmp_path_factory):
     d = tmp_path_factory.mktemp("kquant")
-    from ds4c.tokenizer import synthetic_vocab
+    from ds4c.synth_vocab import synthetic_vocab
 
     return {k: write_model(d / f"{k}.gguf", TINY, types, producer(TINY, 3), tokenizer=synthetic_vocab(512, 0))
             for k, types in FILE_TYPES.items()}
@@ -313,7 +314,8 @@ def test_plan_bytes_use_stored_types(kfiles):
 def test_compiled_experts_accept_k_quants_other_types_refused_in_one_line(kfiles):
     """The experts kernels read K-quant banks (file "a": Q3_K gate/up, Q8_0 down); an expert stored F32 is
     still a one-line refusal naming it."""
-    from ds4c.runtime.lower import LoweringError, check_expert_formats
+    from ds4c.runtime.lower_step import check_expert_formats
+    from ds4c.runtime.lowered import LoweringError
 
     mf = open_model(kfiles["a"])
     types = {n: mf.ggml_type(n) for n in mf.specs}
@@ -331,7 +333,8 @@ def test_lowering_names_the_tensor_and_type():
     its own format)."""
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
-    from ds4c.runtime.lower import LoweringError, lower_graph
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.lowered import LoweringError
     from ds4c.runtime.targets import target
 
     g = run_pipeline(build_step(TINY, 1, max_ctx=128), "default", context=128).graph

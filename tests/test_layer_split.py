@@ -209,7 +209,7 @@ def test_model_api_takes_a_split(tiny_path):
     whole = Model(tiny_path, max_ctx=64)
     split = Model(tiny_path, max_ctx=64, devices=["cpu", "cpu"], layer_split=[4, 2])
     assert isinstance(split.stepper, ShardedReference) and split.stepper.plan.layers == (4, 2)
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     a = whole.generate([3, 1, 4, 1, 5], max_new_tokens=10).result.tokens
     b = split.generate([3, 1, 4, 1, 5], max_new_tokens=10).result.tokens

@@ -18,9 +18,9 @@ SPLITS = [(1, 5), (3, 3), (5, 1), (2, 2, 2)]
 @pytest.fixture(scope="module")
 def env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 128, contexts=(32, 64, 128))
@@ -31,7 +31,7 @@ def env(tiny_path, tmp_path_factory):
 
 
 def _split(env, split):
-    from ds4c.runtime.executor import device_arch
+    from ds4c.runtime.step import device_arch
     from ds4c.runtime.sharded import ShardedStep
     from ds4c.shard_plan import ShardPlan
 
@@ -90,7 +90,7 @@ def test_shards_share_no_memory_and_stay_on_their_device(env):
             assert not ptrs[a] & ptrs[b], f"shards {a} and {b} share {len(ptrs[a] & ptrs[b])} storages"
     # the layers each shard holds: its own state names only
     assert {n.split(".")[0] for n in s.shards[1].state} == {"l2", "l3"}
-    assert s.shards[0]._logits is None and s.shards[-1].hc_out is None and s.shards[0].hc_in is None
+    assert s.shards[0].graphs.logits is None and s.shards[-1].hc_out is None and s.shards[0].hc_in is None
 
 
 def test_split_generates_the_unsplit_tokens(env):
@@ -107,12 +107,13 @@ def test_split_generates_the_unsplit_tokens(env):
     a = generate(whole, prompt, 40, temperature=0.8, top_k=50, seed=3).tokens
     b = generate(s, prompt, 40, temperature=0.8, top_k=50, seed=3).tokens
     assert a == b
-    assert s.captures == sum(len(sh._graphs) + len(sh._decode_graphs) + len(sh._accept_graphs) for sh in s.shards)
+    assert s.captures == sum(len(sh.graphs.by_key) + len(sh.loop.graphs) + len(sh.verifier.accept_graphs) for sh in s.shards)
 
 
 def test_split_artifact_serves_its_split_only(env, tmp_path):
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.sharded import ShardedStep
     from ds4c.runtime.targets import target
     from ds4c.shard_plan import ShardPlan
@@ -134,6 +135,39 @@ def test_split_artifact_serves_its_split_only(env, tmp_path):
         CompiledStep(mf, buckets, device_arch(), artifact=str(art))
 
 
+def test_an_open_loads_and_verifies_the_manifest_once(env, tiny_path, tmp_path, monkeypatch):
+    """open_engine loads and verifies an artifact's manifest (every binary's sha256 included) once per open and
+    hands the opened Artifact to the step, unsplit or split; a ShardedStep given a path opens it once for all its
+    shards (before: once in open_engine, then again in every CompiledStep)."""
+    from ds4c.engine import open_engine
+    from ds4c.runtime import artifact_manifest
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.step import device_arch
+    from ds4c.runtime.sharded import ShardedStep
+    from ds4c.runtime.targets import target
+    from ds4c.shard_plan import ShardPlan
+    from ds4c.sources import open_model
+
+    mf, buckets, cache, _ = env
+    types = {n: mf.ggml_type(n) for n in mf.specs}
+    whole = build_artifact(mf.config, [target(device_arch())], buckets, tmp_path / "w", cache, progress=False,
+                           weight_types=types)
+    split = build_artifact(mf.config, [target(device_arch())], buckets, tmp_path / "s", cache, progress=False,
+                           weight_types=types, layer_split=(4, 2))
+    loads: list = []
+    real = artifact_manifest.load_manifest
+    monkeypatch.setattr(artifact_manifest, "load_manifest", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    eng = open_engine(open_model(tiny_path), "cuda", artifact=whole, max_ctx=None, prepare=False, progress=False)
+    assert loads == [whole] and eng.artifact == str(whole)
+    loads.clear()
+    open_engine(open_model(tiny_path), "cuda", artifact=split, max_ctx=None, prepare=False, progress=False,
+                devices="cuda:0,cuda:0", layer_split="4,2")
+    assert loads == [split]
+    loads.clear()
+    ShardedStep(mf, buckets, ShardPlan(("cuda:0", "cuda:0"), (4, 2)), device_arch(), artifact=str(split))
+    assert loads == [str(split)]
+
+
 def test_engine_opens_a_split_from_the_options(env):
     from ds4c.engine import open_engine
     from ds4c.runtime.sharded import ShardedStep
@@ -152,7 +186,7 @@ def test_speculative_decoding_through_the_split_equals_unsplit(env):
     pipelined loop gives the same tokens (its widths are fixed a step ahead, so its last steps' widths and
     verified counts may differ)."""
     from ds4c.generate import generate
-    from ds4c.speculative import OracleDrafter
+    from ds4c.drafters.oracle import OracleDrafter
 
     class StepByStep(OracleDrafter):
         host_only = False

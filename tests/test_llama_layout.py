@@ -40,7 +40,7 @@ def written_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def mf(written):
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     return open_model(written["path"])
 
@@ -259,7 +259,7 @@ def test_ds4c_reads_every_tensor_it_needs(written, mf):
 
 
 def test_ds4c_opens_vision_bias_file(tmp_path):
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     w = write_llama_layout_model(tmp_path / "vl.gguf", seed=1, vision_bias=True)
     vl = [n for n in w["tensors"] if "exp_probs_b_vl" in n]
@@ -406,7 +406,7 @@ def test_ds4c_reads_the_mtp_export(written_mtp):
 
     from ds4c.cli import main
     from ds4c.errors import ModelFileError
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     path = written_mtp["path"]
     with pytest.raises(ModelFileError, match=r"MTP-only GGUF .*blk\.6") as ei:
@@ -424,3 +424,51 @@ def test_ds4c_reads_the_mtp_export(written_mtp):
     out = CliRunner().invoke(main, ["info", str(path)])
     assert out.exit_code == 0, out.output
     assert "MTP-only file" in out.output and "eh_proj Q8_0" in out.output and "shared_head_norm F32" in out.output
+
+
+# --------------------------------------------------------------------------------------------------
+# a config.json saved by transformers 5.x: no raw rope_scaling, so no rope.scaling.* keys (issue 28.2)
+
+@pytest.fixture(scope="module")
+def written_no_scaling(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return write_llama_layout_model(tmp_path_factory.mktemp("llama_layout_hf5") / "dsv4-hf5.gguf", seed=0,
+                                    rope_scaling=False)
+
+
+def test_file_without_rope_scaling_keys_runs_without_yarn(written_no_scaling, written, mf, capfd):
+    """llama.cpp's loader reads the rope.scaling.* keys as optional (no factor: freq_scale 1, no YaRN); ds4c
+    opens such a file the same way, says so once on stderr and in ``ds4c info``, and generates from it."""
+    import ds4c
+    from ds4c.cli import main
+    from ds4c.sources import open_model
+    from ds4c.reference.primitives import rope_freqs
+
+    path = written_no_scaling["path"]
+    assert not [k for k in GGUFReader(path).fields if k.startswith(f"{ARCH}.rope.scaling.")]
+    capfd.readouterr()
+    f = open_model(path)
+    cfg, hp = f.config, written_no_scaling["hparams"]
+    assert not cfg.yarn and cfg.rope_factor == 1.0 and cfg.original_seq_len == hp["max_position_embeddings"]
+    assert f.absent_keys == {f"{ARCH}.rope.scaling.factor": 1.0,
+                             f"{ARCH}.rope.scaling.original_context_length": hp["max_position_embeddings"],
+                             f"{ARCH}.rope.scaling.yarn_beta_fast": 32.0, f"{ARCH}.rope.scaling.yarn_beta_slow": 1.0}
+    # everything else reads as from the file with the keys
+    assert cfg.replace(rope_factor=mf.config.rope_factor, original_seq_len=mf.config.original_seq_len) == mf.config
+    assert mf.absent_keys == {} and mf.config.yarn
+    err = capfd.readouterr().err
+    assert err.count("ds4c: note:") == 1 and f"no {ARCH}.rope.scaling.factor" in err and "RoPE scaling: none" in err
+    open_model(path)
+    assert "note" not in capfd.readouterr().err  # once per file and process
+    # the compressing layers rotate with the plain frequencies of their base, as llama.cpp's ext_factor 0 does
+    m = ds4c.Model(f)
+    d = cfg.rope_dim
+    plain = 1.0 / (cfg.compress_rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    assert torch.equal(m.stepper._freqs[True].cpu(), plain)
+    assert not torch.equal(rope_freqs(d, cfg.compress_rope_theta, True, 16.0, 65536, 32.0, 1.0), plain)
+    c = m.generate("Hello world", max_new_tokens=3, ignore_eos=True)
+    assert len(c.ids) == 3 and c.stop_reason == "length"
+    r = CliRunner().invoke(main, ["info", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "rope scaling: none" in r.output and f"metadata: no {ARCH}.rope.scaling.factor" in r.output, r.output
+    r = CliRunner().invoke(main, ["info", str(written["path"])])
+    assert "rope scaling: YaRN on the compressing layers (factor 16" in r.output and "metadata:" not in r.output

@@ -14,7 +14,8 @@ from ds4c.config import preset
 from ds4c.ir import build_step
 from ds4c.ir.printer import value_names
 from ds4c.passes.manager import run_pipeline
-from ds4c.runtime.lower import LoweringError, lower_graph
+from ds4c.runtime.lower import lower_graph
+from ds4c.runtime.lowered import LoweringError
 from ds4c.runtime.targets import target
 from ds4c.tensors import tensor_specs
 
@@ -60,10 +61,10 @@ def test_every_plan_kernel_lowers_with_resolvable_bindings(name, ctx, q, arch):
 
 @pytest.mark.parametrize("q", [1, 5])
 def test_experts_prequant_lowers_four_launches(q, monkeypatch):
-    """runtime/lower.py EXPERTS_PREQUANT (ExpertsSpec.prequant: on by default, ``DS4C_XP_PREQUANT=0`` for an A/B):
+    """runtime/lower_step.py EXPERTS_PREQUANT (ExpertsSpec.prequant: on by default, ``DS4C_XP_PREQUANT=0`` for an A/B):
     each MoE layer's experts kernel is four launches (x quantized once, up, h quantized once, down) whose
     workspaces are bound and whose parameter counts are their bindings; with it off, two."""
-    import ds4c.runtime.lower as L
+    import ds4c.runtime.lower_step as L
 
     cfg = preset("flash-l4")
     g = _graph("flash-l4", q, 4096)

@@ -34,11 +34,11 @@ from ds4c.drafters.mtp_model import MTPModel
 from ds4c.drafters.mtp_synth import make_mtp, mtp_seed
 from ds4c.errors import ModelFileError, StepError
 from ds4c.generate import filter_logits, generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference.compiled import CompiledReference
-from ds4c.speculative import make_drafter
+from ds4c.drafters.factory import make_drafter
 
 TINY = preset("tiny")
 N = TINY.n_layers  # the MTP block is blk.6

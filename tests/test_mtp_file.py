@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from ds4c.cli import main
 from ds4c.config import preset, to_gguf_metadata
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType
 from ds4c.synth import producer
 from ds4c.tensors import FORMATS, nextn_tensor_specs, root_tensor_specs, tensor_specs

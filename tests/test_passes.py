@@ -18,7 +18,7 @@ import torch
 from ds4c.buckets import BucketSpec, span_capacity
 from ds4c.config import preset
 from ds4c.errors import ConfigError, StepError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.ir import Interpreter, Sym, TensorType, Value, VerifyError, build_step, print_graph, run_step, verify
 from ds4c.ir.graph import Graph, Op
 from ds4c.ir.interpreter import InterpreterError

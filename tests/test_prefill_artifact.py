@@ -26,12 +26,14 @@ from ds4c.errors import StepError
 from ds4c.ir import build_step
 from ds4c.ir.printer import graph_hash
 from ds4c.passes.manager import run_pipeline
-from ds4c.runtime import artifact as art
+from ds4c.runtime import artifact_manifest
 from ds4c.runtime import lower as lower_mod
 from ds4c.runtime import lower_prefill as lp
-from ds4c.runtime.artifact import ArtifactError, build_artifact, check_serves, load_manifest
+from ds4c.runtime.artifact import build_artifact
+from ds4c.runtime.artifact_manifest import ArtifactError, load_manifest
+from ds4c.runtime.artifact_serve import check_lowering, check_serves, launch_binaries
 from ds4c.runtime.cache import KernelCache
-from ds4c.runtime.lower import Arg, Launch
+from ds4c.runtime.lowered import Arg, Launch
 from ds4c.runtime.render import render
 from ds4c.runtime.targets import parse_targets
 from ds4c.tensors import FORMATS, tensor_specs
@@ -56,8 +58,8 @@ def forge(out: Path, fn) -> str:
     man = json.loads(mpath.read_text())
     fn(man)
     man.pop("integrity")
-    man["integrity"] = art._integrity(man)
-    mpath.write_text(art._manifest_text(man))
+    man["integrity"] = artifact_manifest.integrity_record(man)
+    mpath.write_text(artifact_manifest.manifest_text(man))
     with pytest.raises(ArtifactError) as ei:
         load_manifest(out)
     assert "\n" not in str(ei.value)
@@ -89,7 +91,7 @@ def test_prefill_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
                          prefill_chunks=(128, 16))
     man, man_p = load_manifest(out), load_manifest(plain)
     assert man["prefill_chunks"] == [16, 128] and "prefill_chunks" not in man_p
-    assert art.manifest_prefill_chunks(man) == (16, 128) and art.manifest_prefill_chunks(man_p) == ()
+    assert artifact_manifest.manifest_prefill_chunks(man) == (16, 128) and artifact_manifest.manifest_prefill_chunks(man_p) == ()
     steps = ["q1_c64", "q1_c128", "q2_c64", "q2_c128"]
     assert list(man["graphs"]) == steps + ["p16_c64", "p16_c128", "p128_c128"]
     assert list(man_p["graphs"]) == steps
@@ -125,15 +127,15 @@ def test_prefill_artifact_manifest_and_serving(tmp_path, cache_dir, fake_lower):
 
     g = run_pipeline(build_step(TINY, 16, 128, prefill=True), "default", context=64).graph
     ks = lower_mod.lower_graph(g, TINY, target(SM90))
-    paths = art.launch_binaries(man, out, SM90, 16, 64, ks, OFFICIAL, prefill=True)
+    paths = launch_binaries(man, out, SM90, 16, 64, ks, OFFICIAL, prefill=True)
     assert len(paths) == sum(len(k.launches) for k in ks) and all(p.is_file() for p in paths)
     with pytest.raises(ArtifactError, match=r"no prefill chunk graph p128_c64 \(128 rows, context 64\) for "
                                             r"cuda-sm_90: it has q1_c64, .*p128_c128"):
-        art.launch_binaries(man, out, SM90, 128, 64, ks, OFFICIAL, prefill=True)
+        launch_binaries(man, out, SM90, 128, 64, ks, OFFICIAL, prefill=True)
     with pytest.raises(ArtifactError, match="no prefill chunk graph p16_c64"):
-        art.launch_binaries(man_p, plain, SM90, 16, 64, ks, OFFICIAL, prefill=True)
-    n_plain = art.check_lowering(man_p, plain, TINY, OFFICIAL)
-    assert art.check_lowering(man, out, TINY, OFFICIAL) > n_plain > 0  # the chunk graphs are paired too
+        launch_binaries(man_p, plain, SM90, 16, 64, ks, OFFICIAL, prefill=True)
+    n_plain = check_lowering(man_p, plain, TINY, OFFICIAL)
+    assert check_lowering(man, out, TINY, OFFICIAL) > n_plain > 0  # the chunk graphs are paired too
 
 
 @needs_compilers
@@ -313,9 +315,9 @@ def test_real_prefill_compile_with_stubbed_experts(tmp_path, cache_env, monkeypa
     assert man["build"]["launches"] > len(t["binaries"])
     assert man["build"]["unique_binaries"] == len(t["binaries"])
     assert len({b["key"] for b in t["binaries"].values()}) == len(t["binaries"])
-    paths = art.launch_binaries(man, out, SM90, 16, 64, ks, OFFICIAL, prefill=True)
+    paths = launch_binaries(man, out, SM90, 16, 64, ks, OFFICIAL, prefill=True)
     assert len(paths) == sum(len(k.launches) for k in ks)
-    assert art.check_lowering(man, out, TINY, OFFICIAL) == len(paths) + sum(
+    assert check_lowering(man, out, TINY, OFFICIAL) == len(paths) + sum(
         len(k["launches"]) for k in t["graphs"]["q1_c64"]["kernels"])
     r = run("inspect", out, "--model", tiny_path)
     assert r.exit_code == 0 and "serves" in r.stdout, r.output

@@ -162,10 +162,10 @@ LENGTHS = (1, 15, 16, 17, 40, 64, 100, 129, 320)  # 320 = 20x the tiny window; 1
 @pytest.fixture(scope="module")
 def gpu_env(tiny_path, tmp_path_factory):
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512, contexts=(64, 128, 256, 512))
@@ -274,8 +274,8 @@ def test_prefill_refusals_and_no_capture_after_start(gpu_env, tiny_path):
     """Every chunk graph is captured by prepare_all (none after); a prefill not at the next position, of nothing,
     or past max_ctx is a one-line StepError; chunks with taps / record_hc / a split are refused (from an artifact:
     test_prefill_from_an_artifact)."""
-    from ds4c.gguf_file import open_model
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.sources import open_model
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     chunked = gpu_env[0]
     chunked.reset()
@@ -297,8 +297,8 @@ def test_chunked_prefill_records_the_final_hc(gpu_env, tiny_path):
     leaves it: after a 100-token prompt (chunks 64, 16, 16, then 4 tokens as a verify step; past the 21-row ring) the newest window of
     rows equals the token-wise compiled step's within the noise floor (median below 3x the floor of the last
     layer's buffers, at least 2e-2; max < 0.25: the bound of the other free-running comparisons)."""
-    from ds4c.gguf_file import open_model
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.sources import open_model
+    from ds4c.runtime.step import CompiledStep, device_arch
 
     chunked, floor = gpu_env[0], gpu_env[3]
     mf = open_model(tiny_path)
@@ -326,7 +326,7 @@ def test_memory_plan_counts_the_widest_chunk_graph():
     """With prefill chunks the plan's arena holds the widest chunk graph's activations and its workspaces: on
     flash-l4 at C = 2048 at least the grouped experts' bf16 [C, k, D] outputs and the f16 [C, D] quantized x."""
     from ds4c.buckets import BucketSpec
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.runtime.memory_plan import plan_parts
 
     mf = open_model("synthetic:flash-l4")
@@ -347,9 +347,10 @@ def test_prefill_from_an_artifact(gpu_env, tiny_path, tmp_path):
     that compiled its own chunk graphs (the same binaries); open_engine defaults to the artifact's chunks; chunks the
     artifact lacks are a one-line ArtifactError naming both."""
     from ds4c.engine import open_engine
-    from ds4c.gguf_file import open_model
-    from ds4c.runtime.artifact import ArtifactError, build_artifact
-    from ds4c.runtime.executor import CompiledStep, device_arch
+    from ds4c.sources import open_model
+    from ds4c.runtime.artifact import build_artifact
+    from ds4c.runtime.artifact_manifest import ArtifactError
+    from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.targets import target
 
     chunked = gpu_env[0]

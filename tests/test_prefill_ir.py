@@ -153,7 +153,8 @@ def test_lowering_refuses_prefill_graphs_in_one_line() -> None:
     """A chunk graph lowers whole for sm_90 (runtime/lower_prefill.py, tests/test_prefill_lower.py); for a target
     the grouped-experts family does not build (gfx1151), without a ``pending`` list the refusal is one line
     naming the first pending kernel and the family."""
-    from ds4c.runtime.lower import LoweringError, lower_graph
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.lowered import LoweringError
     from ds4c.runtime.targets import target
 
     g = run_pipeline(build_step(TINY, 64, 128, prefill=True), "default", context=128).graph

@@ -33,6 +33,7 @@ from ds4c.runtime.families import tap as TP
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from gpu_checks import tap as G
 
 TINY = preset("tiny")
 MAX_CTX = 96
@@ -288,13 +289,14 @@ def test_copy_kernel_emulated_on_cpu_equals_the_op(arch, case, tmp_path):
 
 # ------------------------------------------------------------------------------------ the drafter's side
 class _CompiledLike:
-    """A stepper with the compiled step's interface to the MTP drafter (``pos``, ``mf``, ``record_hc``,
-    ``records_final_hc``, ``final_hc_rows``, ``record_final_hc``, ``final_hc``; no ``w``, no ``state``), its rows
-    from a reference: so the drafter's compiled path (the target's embedding and head from the model file) runs on
-    the CPU."""
+    """A stepper with the compiled step's interface to the MTP drafter (``pos``, ``mf``; recording fixed when built,
+    ``taps`` and ``record_hc``: :class:`ds4c.engine_protocol.BuiltRecording`; ``records_final_hc``,
+    ``final_hc_rows``, ``record_final_hc``, ``final_hc``: :class:`ds4c.engine_protocol.FinalHCReader`; no ``w``, no
+    ``state``), its rows from a reference: so the drafter's compiled path (the target's embedding and head from the
+    model file) runs on the CPU."""
 
     def __init__(self, ref: Reference, mf, record_hc: bool = True):
-        self._ref, self.mf, self.record_hc = ref, mf, record_hc
+        self._ref, self.mf, self.record_hc, self.taps = ref, mf, record_hc, ()
         self.records_final_hc = record_hc
         self.final_hc_rows = ref.final_hc_rows if record_hc else None
 
@@ -315,7 +317,7 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
     head are read once per stepper. A compiled step built without record_hc is refused in one line naming how."""
     from ds4c.drafters.mtp import FileTarget, MTPDrafter
     from ds4c.drafters.mtp_synth import make_mtp
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     mtp = make_mtp(TINY, tmp_path / "tiny-mtp.gguf", seed=0)
     prompt = [5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 128, 9, 33, 77, 401, 2, 18, 260, 95]  # past the window
@@ -333,8 +335,11 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
     da, db = a.propose(ctx, 4), b.propose(ctx, 4)
     assert da == db and torch.equal(a.last_logits, b.last_logits) and torch.equal(a.model.ring, b.model.ring)
     assert torch.equal(b._weights.head, tiny_weights.head) and torch.equal(b._weights.embed, tiny_weights.embed)
+    target = b._weights
     b.prepare(like, prompt, 8)  # the next request: the same block, the same file target
-    assert like._mtp_target is b._weights
+    c = MTPDrafter(mtp)
+    c.prepare(like, prompt, 8)  # another drafter on the same stepper: the same file target (one per stepper)
+    assert b._weights is target and c._weights is target
     off = _CompiledLike(Reference(tiny_weights, max_ctx=64), open_model(tiny_path), record_hc=False)
     with pytest.raises(StepError, match=r"which this _CompiledLike does not record: open the compiled step with "
                                         r"record_hc=True \(ds4c generate --draft mtp does") as ei:
@@ -343,10 +348,8 @@ def test_the_drafter_on_a_compiled_stepper_reads_the_file_target(tiny_weights, t
 
 
 def test_the_gpu_check_covers_the_copy_mode():
-    """tools/gpu_checks/tap.py (run by tools/gpu_kernel_check.py on a GPU) has copy-mode cases at the official shape
+    """tests/gpu_checks/tap.py (run by tests/test_gpu_kernels.py on a GPU) has copy-mode cases at the official shape
     (rows wrapping the window + 5 ring) and the tiny one, and they render."""
-    from tools.gpu_checks import tap as G
-
     copies = [(spec, pos) for _, spec, pos in G.CASES if spec.copy]
     assert {s.hidden for s, _ in copies} == {256, 4096} and any(pos + s.q > s.window for s, pos in copies)
     for i, (s, _) in enumerate(copies):

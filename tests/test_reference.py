@@ -15,7 +15,7 @@ import torch
 from ds4c.config import preset
 from ds4c.errors import StepError
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference import primitives as P
 from ds4c.synth import RESIDUAL_RMS_BAND, make_model

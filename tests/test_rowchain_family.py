@@ -10,7 +10,7 @@
   on fresh random data;
 * spec validation errors.
 
-The kernels run on a GPU in tools/gpu_checks/rowchain.py.
+The kernels run on a GPU in tests/gpu_checks/rowchain.py.
 """
 
 from __future__ import annotations

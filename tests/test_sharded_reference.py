@@ -16,10 +16,10 @@ import torch
 
 from ds4c.errors import StepError
 from ds4c.generate import generate
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import Reference, ReferenceWeights, SequenceState, ShardedReference
 from ds4c.shard_plan import ShardPlan, ShardPlanError
-from ds4c.speculative import OracleDrafter
+from ds4c.drafters.oracle import OracleDrafter
 
 MAX_CTX = 64
 WIDTHS = [1, 2, 3, 4, 5] * 3  # 45 positions; width 1 runs as decode()

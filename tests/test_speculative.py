@@ -14,7 +14,9 @@ from click.testing import CliRunner
 from ds4c.errors import StepError
 from ds4c.generate import filter_logits, generate
 from ds4c.reference import Reference
-from ds4c.speculative import OracleDrafter, SpecStats, WidthPolicy, accept, accept_greedy, make_drafter
+from ds4c.drafters.factory import make_drafter
+from ds4c.drafters.oracle import OracleDrafter
+from ds4c.speculative import SpecStats, WidthPolicy, accept, accept_greedy
 from test_sampler import CHI2_1E4, _chi2
 
 V = 9

@@ -15,7 +15,8 @@ from ds4c import synth as S
 from ds4c.cli import main
 from ds4c.config import preset
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType as G
 from ds4c.quant import dequantize
 from ds4c.shard_plan import ShardPlan, ShardPlanError
@@ -171,7 +172,7 @@ def _plan(spec: str, free: list[int] | None, plan=None):
 
 def test_memory_plan_adds_up_and_agrees_with_the_layer_split_model():
     from ds4c.buckets import BucketSpec
-    from ds4c.runtime.sharded import memory_model
+    from ds4c.runtime.memory_plan import memory_model
 
     mf = open_model("synthetic:tiny")
     b = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512)
@@ -207,7 +208,7 @@ def test_memory_plan_refuses_in_one_line_naming_the_shortfall():
 def test_compiled_engine_refuses_before_loading_anything(monkeypatch, capsys):
     """open_engine on a (faked) CUDA device with too little free memory: the plan goes to stderr and the
     refusal comes before any CompiledStep exists (nothing is loaded)."""
-    import ds4c.runtime.executor as ex
+    import ds4c.runtime.step as ex
     import ds4c.runtime.sharded as sh
     from ds4c.engine import open_engine
 

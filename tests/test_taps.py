@@ -35,6 +35,8 @@ from ds4c.runtime.families import tap as TP
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from gpu_checks import FAMILIES
+from gpu_checks import tap as G
 
 TINY = preset("tiny")
 TAPS = (3, 4, 5)  # tiny's default_taps: its last three layers (HCA, CSA, HCA; 5 is the last: the head's streams)
@@ -197,7 +199,7 @@ def test_prefill_chunk_taps_skip_the_padded_rows(tiny_weights, tokens):
 def test_layer_split_taps_equal_the_unsplit_ones(tiny_weights, tiny_path, tokens):
     """The shards' graphs (layers [0,4) with tap 3, [4,6) with taps 4, 5) write one ring as the unsplit graph does,
     bit for bit; ShardedReference.main_hidden gathers the shards' taps into the unsplit reference's."""
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
     from ds4c.reference.sharded import ShardedReference
     from ds4c.shard_plan import parse_plan
 
@@ -375,12 +377,9 @@ def test_hc_head_streams_compiles_without_spills(arch, tmp_path):
 
 
 def test_the_gpu_check_covers_the_family():
-    """tools/gpu_checks/tap.py (run by tools/gpu_kernel_check.py on a GPU): its cases render here, cover q = 1 and 5,
+    """tests/gpu_checks/tap.py (run by tests/test_gpu_kernels.py on a GPU): its cases render here, cover q = 1 and 5,
     a one-slot shard and a window wrap, and match their references' shapes."""
-    from tools import gpu_kernel_check
-    from tools.gpu_checks import tap as G
-
-    assert "tap" in gpu_kernel_check.FAMILIES
+    assert "tap" in FAMILIES
     specs = [spec for _, spec, _ in G.CASES]
     assert {s.q for s in specs} == {1, 5} and any(len(s.slots) < s.n_taps for s in specs)
     assert any(pos + s.q > s.window for _, s, pos in G.CASES)

@@ -1,4 +1,4 @@
-"""Tests of ds4c.tokenizer: the deepseek-v3 pre-tokenizer splits (known answers read off the regexes of
+"""Tests of ds4c.tokenizer and ds4c.synth_vocab: the deepseek-v3 pre-tokenizer splits (known answers read off the regexes of
 llama.cpp's src/llama-vocab.cpp, not produced by the code), encode/decode round trips (ASCII, code, CJK, emoji,
 control characters), special / user-defined tokens, the streaming detokenizer on split and invalid UTF-8,
 synthetic vocabularies (exact sizes, determinism across processes, BPE validity, the chat template), GGUF
@@ -17,17 +17,15 @@ import pytest
 
 from ds4c.config import preset
 from ds4c.errors import Ds4cError
+from ds4c.synth_vocab import MIN_SYNTHETIC_VOCAB, SYNTHETIC_CHAT_TEMPLATE, synthetic_vocab
 from ds4c.tokenizer import (
     BYTE_TO_CHAR,
     DEEPSEEK_V3_SPLITS,
-    MIN_SYNTHETIC_VOCAB,
-    SYNTHETIC_CHAT_TEMPLATE,
     StreamDecoder,
     Tokenizer,
     TokenizerError,
     TokenType,
     has_tokenizer,
-    synthetic_vocab,
 )
 
 TINY_VOCAB = preset("tiny").vocab_size
@@ -351,7 +349,7 @@ def test_synthetic_vocab_is_deterministic(tiny_meta: dict, flash_meta: dict) -> 
 
 def test_synthetic_vocab_same_bytes_in_another_process(tiny_meta: dict) -> None:
     """No dependence on hash seeds or process state (tokenizers' and Python's hashes are per process)."""
-    code = ("import hashlib, json; from ds4c.tokenizer import synthetic_vocab; "
+    code = ("import hashlib, json; from ds4c.synth_vocab import synthetic_vocab; "
             f"m = synthetic_vocab({TINY_VOCAB}); m2 = synthetic_vocab(5000, seed=3); "
             "print(hashlib.sha256(json.dumps([m, m2], sort_keys=True, ensure_ascii=False).encode()).hexdigest())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -17,9 +17,9 @@ from ds4c.runtime.families import rowchain as RC
 from ds4c.runtime.families import undo as U
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
+from gpu_checks import compressor as G
 from kernel_compile import compile_kernel, toolchain_or_skip
 from test_compressor_family import _emulated, emulate_kernel
-from tools.gpu_checks import compressor as G
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -14,15 +14,18 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from ds4c.drafters.factory import make_drafter
+from ds4c.drafters.oracle import OracleDrafter
 from ds4c.errors import StepError
 from ds4c.generate import generate
 from ds4c.reference import Reference
-from ds4c.speculative import OracleDrafter, WidthPolicy, make_drafter
+from ds4c.speculative import WidthPolicy
 from ds4c.width_policy import (ConfidenceCalibration, ConfidencePolicy, OnlineLogistic, best_draft_count,
                                confidence_logit)
 
@@ -122,10 +125,12 @@ def test_policy_picks_k_from_confidence():
 class Scripted:
     """A target whose greedy continuation is ``seq``: row ``i`` of ``verify(tokens, pos)`` has its argmax at
     ``seq[pos + i + 1]``. Checks the loop's positions (every call at the sequence's next position, rollbacks
-    keeping 1..q rows) and records the width of every step after the prompt (``steps``; a decode is 1)."""
+    keeping 1..q rows) and records the width of every step after the prompt (``steps``; a decode is 1). An
+    :class:`ds4c.engine_protocol.Engine` (its ``cfg`` holds only the vocabulary size)."""
 
     def __init__(self, seq: list[int], vocab: int, prompt_len: int):
         self.seq, self.V, self.prompt_len = seq, vocab, prompt_len
+        self.cfg = SimpleNamespace(vocab_size=vocab)
         self.max_ctx = len(seq) + 8
         self.reset()
 

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4c.buckets import BucketSpec  # noqa: E402
 from ds4c.config import preset  # noqa: E402
-from ds4c.drafters.dspark_file import open_dspark  # noqa: E402
+from ds4c.drafters.dspark_sources import open_dspark  # noqa: E402
 from ds4c.drafters.dspark_synth import make_dspark  # noqa: E402
-from ds4c.gguf_file import open_model  # noqa: E402
+from ds4c.sources import open_model  # noqa: E402
 from ds4c.runtime.cache import KernelCache  # noqa: E402
 from ds4c.runtime.dspark_exec import CompiledDSpark  # noqa: E402
-from ds4c.runtime.executor import CompiledStep  # noqa: E402
+from ds4c.runtime.step import CompiledStep  # noqa: E402
 from ds4c.synth import make_model  # noqa: E402
 
 

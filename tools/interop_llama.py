@@ -36,7 +36,7 @@ import torch
 from ds4c.config import preset
 from ds4c.engine import open_engine
 from ds4c.errors import Ds4cError
-from ds4c.gguf_file import open_model
+from ds4c.sources import open_model
 from ds4c.reference import MAX_WIDTH
 from ds4c.synth import make_model
 from ds4c.tokenizer import Tokenizer

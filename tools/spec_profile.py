@@ -33,7 +33,7 @@ def main() -> int:
     import torch
 
     from ds4c.engine import open_engine
-    from ds4c.gguf_file import open_model
+    from ds4c.sources import open_model
 
     mf = open_model(a.model)
     V = mf.config.vocab_size
@@ -131,10 +131,10 @@ def main() -> int:
         t0 = time.perf_counter()
         step.arm_undo([tok] + drafts, pos)
         t1 = time.perf_counter()
-        step._upload([tok] + drafts, pos)
+        step.scalars.upload([tok] + drafts, pos)
         t2 = time.perf_counter()
         t.append((t1 - t0, t2 - t1))
-        step._undo = None
+        step.sequence.undo = None
     print(f"host: arm_undo {1e6 * med([x for x, _ in t]):.1f} us, _upload {1e6 * med([y for _, y in t]):.1f} us")
     return 0
 

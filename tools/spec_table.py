@@ -44,7 +44,7 @@ def rollback_costs(step, prompt: list[int], repeats: int = 30) -> dict[int, dict
         rb = []
         for _ in range(repeats):
             step.verify(toks, pos)
-            assert step._undo[0] == "kernel", step._undo[0]
+            assert step.sequence.undo[0] == "kernel", step.sequence.undo[0]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             step.rollback(0)  # back at pos: the next repeat verifies the same rows
@@ -87,8 +87,8 @@ def main() -> int:
 
     from ds4c.engine import open_engine
     from ds4c.generate import generate
-    from ds4c.gguf_file import open_model
-    from ds4c.speculative import OracleDrafter
+    from ds4c.sources import open_model
+    from ds4c.drafters.oracle import OracleDrafter
 
     mf = open_model(a.model)
     V = mf.config.vocab_size

@@ -1,5 +1,5 @@
 """The DSpark drafter of DeepSeek-V4-Flash-0731 driving the speculative loop on the reference engine
-(:mod:`ds4c.speculative`; spec ds4-flash.md section 7, taps 5.2(q)).
+(:mod:`ds4c.speculative`; docs/model.md section 7, taps 5.2(q)).
 
 :class:`DSparkDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper (a
 :class:`~ds4c.reference.Reference`), makes it record the taps of the drafter's target layers (``set_taps``) and resets
@@ -21,10 +21,13 @@ After each proposal, :attr:`DSparkDrafter.confidence` holds the sigmoid of the c
 (:mod:`ds4c.width_policy`). ``confidence[i]`` is computed from ``emb_i`` of the token before draft ``i``, so it
 depends on the drafts before ``i`` only.
 
-On a compiled target (a :class:`~ds4c.runtime.executor.CompiledStep`, recognised by its ``shared_weight``) the same
-drafter runs compiled (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, docs/drafter.md): the choice is made here,
-at :meth:`DSparkDrafter.prepare`, from the stepper the loop gives, so ``make_drafter`` and the engine need no
-second drafter kind.
+On a compiled target (a :class:`~ds4c.runtime.step.CompiledStep`: an engine with the
+:class:`~ds4c.engine_protocol.GraphHost` capability) the same drafter runs compiled
+(:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, docs/drafter.md): the choice is made here, at
+:meth:`DSparkDrafter.prepare`, from the stepper the loop gives, so ``make_drafter`` and the engine need no second
+drafter kind. The compiled step records the taps when built with them: the drafter declares them in :attr:`needs`,
+which :func:`ds4c.engine.open_engine` resolves when the model opens.
+
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from typing import Any
 import torch
 
 from ds4c.config import Ds4Config
-from ds4c.drafters.dspark_file import DSparkFile, open_dspark
+from ds4c.drafters.dspark_file import DSparkFile
+from ds4c.drafters.dspark_sources import open_dspark
 from ds4c.drafters.dspark_model import Draft, DSparkModel
+from ds4c.engine_protocol import EngineNeeds, GraphHost, TapsOnRequest
 from ds4c.errors import StepError
 
 
@@ -81,6 +86,12 @@ class DSparkDrafter:
         self._device_sampling = False
 
     @property
+    def needs(self) -> EngineNeeds:
+        """What it needs of the target engine: the taps of the file's target layers (spec 5.2(q)), recorded by the
+        compiled step's graphs when it is built with them (:func:`ds4c.engine.open_engine` resolves this)."""
+        return EngineNeeds(taps=tuple(self.file.taps))
+
+    @property
     def block_size(self) -> int:
         """Draft rows per block: the most tokens one :meth:`propose` drafts."""
         return self.file.block_size
@@ -117,11 +128,11 @@ class DSparkDrafter:
         self.generator = torch.Generator().manual_seed(self.seed)
         self.confidence, self.last_draft, self.last_written = None, None, []
         self._device_sampling = False
-        if callable(getattr(stepper, "shared_weight", None)):  # the compiled step: the compiled drafter
+        if isinstance(stepper, GraphHost):  # the compiled step: the compiled drafter
             self._prepare_compiled(stepper)
             return
         self.compiled = None
-        if not getattr(stepper, "records_taps", False) or not callable(getattr(stepper, "main_hidden", None)):
+        if not (isinstance(stepper, TapsOnRequest) and stepper.records_taps):
             raise StepError(f"the DSpark drafter needs the target's taps (spec 5.2(q)), which only the unsplit "
                             f"reference engine records (--engine reference, no layer split); found a "
                             f"{type(stepper).__name__}")
@@ -133,20 +144,21 @@ class DSparkDrafter:
         self.model.reset()
         self._stepper = stepper
 
-    def _prepare_compiled(self, stepper: Any) -> None:
-        """:meth:`prepare` on a :class:`~ds4c.runtime.executor.CompiledStep`: the compiled drafter
+    def _prepare_compiled(self, stepper: GraphHost) -> None:
+        """:meth:`prepare` on a :class:`~ds4c.runtime.step.CompiledStep`: the compiled drafter
         (:class:`~ds4c.runtime.dspark_exec.CompiledDSpark`, built and captured once per step), its rings reset. The
-        step must record the drafter's taps: a device ``tap_ring`` (bf16 [window, len(taps) * D], row ``t % window``
-        = ``main_hidden(t)``) or a ``main_hidden(start, stop)`` method, with ``taps`` equal to the file's."""
+        step must record the drafter's taps in its device ``tap_ring`` (bf16 [window, len(taps) * D], row
+        ``t % window`` = ``main_hidden(t)``), with ``taps`` equal to the file's."""
+        # the compiled drafter's module (kernel cache, launches) is imported only when a compiled target runs it:
+        # start-up speed of the reference engine and the CLI
         from ds4c.runtime.dspark_exec import CompiledDSpark
 
-        taps = tuple(getattr(stepper, "taps", None) or ())
-        has_rows = getattr(stepper, "tap_ring", None) is not None or callable(getattr(stepper, "main_hidden", None))
-        if taps != self.file.taps or not has_rows:
+        taps = tuple(stepper.taps or ())
+        if taps != self.file.taps:  # (a drafter file has taps: with them, an unsplit step has its tap ring)
             raise StepError(f"the compiled DSpark drafter reads the target's taps of layers {list(self.file.taps)} "
                             f"(spec 5.2(q)) from the compiled step's tap_ring; found a {type(stepper).__name__} "
-                            f"recording taps {list(taps)}{'' if has_rows else ' and no tap_ring'} (build the step "
-                            f"with taps={tuple(self.file.taps)}, or use --engine reference)")
+                            f"recording taps {list(taps)} (build the step with taps={tuple(self.file.taps)}: "
+                            f"Model(draft=...) / open_engine(draft=...) does, or use --engine reference)")
         if self.compiled is None or self.compiled.step is not stepper:
             self.compiled = CompiledDSpark(self.file, stepper)
             self.compiled.prepare(progress=False)
@@ -169,7 +181,7 @@ class DSparkDrafter:
             raise StepError(f"the DSpark drafter drafts 0..{self.block_size} tokens per step (block_size), asked for "
                             f"{k!r}: use a speculative width of at most {self.block_size + 1}")
         n = len(context) - 1  # committed positions 0 .. n-1; context[-1] sits at n
-        at = st.pos if self.compiled is not None else st.state.pos
+        at = st.pos
         if at != n:
             raise StepError(f"DSpark drafter: the target is at position {at}, the context asks for {n} "
                             f"(the anchor context[-1] is the next token the target runs)")
@@ -205,11 +217,7 @@ class DSparkDrafter:
         n = len(context) - 1
         start = self._to_commit(n, cd.ring_pos, cd.window)
         if n > start:
-            ring = getattr(st, "tap_ring", None)
-            if ring is not None:
-                cd.commit_taps(start, n, ring)
-            else:
-                cd.commit(start, st.main_hidden(start, n))
+            cd.commit_taps(start, n, st.tap_ring)
         if self.temperature == 0:
             d = cd.draft(int(context[-1]))
             self.last_draft = Draft(d.tokens, d.logits, None, d.confidence)  # device tensors, valid until the next

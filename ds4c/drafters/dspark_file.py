@@ -1,4 +1,4 @@
-"""The GGUF file of a DeepSeek-V4-Flash-0731 DSpark drafter (spec ds4-flash.md section 7), in llama.cpp's layout.
+"""The GGUF file of a DeepSeek-V4-Flash-0731 DSpark drafter (docs/model.md section 7), in llama.cpp's layout.
 
 llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4DSparkModel``) writes the checkpoint's ``mtp.0..2``
 tensors as a file of architecture ``dflash``; ds4c reads and writes that layout unchanged:
@@ -323,26 +323,3 @@ class DSparkFile:
             return self._tensors[name]
         except KeyError:
             raise ModelFileError(f"{self.path}: no tensor named {name!r}") from None
-
-
-def open_dspark(path: str | os.PathLike[str], target: Ds4Config | None = None,
-                device: torch.device | str = "cpu") -> DSparkFile:
-    """Open and validate a DSpark drafter file (:class:`DSparkFile`); with ``target``, also check it serves that
-    model (:meth:`DSparkFile.check_target`). Raises ModelFileError (one line).
-
-    ``synthetic:PRESET[:FORMATS[:SEED]]`` opens no file: the :class:`ds4c.drafters.dspark_source.SyntheticDSpark`
-    of the drafter ``make-model --preset PRESET --drafter dspark`` writes, its tensors generated on demand (by
-    default on ``device``; ``dspark:synthetic:...``, as ``--draft`` spells it, too); a bad spec is one line naming the
-    presets and formats (docs/synthetic.md)."""
-    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
-        raise ModelFileError(f"DSpark drafter: expected a file path (str or os.PathLike), found "
-                             f"{type(path).__name__} {path!r:.60}")
-    if str(path).startswith(("synthetic:", "dspark:synthetic:")):
-        from ds4c.drafters.dspark_source import open_synthetic_dspark  # stands where this reader stands
-
-        f: DSparkFile = open_synthetic_dspark(str(path), device)
-    else:
-        f = DSparkFile(path)
-    if target is not None:
-        f.check_target(target)
-    return f

@@ -1,4 +1,4 @@
-"""The PyTorch reference of the DeepSeek-V4-Flash-0731 DSpark drafter (spec ds4-flash.md section 7).
+"""The PyTorch reference of the DeepSeek-V4-Flash-0731 DSpark drafter (docs/model.md section 7).
 
 The stages are run by the reference's own layer code: :class:`ds4c.reference.Reference`'s ``_layer`` (HC pre /
 attn_norm / attention / HC post / HC pre / ffn_norm / MoE / HC post, spec 5.2) and ``_moe`` (scored routing with
@@ -28,6 +28,7 @@ from ds4c.reference import Reference, ReferenceWeights
 from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
 from ds4c.reference.weights import LayerWeights
+from ds4c.sampling import filter_logits
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -102,7 +103,7 @@ class DSparkModel:
     """The DSpark drafter of spec section 7 for one sequence, on the reference's arithmetic and device.
 
     Args:
-        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_file.open_dspark`; or the synthetic source
+        dfile: the opened drafter file (:func:`ds4c.drafters.dspark_sources.open_dspark`; or the synthetic source
             :class:`~ds4c.drafters.dspark_source.SyntheticDSpark`, whose tensors are made on the target's device).
         target: the target's weights (the whole model: its embedding and head are the drafter's); the drafter runs
             on their device, dataflow and quantization emulation.
@@ -238,13 +239,11 @@ class DSparkModel:
                top_p: float = 1.0, generator: torch.Generator | None = None) -> Draft:
         """7.3.3-4: for ``i = 0 .. B-1``: ``emb_i = markov_w1[out_i]`` (``out_0 = t0``), ``logits_i = base_i +
         markov_w2 . emb_i`` (fp32), ``out_{i+1}`` = argmax (``temperature == 0``; ties to the lower id) or a sample of
-        ``softmax(filter(logits_i) / temperature)`` (top-k / top-p as :func:`ds4c.generate.filter_logits`, drawn with
+        ``softmax(filter(logits_i) / temperature)`` (top-k / top-p as :func:`ds4c.sampling.filter_logits`, drawn with
         ``generator`` on the CPU), and ``confidence_i = conf_proj . [hx_i ; emb_i] (+ bias)`` (fp32 logits).
 
         Args: ``base`` fp32 [B, V] and ``hx`` [B, D] from :meth:`block`.
         """
-        from ds4c.generate import filter_logits
-
         out, rows, qs, conf = [], [], [], []
         prev = int(t0)
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """The synthetic DSpark drafter source: a drafter with no file, whose tensors are made on demand on a device.
 
 ``synthetic:PRESET[:FORMATS[:SEED]]`` given where a DSpark drafter path goes (``--draft dspark:synthetic:flash-l4``,
-:func:`ds4c.drafters.dspark_file.open_dspark`, ``tools/dspark_time.py --drafter``, ``compile --draft``) names the
+:func:`ds4c.drafters.dspark_sources.open_dspark`, ``tools/dspark_time.py --drafter``, ``compile --draft``) names the
 drafter ``ds4c make-model --preset PRESET --drafter dspark --formats FORMATS --seed SEED`` would write (the drafter
 of the target ``synthetic:PRESET:...:SEED`` / of that make-model file); opening it gives a :class:`SyntheticDSpark`
 instead of a :class:`~ds4c.drafters.dspark_file.DSparkFile`. Every tensor comes from
@@ -125,7 +125,7 @@ class SyntheticDSpark(DSparkFile):
     def metadata(self) -> dict[str, Any]:  # type: ignore[override]
         """Every metadata key of the make_dspark file of this drafter -> its value as the GGUF reader gives it (the
         target's synthetic vocabulary included: a few seconds for the official vocabulary, built on first use)."""
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         tok = {k: v for k, v in synthetic_vocab(self.config.vocab_size, self.seed).items()
                if k.startswith("tokenizer.") and k != KEY_MASK_ID}

@@ -23,7 +23,8 @@ from ds4c.config import Ds4Config
 from ds4c.drafters.dspark_file import (CONF_BIAS, MARKOV_W1, OFFICIAL_BLOCK_SIZE, OFFICIAL_MARKOV_RANK,
                                        OFFICIAL_NOISE_ID, default_taps, stage_config, write_dspark)
 from ds4c.errors import ConfigError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 from ds4c.quant import GGMLType
 from ds4c.quant import is_super_block
 from ds4c.synth import _as_stored, _normal, matrix_rows, n_rows, piece_rows, stored_pieces, sub_key, tensor_key
@@ -113,7 +114,7 @@ def make_dspark(target: ModelFile | Ds4Config | str | os.PathLike[str], path: st
     Args:
         target: the target model file (its config sizes the stages; its ``tokenizer.*`` keys are copied), or a
             config (a preset): the drafter of the synthetic model ``ds4c make-model`` writes for it with ``seed``
-            (whose vocabulary, :func:`ds4c.tokenizer.synthetic_vocab`, it carries).
+            (whose vocabulary, :func:`ds4c.synth_vocab.synthetic_vocab`, it carries).
         path: output file. seed: the weight seed (the drafter's streams are :func:`drafter_seed` of it).
         formats: ``"official"`` (Q8_0 FP8 weights incl. ``fc``, MXFP4 experts, BF16 Markov/confidence heads, F32
             gains and HC), ``"bf16"`` or ``"f32"`` (:data:`ds4c.tensors.FORMATS`).
@@ -126,7 +127,7 @@ def make_dspark(target: ModelFile | Ds4Config | str | os.PathLike[str], path: st
             rank < 1, a noise id outside the vocabulary. ModelFileError: an unreadable target or a failed write.
     """
     if isinstance(target, Ds4Config):
-        from ds4c.tokenizer import synthetic_vocab
+        from ds4c.synth_vocab import synthetic_vocab
 
         cfg, tok_meta = target, dict(synthetic_vocab(target.vocab_size, seed))
     else:

@@ -1,5 +1,5 @@
-"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop (:mod:`ds4c.speculative`; spec
-ds4-flash.md 7.5, the math in :mod:`ds4c.drafters.mtp_model`), on the reference engine and on the compiled step.
+"""The MTP (nextn) drafter of DeepSeek-V4-Flash driving the speculative loop (:mod:`ds4c.speculative`; docs/model.md
+7.5, the math in :mod:`ds4c.drafters.mtp_model`), on the reference engine and on the compiled step.
 
 :class:`MTPDrafter` implements the loop's ``Drafter`` protocol. On ``prepare`` it attaches to the target stepper, makes
 sure it records its final HC state per step row (``record_final_hc``: the 4 streams before ``hc_head``, ``X_main``)
@@ -25,11 +25,12 @@ temperature / top-k / top-p, the chain continuing from the sampled token, and re
 (the exact acceptance rule needs drafts drawn from ``q``).
 
 Engines: the block always runs on the reference's arithmetic (torch) on the target's device; only ``X_main`` comes
-from the target stepper. The unsplit :class:`~ds4c.reference.Reference` records it on request
-(``record_final_hc(True)``). The compiled step (:class:`~ds4c.runtime.executor.CompiledStep`, and the last shard of a
-:class:`~ds4c.runtime.sharded.ShardedStep`) records it when built with ``record_hc=True`` (its graphs copy the last
-layer's streams into a ring, the tap family's copy mode); ``--draft mtp`` and ``open_engine(record_hc=True)`` open it
-so. On the compiled step the block reads the target's embedding and head from the model file (:class:`FileTarget`:
+from the target stepper (a :class:`~ds4c.engine_protocol.FinalHCReader`). The unsplit
+:class:`~ds4c.reference.Reference` records it on request (``record_final_hc(True)``). The compiled step
+(:class:`~ds4c.runtime.step.CompiledStep`, and the last shard of a :class:`~ds4c.runtime.sharded.ShardedStep`)
+records it when built with ``record_hc=True`` (its graphs copy the last layer's streams into a ring, the tap
+family's copy mode): the drafter declares it in :attr:`MTPDrafter.needs`, which :func:`ds4c.engine.open_engine`
+resolves when the model opens. On the compiled step the block reads the target's embedding and head from the model file (:class:`FileTarget`:
 bf16 / fp32 copies on the target's device, made only when the block has none of its own). ``prepare`` refuses, in
 one line naming how to enable it, a stepper that records no final HC state (a compiled step built without
 ``record_hc``, a reference layer split, ``CompiledReference``).
@@ -38,6 +39,7 @@ one line naming how to enable it, a stepper that records no final HC state (a co
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -45,7 +47,9 @@ import torch
 from ds4c.config import Ds4Config
 from ds4c.drafters.mtp_file import MTPSource, mtp_of_target, open_mtp
 from ds4c.drafters.mtp_model import MTPModel
+from ds4c.engine_protocol import BuiltRecording, Engine, EngineNeeds, FinalHCReader
 from ds4c.errors import StepError
+from ds4c.sampling import filter_logits
 
 
 class FileTarget:
@@ -84,23 +88,21 @@ class FileTarget:
         return self._head
 
 
-def _target_weights(stepper: Any) -> Any:
-    """The target's weights the block reads: the reference's ``w``, else a :class:`FileTarget` of the compiled step's
-    model file on the device of its final HC ring (kept on the stepper, so one per stepper)."""
-    w = getattr(stepper, "w", None)
-    if w is not None:
-        return w
-    ft = getattr(stepper, "_mtp_target", None)
+_FILE_TARGETS: "weakref.WeakKeyDictionary[Any, FileTarget]" = weakref.WeakKeyDictionary()
+"""Per compiled stepper, the :class:`FileTarget` its MTP drafters read (one per stepper: the embedding and head
+copies are large)."""
+
+
+def _target_weights(stepper: FinalHCReader) -> Any:
+    """The target's weights the block reads: the reference's ``w`` (an engine that records on request), else a
+    :class:`FileTarget` of the compiled step's model file ``mf`` on the device of its final HC ring (one per
+    stepper)."""
+    if not isinstance(stepper, BuiltRecording):
+        return stepper.w
+    ft = _FILE_TARGETS.get(stepper)
     if ft is None:
-        ft = FileTarget(stepper.mf, stepper.final_hc_rows.device)
-        stepper._mtp_target = ft
+        ft = _FILE_TARGETS[stepper] = FileTarget(stepper.mf, stepper.final_hc_rows.device)
     return ft
-
-
-def _target_pos(stepper: Any) -> int:
-    """The target's next position: the compiled step's ``pos``, the reference's ``state.pos``."""
-    state = getattr(stepper, "state", None)
-    return int(state.pos) if hasattr(state, "pos") else int(stepper.pos)
 
 
 class MTPDrafter:
@@ -132,6 +134,9 @@ class MTPDrafter:
         self.model: MTPModel | None = None
         self._weights: Any = None
         self._stepper: Any = None
+        self.needs = EngineNeeds(final_hc=True)
+        """What it needs of the target engine: the final HC state (spec 7.5's ``X_main``), recorded by the compiled
+        step's graphs when it is built with ``record_hc`` (:func:`ds4c.engine.open_engine` resolves this)."""
         self.temperature, self.top_k, self.top_p = 0.0, 0, 1.0
         self.generator: torch.Generator | None = None
         self.last_logits: torch.Tensor | None = None
@@ -152,7 +157,7 @@ class MTPDrafter:
         if generator is not None:
             self.generator = generator
 
-    def prepare(self, stepper: Any, prompt: list[int], max_new_tokens: int) -> None:
+    def prepare(self, stepper: Engine, prompt: list[int], max_new_tokens: int) -> None:
         """Attach to ``stepper`` for a request, before its prefill: build the block on the target's weights (once
         per weights; checks the block fits the target), make the stepper record its final HC state, reset the ring
         and the sampling (greedy until :meth:`configure_sampling`).
@@ -162,10 +167,10 @@ class MTPDrafter:
                 reference layer split, ``CompiledReference``), naming how to get one that does.
             ModelFileError: the block does not fit the target.
         """
-        if not getattr(stepper, "records_final_hc", False) or not callable(getattr(stepper, "final_hc", None)):
-            compiled = hasattr(stepper, "record_hc")
+        if not (isinstance(stepper, FinalHCReader) and stepper.records_final_hc):
+            compiled = isinstance(stepper, BuiltRecording)
             how = ("open the compiled step with record_hc=True (ds4c generate --draft mtp does; open_engine / Model "
-                   "record_hc=True; ds4c compile --draft mtp for an artifact)") if compiled else \
+                   "record_hc=True or draft=...; ds4c compile --draft mtp for an artifact)") if compiled else \
                 "run the unsplit reference engine (--engine reference, no layer split) or the compiled engine"
             raise StepError(f"the MTP drafter needs the target's final HC state (spec 7.5's X_main), which this "
                             f"{type(stepper).__name__} does not record: {how}")
@@ -173,7 +178,7 @@ class MTPDrafter:
         if self.model is None or self._weights is not w:
             self.model = MTPModel(self.source, w, self._cache)
             self._weights = w
-        if getattr(stepper, "final_hc_rows", None) is None:
+        if stepper.final_hc_rows is None:
             stepper.record_final_hc(True)
         self.model.reset()
         self._stepper = stepper
@@ -197,15 +202,13 @@ class MTPDrafter:
             StepError: before :meth:`prepare`; ``k`` outside 0..max_drafts; the target not at ``len(context) - 1`` or
                 behind the ring (a context that went back).
         """
-        from ds4c.generate import filter_logits
-
         st, m = self._stepper, self.model
         if st is None or m is None:
             raise StepError("MTPDrafter.propose before prepare(stepper, prompt, max_new_tokens)")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_drafts:
             raise StepError(f"the MTP drafter drafts 0..{self.max_drafts} tokens per step, asked for {k!r}")
         n = len(context) - 1
-        at = _target_pos(st)
+        at = st.pos
         if at != n:
             raise StepError(f"MTP drafter: the target is at position {at}, the context asks for {n} (the "
                             f"anchor context[-1] is the next token the target runs)")

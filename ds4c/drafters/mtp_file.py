@@ -1,4 +1,4 @@
-"""Where an MTP (nextn) drafter's tensors come from (spec ds4-flash.md 7.5), in llama.cpp's layout.
+"""Where an MTP (nextn) drafter's tensors come from (docs/model.md 7.5), in llama.cpp's layout.
 
 llama.cpp's converter (``conversion/deepseek.py``, ``DeepseekV4Model``) writes the checkpoint's ``mtp.0`` only in its
 ``--mtp`` export, an **MTP-only** file of architecture ``deepseek4``:
@@ -34,7 +34,8 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.errors import ModelFileError
-from ds4c.gguf_file import ModelFile, open_model
+from ds4c.gguf_file import ModelFile
+from ds4c.sources import open_model
 
 EH_PROJ, ENORM, HNORM, HEAD_NORM = "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", \
     "nextn.shared_head_norm.weight"

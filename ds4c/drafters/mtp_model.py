@@ -1,4 +1,4 @@
-"""The PyTorch reference of DeepSeek-V4-Flash's MTP (nextn) block as a drafter (spec ds4-flash.md 7.5).
+"""The PyTorch reference of DeepSeek-V4-Flash's MTP (nextn) block as a drafter (docs/model.md 7.5).
 
 The math (llama.cpp's ``graph_mtp``, DeepSeek-V3's MTP: the embedding of token t+1 with the main model's final
 hidden state of t). A row at position ``t`` has two inputs: the token ``x_t`` at ``t`` and an HC state ``h`` [hc, D]

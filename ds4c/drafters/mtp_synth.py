@@ -90,7 +90,7 @@ def make_mtp(cfg: Ds4Config, path: str | os.PathLike[str], seed: int = 0, format
     """
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
-    from ds4c.tokenizer import synthetic_vocab
+    from ds4c.synth_vocab import synthetic_vocab
 
     extra = {**extra_metadata(seed, formats), "ds4c.mtp_seed": mtp_seed(seed)}
     return write_model(path, cfg, FORMATS[formats], mtp_producer(cfg, seed, merged), extra_metadata=extra,

@@ -1,6 +1,6 @@
 """Build the IR of one decode (q = 1) or verify (q = 2..5) step of a DeepSeek-V4-Flash config.
 
-The graph follows spec ds4-flash.md section 5 at the granularity of its sub-blocks: HC mixing logits,
+The graph follows docs/model.md section 5 at the granularity of its sub-blocks: HC mixing logits,
 Sinkhorn, pre-mix, RMSNorm, each projection (with its numeric mode), per-head RMS, RoPE, KV fake-quant,
 compressor update and flush, indexer scores and top-k, sparse attention with sink, inverse RoPE, grouped
 ``wo_a``, HC post, router, experts, HC head. State buffers are explicit graph inputs (``l{i}.ring``,
@@ -144,7 +144,7 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             end at the last layer writes its outgoing HC state to the output ``hc_out`` (same type) instead of
             the head's ``logits``. ``tokens`` and ``pos`` are inputs of every shard (hash routing reads the
             token ids). Recorded in ``meta["layers"]``.
-        prefill: a prefill chunk graph of ``width`` = C rows (1..``MAX_PREFILL_ROWS``; issue: batched prefill):
+        prefill: a prefill chunk graph of ``width`` = C rows (1..``MAX_PREFILL_ROWS``; docs/prefill.md):
             the same ops, plus the input ``n_valid`` (i64 scalar, 1..C): rows ``n_valid..C-1`` are padding
             (the last chunk of a prompt, padded to a compiled size), computed but never written to the window
             ring, the compressor / indexer state or the spans the valid rows see. The head reads only row

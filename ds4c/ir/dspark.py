@@ -1,4 +1,4 @@
-"""The IR of the DSpark drafter (spec ds4-flash.md section 7): a commit graph and a draft graph.
+"""The IR of the DSpark drafter (docs/model.md section 7): a commit graph and a draft graph.
 
 * :func:`build_dspark_commit` (7.1, 7.2.1, 7.4): ``n`` committed target positions ``pos .. pos+n-1``: their
   ``main_hidden`` rows (the taps, spec 5.2(q)) -> ``main_x = RMSNorm(main_proj . main_hidden; main_norm)`` (once,
@@ -20,7 +20,7 @@ outputs ``base`` fp32 [B, V], ``logits`` fp32 [B, V] (Markov-corrected), ``draft
 confidence head, ``confidence`` fp32 [B].
 
 Both graphs are run by the IR interpreter (:func:`ds4c.ir.interpreter.Interpreter` with a
-:class:`~ds4c.drafters.dspark_model.DSparkModel`'s ``weights``) and lowered by ``runtime/lower.py`` after
+:class:`~ds4c.drafters.dspark_model.DSparkModel`'s ``weights``) and lowered by ``runtime/lower.py`` (``lower_step.py``) after
 :data:`DRAFT_PIPELINE` / :data:`COMMIT_PIPELINE`.
 """
 

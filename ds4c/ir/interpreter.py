@@ -16,6 +16,7 @@ import torch
 from ds4c.errors import StepError
 from ds4c.ir.graph import Graph, Op, Sym, TensorType, Value
 from ds4c.ir.ops import OPS, RunCtx
+from ds4c.reference import primitives as P
 from ds4c.reference.state import SequenceState
 from ds4c.reference.weights import ReferenceWeights
 
@@ -27,11 +28,28 @@ class InterpreterError(StepError):
 
 
 class Interpreter:
-    """Runs ``graph`` with ``weights`` (the reference's dequantized weights, looked up by GGUF name)."""
+    """Runs ``graph`` with ``weights`` (the reference's dequantized weights, looked up by GGUF name).
 
-    def __init__(self, graph: Graph, weights: ReferenceWeights):
+    ``dataflow``: ``"bf16"`` (the spec: activations and state rounded to bf16) or ``"fp32"`` (the reference's
+    fp32 dataflow: every ``bf16`` value of the graph but the weights (the bf16 embedding table) is held and
+    computed as fp32, nothing is rounded to bf16;
+    the state buffers are then fp32, as a reference :class:`~ds4c.reference.state.SequenceState` of that dataflow
+    holds them). None: the weights' dataflow.
+
+    Raises:
+        InterpreterError: an unknown dataflow, or one the weights were not loaded for.
+    """
+
+    def __init__(self, graph: Graph, weights: ReferenceWeights, dataflow: str | None = None):
         self.graph = graph
         self.w = weights
+        self.dataflow = weights.dataflow if dataflow is None else dataflow
+        if self.dataflow not in P.DATAFLOWS:
+            raise InterpreterError(f"dataflow must be one of {sorted(P.DATAFLOWS)}, found {self.dataflow!r}")
+        if self.dataflow != weights.dataflow:
+            raise InterpreterError(f"dataflow {self.dataflow!r} needs weights loaded with ReferenceWeights.load(..., "
+                                   f"dataflow={self.dataflow!r}); these were loaded for {weights.dataflow!r}")
+        self._dt = {**_DT, "bf16": P.DATAFLOWS[self.dataflow]}
         cfg = weights.config
 
         def weight(name: str) -> Any:
@@ -55,7 +73,7 @@ class Interpreter:
                 raise InterpreterError(f"missing graph input {name!r} ({v.type})")
             env[v] = inputs[name]
             self._check(v, inputs[name], syms)
-        with torch.no_grad():
+        with torch.no_grad(), P.dataflow(self.dataflow):
             for op in self.graph.ops:
                 self._run(op, env, syms)
         return {k: env[v] for k, v in self.graph.outputs.items()}
@@ -73,13 +91,13 @@ class Interpreter:
             self._check(v, t, syms, op)
             env[v] = t
 
-    @staticmethod
-    def _check(v: Value, t: Any, syms: dict[Sym, int], op: Op | None = None) -> None:
+    def _check(self, v: Value, t: Any, syms: dict[Sym, int], op: Op | None = None) -> None:
         ty: TensorType = v.type
         if ty.dtype == "handle":
             return
         where = f"{op.kind} (layer {op.layer})" if op else "input"
-        if not isinstance(t, torch.Tensor) or t.dtype != _DT[ty.dtype] or t.dim() != len(ty.shape):
+        want = (_DT if op is not None and op.kind == "param" else self._dt)[ty.dtype]  # weights keep their dtype
+        if not isinstance(t, torch.Tensor) or t.dtype != want or t.dim() != len(ty.shape):
             found = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise InterpreterError(f"{where}: value %{v.name} expected {ty}, found {found}")
         for d, n in zip(ty.shape, t.shape):

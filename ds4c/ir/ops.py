@@ -5,6 +5,9 @@ implementation used by the interpreter. Implementations call the same primitives
 the reference (:mod:`ds4c.reference.primitives`, :mod:`ds4c.reference.blocks`), so the interpreter
 reproduces the reference bit for bit.
 
+Dtypes: ``bf16`` in a type is the activation dtype of the dataflow (``ds4c.reference.primitives.dataflow``):
+bf16 as the spec runs, fp32 in the fp32 dataflow, where the implementations round nothing to bf16.
+
 Row convention: activations are ``[q, ...]`` with one row per verify row; ``positions`` is int64 [q] with
 ``positions[i] = pos + i``.
 
@@ -24,7 +27,7 @@ from ds4c.ir.graph import Dim, Sym, TensorType
 from ds4c.reference import blocks as B
 from ds4c.reference import primitives as P
 
-BF16, F32 = torch.bfloat16, torch.float32
+F32 = torch.float32
 
 
 class RunCtx:
@@ -155,7 +158,7 @@ class Embed:
 
     @staticmethod
     def run(ctx, ins, a):
-        return [ins[1][ins[0]]]
+        return [ins[1][ins[0]].to(P.act_dtype())]  # fp32 in the fp32 dataflow
 
 
 @register("hc_expand", ("e",), ("x",), ("hc",))
@@ -225,7 +228,7 @@ class HcPremix:
     @staticmethod
     def run(ctx, ins, a):
         x, pre = ins
-        return [(pre.unsqueeze(-1) * x.to(F32)).sum(dim=-2).to(BF16)]
+        return [(pre.unsqueeze(-1) * x.to(F32)).sum(dim=-2).to(P.act_dtype())]
 
 
 @register("hc_post", ("out", "x", "post", "comb"), ("x_new",))
@@ -343,7 +346,7 @@ class Fp4FakeQuant:
 
     @staticmethod
     def run(ctx, ins, a):
-        return [P.fp4_fake_quant(ins[0], a["block"])]
+        return [P.fp4_fake_quant(ins[0], a["block"]).to(ins[0].dtype)]  # bf16-exact values; fp32 in the fp32 dataflow
 
 
 @register("hadamard", ("x",), ("y",))
@@ -405,7 +408,7 @@ class TakeRow:
 
 @register("cast", ("x",), ("y",), ("dtype",))
 class Cast:
-    """Round to ``dtype`` (bf16 or f32)."""
+    """Round to ``dtype`` (bf16 or f32; bf16 is the activation dtype: f32 in the fp32 dataflow)."""
 
     @staticmethod
     def infer(ins, a):
@@ -413,7 +416,7 @@ class Cast:
 
     @staticmethod
     def run(ctx, ins, a):
-        return [ins[0].to({"bf16": BF16, "f32": F32}[a["dtype"]])]
+        return [ins[0].to({"bf16": P.act_dtype(), "f32": F32}[a["dtype"]])]
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -743,7 +746,7 @@ class MoeSum:
 
     @staticmethod
     def run(ctx, ins, a):
-        return [(ins[0] + ins[1].to(F32)).to(BF16)]
+        return [(ins[0] + ins[1].to(F32)).to(P.act_dtype())]
 
 
 # ---------------------------------------------------------------------------------------------- DSpark head

@@ -1,4 +1,4 @@
-"""The eager PyTorch reference of DeepSeek-V4-Flash (spec ds4-flash.md sections 3-6): the oracle every
+"""The eager PyTorch reference of DeepSeek-V4-Flash (docs/model.md sections 3-6): the oracle every
 other implementation is checked against. Readable, not fast."""
 
 from ds4c.reference.model import MAX_WIDTH, Reference

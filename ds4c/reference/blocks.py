@@ -1,5 +1,5 @@
 """Sub-blocks of the step shared by the reference and the IR interpreter's op implementations, so both
-compute each sub-block with the same torch operations (spec ds4-flash.md sections 5.2-5.3).
+compute each sub-block with the same torch operations (docs/model.md sections 5.2-5.3).
 
 Each function handles one row (one position); callers loop rows in position order.
 """

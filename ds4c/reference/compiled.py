@@ -4,7 +4,7 @@ The eager :class:`~ds4c.reference.Reference` cannot be handed to ``torch.compile
 of Python control flow on positions (window list length, compressor flushes ``(p + 1) % r``, live lengths
 ``(p + 1) // r``, chunk skipping ``if not ok.any()``) and of data-dependent host reads (``int(valid.sum())``,
 the routed expert ids), so dynamo would specialize on every position (one recompile per token) or break the
-graph dozens of times per layer. :class:`CompiledReference` runs the same step (spec ds4-flash.md sections 5-6,
+graph dozens of times per layer. :class:`CompiledReference` runs the same step (docs/model.md sections 5-6,
 same primitives, same order of rounding) rewritten in a compile-friendly form:
 
 * **one compiled graph per layer** ("front": HC pre, projections, indexer, both compressors, sparse attention,

@@ -1,6 +1,6 @@
 """The PyTorch reference of one DeepSeek-V4-Flash decode step and one q-row verify step.
 
-Written from spec ds4-flash.md sections 3-6 for readability, not speed: token-local work is batched over
+Written from docs/model.md sections 3-6 for readability, not speed: token-local work is batched over
 the q rows (row by row inside each product, so results are batch-invariant), the window, compressors,
 indexer and attention run row by row in position order so a verify step of q rows equals q sequential
 decode steps bit for bit (section 6).
@@ -106,6 +106,11 @@ class Reference:
     def is_last(self) -> bool:
         """True when the layer range ends at the last layer (the shard returns logits)."""
         return self.layer_range[1] == self.cfg.n_layers
+
+    @property
+    def pos(self) -> int:
+        """The sequence's next position (``state.pos``)."""
+        return self.state.pos
 
     # ---------------------------------------------------------------------------------------------- API
     def reset(self) -> None:

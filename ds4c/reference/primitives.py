@@ -1,4 +1,4 @@
-"""Numeric primitives of DeepSeek-V4-Flash, written from spec ds4-flash.md section 3 (P1-P12) and the
+"""Numeric primitives of DeepSeek-V4-Flash, written from docs/model.md section 3 (P1-P12) and the
 quantized linear of section 2.3.
 
 Conventions: activations are bf16 tensors whose last dim is the feature dim and whose leading dims are rows;
@@ -27,6 +27,21 @@ F32 = torch.float32
 # CUDA backends with an F32 KV cache). Set for the duration of a step by :func:`dataflow`.
 _ACT: list[torch.dtype] = [BF16]
 DATAFLOWS = {"bf16": BF16, "fp32": F32}
+# True inside :func:`batched_rows`: row-wise evaluation off (see there).
+_BATCHED: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def batched_rows() -> Iterator[None]:
+    """Inside: :func:`row_invariant` functions and :func:`matmul_rows` evaluate all rows at once, as on a GPU.
+
+    For tracing the step into one graph (``ds4c.export``): a per-row loop would unroll into one op per row.
+    The values are the same up to the CPU's vector-tail rounding that the row-wise path exists to avoid."""
+    _BATCHED.append(True)
+    try:
+        yield
+    finally:
+        _BATCHED.pop()
 
 
 def row_invariant(n_row_args: int) -> Callable[[Callable[..., object]], Callable[..., object]]:
@@ -45,7 +60,7 @@ def row_invariant(n_row_args: int) -> Callable[[Callable[..., object]], Callable
         def wrapper(*args: object, **kw: object) -> object:
             lead = args[0]
             assert isinstance(lead, torch.Tensor)
-            if lead.device.type != "cpu" or lead.dim() == 0 or lead.shape[0] <= 1:
+            if _BATCHED[-1] or lead.device.type != "cpu" or lead.dim() == 0 or lead.shape[0] <= 1:
                 return fn(*args, **kw)
             rows = [fn(*(a[i:i + 1] for a in args[:n_row_args]), *args[n_row_args:], **kw)  # type: ignore[index]
                     for i in range(lead.shape[0])]
@@ -83,6 +98,8 @@ def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fp32 [..., N].
     """
     lead = x.shape[:-1]
+    if _BATCHED[-1]:
+        return x @ w.T
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.cat([x2[i:i + 1] @ w.T for i in range(x2.shape[0])]) if x2.shape[0] else x2.new_zeros(0, w.shape[0])
     return out.reshape(*lead, w.shape[0])
@@ -156,11 +173,13 @@ def rope_freqs(rope_dim: int, base: float, yarn: bool, factor: float, orig_len: 
     """P6: the rope_dim/2 inverse frequencies (fp32), with YaRN NTK-by-parts when ``yarn``.
 
     ``f_i = 1 / base^(2i/d)``; YaRN: ``f_i <- f_i*ramp_i/factor + f_i*(1-ramp_i)`` with
-    ``ramp_i = clamp((i-low)/(high-low), 0, 1)`` (no attention-scale change anywhere).
+    ``ramp_i = clamp((i-low)/(high-low), 0, 1)`` (no attention-scale change anywhere). ``factor`` 1 is no
+    scaling (a file without ``rope.scaling.*`` keys, :attr:`ds4c.config.Ds4Config.yarn`): the plain frequencies,
+    bit for bit as llama.cpp computes them then (the identity ramp would round them in fp32).
     """
     d = rope_dim
     freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=F32) / d))
-    if yarn:
+    if yarn and factor != 1.0:
         def corr(r: float) -> float:
             return d * math.log(orig_len / (r * 2 * math.pi)) / (2 * math.log(base))
 

@@ -1,10 +1,10 @@
-"""The PyTorch reference over a layer split (issue: layer split): one :class:`~ds4c.reference.Reference` per
+"""The PyTorch reference over a layer split (docs/layer-split.md): one :class:`~ds4c.reference.Reference` per
 shard of a :class:`~ds4c.shard_plan.ShardPlan`, run in order, with the stepper interface of the generation
 loop (``reset``, ``verify``, ``decode``, ``rollback``, ``snapshot`` / ``restore``, ``max_ctx``, ``cfg``).
 
 What a shard owns, on its own device (``plan.devices[k]``), shared with no other shard:
 
-* the weights of its blocks ``[start, stop)`` (spec ds4-flash.md 5.2) and their routed experts; shard 0 also
+* the weights of its blocks ``[start, stop)`` (docs/model.md 5.2) and their routed experts; shard 0 also
   the token embedding (5.1), the last shard the HC head, output norm and LM head (5.4);
 * the sequence state of its layers (section 4: window ring, compressed rows, compressor and indexer state),
   its position and its undo journal (section 6, Rollback);

@@ -1,4 +1,4 @@
-"""Per-sequence state of a DeepSeek-V4-Flash decode (spec ds4-flash.md section 4).
+"""Per-sequence state of a DeepSeek-V4-Flash decode (docs/model.md section 4).
 
 Per layer: the window ring (``window`` rows of head_dim bf16, row of position t at slot t mod window);
 for compressing layers the compressed rows (row j = block j) and the main compressor's fp32 ``kv_state`` /

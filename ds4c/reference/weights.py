@@ -88,6 +88,20 @@ class ExpertStore:
         return w  # type: ignore[return-value]
 
 
+def load_tensor(mf: ModelFile, name: str, dtype: torch.dtype = F32, device: str | torch.device = "cpu",
+                dataflow: str = "bf16") -> torch.Tensor:
+    """One model tensor (not a routed-expert bank) as the reference holds it: dequantized to ``dtype`` on ``device``;
+    ``attn_output_a.weight`` (``wo_a``) rounded to bf16 values in the ``"bf16"`` dataflow (convert.py does).
+
+    Raises:
+        ModelFileError: ``name`` is not in the file.
+    """
+    out = mf.tensor(name, dtype, device=torch.device(device))  # a synthetic source makes it on ``device``
+    if name.endswith("attn_output_a.weight") and dataflow == "bf16":  # convert.py: wo_a rounded to bf16
+        out = out.to(BF16).to(F32)
+    return out
+
+
 @dataclass
 class ReferenceWeights:
     """All weights the reference needs (or a shard's part of them: see ``layer_range``), on one device.
@@ -155,9 +169,7 @@ class ReferenceWeights:
         by_name: dict[str, torch.Tensor] = {}
 
         def t(name: str, dtype: torch.dtype = F32) -> torch.Tensor:
-            by_name[name] = mf.tensor(name, dtype, device=dev)  # a synthetic source makes it on ``dev``
-            if name.endswith("attn_output_a.weight") and dataflow == "bf16":  # convert.py: wo_a rounded to bf16
-                by_name[name] = by_name[name].to(BF16).to(F32)
+            by_name[name] = load_tensor(mf, name, dtype, dev, dataflow)
             return by_name[name]
 
         layers = []

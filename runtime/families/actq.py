@@ -1,4 +1,4 @@
-"""The activation quant launch (spec ds4-flash.md 2.3.1 written once to global memory): ``templates/actq/
+"""The activation quant launch (docs/model.md 2.3.1 written once to global memory): ``templates/actq/
 act_quant.cu.j2`` for ``rows`` rows of ``k`` values, in one of two layouts picked by the row count.
 
 * ``block`` (fewer than :data:`WARP_LAYOUT_MIN_ROWS` rows: a decode / verify step's x and h): grid ``(k/128,

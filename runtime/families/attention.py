@@ -1,4 +1,4 @@
-"""The sparse-attention kernel family: the ``sparse_attention`` IR op (spec ds4-flash.md P9, 5.2(e),(i) and
+"""The sparse-attention kernel family: the ``sparse_attention`` IR op (docs/model.md P9, 5.2(e),(i) and
 section 6's window rule for verify rows) for one layer kind, as one CUDA/HIP kernel (plus a combine kernel
 when split-K is on). Template: ``templates/attention/sparse_attention.cu.j2`` (its header describes the
 block layout).
@@ -27,7 +27,7 @@ Kernel arguments, in order (see :func:`arg_names`); pointers are device pointers
   read on the device so a captured CUDA graph replays with new values.
 * combine (splits > 1): ``ws``; ``sink``; ``out``.
 
-Choosing ``splits`` / ``heads_per_block`` (H200, official shapes, tools/gpu_checks/attention.py, 2026-11-29):
+Choosing ``splits`` / ``heads_per_block`` (H200, official shapes, tests/gpu_checks/attention.py, 2026-11-29):
 the kernel runs on CUDA cores and is bound by instruction issue (ncu: ~0.5 issued warp-instructions per
 scheduler cycle, little DRAM traffic), so sharing KV reads across heads and spreading chunks over blocks both
 pay. csa q=5: 76 us (1 head/block, no split), 65 (splits 4), 49 (4 heads/block, splits 4); csa q=1: 35, 21,

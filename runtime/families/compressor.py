@@ -1,4 +1,4 @@
-"""The compressor kernel family: the ``compress`` IR op (spec ds4-flash.md 5.3, P1, P3-P5, P7) for the q rows of
+"""The compressor kernel family: the ``compress`` IR op (docs/model.md 5.3, P1, P3-P5, P7) for the q rows of
 a step, as one CUDA/HIP kernel. Template: ``templates/compressor/compress.cu.j2`` (its header describes the
 thread layout).
 
@@ -67,7 +67,7 @@ class CompressorSpec:
         undo: also save what a verify step's rollback needs into ``undo{k}`` (``runtime/families/undo.py``):
             ratio 4: the state before row 0 and each row's slot values (the state after any prefix is rebuilt
             from them); ratio > 4: the old values of each overwritten slot.
-        valid: a prefill chunk (issue 12): the launch takes a device-side ``n_valid`` (i64 [1], after ``pos``)
+        valid: a prefill chunk (docs/prefill.md): the launch takes a device-side ``n_valid`` (i64 [1], after ``pos``)
             and processes rows ``0 .. min(q, n_valid) - 1`` only, so padded rows write no state, no flush and
             no compressed row. Every compressor of one launch must agree; False renders the decode / verify
             kernel byte for byte as before.

@@ -1,4 +1,4 @@
-"""The DSpark head kernel family: the ``markov_chain`` (spec ds4-flash.md 7.3.3, greedy) and
+"""The DSpark head kernel family: the ``markov_chain`` (docs/model.md 7.3.3, greedy) and
 ``dspark_confidence`` (7.3.4) IR ops. Template: ``templates/dspark/markov.cu.j2`` (its header describes the
 block layout).
 

@@ -1,6 +1,6 @@
 """The experts family: all routed experts and the shared expert of one MoE layer for ``q`` rows (1..5), the
 fused IR op ``moe_experts`` (passes/fuse_projections.py: ``routed_experts`` + the shared expert's gate/up
-GEMVs, SwiGLU, bf16 cast, down GEMV + ``moe_sum``). Spec ds4-flash.md 5.2(o.5-7), 2.3 (quantized linear:
+GEMVs, SwiGLU, bf16 cast, down GEMV + ``moe_sum``). docs/model.md 5.2(o.5-7), 2.3 (quantized linear:
 FP8 e4m3 activation quant in blocks of 128, W4A8 experts), P11 (clamped SwiGLU). Template:
 ``templates/experts/experts.cu.j2`` (its header describes the kernel design in detail).
 
@@ -37,7 +37,7 @@ Kernel arguments, in order (:func:`arg_names`, shapes :func:`arg_shapes`):
   ``sh_w1``, ``sh_w3`` shared [F, D], ``hbuf`` bf16 [q, k+1, F] (written).
 * down: ``hbuf``, ``ids``, ``w2`` routed [E, D, F], ``sh_w2`` shared [D, F], ``out`` bf16 [q, D] (written).
 
-Weights are the raw stored bytes (spec gguf-deepseek4.md): ``mxfp4`` uint8 rows of ``in/32*17`` bytes (e8m0
+Weights are the raw stored bytes (docs/gguf-layout.md): ``mxfp4`` uint8 rows of ``in/32*17`` bytes (e8m0
 byte, 16 bytes of nibbles: byte j = element j low, j+16 high), ``q8_0`` rows of ``in/32*34`` bytes (fp16 d,
 32 int8), ``bf16`` rows of ``in`` bf16. Expert tensors are consecutive experts. ``ids`` and ``weights`` come
 from device memory (the router kernel's outputs), never by value, so a captured graph replays with new
@@ -154,7 +154,7 @@ class ExpertsSpec:
             job's h). Four launches then: ``actq_x``, ``up``, ``actq_h``, ``down`` (:func:`launch_shapes`), the same
             values (spec 2.3.1 in one place per launch). Only where every phase reads the form-0 activation
             (CUDA's mma engine on sm_89+, MXFP4 / Q8_0 / K-quant weights, ``act_quant``); elsewhere it is off.
-            False here; the lowering turns it on (runtime/lower.py ``EXPERTS_PREQUANT``: measured on the H200,
+            False here; the lowering turns it on (runtime/lower_step.py ``EXPERTS_PREQUANT``: measured on the H200,
             experts q = 5 357 -> 160 us, q = 1 85 -> 77 us, docs/perf.md Optimisation 6).
 
     Raises:

@@ -1,13 +1,13 @@
-"""The tensor-core GEMM family for batched prefill (issue 12): ``Y[C, N] = X[C, K] @ W[N, K]^T`` for a chunk
+"""The tensor-core GEMM family for batched prefill (docs/prefill.md): ``Y[C, N] = X[C, K] @ W[N, K]^T`` for a chunk
 of ``C`` rows (16..4096 in prefill; any ``C >= 1`` renders) through one projection whose weight ``W`` is in
-its stored GGUF form. Spec ds4-flash.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
+its stored GGUF form. docs/model.md 2.3 (the quantized linear: FP8 e4m3 activation quant in blocks of
 128 with power-of-two scales, times the dequantized weight, fp32 accumulation, bf16 out) =
 :func:`ds4c.reference.primitives.linear_q`; modes ``bf16`` / ``f32`` as the GEMV family's
 (:mod:`ds4c.runtime.families.gemv`). Template: ``templates/gemm/gemm.cu.j2``. The prefill chunk lowering
 (runtime/lower_prefill.py) runs every projection of >= 16 rows through it (``prequant=True``; wo_a as one
 grouped call, ``GemmSpec.groups``).
 
-Weights (``GemmSpec.fmt``; layouts spec gguf-deepseek4.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
+Weights (``GemmSpec.fmt``; layouts docs/gguf-layout.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
 ``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``. K-quants and f32 weights raise :class:`RenderError`.
 
@@ -59,7 +59,7 @@ shared memory (bn 128: 56-108 KB); with the register prefetch of the next step (
 bn 128, and 9-32 of weights) ptxas uses 180-255 registers on sm_90 with no spills
 (``__launch_bounds__(threads, 65536 / (threads * 255))``: 8 warps per SM either way). At C = 16 three
 quarters of the MMA rows are padding (the GEMV family is the better kernel there). Not tuned on a GPU yet:
-tools/gpu_checks/gemm.py times both ``bn``.
+tests/gpu_checks/gemm.py times both ``bn``.
 
 Staging: weights and X of step ``k+1`` are loaded into registers (16 / 8 / 4-byte vector loads: the row
 segments of 68 / 136 bytes are only 4 / 8-byte aligned, so the experts kernel's register staging rather than
@@ -149,7 +149,7 @@ class GemmSpec:
             the bf16 paths the tile is a plain copy). Only with mode ``fp8act`` and ``act_quant``.
         sw_quant: round the activation to e4m3 in software (``ds4c_round_e4m3``) even where the f16 MMA path
             would use ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+): the A/B and the hardware check of that
-            instruction (tools/gpu_checks/gemm.py compares the two bit for bit).
+            instruction (tests/gpu_checks/gemm.py compares the two bit for bit).
         bn: weight rows per CTA, 64 (128 threads) or 128 (256 threads: the X tile's quant and staging shared
             by twice the outputs, half the CTAs); 0 = :data:`BN`. For a GPU sweep; not tuned yet.
         prequant: quantize x once per call (``templates/actq/act_quant.cu.j2`` form ``f16s``: ``xq`` f16

@@ -1,11 +1,11 @@
-"""The multi-output GEMV family: the weight-streaming kernel of a decode / verify step (spec ds4-flash.md 2.3,
+"""The multi-output GEMV family: the weight-streaming kernel of a decode / verify step (docs/model.md 2.3,
 the IR op ``linear`` with modes ``fp8act`` / ``bf16`` / ``f32``), plus ``gemv_argmax`` (greedy head epilogue).
 Template: ``templates/gemv/gemv.cu.j2``.
 
 One launch computes, for ``q`` rows (1..5) of one activation ``x`` (bf16 ``[q, K]``), several outputs
 ``y_j = x @ W_j^T`` (``W_j`` logical ``[N_j, K]``). Per output (:class:`GemvOutput`):
 
-* ``fmt``: how ``W_j`` is stored (row-major, rows of K values; spec gguf-deepseek4.md "Tensor types"):
+* ``fmt``: how ``W_j`` is stored (row-major, rows of K values; docs/gguf-layout.md "Tensor types ds4c reads"):
   ``bf16`` raw u16 ``[N, K]``; ``f32`` ``[N, K]``; ``q8_0`` GGUF Q8_0 blocks, uint8 ``[N, K/32*34]`` (fp16 scale
   ``d`` then 32 int8 ``q``, value ``d*q``); ``mxfp4`` GGUF MXFP4 blocks, uint8 ``[N, K/32*17]`` (e8m0 byte ``e``,
   then 16 bytes: byte ``j`` = element ``j`` (low nibble) and ``j+16`` (high nibble); value
@@ -106,7 +106,7 @@ DEFAULT_SMS = 132
 BLOCKS_PER_SM = 2
 #: q = 1 launches without an FP8 activation prologue (plain bf16/f32 x, e.g. the head): one row per thread
 #: (~32 registers) and 8 blocks per multiprocessor keep more weight bytes in flight. H200 sweep
-#: (tools/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
+#: (tests/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
 #: to 241 us (R=1, 8 blocks/SM), 4.39 TB/s. Launches with the prologue pay it once per block, so they keep 2.
 PLAIN_Q1_BLOCKS_PER_SM = 8
 MAX_Q = 8

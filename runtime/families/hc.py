@@ -2,7 +2,7 @@
 ``hc_post_pre`` and ``hc_post_head`` of ``passes/fuse_hc.py``) as two launches. Template:
 ``templates/hc/hc_fused.cu.j2`` (its header describes the block layout).
 
-Variants (spec ds4-flash.md 5.1, 5.2(a),(b),(l),(m),(n),(p), 5.4.1, P1, P8):
+Variants (docs/model.md 5.1, 5.2(a),(b),(l),(m),(n),(p), 5.4.1, P1, P8):
 
 * ``post_pre``: HC post of a sub-block (``x_new = bf16(post_k out + sum_j comb[j,k] x_j)``), then the next
   HC pre on ``x_new`` (mixing logits, Sinkhorn split, pre-mix) and its RMSNorm. Outputs ``x_new``, ``y``,
@@ -110,7 +110,7 @@ class HcSpec:
     """``post_head`` only: also write the pre-mix before the RMSNorm to ``y_pre`` bf16 [q, D] (the DSpark
     drafter's confidence input, spec 7.3.4)."""
     row_block: int = 0
-    """Stage mix rows per block (a prefill chunk, issue 12): 0 = every mix block loops over all ``q`` rows (the
+    """Stage mix rows per block (a prefill chunk, docs/prefill.md): 0 = every mix block loops over all ``q`` rows (the
     decode / verify kernel, unchanged); ``n`` (1..5, dividing ``q``) = mix grid ``(n_blocks, q / n)``, block row
     ``y`` owning rows ``y*n .. y*n+n-1``: the unrolled row loop and the ``red[NW][n][NV]`` shared array then stay
     at decode size for any ``q`` (at ``q = C`` they would be ``C`` iterations and ``200 C`` bytes: over the 48 KiB

@@ -1,5 +1,5 @@
-"""The indexer top-k kernel family: the ``span_mask`` + ``indexer_topk`` IR ops of a CSA layer (spec
-ds4-flash.md 5.2(f.6-7), and section 6's rule for verify rows: row i sees keys ``j < (p_i + 1) // 4``) as two
+"""The indexer top-k kernel family: the ``span_mask`` + ``indexer_topk`` IR ops of a CSA layer (docs/model.md
+5.2(f.6-7), and section 6's rule for verify rows: row i sees keys ``j < (p_i + 1) // 4``) as two
 launches. Template: ``templates/indexer/indexer_topk.cu.j2`` (its header states each stage's contract).
 
 What one call computes, for ``q`` rows (positions ``positions[0..q-1]``, normally ``pos .. pos+q-1``):

@@ -1,5 +1,5 @@
-"""The grouped experts GEMM family (issue 12, batched prefill): the routed experts of one MoE layer for a chunk of
-``C`` rows (the IR op ``routed_experts``: spec ds4-flash.md 5.2 o.5-o.7, 2.3 quantized linear, P11 clamped
+"""The grouped experts GEMM family (batched prefill, docs/prefill.md): the routed experts of one MoE layer for a
+chunk of ``C`` rows (the IR op ``routed_experts``: docs/model.md 5.2 o.5-o.7, 2.3 quantized linear, P11 clamped
 SwiGLU), as per-expert tensor-core GEMMs over the rows that picked each expert. Template:
 ``templates/moe_gemm/moe_gemm.cu.j2``; the activation quant launches are ``templates/actq/act_quant.cu.j2``
 form ``f16s``. Lowered from a prefill chunk's ``moe_experts`` plan kernel by

@@ -1,4 +1,4 @@
-"""The router kernel family: the ``router_scores`` + ``route`` IR ops of an MoE layer (spec ds4-flash.md
+"""The router kernel family: the ``router_scores`` + ``route`` IR ops of an MoE layer (docs/model.md
 5.2(o.2-4), P10) as one launch, one block per row. Template: ``templates/router/route.cu.j2``.
 
 Per row r:

@@ -1,4 +1,4 @@
-"""Row-chain and grouped ``wo_a`` kernel families (spec ds4-flash.md P1-P7, 5.2(c),(d),(f.1-3),(f.5),(h.1),
+"""Row-chain and grouped ``wo_a`` kernel families (docs/model.md P1-P7, 5.2(c),(d),(f.1-3),(f.5),(h.1),
 (j),(k)).
 
 **rowchain** (``templates/rowchain/rowchain.cu.j2``): a render-time chain of row-local ops on ``x`` bf16
@@ -146,7 +146,7 @@ class RowChainSpec:
             ``[ring_window, G*W]``); 0: no ring.
         pos_mode / pos_dtype: how positions are read (module docstring).
         per_thread: elements per thread (1, 2, 4 or 8); 0 = automatic (:meth:`per_thread_elems`).
-        ring_valid: with ``ring_window`` (a prefill chunk, issue 12): the kernel also takes ``n_valid`` (i64 [1],
+        ring_valid: with ``ring_window`` (a prefill chunk, docs/prefill.md): the kernel also takes ``n_valid`` (i64 [1],
             device, last argument) and row ``i`` writes its ring slot only when ``n_valid - ring_window <= i <
             n_valid``: padded rows write nothing, and of the valid rows only the last ``ring_window`` (one
             writer per slot, so no race when the chunk is longer than the window), which leaves the ring as

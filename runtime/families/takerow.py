@@ -1,4 +1,4 @@
-"""The take-row family: the ``take_row`` IR op of a prefill chunk graph (issue 12; ds4c/ir/ops.py: the head
+"""The take-row family: the ``take_row`` IR op of a prefill chunk graph (docs/prefill.md; ds4c/ir/ops.py: the head
 reads only row ``n_valid - 1``), as one launch copying that row of several row-major sources into one-row
 destinations. Template: ``templates/takerow/take_row.cu.j2``.
 

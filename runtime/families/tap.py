@@ -1,4 +1,4 @@
-"""The tap family: the DSpark taps of one step (spec ds4-flash.md 5.2(q); issue 13, speculative decoding) as one
+"""The tap family: the DSpark taps of one step (docs/model.md 5.2(q); docs/drafter.md "Taps") as one
 small kernel, the lowering of the IR op ``dspark_tap`` (``ds4c.ir.builder.build_step(..., taps=...)``). Template:
 ``templates/tap/dspark_tap.cu.j2`` (its header gives the block layout and the numerics).
 
@@ -24,12 +24,12 @@ into row ``t % window`` of the final HC ring (bf16 ``[window, hc, D]``, here ``w
 window + MAX_WIDTH). One slot of ``hc * D`` columns; ``q * ceil(hc * D / 512)`` blocks (q = 5, hc = 4, D = 4096:
 160 KiB read and written). Checked on the CPU emulation and against the IR op in tests/test_mtp_compiled.py.
 
-Prefill chunks (``TapSpec(valid=True)``, issue 12; either mode): q = C rows (any C, also > window), the kernel also
-takes ``n_valid`` (i64 [1], device, after ``pos``) and only rows ``n_valid - window <= i < n_valid`` write (R =
-``window``, the ring's rows): padded rows write nothing, and of the valid rows only the last R, one writer per
-ring slot (no race when C > R), which leaves the ring exactly as token-wise decoding leaves it (the IR ops write
-rows ``0 .. n_valid - 1`` in order; the last writer of a slot is the one that stays). The grid covers only
-``min(C, R)`` rows: block row ``j`` is row ``i = n_valid - min(C, R) + j``, skipped when ``i < 0`` (the same rule as
+Prefill chunks (``TapSpec(valid=True)``, docs/prefill.md; either mode): q = C rows (any C, also > window), the kernel
+also takes ``n_valid`` (i64 [1], device, after ``pos``) and only rows ``n_valid - window <= i < n_valid`` write (R =
+``window``, the ring's rows): padded rows write nothing, and of the valid rows only the last R, one writer per ring
+slot (no race when C > R), which leaves the ring exactly as token-wise decoding leaves it (the IR ops write rows
+``0 .. n_valid - 1`` in order; the last writer of a slot is the one that stays). The grid covers only ``min(C, R)``
+rows: block row ``j`` is row ``i = n_valid - min(C, R) + j``, skipped when ``i < 0`` (the same rule as
 ``RowChainSpec.ring_valid``, runtime/families/rowchain.py, without the blocks that would exit). ``valid=False``
 renders the decode / verify kernel byte for byte.
 """

@@ -1,5 +1,5 @@
-"""The undo family: a verify step's rollback as one kernel (spec ds4-flash.md section 6, Rollback; issue:
-speculative decoding, "rollback costs what was rejected, not the size of the state"). Template:
+"""The undo family: a verify step's rollback as one kernel (docs/model.md section 6, Rollback): it costs
+what was rejected, not the size of the state. Template:
 ``templates/undo/rollback.cu.j2`` (its header says what is and is not restored, and why).
 
 A verify step (q >= 2) saves, as it goes, only what it overwrites that a later step may read:

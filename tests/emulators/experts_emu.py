@@ -1,0 +1,477 @@
+"""Run the experts family's rendered kernel bodies on the CPU (no GPU): the CUDA source of both phases is
+compiled as host C++20 with a host prelude in which every GPU thread of a block is a fiber on one OS thread
+(:data:`FIBERS`: ``__syncthreads`` / ``__syncwarp`` are barriers that park a fiber until the last of their
+threads arrives, shuffles go through a per-warp exchange buffer, ``mma.sync`` is computed from the PTX fragment
+layouts), and the grid's blocks run one after another.
+
+It checks the kernel's own logic (job table, expert dedup, chunk streaming, fragment ownership, activation
+quant, epilogues, the ordered sum) on shapes small enough for a CPU; not the compiler, the hardware MMA's
+internal precision, or timing. Used by ``tests/test_experts_family.py`` and runnable by hand:
+
+    python tests/emulators/experts_emu.py            # a few tiny / medium shapes, both engines, vs the reference
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from ds4c.runtime.families import experts as X  # noqa: E402
+from ds4c.runtime.targets import target as make_target  # noqa: E402
+
+FIBERS = r"""
+// ---- GPU threads as fibers (ucontext) on one OS thread: a fiber runs until it waits at a barrier, which parks it
+// until the barrier's last arrival makes every waiter ready again; ready fibers run in FIFO order. (OS threads
+// meeting at std::barriers spent their time in the kernel's scheduler, ~10x slower on a busy 2-core machine.)
+// Needs <cstdio> <cstdlib> <vector> <ucontext.h>; no <thread> / <functional> / <memory>, which cost ~1 s each
+// of every emulator's compile.
+static int emu_cur = 0;  // the running fiber: its GPU thread index in the block
+static int emu_nfib = 0, emu_live = 0;
+static ucontext_t* emu_ctx = nullptr;
+static ucontext_t emu_main_ctx;
+static int* emu_ready = nullptr;  // ring of ready fibers (each fiber is in it at most once)
+static unsigned long long emu_rhead = 0, emu_rtail = 0;
+static void (*emu_body)(void*, int) = nullptr;
+static void* emu_body_arg = nullptr;
+static void emu_push(int f) { emu_ready[emu_rtail++ % emu_nfib] = f; }
+static int emu_pop() {
+  if (emu_rhead == emu_rtail) {
+    if (emu_live == 0) return -1;
+    fprintf(stderr, "emulator deadlock: %d GPU threads wait at barriers no other thread will reach\n", emu_live);
+    abort();
+  }
+  return emu_ready[emu_rhead++ % emu_nfib];
+}
+static void emu_park() {  // the running fiber waits (it is in a barrier's list): run the next ready one
+  const int me = emu_cur, nx = emu_pop();
+  emu_cur = nx;
+  swapcontext(&emu_ctx[me], &emu_ctx[nx]);
+  emu_cur = me;
+}
+static void emu_entry() {
+  emu_body(emu_body_arg, emu_cur);
+  --emu_live;
+  const int nx = emu_pop();
+  if (nx < 0) setcontext(&emu_main_ctx);
+  emu_cur = nx;
+  setcontext(&emu_ctx[nx]);
+}
+struct EmuBarrier {  // std::barrier's arrive_and_wait, between fibers
+  int n, count = 0;
+  std::vector<int> wait;
+  explicit EmuBarrier(int n) : n(n) { wait.reserve(n); }
+  void arrive_and_wait() {
+    if (++count < n) { wait.push_back(emu_cur); emu_park(); return; }
+    count = 0;
+    for (int f : wait) emu_push(f);
+    wait.clear();
+  }
+};
+static void emu_run_fibers(int n, void (*body)(void*, int), void* arg) {  // body(arg, t), t < n; returns when all end
+  const size_t stack = 512 * 1024;
+  std::vector<ucontext_t> ctx(n);
+  std::vector<int> ready(n);
+  char* stacks = (char*)malloc(stack * n);  // untouched pages stay unmapped
+  if (!stacks) { fprintf(stderr, "emulator: no memory for %d fiber stacks\n", n); abort(); }
+  emu_ctx = ctx.data(); emu_ready = ready.data(); emu_nfib = emu_live = n; emu_rhead = emu_rtail = 0;
+  emu_body = body; emu_body_arg = arg;
+  for (int t = 0; t < n; ++t) {
+    getcontext(&ctx[t]);
+    ctx[t].uc_stack.ss_sp = stacks + stack * t;
+    ctx[t].uc_stack.ss_size = stack;
+    ctx[t].uc_link = nullptr;
+    makecontext(&ctx[t], emu_entry, 0);
+    emu_push(t);
+  }
+  emu_cur = emu_pop();
+  swapcontext(&emu_main_ctx, &ctx[emu_cur]);
+  free(stacks);
+}
+template <class F>
+static void emu_run_fibers(int n, F& f) { emu_run_fibers(n, [](void* p, int t) { (*(F*)p)(t); }, &f); }
+"""
+
+HOST_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <ucontext.h>
+""" + FIBERS + r"""
+#define DS4C_CUDA 1
+#define DS4C_WAVE 32
+#define DS4C_GLOBAL extern "C"
+#define DS4C_PDL_ENTRY() do { } while (0)  /* programmatic dependent launch: nothing to wait for on the host */
+#define DS4C_DEVICE static inline
+#define DS4C_SHARED
+#define DS4C_RESTRICT __restrict__
+#define __launch_bounds__(...)
+#define DS4C_LAUNCH_BOUNDS(n)
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef short i16;
+typedef unsigned int u32;
+typedef int i32;
+typedef long long i64;
+typedef unsigned long long u64;
+#define DS4C_HAS_BYTE_PERM 1  /* prmt on the host: byte (sel >> 4i) & 7 of (b:a), as prelude/cuda.h.j2 */
+static inline u32 ds4c_byte_perm(u32 a, u32 b, u32 sel) {
+  const unsigned long long v = ((unsigned long long)b << 32) | a;
+  u32 r = 0u;
+  for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
+
+struct EmuBlock {
+  EmuBarrier* bar;
+  EmuBarrier* wbar[32];
+  float fx[1024];
+  float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
+};
+static EmuBlock* g_blk;
+static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
+#define t_tid emu_cur
+
+// ---- cp.async: a copy waits in its thread's queue until a wait_group completes its group, so a tile read before
+// its wait sees the old bytes (as it may on the GPU); a block that ends with copies never waited for aborts
+struct EmuCp { u8* dst; const u8* src; unsigned long long group; };
+static std::vector<EmuCp> emu_cpq[1024];
+static unsigned long long emu_cp_groups[1024];
+DS4C_DEVICE void xp_cp16(void* dst, const void* src) {
+  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid]});
+}
+DS4C_DEVICE void xp_cp_commit() { ++emu_cp_groups[t_tid]; }
+template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N most recent commits complete
+  std::vector<EmuCp>& qv = emu_cpq[t_tid];
+  const unsigned long long n = emu_cp_groups[t_tid], done = n >= (unsigned long long)N ? n - N : 0ull;
+  size_t k = 0;
+  for (size_t i = 0; i < qv.size(); ++i) {
+    if (qv[i].group < done) std::memcpy(qv[i].dst, qv[i].src, 16);
+    else qv[k++] = qv[i];
+  }
+  qv.resize(k);
+}
+static void emu_cp_check_drained() {
+  if (!emu_cpq[t_tid].empty()) {
+    fprintf(stderr, "emulator: thread %d ended its block with %zu cp.async copies never waited for\n", t_tid,
+            emu_cpq[t_tid].size());
+    abort();
+  }
+}
+
+DS4C_DEVICE int ds4c_tid() { return t_tid; }
+DS4C_DEVICE int ds4c_bid_x() { return t_bx; }
+DS4C_DEVICE int ds4c_bid_y() { return t_by; }
+DS4C_DEVICE int ds4c_nblk_x() { return t_nbx; }
+DS4C_DEVICE int ds4c_lane() { return t_tid & 31; }
+DS4C_DEVICE void ds4c_sync() { g_blk->bar->arrive_and_wait(); }
+DS4C_DEVICE void __syncwarp() { g_blk->wbar[t_tid >> 5]->arrive_and_wait(); }
+DS4C_DEVICE float ds4c_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+DS4C_DEVICE u32 ds4c_as_u32(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
+DS4C_DEVICE float ds4c_shfl_xor(float v, int mask) {
+  g_blk->fx[t_tid] = v;
+  __syncwarp();
+  float r = g_blk->fx[(t_tid & ~31) | ((t_tid & 31) ^ mask)];
+  __syncwarp();
+  return r;
+}
+DS4C_DEVICE int ds4c_shfl_xor_i(int v, int mask) { return (int)ds4c_as_u32(ds4c_shfl_xor(ds4c_as_float((u32)v), mask)); }
+DS4C_DEVICE float ds4c_exp(float x) { return expf(x); }
+DS4C_DEVICE float ds4c_rint(float x) { return rintf(x); }
+DS4C_DEVICE float ds4c_log1p(float x) { return log1pf(x); }
+DS4C_DEVICE float ds4c_sqrt(float x) { return sqrtf(x); }
+DS4C_DEVICE float ds4c_rsqrt(float x) { return 1.0f / sqrtf(x); }
+DS4C_DEVICE float ds4c_cos(float x) { return cosf(x); }
+DS4C_DEVICE float ds4c_sin(float x) { return sinf(x); }
+
+// ---- mma.sync / cvt emulation from the PTX fragment layouts (groupID g = lane>>2, threadID_in_group t = lane&3)
+// (exponent and mantissa placed in fp32 bits: (1 + m / 8) 2^(e - 7) and (1 + m / 1024) 2^(e - 15), the top
+// exponent code included, as ldexp gives them; subnormals m 2^-9 and m 2^-24, exact)
+static inline float emu_e4m3(u32 b) {
+  const u32 e = (b >> 3) & 15u, m = b & 7u;
+  const float v = e ? ds4c_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
+  return (b & 0x80u) ? -v : v;
+}
+static inline float emu_bf16(u32 h) { return ds4c_as_float((h & 0xffffu) << 16); }
+static inline float emu_f16(u32 h) {
+  const u32 e = (h >> 10) & 31u, m = h & 1023u;
+  const float v = e ? ds4c_as_float(((e + 112u) << 23) | (m << 13)) : (float)m * (1.0f / 16777216.0f);
+  return (h & 0x8000u) ? -v : v;
+}
+static inline u32 emu_f16_bits(float f) {  // exact values only (e4m3 values are)
+  u32 u = ds4c_as_u32(f), sgn = (u >> 16) & 0x8000u;
+  float a = std::fabs(f);
+  if (a == 0.0f) return sgn;
+  int ex; float mant = std::frexp(a, &ex);  // a = mant * 2^ex, mant in [0.5, 1)
+  int e = ex - 1 + 15;
+  if (e <= 0) return sgn | (u32)std::lround(a * 16777216.0f);  // subnormal: a / 2^-24
+  return sgn | ((u32)e << 10) | ((u32)std::lround((mant * 2.0f - 1.0f) * 1024.0f) & 1023u);
+}
+DS4C_DEVICE void xp_e4m3x4_f16(u32 v, u32& lo, u32& hi) {
+  u32 h[4];
+  for (int i = 0; i < 4; ++i) h[i] = emu_f16_bits(emu_e4m3((v >> (8 * i)) & 0xffu));
+  lo = h[0] | (h[1] << 16);
+  hi = h[2] | (h[3] << 16);
+}
+DS4C_DEVICE void xp_i8x4_f16(u32 w, u32& lo, u32& hi) {
+  u32 h[4];
+  for (int i = 0; i < 4; ++i) h[i] = emu_f16_bits((float)(signed char)((w >> (8 * i)) & 0xffu));
+  lo = h[0] | (h[1] << 16);
+  hi = h[2] | (h[3] << 16);
+}
+DS4C_DEVICE float xp_h2f(u32 h) { return emu_f16(h & 0xffffu); }
+// m16n8k16 with 16-bit A/B elements (conv: bits -> float): each lane places its own fragment's elements in the
+// warp's A [16][16] / B [16][8], then computes its 4 outputs (fp64 sums over k in order, + c, to fp32)
+template <float (*conv)(u32)>
+static inline void emu_mma16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                             float c2, float c3) {
+  const int lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  float (*A)[16] = g_blk->mA[t_tid >> 5];
+  float (*B)[8] = g_blk->mB[t_tid >> 5];
+  const u32 ar[4] = {a0, a1, a2, a3}, br[2] = {b0, b1};
+  for (int i = 0; i < 8; ++i) {
+    const u32 h = (ar[i / 2] >> (16 * (i % 2))) & 0xffffu;
+    const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+    const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+    A[row][col] = conv(h);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const u32 h = (br[i / 2] >> (16 * (i % 2))) & 0xffffu;
+    const int k = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+    B[k][g] = conv(h);
+  }
+  __syncwarp();
+  const float c[4] = {c0, c1, c2, c3};
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
+    double s = 0;
+    for (int k = 0; k < 16; ++k) s += (double)A[row][k] * B[k][col];
+    out[i] = (float)(s + c[i]);
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+DS4C_DEVICE void xp_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                            float c2, float c3) {
+  emu_mma16<emu_f16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+DS4C_DEVICE void xp_mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                             float c2, float c3) {
+  emu_mma16<emu_bf16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+
+template <class K>
+static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's blocks one after another
+  EmuBlock blk;
+  EmuBarrier bar(nt);
+  blk.bar = &bar;
+  std::vector<EmuBarrier> wb(nt / 32, EmuBarrier(32));
+  for (int w = 0; w < nt / 32; ++w) blk.wbar[w] = &wb[w];
+  g_blk = &blk;
+  t_nbx = gx;
+  auto body = [&](int) {
+    for (int by = 0; by < gy; ++by)
+      for (int bx = 0; bx < gx; ++bx) {
+        t_bx = bx; t_by = by;
+        kernel();
+        emu_cp_check_drained();
+        bar.arrive_and_wait();
+      }
+  };
+  emu_run_fibers(nt, body);
+}
+static std::vector<u8> load(const char* dir, const char* name) {
+  char p[4096];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE* f = fopen(p, "rb");
+  if (!f) { fprintf(stderr, "cannot open %s\n", p); exit(2); }
+  fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<u8> b(n + 64);
+  if (fread(b.data(), 1, n, f) != (size_t)n) exit(3);
+  fclose(f);
+  return b;
+}
+static void save(const char* dir, const char* name, const void* p, size_t n) {
+  char s[4096];
+  snprintf(s, sizeof s, "%s/%s", dir, name);
+  FILE* f = fopen(s, "wb");
+  fwrite(p, 1, n, f);
+  fclose(f);
+}
+"""
+
+
+def host_body(src: Any) -> str:
+    """The rendered CUDA source without the CUDA prelude and the inline-PTX MMA helpers."""
+    from ds4c.runtime.render import TEMPLATE_DIR
+
+    text = src.source
+    prelude = (TEMPLATE_DIR / "prelude" / "cuda.h.j2").read_text().replace("{{ wave }}", str(src.target.wave))
+    if prelude not in text:
+        raise RuntimeError("experts_emu: the rendered source does not start with the CUDA prelude")
+    text = text.replace(prelude, "", 1)
+    a = text.find("// ---- mma.sync helpers (inline PTX")
+    if a >= 0:
+        b = text.index("// ---- shape and format parameters")
+        text = text[:a] + text[b:]
+    return text
+
+
+#: C expressions of every kernel argument the emulator's main() binds (arg_names of experts.py)
+_ARG_EXPR = {"x": "(const u16*)x.data()", "ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()",
+             "w1": "w1.data()", "w3": "w3.data()", "w2": "w2.data()", "sh_w1": "s1.data()", "sh_w3": "s3.data()",
+             "sh_w2": "s2.data()", "hbuf": "h.data()", "out": "out.data()", "xq": "xq.data()", "xs": "xs.data()",
+             "hq": "hq.data()", "hs": "hs.data()"}
+
+
+def build(spec: X.ExpertsSpec, workdir: Path, arch: str = "sm_90") -> Path:
+    """Compile the emulator of ``spec`` (every kernel of the call, :func:`experts.kernel_names`) into
+    ``workdir/emu``; returns the executable. The activation quant kernels of a prequant call (templates/actq) keep
+    their block reduction in a function-local shared array: there ``DS4C_SHARED`` is ``static`` (one array for
+    the block's fibers)."""
+    tgt = make_target(arch)
+    srcs = X.render_experts(spec, tgt, "emu")
+    launches = X.launch_shapes(spec, tgt)
+    names = X.arg_names(spec, tgt)
+    q, k, D, F = spec.q, spec.k, spec.hidden, spec.inter
+    spaces, calls = [], []
+    for i, (src, la) in enumerate(zip(srcs, launches)):
+        local_shared = la.kernel.startswith("actq_")
+        body = host_body(src)
+        if local_shared:
+            body = "#undef DS4C_SHARED\n#define DS4C_SHARED static\n" + body + "\n#undef DS4C_SHARED\n#define DS4C_SHARED\n"
+        spaces.append(f"namespace k{i}_ns {{\n{body}\nalignas(16) u8 xp_smem[{la.smem} + 64];\n}}\n")
+        args = ", ".join(_ARG_EXPR[n] for n in names[la.kernel])
+        calls.append(f"  run_grid({la.grid[0]}, {la.grid[1]}, {la.block[0]}, [&] {{ k{i}_ns::{src.entry}({args}); }});\n")
+    main = "".join(spaces) + f"""
+int main(int argc, char** argv) {{
+  const char* d = argv[1];
+  auto x = load(d, "x"), ids = load(d, "ids"), wts = load(d, "weights"), w1 = load(d, "w1"), w3 = load(d, "w3"),
+       w2 = load(d, "w2"), s1 = load(d, "sh_w1"), s3 = load(d, "sh_w3"), s2 = load(d, "sh_w2");
+  std::vector<u16> h({q} * ({k} + 1) * {F}, 0x7fc1), out({q} * {D}, 0x7fc1);
+  std::vector<u16> xq({q} * {D}, 0x7e01), hq({q} * ({k} + 1) * {F}, 0x7e01);  // f16 NaN poison
+  std::vector<float> xs({q} * ({D} / 128), NAN), hs({q} * ({k} + 1) * ({F} / 128), NAN);
+  (void)xq; (void)hq; (void)xs; (void)hs;
+{"".join(calls)}  save(d, "hbuf", h.data(), h.size() * 2);
+  save(d, "out", out.data(), out.size() * 2);
+  save(d, "xq", xq.data(), xq.size() * 2);
+  save(d, "xs", xs.data(), xs.size() * 4);
+  return 0;
+}}
+"""
+    return compile_host(main, workdir, "experts_emu")
+
+
+def host_cxx() -> str | None:
+    """The host C++ compiler the emulators build with (g++, else clang++), or None."""
+    return shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
+
+
+def host_unavailable() -> str | None:
+    """Why the emulators cannot run here (no host C++ compiler, or no C++20 mode or ``<ucontext.h>``, which the
+    fibers need), or None: the skip reason of the tests that emulate kernels."""
+    cxx = host_cxx()
+    if not cxx:
+        return "no host C++ compiler"
+    p = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <ucontext.h>\n",
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else f"{cxx} lacks C++20 or <ucontext.h> (the emulators' fibers)"
+
+
+def compile_host(main: str, workdir: Path, who: str) -> Path:
+    """Compile ``HOST_PRELUDE + main`` (a host program built around rendered kernel bodies) into
+    ``workdir/emu`` with the host C++20 compiler. ``who`` names the emulator in errors.
+
+    Raises:
+        RuntimeError: no g++ / clang++, or the compile failed (its log attached)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "emu.cpp").write_text(HOST_PRELUDE + main)
+    cxx = host_cxx()
+    if not cxx:
+        raise RuntimeError(f"{who}: no host C++ compiler (g++ / clang++)")
+    p = subprocess.run([cxx, "-std=c++20", "-O1", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"{who}: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
+    return workdir / "emu"
+
+
+def run_host(exe: Path, workdir: Path, inputs: dict[str, torch.Tensor], who: str, timeout: int = 3600) -> None:
+    """Write each input tensor's raw bytes to ``workdir/<name>`` and run ``exe workdir`` (it writes its outputs
+    there).
+
+    Raises:
+        RuntimeError: the program failed (its output attached)."""
+    for name, t in inputs.items():
+        (workdir / name).write_bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    p = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"{who}: run failed ({p.returncode}):\n{p.stdout}{p.stderr}")
+
+
+def run(spec: X.ExpertsSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
+        exe: Path | None = None) -> dict[str, torch.Tensor]:
+    """Emulate one call on CPU ``inputs`` (:func:`ds4c.runtime.families.experts.random_inputs` names).
+    Returns ``{"out": bf16 [q, D], "hbuf": bf16 [q, k+1, F], "xq": f16 [q, D], "xs": fp32 [q, D/128]}`` (the
+    last two: a prequant call's quantized x, else their NaN poison)."""
+    run_host(exe or build(spec, workdir, arch), workdir, inputs, "experts_emu")
+
+    def rd(name: str, shape: tuple) -> torch.Tensor:
+        a = np.frombuffer((workdir / name).read_bytes(), dtype=np.int16).copy()
+        return torch.from_numpy(a).view(torch.bfloat16).view(shape)
+
+    out = {"out": rd("out", (spec.q, spec.hidden)), "hbuf": rd("hbuf", (spec.q, spec.k + 1, spec.inter))}
+    out["xq"] = torch.from_numpy(np.frombuffer((workdir / "xq").read_bytes(), dtype=np.float16).copy()).view(
+        spec.q, spec.hidden)
+    out["xs"] = torch.from_numpy(np.frombuffer((workdir / "xs").read_bytes(), dtype=np.float32).copy()).view(
+        spec.q, spec.hidden // 128)
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.float(), want.float()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - w).norm() / w.norm().clamp(min=1e-30))
+
+
+def main() -> int:
+    import time
+
+    cases = [dict(q=1, hidden=256, inter=128, k=4, n_experts=16), dict(q=5, hidden=256, inter=128, k=4, n_experts=16),
+             dict(q=5, hidden=1024, inter=2048, k=6, n_experts=12), dict(q=3, hidden=4096, inter=256, k=6, n_experts=8)]
+    ok = True
+    for c in cases:
+        for eng in ("mma", "simt"):
+            spec = X.ExpertsSpec(**c, engine=eng)
+            g = torch.Generator().manual_seed(1)
+            inp = X.random_inputs(spec, g)
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory() as d:
+                got = run(spec, inp, Path(d))
+            t1 = time.perf_counter()
+            want = X.reference(spec, **inp)
+            e = rel_err(got["out"], want)
+            ok &= e < 2e-2
+            print(f"{spec.short():60s} {eng:5s} rel_err {e:.2e}  {t1 - t0:.1f} s", flush=True)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
