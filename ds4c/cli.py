@@ -1,7 +1,7 @@
 """The ``ds4c`` command line (click).
 
 Commands: ``make-model`` (synthetic GGUF), ``info`` (config, layer kinds, tensor bytes per type),
-``generate`` (tokens from the reference), ``inspect-ir``, ``export-mlir`` (the step as MLIR), ``compile`` (an AOT artifact), ``inspect`` (an
+``generate`` (tokens from the reference), ``serve`` (OpenAI's API over HTTP, :mod:`ds4c.server`), ``inspect-ir``, ``export-mlir`` (the step as MLIR), ``compile`` (an AOT artifact), ``inspect`` (an
 artifact: summary, kernels, source, resources, SASS/ISA), ``bench`` (one step: compiled vs torch eager vs
 torch.compile vs the roofline), ``cache list|show|clear`` (the compiled-kernel cache). ``info`` and ``generate`` with no file use the built-in default
 model: the ``tiny`` preset with seed 0, written once to the user cache folder.
@@ -708,6 +708,68 @@ def generate_cmd(file: str | None, prompt: str | None, prompt_file: str | None, 
         sys.exit(EXIT_INTERRUPTED)
     click.echo("")
     click.echo(_timings_line(load_s, s.completion.result, len(ids)), err=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+@main.command("serve")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 exposes the server beyond this machine).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port.")
+@click.option("--model-name", default=None, help="The model id clients name (default: the file's name without .gguf).")
+@click.option("--api-key", default=None, envvar="DS4C_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health.")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="Sequences run at once (default: what the engine runs; today's engine runs 1, the rest queue).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Requests that may wait for a sequence; one more gets 429.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds a request may wait in the queue before 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds from arrival to the end of a request (then it is stopped: 408).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM / Ctrl-C: seconds to let requests in flight finish.")
+@click.option("--stream-buffer", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Text pieces buffered per request for a client that is slow to read; one more cancels it.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--max-ctx", type=click.IntRange(min=1), default=None,
+              help="Positions a sequence may hold (prompt + reply). Default: the artifact's, else 4096.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--engine", type=click.Choice(["auto", "compiled", "reference"]), default="auto", show_default=True,
+              help="auto: the compiled step (CUDA graphs) on cuda, the reference on cpu.")
+@click.option("--artifact", type=click.Path(file_okay=False), default=None,
+              help="Compiled engine: take the kernels from this `ds4c compile` artifact (nothing is compiled).")
+@click.option("--draft", default=None, metavar="DRAFTER",
+              help="Speculative decoding for every request (the spellings of `ds4c generate --draft`).")
+@click.option("--spec-width", default="5", show_default=True, metavar="1..5|auto", help="With --draft: verify rows.")
+@click.option("--prefill", "prefill", default=None, metavar="C,C,...",
+              help="Compiled engine: prefill chunk graphs (as `ds4c generate --prefill`).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads of the reference (1 is fastest on a machine shared with other work).")
+@click.option("--dataflow", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Reference engine activations (as `ds4c generate --dataflow`).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@_split_options
+def serve_cmd(file: str | None, host: str, port: int, model_name: str | None, api_key: str | None,
+              max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
+              drain_timeout: float, stream_buffer: int, max_body_bytes: int, max_ctx: int | None, device: str,
+              engine: str, artifact: str | None, draft: str | None, spec_width: str, prefill: str | None,
+              threads: int | None, dataflow: str, log_level: str, devices: str | None,
+              layer_split: str | None) -> None:
+    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics; docs/serving.md). Runs until SIGTERM or Ctrl-C, then lets the requests in flight finish."""
+    from ds4c.server import serve  # start-up speed: FastAPI and the model stack load only when the command runs
+
+    device = _device_of(device, devices)
+    serve(_model_path(file), host=host, port=port, max_concurrency=max_concurrency, api_key=api_key,
+          model_name=model_name, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx, threads=threads,
+          dataflow=dataflow, devices=devices, layer_split=layer_split,
+          prefill_chunks=_prefill_chunks(prefill, device, engine, dataflow, artifact, draft), draft=draft,
+          spec_width=_spec_width(spec_width), max_queue=max_queue, queue_timeout_s=queue_timeout,
+          request_timeout_s=request_timeout, stream_buffer=stream_buffer, max_body_bytes=max_body_bytes,
+          drain_timeout_s=drain_timeout, log_level=log_level)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from ds4c.api import Model
 from ds4c.errors import Ds4cError
@@ -200,14 +200,12 @@ class SerialEngine:
     requests in order (the scheduler starts at most :attr:`capacity` = 1, so none waits here).
 
     Args:
-        model: the opened model (only the worker thread generates with it).
-        draft: speculative decoding with this drafter (:func:`ds4c.speculative.make_drafter`; its state is
-            prepared afresh for each request), or None.
+        model: the opened model (only the worker thread generates with it); its ``draft``, if any, decodes every
+            request speculatively (a drafter made per request with the request's seed).
         spec_width: verify rows per speculative step, 1..5 or ``"auto"``.
     """
 
     model: Model
-    draft: Any = None
     spec_width: int | str = 5
     capacity: int = 1
     _jobs: queue.Queue = field(default_factory=queue.Queue, repr=False)
@@ -262,7 +260,7 @@ class SerialEngine:
             return Finished("cancelled", len(req.prompt_ids), 0)
         s = self.model.generate(list(req.prompt_ids), max_new_tokens=p.max_tokens, temperature=p.temperature,
                                 top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=list(p.stop) or None,
-                                ignore_eos=p.ignore_eos, stream=True, draft=self.draft, spec_width=self.spec_width)
+                                ignore_eos=p.ignore_eos, stream=True, spec_width=self.spec_width)
         for piece in s:
             job.tokens = s.n_tokens
             st.push(Piece(piece, s.n_tokens))
