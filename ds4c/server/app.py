@@ -78,16 +78,17 @@ class _EngineFailed(Exception):
 
 @dataclass
 class _Outcome:
-    """Counts a request's outcome once (the first one set wins)."""
+    """Counts a request's outcome and latency once (the first one set wins)."""
 
     metrics: Metrics
     endpoint: str
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
     done: bool = False
 
     def __call__(self, outcome: str) -> None:
         if not self.done:
             self.done = True
-            self.metrics.count(self.endpoint, outcome)
+            self.metrics.count(self.endpoint, outcome, time.monotonic() - self.arrival)
 
 
 def _finish_reason(reason: str, tool_calls: bool = False) -> str:
@@ -289,9 +290,9 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         outcome("failed")
         return APIError(500 if str(e).startswith("internal") else 400, str(e), code="generation_failed")
 
-    async def admit(outcome: _Outcome, arrival: float):
+    async def admit(outcome: _Outcome):
         """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot)."""
-        cm = sched.slot(arrival)
+        cm = sched.slot(outcome.arrival)
         try:
             slot = await cm.__aenter__()
         except APIError:
@@ -321,7 +322,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
     # ------------------------------------------------------------------------------------------- chat
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        outcome, arrival = _Outcome(metrics, "chat"), time.monotonic()
+        outcome = _Outcome(metrics, "chat")
         try:
             req, data = parse_body(await read_body(request), ChatCompletionRequest)
             req.refuse_unsupported()
@@ -337,7 +338,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             raise
         rid, t0 = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": options.model_name}
-        cm, slot = await admit(outcome, arrival)
+        cm, slot = await admit(outcome)
 
         def parser() -> OutputParser:
             return OutputParser(thinking=plan.thinking, tools=plan.tools, parallel=plan.parallel)
@@ -419,7 +420,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
     # ------------------------------------------------------------------------------------------- completions
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        outcome, arrival = _Outcome(metrics, "completions"), time.monotonic()
+        outcome = _Outcome(metrics, "completions")
         try:
             req, _ = parse_body(await read_body(request), CompletionRequest)
             req.refuse_unsupported()
@@ -435,7 +436,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             raise
         rid, t0 = "cmpl-" + secrets.token_hex(12), int(time.time())
         head = {"id": rid, "object": "text_completion", "created": t0, "model": options.model_name}
-        cm, slot = await admit(outcome, arrival)
+        cm, slot = await admit(outcome)
 
         if not req.stream:
             async def whole(slot: Slot) -> dict:

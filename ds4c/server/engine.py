@@ -99,12 +99,13 @@ class RequestStream:
         capacity: pieces buffered for a consumer that has not taken them; one more cancels the request
             (:attr:`overflowed`), the terminal event is always delivered.
         deadline: ``time.monotonic()`` past which :meth:`next` raises ``TimeoutError`` (None: no limit).
-        on_done: called on the loop when the terminal event arrives (the engine is done with the request: the
-            scheduler frees its sequence slot then, whether or not the consumer has read the events yet).
+        on_done: called on the loop with the terminal event when it arrives (the engine is done with the request:
+            the scheduler frees its sequence slot and counts its tokens then, whether or not the consumer has read
+            the events yet).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, deadline: float | None = None,
-                 on_done: Callable[[], None] | None = None):
+                 on_done: Callable[[Finished | Failed], None] | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, found {capacity}")
         self._loop = loop
@@ -141,7 +142,7 @@ class RequestStream:
             self.terminal = ev
             self.done.set()
             if self._on_done is not None:
-                self._on_done()
+                self._on_done(ev)
         self._q.put_nowait(ev)
 
     # ---------------------------------------------------------------------------- consumer side (the loop)

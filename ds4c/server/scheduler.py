@@ -62,9 +62,14 @@ class Slot:
         self._first_at: float | None = None
         self._last_at = 0.0
 
-    def _done(self) -> None:
+    def _done(self, ev: Finished | Failed) -> None:
+        """The engine is done with a generation: its slot is free, its tokens counted (also those of a request
+        whose client went away or fell behind)."""
         self.holding = False
         self._sched._release()
+        if isinstance(ev, Finished):
+            self._sched.metrics.prompt_tokens.inc(ev.prompt_tokens)
+            self._sched.metrics.generation_tokens.inc(ev.completion_tokens)
 
     async def start(self, req: GenRequest) -> RequestStream:
         """Start ``req`` on the engine once the previous generation of this request has ended (a later one waits
@@ -79,9 +84,9 @@ class Slot:
         return st
 
     async def events(self, st: RequestStream) -> AsyncIterator[Piece | Finished | Failed]:
-        """The events of ``st`` until its terminal one; times the first text (from arrival), the gaps between
-        pieces (per token) and counts tokens. ``TimeoutError`` past the request's deadline (the generation is
-        cancelled)."""
+        """The events of ``st`` until its terminal one; times the first text (from arrival) and the gaps between
+        pieces (per token) as the handler takes them. ``TimeoutError`` past the request's deadline (the generation
+        is cancelled)."""
         m, done = self._sched.metrics, 0
         while True:
             ev = await st.next()
@@ -95,11 +100,7 @@ class Slot:
                     for _ in range(ev.tokens - done):
                         m.itl.observe(gap)
                 self._last_at = now
-                m.generation_tokens.inc(ev.tokens - done)
                 done = ev.tokens
-            elif isinstance(ev, Finished):
-                m.prompt_tokens.inc(ev.prompt_tokens)
-                m.generation_tokens.inc(max(0, ev.completion_tokens - done))
             yield ev
             if not isinstance(ev, Piece):
                 return
