@@ -18,8 +18,8 @@ from ds4c.tokenizer import (BYTE_TO_CHAR, KEY_ADD_BOS, KEY_ADD_EOS, KEY_BOS, KEY
                             KEY_MODEL, KEY_PAD, KEY_PRE, KEY_TOKENS, KEY_TYPES, SUPPORTED_MODEL, SUPPORTED_PRE,
                             TokenizerError, TokenType, deepseek_v3_pre_tokenizer)
 
-__all__ = ["synthetic_vocab", "MIN_SYNTHETIC_VOCAB", "SYNTHETIC_SPECIALS", "SYNTHETIC_CHAT_TEMPLATE", "V4_TOOLS_HEADER",
-           "V4_TOOLS_FOOTER"]
+__all__ = ["synthetic_vocab", "MIN_SYNTHETIC_VOCAB", "SYNTHETIC_SPECIALS", "SYNTHETIC_CHAT_TEMPLATE", "TOOLS_HEADER",
+           "TOOLS_FOOTER"]
 
 _FROM_LATIN1 = str.maketrans({chr(b): c for b, c in BYTE_TO_CHAR.items()})  # latin-1 text -> byte-level text
 _BYTES_TO_CHARS = [BYTE_TO_CHAR[b] for b in range(256)]
@@ -55,21 +55,14 @@ _INF = 1 << 62
 #: Smallest vocabulary :func:`synthetic_vocab` builds: the 256 byte tokens and the specials.
 MIN_SYNTHETIC_VOCAB = 256 + len(SYNTHETIC_SPECIALS)
 
-#: DeepSeek-V4's model-facing texts, as its official encoding writes them (``encoding_dsv4.py`` of the model release
-#: and llama.cpp's DeepSeek-V4 templates): the tools block appended to the system prompt (:data:`V4_TOOLS_HEADER`,
-#: the tools' JSON one a line, :data:`V4_TOOLS_FOOTER`).
-V4_TOOLS_HEADER = (
-    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
-    "writing a \"<｜DSML｜tool_calls>\" block like the following:\n\n<｜DSML｜tool_calls>\n"
-    "<｜DSML｜invoke name=\"$TOOL_NAME\">\n"
-    "<｜DSML｜parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n...\n"
-    "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"$TOOL_NAME2\">\n...\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\n"
-    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
-    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
-    "<think>...</think> BEFORE any tool calls or final response.\n\n"
-    "Otherwise, output directly after </think> with tool calls or final response.\n\n### Available Tool Schemas\n\n")
-V4_TOOLS_FOOTER = "\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+#: The tools block the synthetic template appends to the system prompt: :data:`TOOLS_HEADER`, the tools' JSON one a
+#: line, :data:`TOOLS_FOOTER`. DeepSeek-V4's official encoding (``encoding_dsv4.py`` of the model release) puts the
+#: tools there the same way, between a header that explains the DSML markup with an example and a footer asking
+#: the model to follow the schemas; those instructions are some 700 tokens in a synthetic vocabulary, which the CPU
+#: reference would prefill for every request with tools, so the synthetic template has this one-line stand-in
+#: (as it has for the reasoning-effort instructions). The real model's GGUF carries the official template.
+TOOLS_HEADER = "## Tools\n\nCall tools with a <｜DSML｜tool_calls> block.\n\n### Available Tool Schemas\n\n"
+TOOLS_FOOTER = "\nFollow the tool schemas.\n"
 
 
 def _jinja_str(text: str) -> str:
@@ -77,7 +70,8 @@ def _jinja_str(text: str) -> str:
     return json.dumps(text)
 
 
-#: The chat template of synthetic vocabularies: DeepSeek-V4's chat as its official encoding renders it. Variables:
+#: The chat template of synthetic vocabularies: DeepSeek-V4's chat as its official encoding renders it (with the
+#: stand-ins for its tools and reasoning-effort instructions). Variables:
 #: ``messages`` (roles system / user / assistant / tool; an assistant's ``reasoning_content`` and ``tool_calls``),
 #: ``tools`` (OpenAI function tools, appended to the system prompt), ``add_generation_prompt``, ``bos_token``,
 #: ``thinking`` (or ``enable_thinking``), ``reasoning_effort`` (``"high"`` / ``"max"`` in thinking mode: a one-line
@@ -109,7 +103,7 @@ SYNTHETIC_CHAT_TEMPLATE = (
     "  {%- set ts = namespace(schemas='') -%}\n"
     "  {%- for tool in tools -%}{%- if tool['type'] == 'function' -%}"
     "{%- set ts.schemas = ts.schemas + (tool['function'] | tojson) + '\\n' -%}{%- endif -%}{%- endfor -%}\n"
-    "  {%- set block = " + _jinja_str(V4_TOOLS_HEADER) + " + ts.schemas + " + _jinja_str(V4_TOOLS_FOOTER) + " -%}\n"
+    "  {%- set block = " + _jinja_str(TOOLS_HEADER) + " + ts.schemas + " + _jinja_str(TOOLS_FOOTER) + " -%}\n"
     "  {%- set ns.system = (ns.system + '\\n\\n' if ns.system else '') + block -%}\n"
     "{%- endif -%}\n"
     "{{- bos_token -}}\n"

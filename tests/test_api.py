@@ -20,7 +20,7 @@ from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import filter_logits, generate, stream
 from ds4c.sources import open_model
 from ds4c.reference import Reference
-from ds4c.synth_vocab import V4_TOOLS_FOOTER, V4_TOOLS_HEADER
+from ds4c.synth_vocab import TOOLS_FOOTER, TOOLS_HEADER
 
 PROMPT = "The quick brown fox"
 # "Hi" sampled at temperature 5: seed 10 draws eos (id 1) as its 31st new token (measured on x86 CPUs); the
@@ -374,7 +374,7 @@ def test_chat_template_renders_tools_tool_calls_and_results(model):
                '{"city": {"type": "string"}}, "required": ["city"]}}\n'
                '{"name": "now", "parameters": {"type": "object", "properties": {}}}\n')
     d = "｜DSML｜"
-    want = ("<｜begin▁of▁sentence｜>Be brief.\n\n" + V4_TOOLS_HEADER + schemas + V4_TOOLS_FOOTER +
+    want = ("<｜begin▁of▁sentence｜>Be brief.\n\n" + TOOLS_HEADER + schemas + TOOLS_FOOTER +
             "<｜User｜>Weather?<｜Assistant｜></think>"
             f"\n\n<{d}tool_calls>\n<{d}invoke name=\"get_weather\">\n"
             f"<{d}parameter name=\"city\" string=\"true\">Zürich</{d}parameter>\n"

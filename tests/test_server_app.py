@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 import time
 
@@ -35,14 +36,15 @@ CALL = (f"<{D}invoke name=\"get_weather\">\n<{D}parameter name=\"city\" string=\
 
 
 class ScriptedEngine:
-    """An :class:`~ds4c.server.engine.Engine` whose replies are scripted texts (taken in order), sent 3 characters
-    a piece with ``delay`` seconds between pieces; stop strings and ``max_tokens`` (one piece = one token) cut them
-    as the real engine does. ``requests`` records what it was asked; ``pushed`` the pieces each request got."""
+    """An :class:`~ds4c.server.engine.Engine` whose replies are scripted texts (taken in order), sent ``piece``
+    characters a piece with ``delay`` seconds between pieces; stop strings and ``max_tokens`` (one piece = one
+    token) cut them as the real engine does. ``requests`` records what it was asked; ``pushed`` the pieces each request got."""
 
     def __init__(self, max_ctx: int = 4096, capacity: int = 1):
         self.max_ctx, self.capacity = max_ctx, capacity
         self.replies: list[str] = []
         self.delay = 0.0
+        self.piece = 3
         self.requests: list[GenRequest] = []
         self.pushed: list[int] = []
         self._running = 0
@@ -59,7 +61,8 @@ class ScriptedEngine:
             p = req.params
             hits = [(text.find(s), s) for s in p.stop if s in text]
             cut, matched = min(hits) if hits else (len(text), None)
-            pieces = [text[i:min(i + 3, cut)] for i in range(0, cut, 3)]
+            n = self.piece
+            pieces = [text[i:min(i + n, cut)] for i in range(0, cut, n)]
             reason = "stop" if matched else "eos"
             if len(pieces) > p.max_tokens:
                 pieces, reason, matched = pieces[:p.max_tokens], "length", None
@@ -120,7 +123,7 @@ def served(model):
 @pytest.fixture
 def engine(served) -> ScriptedEngine:
     e = served.engine
-    e.replies, e.delay, e.requests, e.pushed = [], 0.0, [], []
+    e.replies, e.delay, e.piece, e.requests, e.pushed = [], 0.0, 3, [], []
     return e
 
 
@@ -316,6 +319,34 @@ def test_disconnect_cancels_and_drain_refuses(model):
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
         assert httpx.get(s.url + "/health").status_code == 503
     finally:
+        s.stop()
+
+
+def test_a_client_that_stops_reading_does_not_slow_the_others(model):
+    """A streaming client that stops reading (a raw socket with a small receive buffer that never reads): once the
+    socket buffers are full its handler blocks, its bounded buffer fills and its generation is cancelled, so the
+    engine stops for it and the next client's request runs at once."""
+    eng = ScriptedEngine()
+    s = Served(model, eng, SchedulerConfig(stream_buffer=8))
+    slow = socket.socket()
+    try:
+        eng.piece, eng.delay = 1 << 16, 0.002
+        eng.replies = ["z" * (eng.piece * 400), "fine"]     # 400 pieces of 64 KiB: 26 MB, more than any buffer
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
+        body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 1000, "stream": True}).encode()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        while not eng.pushed or s.app.state.scheduler.engine.stats().running:
+            assert time.monotonic() - t0 < 30, "the slow client's generation was never stopped"
+            time.sleep(0.01)
+        assert 0 < eng.pushed[0] < 400                       # stopped early: the engine did not wait for it
+        t1 = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "hi"}, timeout=30)
+        assert r.json()["choices"][0]["text"] == "fine" and time.monotonic() - t1 < 3
+    finally:
+        slow.close()
         s.stop()
 
 
