@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ds4c.chat import render_chat
-from ds4c.engine_protocol import CompiledEngine
+from ds4c.default_model import default_model_path
+from ds4c.engine import open_engine, resolve_engine, resolve_needs
+from ds4c.engine_protocol import CompiledEngine, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
@@ -151,6 +153,24 @@ class CompletionStream:
     def _interrupted(self) -> None:
         c = self._holder["completion"]
         c.stop_reason = c.result.stop_reason = "interrupted"
+
+
+def check_stops(stop: Any) -> list[str]:
+    """The stop strings of a request (``stop`` of :meth:`Model.generate`, ``--stop`` of ``ds4c generate``) as a
+    list: a str is one, None none.
+
+    Raises:
+        Ds4cError: ``stop`` is not a str or a list / tuple of str; an empty stop string.
+    """
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    odd = [s for s in stops if not isinstance(s, str)]
+    if odd:
+        raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
+    if any(not s for s in stops):
+        raise Ds4cError(f"stop strings (--stop) must be non-empty str, found {stops!r}")
+    return stops
 
 
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -274,7 +294,6 @@ class Model:
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
                  taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None,
                  draft: str | os.PathLike[str] | Any | None = None):
-        from ds4c.engine import open_engine, resolve_engine
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
@@ -283,23 +302,25 @@ class Model:
                             f"ModelFile or None (the built-in model), found {type(path).__name__} {str(path)[:80]}")
         self.engine = resolve_engine(device, engine, dataflow)
         self.device = device
+        self._artifact = artifact
+        self._split = devices is not None or layer_split is not None  # as resolve_needs counts a layer split
         if isinstance(path, ModelFile):
             mf = path
         else:
             if path is None:
-                from ds4c.cli import default_model_path
-
                 path = default_model_path()
             mf = open_model(path if str(path).startswith("synthetic:") else Path(path))
         self.file = mf
         self.tokenizer = Tokenizer.from_metadata(mf.metadata, source=str(mf.path)) \
             if has_tokenizer(mf.metadata) else None
         self.draft = draft
+        drafter = None if draft is None else self._drafter(draft, 0)
+        if drafter is not None:  # refused in the user's spelling (--draft NAME) before the engine starts
+            self._check_needs(draft, drafter)
         self.stepper = open_engine(mf, device=device, engine=engine, artifact=artifact, max_ctx=max_ctx,
                                    quant_emulation=quant_emulation, threads=threads, dataflow=dataflow,
                                    devices=devices, layer_split=layer_split, taps=tuple(taps),
-                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks,
-                                   draft=None if draft is None else self._drafter(draft, 0))
+                                   record_hc=bool(record_hc), prefill_chunks=prefill_chunks, draft=drafter)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self._turns = _Turns()
         self.load_s = time.perf_counter() - t0
@@ -376,6 +397,13 @@ class Model:
 
         return make_drafter(draft, self.config.vocab_size, seed, config=self.config, target_file=self.file)
 
+    def _check_needs(self, given: Any, drafter: Any) -> None:
+        """Refuse ``drafter`` (made from ``given``: a spelling, a path or the drafter itself) where this Model's
+        engine cannot serve what it needs (:func:`ds4c.engine.resolve_needs`, its messages naming the drafter as
+        ``given``: ``--draft dspark:PATH: ...``)."""
+        name = os.fspath(given) if isinstance(given, (str, os.PathLike)) else drafter_name(drafter)
+        resolve_needs(drafter_needs(drafter), self.engine, self._split, self._artifact, name=name)
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The ids a prompt runs as: a str is tokenized with bos (unless it already begins with bos); ids are
         checked to be ints in the vocabulary.
@@ -439,7 +467,8 @@ class Model:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
                 ``stream`` on a file without tokenizer, a stop that is not a str or a list of str, an empty stop
                 string, prompt + ``max_new_tokens`` past
-                ``max_ctx``.
+                ``max_ctx``; a drafter this Model's engine cannot serve (:func:`ds4c.engine.resolve_needs`: a DSpark
+                drafter on a layer split or, compiled, from an artifact; the MTP drafter on a split reference).
             GenerationInterrupted: Ctrl-C during the run (a KeyboardInterrupt; its ``completion`` holds the tokens
                 and text so far, ``stop_reason`` ``"interrupted"``). A stream: see :meth:`CompletionStream.close`.
         """
@@ -447,14 +476,7 @@ class Model:
         check_sampling(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise Ds4cError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise Ds4cError(f"stop: expected a str or a list of str, found {type(stop).__name__} {stop!r:.80}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        odd = [s for s in stops if not isinstance(s, str)]
-        if odd:
-            raise Ds4cError(f"stop: expected a str or a list of str, found a {type(odd[0]).__name__} in {stops!r:.80}")
-        if any(not s for s in stops):
-            raise Ds4cError(f"stop strings must be non-empty str, found {stops!r}")
+        stops = check_stops(stop)
         if stops:
             self._need_tokenizer("stop strings")
         if stream:
@@ -465,7 +487,10 @@ class Model:
         if on_prefill is not None and not callable(on_prefill):
             raise Ds4cError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
         stop_ids = () if ignore_eos else (self.eos_id,)
-        draft = self._drafter(self.draft if draft is None else draft, seed)
+        given = self.draft if draft is None else draft
+        draft = self._drafter(given, seed)
+        if draft is not None:  # what it needs of this Model's engine (the step records it, or a one-line refusal)
+            self._check_needs(given, draft)
         release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
         try:
             ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,

@@ -293,6 +293,25 @@ def _time_transformers(mf: ModelFile, rows: list[StepRow], toks_of: dict[int, li
 
 
 # ---------------------------------------------------------------------------------------------- run
+def check_llama_bench(mf: ModelFile, exe: str | os.PathLike | None) -> str | None:
+    """``--llama-bench``: llama.cpp's ``llama-bench`` as the absolute path checked and then run (never looked up
+    on PATH), or None when not given.
+
+    Raises:
+        BenchError: ``exe`` is not an executable file; ``mf`` has no GGUF file to hand to it (a synthetic model
+            whose tensors are generated on the device).
+    """
+    if exe is None:
+        return None
+    exe = os.path.abspath(exe)
+    if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+        raise BenchError(f"--llama-bench {exe}: expected llama.cpp's llama-bench executable "
+                         f"(built with llama.cpp, https://github.com/ggml-org/llama.cpp), found no executable file")
+    if mf.generates_on_device:
+        raise BenchError(f"--llama-bench reads a GGUF file; {mf.path} has none (write it with ds4c make-model)")
+    return exe
+
+
 def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1, 2, 3, 4, 5),
               contexts: tuple[int, ...] = (4096,), repeats: int = 50, ref_repeats: int = 5,
               compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
@@ -330,8 +349,10 @@ def run_bench(mf: ModelFile, device: str = "cuda", widths: tuple[int, ...] = (1,
     Raises:
         BenchError: a width outside 1..5, a context under 8 or past the model's context length, widths or
             contexts not increasing, an unknown torch.compile mode, an artifact with ``device='cpu'``,
-            ``device='cuda'`` without a CUDA device, or ``reference=False`` with ``device='cpu'``.
+            ``device='cuda'`` without a CUDA device, ``reference=False`` with ``device='cpu'``, or a
+            ``llama_bench`` that :func:`check_llama_bench` refuses.
     """
+    llama_bench = check_llama_bench(mf, llama_bench)
     cfg = mf.config
     if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths):
         raise BenchError(f"widths must be in 1..{MAX_WIDTH}, found {list(widths)}")

@@ -16,9 +16,11 @@ part of how it is built; the reference records them on request.
 A layer split (``devices`` / ``layer_split``, :func:`shard_plan`; ``ds4c.shard_plan``) runs either engine shard
 by shard: :class:`ds4c.runtime.sharded.ShardedStep` or :class:`ds4c.reference.sharded.ShardedReference`.
 
-Both :class:`ds4c.api.Model` and ``ds4c generate`` open their engine here. Error messages name the choices
-by their command-line spelling (``--device cuda``, ``--engine compiled``, ``--artifact``), which map one to one
-onto this function's keyword arguments.
+Both :class:`ds4c.api.Model` and ``ds4c generate`` open their engine here, and the rules of what runs with what
+live here once, for both: which engines prefill chunk graphs run on (:func:`check_prefill_request`), what a
+drafter needs of its target (:func:`resolve_needs`), the memory plan of a model (:func:`plan_memory`, ``ds4c info
+--plan``). Error messages name the choices by their command-line spelling (``--device cuda``, ``--engine
+compiled``, ``--artifact``), which map one to one onto these functions' keyword arguments.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
-from ds4c.engine_protocol import Drafter, EngineNeeds, drafter_needs
+from ds4c.buckets import DEFAULT_PREFILL_CHUNKS, BucketSpec, check_prefill_chunks
+from ds4c.engine_protocol import Drafter, EngineNeeds, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError
 from ds4c.gguf_file import ModelFile
-from ds4c.shard_plan import ShardPlan, ShardPlanError
+from ds4c.shard_plan import ShardPlan, ShardPlanError, parse_counts, parse_plan
 
 DEVICES = ("cpu", "cuda")
 ENGINES = ("auto", "reference", "compiled")
@@ -125,12 +127,52 @@ def check_memory(mf: ModelFile, buckets: Any, plan: ShardPlan | None, arch: str,
     return mp
 
 
+def check_prefill_request(chunks: Any, device: str = "cpu", engine: str = "auto", dataflow: str = "bf16",
+                          artifact: Any = None, taps: tuple[int, ...] = (), record_hc: bool = False
+                          ) -> tuple[int, ...] | None:
+    """The prefill chunk sizes asked for (``--prefill`` / ``prefill_chunks``), validated once
+    (:func:`~ds4c.buckets.check_prefill_chunks`: a tuple, a list or text such as ``"256,2048"``; empty or
+    ``"none"``: none, the prompt runs as verify steps), and checked against what they would run on. None stays
+    None (the engine's default, :func:`open_engine`).
+
+    Raises:
+        Ds4cError: a malformed list (``--prefill: ...``); chunks with a drafter's taps or final HC recording
+            (``taps`` / ``record_hc``) from an ``artifact`` (whose chunk graphs record neither); chunks on an
+            engine other than the compiled one (the reference prefills with verify steps); and what
+            :func:`resolve_engine` raises.
+    """
+    if chunks is None:
+        return None
+    try:
+        sizes = check_prefill_chunks(chunks)
+    except Ds4cError as e:
+        raise Ds4cError(f"--prefill: {e}") from None
+    if not sizes:
+        return sizes
+    text = ",".join(map(str, sizes))
+    if (taps or record_hc) and artifact is not None:
+        raise Ds4cError(f"--prefill {text} with --draft and --artifact: an artifact's chunk graphs record no taps or "
+                        f"final HC state for a drafter; drop --artifact (the chunk graphs are then built here)")
+    if resolve_engine(device, engine, dataflow) != "compiled":
+        raise Ds4cError(f"--prefill {text}: prefill chunk graphs run on the compiled engine (--device cuda); found "
+                        f"--device {device} --engine {engine} (the reference prefills with verify steps)")
+    return sizes
+
+
 def resolve_needs(needs: EngineNeeds, engine: str, split: bool, artifact: Any = None,
-                  taps: tuple[int, ...] = (), record_hc: bool = False) -> tuple[tuple[int, ...], bool]:
-    """What the engine ``engine`` (``reference`` or ``compiled``) is built to record for a drafter's ``needs``, with
-    the caller's own ``taps`` / ``record_hc``: ``(taps, record_hc)`` of the compiled step (the union of both), or
-    ``((), False)`` for the reference, which records taps and the final HC state on request (the drafter's
-    ``prepare`` asks).
+                  taps: tuple[int, ...] = (), record_hc: bool = False,
+                  name: str | None = None) -> tuple[tuple[int, ...], bool]:
+    """What the engine ``engine`` (``reference`` or ``compiled``) is built to record for a drafter's ``needs``
+    (:func:`~ds4c.engine_protocol.drafter_needs`), with the caller's own ``taps`` / ``record_hc``: ``(taps,
+    record_hc)`` of the compiled step (the union of both), or ``((), False)`` for the reference, which records taps
+    and the final HC state on request (the drafter's ``prepare`` asks). The one place that decides what a drafter
+    may run on: :func:`open_engine` (``draft=``), :meth:`ds4c.api.Model.generate` (``draft=``) and ``ds4c generate
+    --draft`` (before its engine starts) all ask here.
+
+    Args:
+        split: the target runs a layer split (``--devices`` / ``--layer-split`` given).
+        artifact: the compiled target's kernels come from this artifact.
+        name: the drafter as the user named it (``--draft NAME``), the messages' prefix (None: no prefix).
 
     Raises:
         Ds4cError: needs this engine cannot serve (one line, in the command line's spelling): taps on a layer split
@@ -138,22 +180,63 @@ def resolve_needs(needs: EngineNeeds, engine: str, split: bool, artifact: Any = 
             compiled DSpark drafter compiles its kernels through the kernel cache), the final HC state on a
             reference layer split, or ``taps`` other than the drafter's.
     """
+    who = f"--draft {name}: " if name else ""
     if needs.taps and split:
-        raise Ds4cError("the DSpark drafter runs on an unsplit target (no --devices / --layer-split): its taps are "
-                        "read on one device")
+        raise Ds4cError(f"{who}the DSpark drafter runs on an unsplit target (no --devices / --layer-split)")
     if needs.taps and engine == "compiled" and artifact is not None:
-        raise Ds4cError("the compiled DSpark drafter is not served from an artifact yet; run without --artifact "
-                        "(the step then compiles with the drafter's taps)")
+        raise Ds4cError(f"{who}the compiled DSpark drafter is not served from an artifact yet; run without "
+                        f"--artifact (the step then compiles with the drafter's taps)")
     if needs.final_hc and split and engine == "reference":
-        raise Ds4cError("the MTP drafter reads the target's final HC state, which the reference engine records "
-                        "unsplit only (no --devices / --layer-split; the compiled engine records it on a split too)")
+        raise Ds4cError(f"{who}the MTP drafter reads the target's final HC state, which the reference engine records "
+                        f"unsplit only (no --devices / --layer-split; the compiled engine records it on a split too)")
     taps = tuple(taps)
     if needs.taps and taps and taps != needs.taps:
-        raise Ds4cError(f"taps {list(taps)}: the drafter reads the taps of layers {list(needs.taps)}; give those or "
-                        f"none (the drafter's are used)")
+        raise Ds4cError(f"{who}taps {list(taps)}: the drafter reads the taps of layers {list(needs.taps)}; give those "
+                        f"or none (the drafter's are used)")
     if engine != "compiled":
         return (), False
     return taps or needs.taps, bool(record_hc) or needs.final_hc
+
+
+def plan_memory(mf: ModelFile, max_ctx: int = 4096, arch: str = "sm_90", devices: str | None = None,
+                layer_split: str | None = None, free_gib: float | None = None) -> Any:
+    """The compiled step's :class:`~ds4c.runtime.memory_plan.MemoryPlan` for ``mf`` serving ``max_ctx``
+    positions on ``arch`` (arithmetic: no GPU needed), unsplit or over the layer split ``devices`` /
+    ``layer_split`` (CUDA devices), against ``free_gib`` GiB free on each device (default: the CUDA devices'
+    free memory now; without a GPU, unknown). ``devices`` without ``layer_split`` places the layers from the
+    memory plan when the free memory is known. Not checked: call its ``check()`` (``ds4c info --plan`` prints
+    it first).
+
+    Raises:
+        Ds4cError: an MTP-only file; ``max_ctx`` past the model's context length; devices that are not CUDA
+            devices; what :func:`~ds4c.shard_plan.parse_plan` raises (a malformed split, one that does not fit).
+    """
+    # imported when used, as the engines below are (start-up speed: the reference path never loads the runtime)
+    from ds4c.runtime.memory_plan import memory_model, memory_plan, plan_parts
+    from ds4c.runtime.sharded import free_memory
+
+    if mf.mtp_only:
+        raise Ds4cError(f"{mf.path}: an MTP-only file has no compiled step to plan")
+    cfg = mf.config
+    if max_ctx > cfg.max_position:
+        raise Ds4cError(f"--max-ctx {max_ctx}: the model's context length is {cfg.max_position}")
+    buckets = BucketSpec.build(cfg, COMPILED_WIDTHS, max_ctx)
+    parts = plan_parts(mf, buckets, arch)
+    devs = devices or ",".join(["cuda"] * (len(parse_counts(layer_split)) if layer_split else 1))
+    probe = parse_plan(devs, layer_split, cfg.n_layers, default_device="cuda")
+    if probe.kind != "cuda":
+        raise Ds4cError(f"--devices {devs}: the memory plan is the compiled step's (CUDA devices)")
+    if free_gib is not None:
+        free = [int(free_gib * 2**30)] * probe.n_shards
+    elif torch.cuda.is_available():
+        free = free_memory(list(probe.devices))
+    else:
+        free = None
+    plan = probe
+    if devices and not layer_split and free is not None and probe.is_split:  # automatic placement
+        plan = parse_plan(devs, None, cfg.n_layers, default_device="cuda",
+                          memory=memory_model(mf, buckets, arch, parts), free_bytes=free)
+    return memory_plan(mf, buckets, plan if plan.is_split else None, free, arch, parts)
 
 
 def default_prefill_tries(max_ctx: int) -> list[tuple[int, ...]]:
@@ -223,8 +306,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
 
     Raises:
         Ds4cError: an unknown device or engine, ``--device cuda`` without a CUDA device, ``--engine compiled`` on
-            the cpu, an artifact with the reference engine, prefill chunks with the reference engine or a layer
-            split, chunks an artifact does not hold, a compiled step that does not fit its devices' free
+            the cpu, an artifact with the reference engine, prefill chunks that :func:`check_prefill_request`
+            refuses or with a layer split, chunks an artifact does not hold, a compiled step that does not fit its devices' free
             memory (``ShardPlanError`` naming the shortfall), ``dataflow="fp32"`` with the compiled engine or an
             unknown dataflow, ``threads`` < 1, ``max_ctx`` outside the model's
             context length or past the artifact's; and what the engines raise (a corrupt artifact, one that
@@ -234,22 +317,17 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
     name = resolve_engine(device, engine, dataflow)
     if draft is not None:
         split = devices is not None or layer_split is not None
-        taps, record_hc = resolve_needs(drafter_needs(draft), name, split, artifact, taps, record_hc)
-    from ds4c.buckets import check_prefill_chunks
-
-    chunks = check_prefill_chunks(() if prefill_chunks is None else prefill_chunks)
-    if chunks and name != "compiled":
-        raise Ds4cError("prefill chunks are graphs of the compiled engine (--device cuda); the reference prefills "
-                        f"with verify steps, found engine {name!r}")
+        taps, record_hc = resolve_needs(drafter_needs(draft), name, split, artifact, taps, record_hc,
+                                        name=drafter_name(draft))
+    chunks = check_prefill_request(prefill_chunks, device, engine, dataflow, artifact, taps, record_hc) or ()
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise Ds4cError(f"threads must be an int >= 1, found {threads!r}")
+            raise Ds4cError(f"threads (--threads) must be an int >= 1, found {threads!r}")
     limit = mf.config.max_position
     if max_ctx is not None:
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= limit:
             raise Ds4cError(f"max_ctx must be an int in 1..{limit} (the model's context length), found {max_ctx!r}")
     if name == "compiled":
-        from ds4c.buckets import BucketSpec
         from ds4c.runtime.step import CompiledStep, device_arch
 
         cfg = mf.config if quant_emulation else mf.config.replace(quant_emulation=False)

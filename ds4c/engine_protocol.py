@@ -318,6 +318,12 @@ class DeclaresNeeds(Protocol):
     def needs(self) -> EngineNeeds: ...
 
 
+def drafter_name(drafter: Any) -> str:
+    """The drafter's ``name`` (its class name when it has none: a custom drafter may omit it)."""
+    name = getattr(drafter, "name", None)
+    return name if isinstance(name, str) and name else type(drafter).__name__
+
+
 def drafter_needs(drafter: Any) -> EngineNeeds:
     """What ``drafter`` needs of the engine: its ``needs``, or :data:`NO_NEEDS` for a drafter that declares none
     (a custom drafter) and for no drafter (None)."""

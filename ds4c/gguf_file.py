@@ -28,7 +28,7 @@ from ds4c.config import (ARCH, Ds4Config, absent_keys_text, absent_optional_keys
                          rope_scaling_text, to_gguf_metadata)
 from ds4c.errors import ConfigError, ModelFileError
 from ds4c.quant import GGMLType, dequantize, nbytes
-from ds4c.tempfiles import OwnedTemp, remove_stale, usual_file_mode
+from ds4c.tempfiles import AtomicFile
 from ds4c.tensors import (ACCEPTED_TYPES, TensorSpec, legacy_names, nextn_tensor_specs, root_tensor_specs,
                           storage_type, tensor_specs)
 from ds4c.write_errors import write_error_text
@@ -182,6 +182,11 @@ class ModelFile:
             role does not allow. The message names the
             tensor, what was expected and what was found. Also an MTP-only file unless ``allow_mtp_only``.
     """
+
+    generates_on_device = False
+    """A file's tensors are read on the host (``device`` arguments copy there after); the synthetic source
+    (:class:`ds4c.synth_source.SyntheticModel`) has True: it makes them on the device asked for, and has no GGUF
+    file to hand to another program."""
 
     def __init__(self, path: str | os.PathLike[str], allow_mtp_only: bool = False):
         self.path = Path(path)
@@ -460,18 +465,15 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
         raise ModelFileError(f"cannot write {path}: {blocked} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path.parent, path.name)  # what killed writers of this path left
-        owned = OwnedTemp.create(path.parent, path.name)
+        out = AtomicFile.create(path)  # sweeps what killed writers of this path left
     except OSError as e:
         raise ModelFileError(f"cannot write {path}: cannot create a file in {path.parent} "
                              f"({e.strerror or e})") from None
-    tmp = owned.path
     specs = tensor_specs(cfg) if specs is None else list(specs)
     w = None
     try:
         with _signals_raise():
-            os.chmod(tmp, usual_file_mode())  # owned temporaries are 0600: give the model the usual mode
-            w = GGUFWriter(tmp, arch)
+            w = GGUFWriter(out.tmp, arch)
             _add_metadata(w, cfg, extra_metadata or {}, types, metadata)
             add_metadata_entries(w, tokenizer_entries(cfg, tokenizer or {}))
             for s in specs:
@@ -501,13 +503,12 @@ def write_model(path: str | os.PathLike[str], cfg: Ds4Config, types: dict[str, G
             fout.flush()
             os.fsync(fout.fileno())
             w.close()
-            os.replace(tmp, path)
-            owned.release()
+            out.publish()
     except BaseException as e:
         if w is not None:
             with contextlib.suppress(OSError):  # a full disk fails the flush again; the handle closes all the same
                 w.close()  # else the open handle keeps the deleted file's disk space while the traceback lives
-        owned.discard()
+        out.discard()
         if isinstance(e, OSError):
             raise ModelFileError(f"{write_error_text(e, path)} (nothing was written)") from None
         raise

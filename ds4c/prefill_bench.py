@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ds4c.bench import check_llama_bench, llama_records, record_rate
 from ds4c.buckets import DEFAULT_PREFILL_CHUNKS
 from ds4c.config import Ds4Config
 from ds4c.engine_protocol import ChunkedPrefill, Engine, GraphHost
@@ -116,8 +117,6 @@ def gemm_rates(device: torch.device, n: int = 8192, repeats: int = 10) -> dict[s
 def llama_pp(exe: str, model: Any, lengths: tuple[int, ...], say: Callable[[str], None]) -> dict[str, Any]:
     """llama.cpp's prompt processing on ``model``: ``llama-bench -p L -n 0 -r 2 -ngl 99 -o json`` per length.
     Returns ``{"pp_tok_s": {L: tokens/s}, "errors": {L: one line}}`` (a failure is recorded, never raised)."""
-    from ds4c.bench import llama_records, record_rate
-
     out: dict[str, Any] = {"pp_tok_s": {}, "errors": {}}
     for n in lengths:
         try:
@@ -208,15 +207,25 @@ def run_prefill_bench(mf: ModelFile, lengths: tuple[int, ...], device: str = "cu
         baseline: also time the verify-step path (False: skipped, e.g. at 32K on the 43-layer model).
 
     Raises:
-        Ds4cError: a length < 1 or past the model's context length; what opening the engine raises.
+        Ds4cError: lengths that are not distinct or < 1 or past the model's context length; ``baseline=False``
+            on the cpu (nothing left to measure); a ``llama_bench`` that :func:`~ds4c.bench.check_llama_bench`
+            refuses; what opening the engine raises.
     """
     from ds4c.buckets import check_prefill_chunks
     from ds4c.engine import open_engine
 
     cfg = mf.config
-    if not lengths or any(n < 1 or n + 1 > cfg.max_position for n in lengths):
+    lengths = tuple(lengths)
+    if not lengths or min(lengths) < 1 or len(set(lengths)) != len(lengths):
+        what = "a duplicate in " if lengths and len(set(lengths)) != len(lengths) else ""
+        raise Ds4cError(f"--prefill: expected distinct prompt lengths >= 1 (tokens), found {what}{list(lengths)}")
+    if any(n + 1 > cfg.max_position for n in lengths):
         raise Ds4cError(f"--prefill: expected prompt lengths in 1..{cfg.max_position - 1}, found {list(lengths)}")
     cuda = device == "cuda"
+    if not cuda and not baseline:
+        raise Ds4cError("--no-prefill-baseline on the cpu leaves nothing to measure (the chunk graphs need "
+                        "--device cuda)")
+    llama_bench = check_llama_bench(mf, llama_bench)
     chunks = check_prefill_chunks(chunks) if cuda else ()
     t0 = time.perf_counter()
     stepper = open_engine(mf, device=device, max_ctx=max(lengths) + 1, prefill_chunks=chunks)

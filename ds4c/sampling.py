@@ -44,11 +44,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """Raises StepError unless ``temperature`` is finite >= 0, ``top_k`` an int >= 0, ``top_p`` in (0, 1]."""
     if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
-        raise StepError(f"temperature must be a finite number >= 0, found {temperature}")
+        raise StepError(f"temperature (--temperature) must be a finite number >= 0, found {temperature}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise StepError(f"top_k must be an int >= 0 (0 = off), found {top_k!r}")
+        raise StepError(f"top_k (--top-k) must be an int >= 0 (0 = off), found {top_k!r}")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise StepError(f"top_p must be in (0, 1] (1 = off), found {top_p!r}")
+        raise StepError(f"top_p (--top-p) must be in (0, 1] (1 = off), found {top_p!r}")
 
 
 def check_seed(seed: Any) -> None:

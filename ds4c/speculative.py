@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from ds4c.engine_protocol import (ConfidenceHead, DeviceGreedyVerify, Drafter, Engine, HostOnlyDrafter,
-                                  PipelinedVerify, ReportsConfidence, SamplingDrafter, VerifyPipeline)
+                                  PipelinedVerify, ReportsConfidence, SamplingDrafter, VerifyPipeline, drafter_name)
 from ds4c.errors import StepError
 from ds4c.sampling import accept, accept_greedy  # noqa: F401 (re-exported)
 from ds4c.width_policy import ConfidenceCalibration, ConfidencePolicy, best_draft_count  # noqa: F401 (re-exported)
@@ -243,12 +243,6 @@ class SpecStats:
                 "acceptance_by_depth": [a / d if d else None for a, d in zip(self.accepted, self.drafted)],
                 "ms_per_verify_step": {k: round(v * 1e3 / max(1, self.steps), 4) for k, v in self.host_s.items()},
                 "widths": {str(w): n for w, n in sorted(self.widths.items())}}
-
-
-def drafter_name(drafter: Any) -> str:
-    """The drafter's ``name`` (its class name when it has none: a custom drafter may omit it)."""
-    name = getattr(drafter, "name", None)
-    return name if isinstance(name, str) and name else type(drafter).__name__
 
 
 def _integral(t: Any) -> bool:

@@ -232,19 +232,6 @@ def remove_stale(parent: str | os.PathLike, prefix: str | None, tags: tuple[str,
     return removed
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into an owned temporary beside it (removed on any error,
-    found stale by :func:`remove_stale` after a ``kill -9``), then renamed over ``path``.
-
-    Raises:
-        OSError: the folder does not exist or is not writable, or the write fails.
-    """
-    p = Path(path)
-    with OwnedTemp.create(p.parent, p.name) as owned:
-        owned.path.write_text(text)
-        os.replace(owned.path, p)
-
-
 def usual_file_mode() -> int:
     """The mode a plain ``open(path, "w")`` would give a new file under this process's umask (owned temporaries
     are 0600 until published)."""
@@ -253,22 +240,94 @@ def usual_file_mode() -> int:
     return 0o666 & ~umask
 
 
+class AtomicFile:
+    """A file written whole or not at all, the one way ds4c writes a file in place: the content goes into
+    :attr:`tmp`, an owned temporary beside the destination (:class:`OwnedTemp`), which :meth:`publish` renames
+    over it; :meth:`discard` (or any exception inside ``with``) removes it. After a ``kill -9`` the temporary is
+    found stale by :func:`remove_stale`, which :meth:`create` runs for the destination first.
+
+    ::
+
+        with AtomicFile.create(path) as out:   # published on a normal exit, removed on an exception
+            out.tmp.write_bytes(data)
+
+    The writer flushes and fsyncs its own handle before publishing (:func:`write_text_atomic` does).
+    """
+
+    def __init__(self, path: Path, owned: OwnedTemp):
+        self.path, self._owned = path, owned
+        self.tmp: Path = owned.path
+        """Where to write the content (mode ``0o666 & ~umask``, as ``open`` would create the destination)."""
+
+    @classmethod
+    def create(cls, path: str | os.PathLike) -> "AtomicFile":
+        """Remove what killed writers of ``path`` left, then create and lock the temporary beside it.
+
+        Raises:
+            OSError: the folder does not exist or is not writable.
+        """
+        p = Path(path)
+        remove_stale(p.parent, p.name)
+        owned = OwnedTemp.create(p.parent, p.name)
+        try:
+            os.chmod(owned.path, usual_file_mode())  # OwnedTemp makes 0600 files: the usual umask-based mode instead
+        except BaseException:
+            owned.discard()
+            raise
+        return cls(p, owned)
+
+    def publish(self) -> None:
+        """Rename the temporary over the destination (atomic) and drop its lock.
+
+        Raises:
+            OSError: the rename fails (the temporary is then removed).
+        """
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self._owned.discard()
+            raise
+        self._owned.release()
+
+    def discard(self) -> None:
+        """Remove the temporary (nothing of it reaches the destination) and drop its lock."""
+        self._owned.discard()
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.publish()
+        else:
+            self.discard()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all (:class:`AtomicFile`; flushed to disk first).
+
+    Raises:
+        OSError: the folder does not exist or is not writable, or the write fails.
+    """
+    with AtomicFile.create(path) as out, open(out.tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_stream_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Write a file too large to hold in memory whole or not at all: the stale temporaries of ``path`` (left by
     writers killed with ``kill -9``) removed, ``write(f)`` called on a binary file open on an owned temporary
-    beside ``path``, and the temporary renamed over ``path`` once ``write`` returns (removed if it raises), with
-    the :func:`usual_file_mode`.
+    beside ``path`` (:class:`AtomicFile`), flushed to disk, and the temporary renamed over ``path`` once ``write``
+    returns (removed if it raises), with the :func:`usual_file_mode`.
 
     Raises:
         OSError: the folder does not exist or is not writable, or the write fails; whatever ``write`` raises.
     """
-    p = Path(path)
-    remove_stale(p.parent, p.name)
-    with OwnedTemp.create(p.parent, p.name) as owned:
-        with open(owned.path, "wb") as f:
-            write(f)
-        os.chmod(owned.path, usual_file_mode())
-        os.replace(owned.path, p)
+    with AtomicFile.create(path) as out, open(out.tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def check_writable(path: str | os.PathLike) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4c.runtime.artifact_manifest import ArtifactError
+from ds4c.runtime.toolchain import find_cuda_tool
 
 
 def find_binaries(man: dict[str, Any], slug: str, graph: str, name: str) -> list[tuple[str, dict[str, Any]]]:
@@ -41,14 +42,6 @@ def find_binaries(man: dict[str, Any], slug: str, graph: str, name: str) -> list
     return [(rel, bins[rel]) for rel in dict.fromkeys(out)]
 
 
-def _find_cuda_tool(tool: str) -> str | None:
-    dirs = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    for c in [shutil.which(tool)] + [str(Path(h) / "bin" / tool) for h in dirs if h]:
-        if c and os.access(c, os.X_OK):
-            return c
-    return None
-
-
 def disassembler(kind: str, arch: str) -> tuple[list[str], str, dict[str, str] | None]:
     """``(command without the file, tool name, environment or None)`` that disassembles a binary of ``kind``
     for ``arch``.
@@ -60,7 +53,7 @@ def disassembler(kind: str, arch: str) -> tuple[list[str], str, dict[str, str] |
         ArtifactError: the tools are not installed (the message names what is missing and where it comes from).
     """
     if kind == "cubin":
-        cuobjdump, nvdisasm = _find_cuda_tool("cuobjdump"), _find_cuda_tool("nvdisasm")
+        cuobjdump, nvdisasm = find_cuda_tool("cuobjdump"), find_cuda_tool("nvdisasm")
         if cuobjdump and nvdisasm:
             env = {**os.environ, "NVDISASM_PATH": str(Path(nvdisasm).parent)}
             return [cuobjdump, "-sass"], "cuobjdump", env

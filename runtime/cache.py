@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, Iterable, Sequence
 
-from ds4c import __version__
+from ds4c import __version__, settings
 from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
@@ -64,9 +64,8 @@ class CacheError(Ds4cError):
 
 
 def cache_root() -> Path:
-    """``$DS4C_CACHE`` if set, else ``~/.cache/ds4c/kernels``."""
-    env = os.environ.get("DS4C_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ds4c" / "kernels"
+    """``$DS4C_CACHE`` if set, else ``~/.cache/ds4c/kernels`` (:func:`ds4c.settings.kernel_cache_root`)."""
+    return settings.kernel_cache_root()
 
 
 def _canon(obj: Any) -> Any:

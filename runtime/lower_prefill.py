@@ -46,9 +46,9 @@ Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from ds4c import settings
 from ds4c.config import Ds4Config
 from ds4c.ir.graph import Graph, Op, Value
 from ds4c.quant import GGMLType
@@ -89,13 +89,6 @@ class PendingKernel:
     message: str
 
 
-#: AttentionSpec.heads_per_block at C rows: one block computes this many heads of a row, so each KV row it
-#: gathers (window, selected compressed rows; shared by every head, MQA) is read once per head group instead of
-#: once per head (1 where it does not divide the heads or the shared memory would not fit).
-#: ``DS4C_PREFILL_ATTN_HPB`` overrides it (docs/perf.md, "Optimisation 7: 4 heads per block at C rows").
-PREFILL_ATTN_HEADS_PER_BLOCK = int(os.environ.get("DS4C_PREFILL_ATTN_HPB", "4"))
-#: AttentionSpec.threads at C rows (0: automatic); ``DS4C_PREFILL_ATTN_THREADS`` overrides it.
-PREFILL_ATTN_THREADS = int(os.environ.get("DS4C_PREFILL_ATTN_THREADS", "0"))
 
 
 def _hc_row_block(q: int) -> int:
@@ -468,8 +461,13 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     L.check_expert_formats(types)
     c = _Ctx(g, cfg, target, types)
     c.row_block = _hc_row_block(c.q)
-    c.attn_heads_per_block = PREFILL_ATTN_HEADS_PER_BLOCK
-    c.attn_threads = PREFILL_ATTN_THREADS
+    # AttentionSpec.heads_per_block at C rows: one block computes this many heads of a row, so each KV row it
+    # gathers (window, selected compressed rows; shared by every head, MQA) is read once per head group instead
+    # of once per head (1 where it does not divide the heads or the shared memory would not fit; docs/perf.md,
+    # "Optimisation 7: 4 heads per block at C rows"); and AttentionSpec.threads (0: automatic). Both are
+    # environment settings (DS4C_PREFILL_ATTN_HPB / _THREADS, ds4c.settings).
+    c.attn_heads_per_block = settings.prefill_attn_heads_per_block()
+    c.attn_threads = settings.prefill_attn_threads()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

@@ -10,11 +10,11 @@ devices, caches or files.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from collections.abc import Iterator
 from typing import Any
 
+from ds4c import settings
 from ds4c.config import Ds4Config
 from ds4c.ir.graph import Graph, Op, Value
 from ds4c.ir.printer import value_names
@@ -431,11 +431,10 @@ def _lower_route(c: _Ctx, op: Op) -> list[Launch]:
             for s, la in zip(srcs, _rt.launch_shapes(spec))]
 
 
-#: the experts' activations quantized once per launch instead of in every block (ExpertsSpec.prequant): on since
-#: the H200 A/B of session 10 (docs/perf.md, Optimisation 6: experts q = 5 357 -> 160 us, flash-l4 step q = 1
-#: 1.178 -> 1.082 ms, q = 5 2.661 -> 1.970 ms); ``DS4C_XP_PREQUANT=0`` turns it off for an A/B (the kernels then
-#: differ, so the kernel cache and an artifact compiled with one setting do not mix with the other)
-EXPERTS_PREQUANT = os.environ.get("DS4C_XP_PREQUANT", "1") != "0"
+#: the experts' activations are quantized once per launch instead of in every block (ExpertsSpec.prequant): on
+#: since the H200 A/B of session 10 (docs/perf.md, Optimisation 6: experts q = 5 357 -> 160 us, flash-l4 step
+#: q = 1 1.178 -> 1.082 ms, q = 5 2.661 -> 1.970 ms); ``DS4C_XP_PREQUANT=0`` turns it off for an A/B
+#: (:func:`ds4c.settings.experts_prequant`, read at each lowering).
 
 
 def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
@@ -455,7 +454,7 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
                             c.expert_fmt((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
                             c.expert_fmt((sh_gate, sh_up)), bool(re_.attrs["emulate"]), re_.attrs["limit"],
                             down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)),
-                            shared_down_fmt=c.expert_fmt((sh_down,)), prequant=EXPERTS_PREQUANT)
+                            shared_down_fmt=c.expert_fmt((sh_down,)), prequant=settings.experts_prequant())
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     rows_h = c.q * (cfg.n_active_experts + 1)  # hbuf rows: per step row its k routed slots and the shared one
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * rows_h * cfg.moe_inter)

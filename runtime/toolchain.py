@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ds4c import settings
 from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target
@@ -327,25 +328,26 @@ def _has_lld(clang: str) -> bool:
     return any(c.exists() for c in cands) or shutil.which("ld.lld") is not None
 
 
-def _find_nvcc() -> str | None:
-    for cand in (os.environ.get("DS4C_NVCC"), shutil.which("nvcc"),
-                 *(str(Path(h) / "bin" / "nvcc") for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-                                                           "/usr/local/cuda") if h)):
+def _find_tool(tool: str, roots: Sequence[str], first: str | None = None) -> str | None:
+    for cand in (first, shutil.which(tool), *(str(Path(h) / "bin" / tool) for h in roots)):
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def find_cuda_tool(tool: str) -> str | None:
+    """The CUDA toolkit's executable ``tool`` (``nvcc``, ``cuobjdump``, ``nvdisasm``...): on PATH, else in
+    ``bin/`` of ``$CUDA_HOME``, ``$CUDA_PATH`` or ``/usr/local/cuda`` (:func:`ds4c.settings.cuda_roots`); for
+    nvcc, ``$DS4C_NVCC`` first. None when not found."""
+    return _find_tool(tool, settings.cuda_roots(), settings.nvcc() if tool == "nvcc" else None)
 
 
 def _find_hipcc() -> str | None:
-    for cand in (shutil.which("hipcc"),
-                 *(str(Path(h) / "bin" / "hipcc") for h in (os.environ.get("ROCM_PATH"), "/opt/rocm") if h)):
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    return None
+    return _find_tool("hipcc", settings.rocm_roots())
 
 
 def _clang_candidates() -> list[str]:
-    names = [os.environ.get("DS4C_CLANG") or ""] + [f"clang-{v}" for v in range(30, MIN_CLANG_MAJOR - 1, -1)]
+    names = [settings.clang() or ""] + [f"clang-{v}" for v in range(30, MIN_CLANG_MAJOR - 1, -1)]
     names.append("clang")
     out: list[str] = []
     for n in names:
@@ -359,7 +361,7 @@ def _cuda_toolchain(target: Target, prefer: str | None) -> Toolchain:
     base = re.sub(r"a$", "", target.arch)
     problems: list[str] = []
     if prefer in (None, "nvcc"):
-        nvcc = _find_nvcc()
+        nvcc = find_cuda_tool("nvcc")
         if nvcc:
             ver = _nvcc_version(nvcc)
             archs = _nvcc_archs(nvcc)

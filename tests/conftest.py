@@ -8,10 +8,20 @@ Tests must not modify these files; copy them (``shutil.copy``) to change anythin
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# A run with torch's CPU path forced (ATEN_CPU_CAPABILITY, as .ci/run does) gets its own inductor cache: torch
+# 2.13 keys its cached kernels without that setting, and a kernel built under "default" crashed (SIGSEGV) a
+# later run on the native path that loaded it from the shared /tmp/torchinductor_$USER.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / (
+        f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from ds4c.config import preset
 from ds4c.sources import open_model

@@ -378,13 +378,13 @@ def test_cli_compile_from_gguf_records_weight_types(tmp_path, cache_env, tiny_bf
 
 
 def test_disassembler_missing_tools(monkeypatch):
-    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: None)
+    monkeypatch.setattr(artifact_inspect, "find_cuda_tool", lambda tool: None)
     with pytest.raises(ArtifactError, match="cuobjdump and nvdisasm"):
         artifact_inspect.disassembler("cubin", "sm_90")
-    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: "/x/cuobjdump" if tool == "cuobjdump" else None)
+    monkeypatch.setattr(artifact_inspect, "find_cuda_tool", lambda tool: "/x/cuobjdump" if tool == "cuobjdump" else None)
     with pytest.raises(ArtifactError, match=r"needs nvdisasm \(cuobjdump -sass runs it\)"):
         artifact_inspect.disassembler("cubin", "sm_90")
-    monkeypatch.setattr(artifact_inspect, "_find_cuda_tool", lambda tool: f"/x/{tool}")
+    monkeypatch.setattr(artifact_inspect, "find_cuda_tool", lambda tool: f"/x/{tool}")
     cmd, tool, env = artifact_inspect.disassembler("cubin", "sm_90")
     assert cmd == ["/x/cuobjdump", "-sass"] and env["NVDISASM_PATH"] == "/x"
     monkeypatch.setattr(shutil, "which", lambda name: None)

@@ -79,9 +79,9 @@ def test_opts_and_seeds_change_the_drafter_and_the_identity_says_so(files):
     assert open_dspark("synthetic:tiny:official:0").identity == a.identity
     assert open_synthetic_dspark("dspark:synthetic:tiny:bf16:2").identity == "synthetic:tiny:bf16:2"
     assert open_dspark("dspark:synthetic:tiny:bf16:2", TINY).identity == "synthetic:tiny:bf16:2"  # as --draft spells it
-    from ds4c.cli import _compile_taps
+    from ds4c.cli.shell import tap_layers
 
-    assert _compile_taps(TINY, None, "dspark:synthetic:tiny") == _compile_taps(TINY, None, "synthetic:tiny") == (3, 4, 5)
+    assert tap_layers(TINY, None, "dspark:synthetic:tiny") == tap_layers(TINY, None, "synthetic:tiny") == (3, 4, 5)
 
 
 def test_any_piece_size_gives_the_same_bytes(files, monkeypatch):

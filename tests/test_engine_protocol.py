@@ -223,7 +223,7 @@ def test_the_model_opens_its_engine_for_its_drafter(tiny_path, tmp_path):
 # ------------------------------------------------------------------------------------------ probes and layers
 ALLOWED_PROBES = {
     # (file, the probe's text): why it stays
-    ("ds4c/speculative.py", 'getattr(drafter, "name", None)'): "a display label a custom drafter may omit",
+    ("ds4c/engine_protocol.py", 'getattr(drafter, "name", None)'): "a display label a custom drafter may omit",
     ("ds4c/drafters/dspark.py", "getattr(self.file, 'identity', None)"): "the synthetic source's label (a file has none)",
 }
 

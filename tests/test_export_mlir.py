@@ -18,7 +18,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ds4c.cli import MLIR_AFTER, MLIR_DIALECTS, MLIR_WEIGHTS, main
+from ds4c.cli import main
+from ds4c.cli.export_mlir import MLIR_AFTER, MLIR_DIALECTS, MLIR_WEIGHTS
 from ds4c.config import preset
 from ds4c.errors import ConfigError, ExportError
 from ds4c.export import AFTER_PASSES, export_mlir

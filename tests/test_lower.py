@@ -61,17 +61,17 @@ def test_every_plan_kernel_lowers_with_resolvable_bindings(name, ctx, q, arch):
 
 @pytest.mark.parametrize("q", [1, 5])
 def test_experts_prequant_lowers_four_launches(q, monkeypatch):
-    """runtime/lower_step.py EXPERTS_PREQUANT (ExpertsSpec.prequant: on by default, ``DS4C_XP_PREQUANT=0`` for an A/B):
-    each MoE layer's experts kernel is four launches (x quantized once, up, h quantized once, down) whose
-    workspaces are bound and whose parameter counts are their bindings; with it off, two."""
-    import ds4c.runtime.lower_step as L
+    """ExpertsSpec.prequant (ds4c.settings.experts_prequant: on by default, ``DS4C_XP_PREQUANT=0`` for an A/B, read
+    at each lowering): each MoE layer's experts kernel is four launches (x quantized once, up, h quantized once,
+    down) whose workspaces are bound and whose parameter counts are their bindings; with it off, two."""
+    from ds4c import settings
 
     cfg = preset("flash-l4")
     g = _graph("flash-l4", q, 4096)
-    assert L.EXPERTS_PREQUANT or os.environ.get("DS4C_XP_PREQUANT") == "0"
-    monkeypatch.setattr(L, "EXPERTS_PREQUANT", False)
+    assert settings.experts_prequant() or os.environ.get("DS4C_XP_PREQUANT") == "0"
+    monkeypatch.setenv("DS4C_XP_PREQUANT", "0")
     base = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]
-    monkeypatch.setattr(L, "EXPERTS_PREQUANT", True)
+    monkeypatch.delenv("DS4C_XP_PREQUANT")
     pq = [k for k in lower_graph(g, cfg, target("sm_90")) if k.launches[0].kernel.family == "experts"]
     assert len(base) == len(pq) == cfg.n_layers and all(len(k.launches) == 2 for k in base)
     for k in pq:

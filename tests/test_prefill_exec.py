@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from ds4c.buckets import MIN_PREFILL_CHUNK, check_prefill_chunks, prefill_chunk_for
-from ds4c.cli import _prefill_chunks
 from ds4c.cli import main
+from ds4c.engine import check_prefill_request
 from ds4c.errors import Ds4cError, StepError
 
 
@@ -93,7 +93,7 @@ def test_generate_hands_the_prompt_to_a_steppers_prefill(tiny_weights):
 
 
 def test_the_timings_line_says_which_chunks_ran():
-    from ds4c.cli import _timings_line
+    from ds4c.cli.generate import timings_line as _timings_line
     from ds4c.generate import GenerationResult
 
     res = GenerationResult([1] * 4000, [5, 6], 0.2, 0.01, prefill_plan={"chunks": [[2048, 2048], [2048, 1952]],
@@ -117,16 +117,17 @@ def test_cli_refuses_bad_prefill_options_in_one_line(tiny_path, args, found):
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
-def test_cli_prefill_default_leaves_the_choice_to_the_engine():
-    """No --prefill: None (open_engine's default: an --artifact's own chunk graphs, else none); with --draft, none
-    (an artifact's chunk graphs record no taps or final HC state); --prefill with --draft builds them here, but not
-    from an artifact (one line)."""
-    assert _prefill_chunks(None, "cpu", "auto", "bf16", "some/artifact", None) is None
-    assert _prefill_chunks(None, "cpu", "auto", "bf16", None, None) is None
-    assert _prefill_chunks(None, "cpu", "auto", "bf16", "some/artifact", "mtp") == ()
-    with pytest.raises(Ds4cError, match="with --draft and --artifact") as ei:
-        _prefill_chunks("64", "cuda", "compiled", "bf16", "some/artifact", "mtp")
-    assert "\n" not in str(ei.value)
+def test_prefill_default_leaves_the_choice_to_the_engine():
+    """No chunks asked for: None (open_engine's default: an artifact's own chunk graphs, else the default ones);
+    chunks with a drafter's taps or final HC recording build them here, but not from an artifact (one line, before
+    the device is looked at)."""
+    assert check_prefill_request(None, "cpu", "auto", "bf16", "some/artifact") is None
+    assert check_prefill_request(None, "cpu") is None
+    assert check_prefill_request(None, "cpu", artifact="some/artifact", record_hc=True) is None
+    for need in (dict(record_hc=True), dict(taps=(3, 4, 5))):
+        with pytest.raises(Ds4cError, match="with --draft and --artifact") as ei:
+            check_prefill_request("64", "cuda", "compiled", "bf16", "some/artifact", **need)
+        assert "\n" not in str(ei.value)
 
 
 @pytest.mark.parametrize("max_ctx,want", [(4096, [(256, 2048), (256,), ()]), (2048, [(256, 2048), (256,), ()]),
@@ -141,16 +142,15 @@ def test_default_chunks_fit_the_context_and_fall_back(max_ctx, want):
 
 @pytest.mark.parametrize("value", ["none", "NONE", ""])
 def test_cli_prefill_none_means_verify_steps(value):
-    from ds4c.cli import _prefill_chunks
-
-    assert _prefill_chunks(value, "cpu", "auto", "bf16", None, None) == ()
+    assert check_prefill_request(value, "cpu") == ()
 
 
 def test_reference_engine_refuses_prefill_chunks(tiny_path):
     from ds4c.api import Model
     from ds4c.errors import Ds4cError
 
-    with pytest.raises(Ds4cError, match="prefill chunks are graphs of the compiled engine"):
+    with pytest.raises(Ds4cError, match=r"prefill chunk graphs run on the compiled engine \(--device cuda\); found "
+                       r"--device cpu --engine auto \(the reference prefills with verify steps\)"):
         Model(tiny_path, prefill_chunks=(16,))
 
 

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import ds4c.cli as cli
+import ds4c.cli.generate as generate_cli
 from ds4c import progress
 from ds4c.api import Model
 from ds4c.errors import Ds4cError
@@ -82,7 +83,7 @@ def test_model_reports_prefill_progress(tiny_path):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_cli_generate_shows_prefill_progress(tiny_path, tmp_path, monkeypatch, terminal):
-    monkeypatch.setattr(cli, "PREFILL_BAR_DELAY_S", 0.0)
+    monkeypatch.setattr(generate_cli, "PREFILL_BAR_DELAY_S", 0.0)
     monkeypatch.setattr(progress, "PLAIN_INTERVAL_S", 0.0)
     if terminal:
         monkeypatch.setattr(progress, "_isatty", lambda f: True)

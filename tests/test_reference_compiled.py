@@ -13,6 +13,8 @@ Positions cover the tiny model's boundaries (window 16, ratios 4 and 16, top-k 8
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -194,6 +196,11 @@ def test_inductor_step_and_try_modes(csa1):
     """Real inductor code generation (mode "default"): try_modes compiles the decode step, reports a bad
     mode instead of raising, and hands back a warm stepper whose decodes across flushes and the window wrap
     match the eager reference without compiling again."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        # torch 2.13's inductor picks its vector ISA from the CPU but, with ATEN's capability forced to
+        # "default", its precompiled header declares no at::vec: g++ fails on the generated kernel (a torch
+        # limitation of that forced setting, not of the step; the eager and batched tests above still run)
+        pytest.skip("inductor's C++ codegen does not compile under ATEN_CPU_CAPABILITY=default (torch 2.13)")
     g = torch.Generator().manual_seed(7)
     toks = torch.randint(0, 512, (24,), generator=g).tolist()
     ref = Reference(csa1, max_ctx=64)

@@ -61,7 +61,7 @@ def test_vendor_mismatch_is_an_error():
 
 # --------------------------------------------------------------------------------------- finding one
 def test_no_cuda_compiler_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(tcm, "_find_nvcc", lambda: None)
+    monkeypatch.setattr(tcm, "find_cuda_tool", lambda tool: None)
     monkeypatch.setattr(tcm, "_nvrtc_info", lambda: None)
     with pytest.raises(ToolchainError) as ei:
         find_toolchain(target("sm_90"))
@@ -241,3 +241,32 @@ def test_is_valid_binary():
     assert is_valid_binary(bytes(elf), "cubin")
     assert not is_valid_binary(b"__CLANG_OFFLOAD_BUNDLE__" + bytes(40), "hsaco")
     assert not is_valid_binary(b"", "cubin")
+
+
+def test_one_cuda_toolkit_discovery(monkeypatch, tmp_path):
+    """nvcc: $DS4C_NVCC, then PATH, then bin/ of $CUDA_HOME, $CUDA_PATH, /usr/local/cuda; the other CUDA tools
+    (the disassemblers of ``ds4c inspect --sass``) the same way without the override."""
+    from ds4c.runtime import toolchain
+
+    def tool(folder: Path, name: str) -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        p = folder / name
+        p.write_text("#!/bin/sh\n")
+        p.chmod(0o755)
+        return str(p)
+
+    home, other, own = tool(tmp_path / "home/bin", "nvcc"), tool(tmp_path / "path/bin", "nvcc"), tool(tmp_path, "my")
+    dis = tool(tmp_path / "home/bin", "nvdisasm")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "path"))
+    monkeypatch.delenv("DS4C_NVCC", raising=False)
+    assert toolchain.find_cuda_tool("nvcc") == home and toolchain.find_cuda_tool("nvdisasm") == dis
+    monkeypatch.setenv("DS4C_NVCC", own)
+    assert toolchain.find_cuda_tool("nvcc") == own and toolchain.find_cuda_tool("nvdisasm") == dis
+    monkeypatch.setenv("PATH", str(tmp_path / "path/bin"))
+    monkeypatch.delenv("DS4C_NVCC")
+    assert toolchain.find_cuda_tool("nvcc") == other
+    from ds4c.runtime import artifact_inspect
+
+    assert artifact_inspect.find_cuda_tool is toolchain.find_cuda_tool  # inspect --sass finds its tools the same way

@@ -89,6 +89,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ds4c import settings
 from ds4c.config import Ds4Config
 from ds4c.errors import StepError
 from ds4c.reference import blocks as B
@@ -768,7 +769,7 @@ def try_modes(ref: Reference, tokens: Sequence[int], pos: int, modes: Sequence[s
             first = next((ln for ln in msg if ln.strip()), type(e).__name__)
             results[mode] = ModeResult(False, first[:500], time.perf_counter() - t0,
                                        graphs=0 if cref is None else cref.graphs)
-            if _debug():
+            if settings.debug():
                 traceback.print_exc()
     return results
 
@@ -777,8 +778,3 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def _debug() -> bool:
-    import os
-
-    return bool(os.environ.get("DS4C_DEBUG"))

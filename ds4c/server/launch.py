@@ -20,6 +20,7 @@ from sse_starlette.sse import AppStatus
 
 from ds4c.api import Model
 from ds4c.errors import Ds4cError
+from ds4c.generate import check_spec_width
 from ds4c.server.app import ServerOptions, create_app
 from ds4c.server.engine import SerialEngine
 from ds4c.server.scheduler import Scheduler, SchedulerConfig
@@ -65,8 +66,10 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
         log_level: uvicorn's log level (``critical`` ... ``debug``).
 
     Raises:
-        Ds4cError: a model without tokenizer; ``max_concurrency`` beyond what the engine runs at once.
+        Ds4cError: a model without tokenizer; ``max_concurrency`` beyond what the engine runs at once; a
+            ``spec_width`` outside 1..5 / ``"auto"`` (StepError).
     """
+    check_spec_width(spec_width)
     if model.tokenizer is None:
         raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server speaks "
                         f"text")
@@ -118,6 +121,7 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
     """
     if api_key is not None and not api_key.strip():
         raise Ds4cError("api_key: expected a non-empty key")
+    check_spec_width(spec_width)  # before the (possibly long) model start, as every other argument
     model = Model(model_path, device=device, artifact=artifact, max_ctx=max_ctx, engine=engine, threads=threads,
                   dataflow=dataflow, devices=devices, layer_split=layer_split, prefill_chunks=prefill_chunks,
                   draft=draft)

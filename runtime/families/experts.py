@@ -154,7 +154,7 @@ class ExpertsSpec:
             job's h). Four launches then: ``actq_x``, ``up``, ``actq_h``, ``down`` (:func:`launch_shapes`), the same
             values (spec 2.3.1 in one place per launch). Only where every phase reads the form-0 activation
             (CUDA's mma engine on sm_89+, MXFP4 / Q8_0 / K-quant weights, ``act_quant``); elsewhere it is off.
-            False here; the lowering turns it on (runtime/lower_step.py ``EXPERTS_PREQUANT``: measured on the H200,
+            False here; the lowering turns it on (runtime/lower_step.py, :func:`ds4c.settings.experts_prequant`: measured on the H200,
             experts q = 5 357 -> 160 us, q = 1 85 -> 77 us, docs/perf.md Optimisation 6).
 
     Raises:

@@ -24,7 +24,6 @@ upstream imports it.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ds4c import settings
 from ds4c.buckets import BucketSpec, check_prefill_chunks
 from ds4c.errors import StepError
 from ds4c.gguf_file import ModelFile
@@ -182,10 +182,11 @@ class CompiledStep:
         self.target: Target = target(arch)
         self.cache = cache or KernelCache()
         self.use_graphs = use_graphs
-        #: programmatic dependent launch of the kernels that allow it (sm_90+ devices), opt-in with DS4C_PDL=1:
-        #: measured on the H200 (docs/perf.md, session 7) it gave nothing at q = 1 and cost 5% at q = 5, so it
-        #: stays off until the trigger placement is tuned; the kernels' DS4C_PDL_ENTRY() is free without it
-        self.programmatic = (os.environ.get("DS4C_PDL", "0") == "1"
+        #: programmatic dependent launch of the kernels that allow it (sm_90+ devices), opt-in with DS4C_PDL=1
+        #: (:func:`ds4c.settings.pdl`): measured on the H200 (docs/perf.md, session 7) it gave nothing at q = 1 and
+        #: cost 5% at q = 5, so it stays off until the trigger placement is tuned; the kernels' DS4C_PDL_ENTRY() is
+        #: free without it
+        self.programmatic = (settings.pdl()
                              and torch.cuda.get_device_capability(self.dev)[0] >= 9)
         self.artifact = None
         manifest = None

@@ -1,0 +1,204 @@
+"""Every environment setting of ds4c and every default path, read when asked for (never at import time).
+
+Nothing else in ``ds4c`` reads a ``DS4C_*`` variable: each has one reader function here, and ``ds4c info --env``
+prints them all with the value in force (docs/settings.md has the same table).
+
+=============================  ==========================  =======================================================
+variable                       default                     what it does (reader)
+=============================  ==========================  =======================================================
+``DS4C_HOME``                  ``~/.cache/ds4c``           where the built-in default model is written, under
+                                                           ``models/`` (:func:`home`)
+``DS4C_CACHE``                 ``~/.cache/ds4c/kernels``   the compiled-kernel cache (:func:`kernel_cache_root`)
+``DS4C_NVCC``                  (search)                    the nvcc to use before PATH and the CUDA toolkit
+                                                           folders (:func:`nvcc`)
+``DS4C_CLANG``                 (search)                    the clang to use for HIP before ``clang-30`` ..
+                                                           ``clang-19`` and ``clang`` (:func:`clang`)
+``DS4C_PDL``                   ``0``                       ``1``: launch the step kernels with programmatic
+                                                           dependent launch on sm_90+ (:func:`pdl`)
+``DS4C_XP_PREQUANT``           ``1``                       ``0``: the experts quantize their activations in every
+                                                           block instead of once per launch (an A/B; other
+                                                           kernels) (:func:`experts_prequant`)
+``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
+                                                           (an int >= 1) (:func:`prefill_attn_heads_per_block`)
+``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
+                                                           (0: automatic) (:func:`prefill_attn_threads`)
+``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
+                                                           that fails in ``ds4c bench`` (:func:`debug`)
+``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
+                                                           ``--api-key`` is not given; a secret: ``ds4c info
+                                                           --env`` shows only whether it is set (:func:`api_key`)
+=============================  ==========================  =======================================================
+
+The CUDA and ROCm toolkit folders are searched as their own tools do: ``$CUDA_HOME``, ``$CUDA_PATH``, then
+``/usr/local/cuda`` (:func:`cuda_roots`); ``$ROCM_PATH``, then ``/opt/rocm`` (:func:`rocm_roots`).
+
+Tests and tools read three more for development only (not ds4c's behaviour): ``DS4C_DS4RUN`` (llama.cpp's
+``ds4run`` for ``pytest -m interop``), ``DS4C_XP_CASES`` and ``DS4C_XP_STAGES_SWEEP`` (the experts GPU check's
+case filter and stage sweep).
+
+An empty value counts as unset. A value that cannot be read (``DS4C_PREFILL_ATTN_HPB=x``) raises
+:class:`SettingsError`, one line naming the variable, when the setting is first used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ds4c.errors import Ds4cError
+
+
+class SettingsError(Ds4cError):
+    """An environment setting holds a value ds4c cannot use (the message names the variable and the value;
+    ``expected`` says what it must be)."""
+
+    def __init__(self, name: str, value: str, expected: str, default: object):
+        super().__init__(f"${name}: expected {expected}, found {value!r} (unset it for the default {default})")
+        self.expected = expected
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its ``name``, its ``default`` as documented, what it does, its reader, and
+    whether its value is a ``secret``."""
+
+    name: str
+    default: str
+    doc: str
+    read: Callable[[], object]
+    secret: bool = False    # its value is never shown (:func:`describe` says only whether it is set)
+
+
+def raw(name: str) -> str | None:
+    """The value of environment variable ``name``, None when unset or empty."""
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _int(name: str, default: int, least: int) -> int:
+    value = raw(name)
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or n < least:
+        raise SettingsError(name, value, f"an int >= {least}", default)
+    return n
+
+
+def home() -> Path:
+    """``$DS4C_HOME``, else ``~/.cache/ds4c``: the folder of the built-in default model (``models/``)."""
+    return Path(raw("DS4C_HOME") or Path.home() / ".cache" / "ds4c")
+
+
+def kernel_cache_root() -> Path:
+    """``$DS4C_CACHE`` (``~`` expanded), else ``~/.cache/ds4c/kernels``: the compiled-kernel cache."""
+    env = raw("DS4C_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ds4c" / "kernels"
+
+
+def nvcc() -> str | None:
+    """``$DS4C_NVCC``: the nvcc tried first (None: search PATH and :func:`cuda_roots`)."""
+    return raw("DS4C_NVCC")
+
+
+def clang() -> str | None:
+    """``$DS4C_CLANG``: the clang tried first for HIP (None: ``clang-30`` .. ``clang-19``, then ``clang``)."""
+    return raw("DS4C_CLANG")
+
+
+def cuda_roots() -> list[str]:
+    """The CUDA toolkit folders searched for its tools (``bin/``): ``$CUDA_HOME``, ``$CUDA_PATH``,
+    ``/usr/local/cuda`` (those set)."""
+    return [h for h in (raw("CUDA_HOME"), raw("CUDA_PATH"), "/usr/local/cuda") if h]
+
+
+def rocm_roots() -> list[str]:
+    """The ROCm folders searched for its tools (``bin/``): ``$ROCM_PATH``, ``/opt/rocm``."""
+    return [h for h in (raw("ROCM_PATH"), "/opt/rocm") if h]
+
+
+def pdl() -> bool:
+    """``$DS4C_PDL=1``: programmatic dependent launch of the kernels that allow it (sm_90+). Off by default: on
+    the H200 it gave nothing at q = 1 and cost 5% at q = 5 (docs/perf.md)."""
+    return raw("DS4C_PDL") == "1"
+
+
+def experts_prequant() -> bool:
+    """The experts quantize their activations once per launch (``ExpertsSpec.prequant``; docs/perf.md,
+    Optimisation 6); ``$DS4C_XP_PREQUANT=0`` turns it off for an A/B (other kernels: the kernel cache and an
+    artifact compiled with one setting do not mix with the other)."""
+    return os.environ.get("DS4C_XP_PREQUANT", "1") != "0"
+
+
+def prefill_attn_heads_per_block() -> int:
+    """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
+    Optimisation 7).
+
+    Raises:
+        SettingsError: a value that is not an int >= 1.
+    """
+    return _int("DS4C_PREFILL_ATTN_HPB", 4, 1)
+
+
+def prefill_attn_threads() -> int:
+    """``AttentionSpec.threads`` at C rows (``$DS4C_PREFILL_ATTN_THREADS``, default 0: automatic).
+
+    Raises:
+        SettingsError: a value that is not an int >= 0.
+    """
+    return _int("DS4C_PREFILL_ATTN_THREADS", 0, 0)
+
+
+def debug() -> bool:
+    """``$DS4C_DEBUG`` set (any value): a torch.compile mode of the reference that fails (``ds4c bench``'s
+    torch.compile column) prints its traceback, not only its first line."""
+    return raw("DS4C_DEBUG") is not None
+
+
+def api_key() -> str | None:
+    """``$DS4C_API_KEY``: the bearer token ``ds4c serve`` requires when ``--api-key`` is not given (None: no
+    key). An environment variable keeps the key out of the process list, where a command-line option shows it."""
+    return raw("DS4C_API_KEY")
+
+
+#: Every setting, in the order of the module docstring's table (``ds4c info --env`` prints them).
+SETTINGS: tuple[Setting, ...] = (
+    Setting("DS4C_HOME", "~/.cache/ds4c", "where the built-in default model is written (models/)", home),
+    Setting("DS4C_CACHE", "~/.cache/ds4c/kernels", "the compiled-kernel cache", kernel_cache_root),
+    Setting("DS4C_NVCC", "(search)", "the nvcc to use before PATH and the CUDA toolkit folders", nvcc),
+    Setting("DS4C_CLANG", "(search)", "the clang to use for HIP before clang-30 .. clang-19 and clang", clang),
+    Setting("DS4C_PDL", "0", "1: programmatic dependent launch of the step kernels on sm_90+", pdl),
+    Setting("DS4C_XP_PREQUANT", "1", "0: the experts quantize activations in every block (an A/B)",
+            experts_prequant),
+    Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
+            prefill_attn_heads_per_block),
+    Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
+            prefill_attn_threads),
+    Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
+            debug),
+    Setting("DS4C_API_KEY", "(unset)", "the bearer token ds4c serve requires (when --api-key is not given)",
+            api_key, secret=True),
+)
+
+
+def describe() -> list[dict[str, object]]:
+    """One record per setting, for ``ds4c info --env``: ``name``, ``value`` (as set, None when unset), ``used``
+    (what ds4c uses now: a path or a number as text, a flag as on/off; a value ds4c cannot use: ``invalid``
+    and why; a secret's value is ``(hidden)`` in both), ``default`` and ``doc``."""
+    out = []
+    for s in SETTINGS:
+        try:
+            used = s.read()
+        except SettingsError as e:
+            used = f"invalid (expected {e.expected})"
+        text = ("on" if used else "off") if isinstance(used, bool) else ("(search)" if used is None else str(used))
+        value = os.environ.get(s.name)
+        if s.secret:
+            value, text = (None, "(unset)") if used is None else ("(hidden)", "(hidden)")
+        out.append({"name": s.name, "value": value, "used": text, "default": s.default, "doc": s.doc})
+    return out
