@@ -9,7 +9,9 @@ faster than torch's default (the tiny model's steps are small)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import os
 import re
 import signal
 import subprocess
@@ -26,6 +28,11 @@ from click.testing import CliRunner
 
 from ds4c.api import Model
 from ds4c.cli import main
+from ds4c.cli.serve import DEFAULTS
+from ds4c.server import serve
+from ds4c.server.app import ServerOptions
+from ds4c.server.launch import DEFAULT_PORT
+from ds4c.server.scheduler import SchedulerConfig
 
 KEY = "sk-test-7c1d"
 NAME = "tiny"
@@ -47,11 +54,11 @@ class ServerProcess:
     """``ds4c serve FILE --port 0 ...`` in a child process; ``url`` once it listens; its stderr kept in
     ``log``."""
 
-    def __init__(self, model_path: Path, *args: str):
+    def __init__(self, model_path: Path, *args: str, env: dict[str, str] | None = None):
         cmd = [sys.executable, "-c", "from ds4c.cli import main; main()", "serve", str(model_path), "--port", "0",
                "--threads", "1", "--max-ctx", str(MAX_CTX), "--model-name", NAME, "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.log: list[str] = []
         listening = threading.Event()
         self.url = ""
@@ -81,7 +88,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tiny_path):
-    s = ServerProcess(tiny_path, "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT), "--queue-timeout", "300")
+    # the key from the environment (the way that keeps it out of the process list); --api-key: the errors test
+    s = ServerProcess(tiny_path, "--max-body-bytes", str(BODY_LIMIT), "--queue-timeout", "300",
+                      env={"DS4C_API_KEY": KEY})
     yield s
     assert s.stop() == -signal.SIGTERM, "".join(s.log)
     assert not any("Traceback" in ln for ln in s.log), "".join(s.log)
@@ -415,10 +424,21 @@ def test_sigterm_drains_the_requests_in_flight(tiny_path):
 
 def test_serve_command_errors_are_one_line(tiny_path):
     """The command's own refusals (before anything listens): an empty key, more sequences at once than the engine
-    runs."""
+    runs, a bad speculative width, prefill chunks on the reference engine."""
     for args, want in ((["--api-key", " "], "api_key: expected a non-empty key"),
-                       (["--max-concurrency", "4"], "max_concurrency 4: this engine runs 1 sequence at a time")):
+                       (["--max-concurrency", "4"], "max_concurrency 4: this engine runs 1 sequence at a time"),
+                       (["--spec-width", "9"], "--spec-width: expected 1..5"),
+                       (["--prefill", "256"], "--prefill 256: prefill chunk graphs run on the compiled engine")):
         r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", *args])
         last = r.output.splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("ds4c: error: ") and want in last, r.output
         assert "listening" not in r.output and "Traceback" not in r.output
+
+
+def test_the_command_defaults_are_the_servers():
+    """ds4c/cli/serve.py repeats the server's defaults (so that ``ds4c --help`` loads no FastAPI): they agree."""
+    cfg, opts = SchedulerConfig(), ServerOptions(model_name="x")
+    assert DEFAULTS == {"max_queue": cfg.max_queue, "queue_timeout_s": cfg.queue_timeout_s,
+                        "request_timeout_s": cfg.request_timeout_s, "stream_buffer": cfg.stream_buffer,
+                        "max_body_bytes": opts.max_body_bytes, "drain_timeout_s": 30.0, "port": DEFAULT_PORT}
+    assert inspect.signature(serve).parameters["drain_timeout_s"].default == DEFAULTS["drain_timeout_s"]

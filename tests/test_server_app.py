@@ -382,3 +382,27 @@ def test_a_consumer_that_stops_reading_is_cut_off_not_waited_for(model):
     finally:
         eng.close()
 
+
+
+def test_an_engine_outliving_the_server_loop_keeps_working(model):
+    """The engine pushes a request's events after the server's event loop has closed (the server stopped while a
+    generation ran): the events are dropped, the engine thread lives on and runs the next request."""
+    eng = SerialEngine(model)
+    loop = asyncio.new_event_loop()
+    try:
+        gone = RequestStream(loop, 64)
+        loop.close()
+        gone.push(Piece("x", 1))             # no RuntimeError: the loop is gone, the event with it
+        ids = tuple(model.prompt_ids("Hi"))
+        eng.start(GenRequest("orphan", ids, SamplingParams(max_tokens=2, ignore_eos=True)), gone)
+
+        async def next_request():
+            st = RequestStream(asyncio.get_running_loop(), 64)
+            eng.start(GenRequest("next", ids, SamplingParams(max_tokens=2, ignore_eos=True)), st)
+            await asyncio.wait_for(st.done.wait(), 60)
+            return st.terminal
+
+        fin = asyncio.run(next_request())
+        assert isinstance(fin, Finished) and (fin.reason, fin.completion_tokens) == ("length", 2)
+    finally:
+        eng.close()

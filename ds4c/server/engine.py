@@ -125,8 +125,14 @@ class RequestStream:
         return self._cancel.is_set()
 
     def push(self, ev: Event) -> None:
-        """Deliver an event (never blocks; thread-safe)."""
-        self._loop.call_soon_threadsafe(self._put, ev)
+        """Deliver an event (never blocks; thread-safe). After the handler's event loop has closed (the server
+        stopped while the engine still ran the request) the event is dropped: nobody is there to read it, and the
+        engine thread must not die of it."""
+        try:
+            self._loop.call_soon_threadsafe(self._put, ev)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def _put(self, ev: Event) -> None:
         if isinstance(ev, Piece):
