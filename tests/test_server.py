@@ -298,6 +298,16 @@ def test_chat_streaming_reasoning_and_tools(server, client, model):
     (call,) = t.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     assert isinstance(json.loads(call.function.arguments), dict)
+    # streamed: the call arrives as tool_calls deltas (id, type and name first, then the arguments in pieces)
+    # that add up to the same call
+    chunks = list(client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=3, stream=True,
+                                                 tool_choice={"type": "function", "function": {
+                                                     "name": "get_weather"}}, **GREEDY))
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
+    assert deltas and {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
+    assert (deltas[0].type, deltas[0].function.name) == ("function", "get_weather")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == t.choices[0].finish_reason   # "length": 3 tokens cut it
 
 
 # ------------------------------------------------------------------------------------------------ many clients
