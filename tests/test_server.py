@@ -34,6 +34,7 @@ from ds4c.server.app import ServerOptions
 from ds4c.server.launch import DEFAULT_PORT
 from ds4c.server.scheduler import SchedulerConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-7c1d"
 NAME = "tiny"
 BODY_LIMIT = 64 << 10
@@ -378,6 +379,27 @@ def test_many_streaming_clients(server):
     assert n_done * N_NEW + N_HANG_UP <= made < n_done * N_NEW + N_HANG_UP * HANG_UP_NEW
     assert d["ds4c_time_to_first_token_seconds_count"] >= n_done
     print(f"{N_CLIENTS} clients x {N_REQUESTS} requests ({N_HANG_UP} hung up): {elapsed:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------------ the benchmark
+def test_bench_serve_drives_a_running_server(server, tmp_path):
+    """tools/bench_serve.py against the server: every level's requests complete, its token counts are what the
+    server counted (/metrics), its times are ordered (p50 <= p95 <= p99)."""
+    before = metrics(server.url)
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--url", server.url, "--api-key", KEY,
+                        "--concurrency", "1,3", "--requests", "2", "--max-tokens", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert [(lv["concurrency"], lv["requests"], lv["tokens"]) for lv in rec["levels"]] == [(1, 2, 6), (3, 6, 18)]
+    for lv in rec["levels"]:
+        assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p95"] <= lv["ttft_s"]["p99"] < lv["wall_s"]
+        assert lv["aggregate_tokens_per_s"] == pytest.approx(lv["tokens"] / lv["wall_s"])
+    d = delta(metrics(server.url), before)
+    assert d["ds4c_generation_tokens_total"] == 3 + 6 + 18            # the warm-up request too
+    assert requests_by_outcome(d) == {"length": 1 + 2 + 6}
+    assert "agg tok/s" in r.stdout and len(r.stdout.splitlines()) == 2 + 2
 
 
 # ------------------------------------------------------------------------------------------------ drain
