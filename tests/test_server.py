@@ -214,6 +214,8 @@ BAD_CHAT = [
     ("tool call arguments that are not JSON", {"model": NAME, "messages": MSGS + [
         {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
             "name": "get_weather", "arguments": "{city"}}]}]}, 400, "messages", "invalid_conversation"),
+    ("the deprecated functions", {"model": NAME, "messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions",
+     "unsupported_parameter"),
     ("a JSON response_format", {"model": NAME, "messages": MSGS, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
 ]

@@ -2,7 +2,8 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` is an error, not 5); fields OpenAI defines but ds4c does not
 implement are refused when honouring them would change the result (``n`` > 1, ``logprobs``, penalties,
-``logit_bias``, JSON ``response_format``, ``echo``, ``suffix``, ``best_of`` > 1), and ignored when they do not
+``logit_bias``, JSON ``response_format``, the deprecated ``functions`` / ``function_call``, ``echo``, ``suffix``,
+``best_of`` > 1), and ignored when they do not
 (``user``, ``metadata``, ``store``, ``service_tier``); unknown fields are ignored, as vLLM does. Every refusal is an
 :class:`APIError`: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
 """
@@ -187,6 +188,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    functions: Any = None
+    function_call: Any = None
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
@@ -198,6 +201,10 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
                                 f"'text')", "response_format", "unsupported_parameter")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} (OpenAI's deprecated function calling) is not supported: give tools and "
+                                    f"tool_choice", name, "unsupported_parameter")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; give one", "max_tokens")
