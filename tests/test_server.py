@@ -171,6 +171,8 @@ def test_routes_health_models_metrics_and_the_api_key(server, client):
 BAD = [  # (what, body or raw bytes, status, param, code)
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
     ("a body that is not an object", b"[1, 2]", 400, None, "invalid_json"),
+    ("JSON nested too deeply", b'{"model": "tiny", "prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}", 400, None,
+     "invalid_json"),
     ("a wrong type", {"model": NAME, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
     ("max_tokens 0", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("max_tokens < 0", {"model": NAME, "prompt": "x", "max_tokens": -3}, 400, "max_tokens", "invalid_value"),

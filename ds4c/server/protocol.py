@@ -258,12 +258,15 @@ def _where(loc: tuple) -> str:
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
-    """The request body as ``model``, and as parsed JSON; APIError (400) for malformed JSON, a body that is not an
-    object, or a field of the wrong type or out of range (the first error, with its ``param``)."""
+    """The request body as ``model``, and as parsed JSON; APIError (400) for malformed JSON (nested deeper than
+    Python's recursion limit included), a body that is not an object, or a field of the wrong type or out of range
+    (the first error, with its ``param``)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:  # json's decoder recurses per nesting level: a body of 100,000 '[' exhausts the stack
+        raise APIError(400, "the body is not valid JSON here: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, found {type(data).__name__}", code="invalid_json")
     try:
