@@ -41,6 +41,7 @@ from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
 from ds4c.gguf_file import ModelFile
+from ds4c.markers import held_back
 from ds4c.sources import open_model
 
 
@@ -176,18 +177,6 @@ def check_stops(stop: Any) -> list[str]:
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def _held(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (held back: it may be
-    the start of one)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class _Turns:
@@ -573,7 +562,7 @@ class Model:
                     sent = cut
                     holder["completion"] = self._completion(acc[:cut], ts.stop(), "stop", n)
                     return
-                safe = len(acc) - (_held(acc, stops) if stops else 0)
+                safe = len(acc) - (held_back(acc, stops) if stops else 0)
                 if safe > sent:
                     piece, sent = acc[sent:safe], safe
                     yield piece

@@ -38,7 +38,8 @@ CALL = (f"<{D}invoke name=\"get_weather\">\n<{D}parameter name=\"city\" string=\
 class ScriptedEngine:
     """An :class:`~ds4c.server.engine.Engine` whose replies are scripted texts (taken in order), sent ``piece``
     characters a piece with ``delay`` seconds between pieces; stop strings and ``max_tokens`` (one piece = one
-    token) cut them as the real engine does. ``requests`` records what it was asked; ``pushed`` the pieces each request got."""
+    token) cut them as the real engine does. ``requests`` records what it was asked; ``pushed`` the pieces each
+    request got."""
 
     def __init__(self, max_ctx: int = 4096, capacity: int = 1):
         self.max_ctx, self.capacity = max_ctx, capacity

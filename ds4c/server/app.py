@@ -34,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ds4c.api import Model
+from ds4c.errors import Ds4cError
 from ds4c.server.chat import ChatPlan, continuation, plan_chat
 from ds4c.server.engine import Engine, Failed, Finished, GenRequest, Piece, SamplingParams
 from ds4c.server.metrics import Metrics
@@ -89,6 +90,13 @@ class _Outcome:
         if not self.done:
             self.done = True
             self.metrics.count(self.endpoint, outcome, time.monotonic() - self.arrival)
+
+
+@dataclass
+class _Reply:
+    """How a generation ended: ``fin``, the :class:`Finished` of the whole reply (None until it has ended)."""
+
+    fin: Finished | None = None
 
 
 def _finish_reason(reason: str, tool_calls: bool = False) -> str:
@@ -192,24 +200,30 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
                                code="request_too_large")
         return bytes(body)
 
-    def check_model(name: str) -> None:
-        if name != options.model_name:
-            raise APIError(404, f"the model {name!r} does not exist (this server serves {options.model_name!r})",
-                           "model", "model_not_found")
+    async def parse(request: Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
+                    ) -> tuple[Any, dict[str, Any]]:
+        """The request's body as ``kind`` (and as JSON), checked: the fields ds4c honours, the model served."""
+        req, data = parse_body(await read_body(request), kind)
+        req.refuse_unsupported()
+        if req.model != options.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
+                                f"{options.model_name!r})", "model", "model_not_found")
+        return req, data
 
     def sampling(req: ChatCompletionRequest | CompletionRequest, n_prompt: int, max_new: int | None,
                  reserve: int = 0) -> SamplingParams:
         """The sampling parameters; the context check (400 ``context_length_exceeded``)."""
         room = engine.max_ctx - n_prompt - reserve
+        forced = f" + {reserve} for a forced tool call" if reserve else ""
         if room < 1:
-            raise APIError(400, f"the prompt is {n_prompt} tokens{f' (+ {reserve} for a forced tool call)' if reserve else ''}"
-                                f"; this server's context is {engine.max_ctx} tokens, leaving no room for a reply",
+            raise APIError(400, f"the prompt is {n_prompt} tokens{forced}; this server's context is "
+                                f"{engine.max_ctx} tokens, leaving no room for a reply",
                            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                            "context_length_exceeded")
         if max_new is not None and max_new > room:
-            raise APIError(400, f"the prompt ({n_prompt} tokens{f' + {reserve} for a forced tool call' if reserve else ''})"
-                                f" + max_tokens ({max_new}) exceed this server's context of {engine.max_ctx} tokens",
-                           "max_tokens", "context_length_exceeded")
+            raise APIError(400, f"the prompt ({n_prompt} tokens{forced}) + max_tokens ({max_new}) exceed this "
+                                f"server's context of {engine.max_ctx} tokens", "max_tokens",
+                           "context_length_exceeded")
         seed = secrets.randbelow(2**63) if req.seed is None else req.seed % 2**63
         return SamplingParams(max_tokens=max_new if max_new is not None else room,
                               temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -290,6 +304,20 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         outcome("failed")
         return APIError(500 if str(e).startswith("internal") else 400, str(e), code="generation_failed")
 
+    async def texts(slot: Slot, rid: str, prompt_ids: list[int], params: SamplingParams, plan: ChatPlan | None,
+                    outcome: _Outcome, reply: _Reply) -> AsyncIterator[str]:
+        """The reply's text pieces (:func:`generate`); ``reply.fin`` and the outcome once it has ended. A
+        generation that did not end normally raises its APIError (:func:`fail`)."""
+        try:
+            async for x in generate(slot, rid, prompt_ids, params, plan):
+                if isinstance(x, Finished):
+                    reply.fin = x
+                    outcome("length" if x.reason == "length" else "ok")
+                else:
+                    yield x
+        except (TimeoutError, _Cancelled, _EngineFailed) as e:
+            raise fail(outcome, e) from None
+
     async def admit(outcome: _Outcome):
         """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot)."""
         cm = sched.slot(outcome.arrival)
@@ -308,8 +336,8 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             try:
                 async for chunk in chunks:
                     yield json.dumps(chunk, ensure_ascii=False)
-            except (TimeoutError, _Cancelled, _EngineFailed) as e:
-                yield json.dumps(fail(outcome, e).body())
+            except APIError as e:      # the generation did not end normally (texts)
+                yield json.dumps(e.body())
             yield "[DONE]"
 
         async def on_close() -> None:
@@ -324,9 +352,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
     async def chat_completions(request: Request):
         outcome = _Outcome(metrics, "chat")
         try:
-            req, data = parse_body(await read_body(request), ChatCompletionRequest)
-            req.refuse_unsupported()
-            check_model(req.model)
+            req, data = await parse(request, ChatCompletionRequest)
             plan = await run_in_threadpool(plan_chat, model, req, data.get("tools"))
             ids = await run_in_threadpool(model.prompt_ids, plan.prompt)
             reserve = 0
@@ -345,19 +371,13 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
 
         if not req.stream:
             async def whole(slot: Slot) -> dict:
-                p, fin = parser(), None
+                p, reply = parser(), _Reply()
                 p.feed(plan.prefix_text)
-                try:
-                    async for x in generate(slot, rid, ids, params, plan):
-                        if isinstance(x, Finished):
-                            fin = x
-                        else:
-                            p.feed(x)
-                except (TimeoutError, _Cancelled, _EngineFailed) as e:
-                    raise fail(outcome, e) from None
+                async for x in texts(slot, rid, ids, params, plan, outcome, reply):
+                    p.feed(x)
                 p.finish()
+                fin = reply.fin
                 assert fin is not None
-                outcome("length" if fin.reason == "length" else "ok")
                 msg: dict[str, Any] = {"role": "assistant", "content": p.content or (None if p.tool_calls else "")}
                 if plan.thinking:
                     msg["reasoning_content"] = p.reasoning
@@ -397,20 +417,17 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             return out
 
         async def chunks() -> AsyncIterator[dict]:
-            p, fin = parser(), None
+            p, reply = parser(), _Reply()
             yield chunk({"role": "assistant", "content": ""})
             for c in deltas_to_chunks(p.feed(plan.prefix_text)):
                 yield c
-            async for x in generate(slot, rid, ids, params, plan):
-                if isinstance(x, Finished):
-                    fin = x
-                    continue
+            async for x in texts(slot, rid, ids, params, plan, outcome, reply):
                 for c in deltas_to_chunks(p.feed(x)):
                     yield c
             for c in deltas_to_chunks(p.finish()):
                 yield c
+            fin = reply.fin
             assert fin is not None
-            outcome("length" if fin.reason == "length" else "ok")
             yield chunk({}, _finish_reason(fin.reason, bool(p.tool_calls)))
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(fin)}
@@ -422,13 +439,11 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
     async def completions(request: Request):
         outcome = _Outcome(metrics, "completions")
         try:
-            req, _ = parse_body(await read_body(request), CompletionRequest)
-            req.refuse_unsupported()
-            check_model(req.model)
+            req, _ = await parse(request, CompletionRequest)
             prompt = req.single_prompt
             try:
                 ids = await run_in_threadpool(model.prompt_ids, prompt)
-            except Exception as e:  # Ds4cError: ids outside the vocabulary
+            except Ds4cError as e:  # ids outside the vocabulary
                 raise APIError(400, " ".join(str(e).split()), "prompt", "invalid_prompt") from None
             params = sampling(req, len(ids), req.max_tokens)
         except APIError:
@@ -440,17 +455,10 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
 
         if not req.stream:
             async def whole(slot: Slot) -> dict:
-                text, fin = [], None
-                try:
-                    async for x in generate(slot, rid, ids, params, None):
-                        if isinstance(x, Finished):
-                            fin = x
-                        else:
-                            text.append(x)
-                except (TimeoutError, _Cancelled, _EngineFailed) as e:
-                    raise fail(outcome, e) from None
+                reply = _Reply()
+                text = [x async for x in texts(slot, rid, ids, params, None, outcome, reply)]
+                fin = reply.fin
                 assert fin is not None
-                outcome("length" if fin.reason == "length" else "ok")
                 return {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": None,
                                              "finish_reason": _finish_reason(fin.reason)}], "usage": _usage(fin)}
 
@@ -459,16 +467,13 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def chunks() -> AsyncIterator[dict]:
-            fin = None
+            reply = _Reply()
             extra = {"usage": None} if include_usage else {}
-            async for x in generate(slot, rid, ids, params, None):
-                if isinstance(x, Finished):
-                    fin = x
-                    continue
+            async for x in texts(slot, rid, ids, params, None, outcome, reply):
                 yield {**head, "choices": [{"index": 0, "text": x, "logprobs": None, "finish_reason": None}],
                        **extra}
+            fin = reply.fin
             assert fin is not None
-            outcome("length" if fin.reason == "length" else "ok")
             yield {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
                                         "finish_reason": _finish_reason(fin.reason)}], **extra}
             if include_usage:

@@ -34,6 +34,8 @@ import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from ds4c.markers import held_back
+
 DSML = "｜DSML｜"
 THINK_END = "</think>"
 CALLS_START = f"<{DSML}tool_calls>"
@@ -94,18 +96,6 @@ Delta = ReasoningDelta | ContentDelta | ToolCallDelta
 def new_call_id() -> str:
     """A fresh tool-call id (``call_`` and 24 hex digits, the shape of OpenAI's)."""
     return "call_" + secrets.token_hex(12)
-
-
-def _held(text: str, markers: Collection[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers`` (held back: the next
-    piece may complete the marker)."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 def _earliest(text: str, markers: Collection[str]) -> tuple[int, str] | None:
@@ -253,7 +243,7 @@ class OutputParser:
             ends = (THINK_END, CALLS_SEPARATOR + CALLS_START, CALLS_START) if self.tools else (THINK_END,)
             hit = _earliest(buf, ends)
             if hit is None:
-                keep = 0 if final else _held(buf, ends)
+                keep = 0 if final else held_back(buf, ends)
                 self._reason(buf[:len(buf) - keep])
                 self._buf = buf[len(buf) - keep:]
                 return False
@@ -280,7 +270,7 @@ class OutputParser:
                 if not lead or lead.startswith("{"):
                     return False              # may be a JSON fallback: held to the end
                 self._json_hold = False
-            keep = 0 if final else _held(buf, starts)
+            keep = 0 if final else held_back(buf, starts)
             self._say(buf[:len(buf) - keep])
             self._buf = buf[len(buf) - keep:]
             return False
