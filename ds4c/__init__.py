@@ -8,8 +8,7 @@ Docstrings cite the model as ``spec N`` (``spec 2.3``, ``spec P9``, ``spec 5.2(q
 docs/README.md maps every other document.
 """
 
-__version__ = "0.2.0"
-
+from ds4c.version import __version__  # noqa: E402
 from ds4c.errors import ConfigError, Ds4cError, ModelFileError, QuantError, StepError  # noqa: E402
 
 __all__ = ["__version__", "Model", "Completion", "Ds4cError", "ConfigError", "ModelFileError", "QuantError",

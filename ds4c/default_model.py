@@ -11,7 +11,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ds4c import __version__, settings
+from ds4c import settings
+from ds4c.version import __version__
 from ds4c.config import preset
 from ds4c.errors import Ds4cError
 from ds4c.synth import make_model

@@ -321,8 +321,11 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
                                         name=drafter_name(draft))
     chunks = check_prefill_request(prefill_chunks, device, engine, dataflow, artifact, taps, record_hc) or ()
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise Ds4cError(f"threads (--threads) must be an int >= 1, found {threads!r}")
+        cpus = len(os.sched_getaffinity(0))  # more threads than CPUs only slows the reference (and OpenMP
+        # crashes at ~1e5)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
+            raise Ds4cError(f"threads (--threads) must be an int in 1..{cpus} (the CPUs this process may use), "
+                            f"found {threads!r}")
     limit = mf.config.max_position
     if max_ctx is not None:
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= limit:

@@ -287,14 +287,8 @@ def _map_blocks(fn: Callable[[torch.Tensor], torch.Tensor], blocks: torch.Tensor
     return out
 
 
-def _exp2_int(k: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 ``2^k`` for int32 ``k`` built from bits: normals for k >= -126, subnormals down to 2^-149,
-    0 below that, +inf above 127."""
-    k = k.to(torch.int32)
-    normal = ((k.clamp(-126, 128) + 127) << 23)
-    sub = torch.ones_like(k) << (k.clamp(-149, -127) + 149)
-    bits = torch.where(k >= -126, normal, torch.where(k >= -149, sub, torch.zeros_like(k)))
-    return bits.view(torch.float32)
+_MANTISSA_MASK = (1 << 23) - 1  # fp32 mantissa bits
+_FP32_MIN_NORMAL = 2.0 ** -126
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,11 +310,16 @@ def pow2_ceil_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """
     a = amax.to(torch.float32) if isinstance(amax, torch.Tensor) else torch.as_tensor(amax, dtype=torch.float32)
     y = a / qmax
-    m, e = torch.frexp(y)
-    k = torch.where(m == 0.5, e - 1, e)
-    k = torch.where(y > 0, k, torch.full_like(k, -149))
-    k = torch.where(torch.isinf(y), torch.full_like(k, 128), k)
-    return _exp2_int(k)
+    # the power of two at or above a positive normal y (or inf) from its bits: adding a full mantissa carries into
+    # the exponent unless the mantissa is 0 (y a power of two), and the mask drops the mantissa; 2^127 < y rounds
+    # up to the exponent 255, inf. A subnormal y = m * 2^-149 (integer m < 2^23) has scale 2^ceil(log2 m) * 2^-149,
+    # whose bits are the integer 2^ceil(log2 m): the same carry on m's exact fp32 value. y <= 0 (and NaN): 2^-149.
+    # About a third of the ops of frexp + where + bits (the CPU reference calls this ~2,500 times a token).
+    normal = (y.view(torch.int32) + _MANTISSA_MASK) & ~_MANTISSA_MASK
+    m = y.view(torch.int32).to(torch.float32)
+    sub = ((m.view(torch.int32) + _MANTISSA_MASK) & ~_MANTISSA_MASK).view(torch.float32).to(torch.int32)
+    bits = torch.where(y >= _FP32_MIN_NORMAL, normal, torch.where(y > 0, sub, torch.ones_like(normal)))
+    return bits.view(torch.float32)
 
 
 def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:

@@ -283,6 +283,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode: expected a str, found {type(text).__name__}")
+        bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:  # what Python makes of invalid UTF-8 on the command line (surrogateescape)
+            raise TokenizerError(f"the text is not valid Unicode (a lone surrogate at character {bad}: invalid "
+                                 f"UTF-8 bytes in the prompt?)")
         hf = self._hf if parse_special else self._plain()
         try:
             ids = hf.encode(text, add_special_tokens=False).ids
@@ -328,6 +332,8 @@ class Tokenizer:
 
     def _bytes(self, ids: Iterable[int], skip_special: bool) -> bytes:
         pieces, skip = self._pieces, self._special_ids if skip_special else ()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TokenizerError(f"decode: expected a sequence of token ids, found {type(ids).__name__} {ids!r:.40}")
         out = []
         for t in ids:
             i = self._check_id(t, "decode")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from ds4c import __version__
+from ds4c.version import __version__
 from ds4c.buckets import BucketSpec, check_prefill_chunks
 from ds4c.config import Ds4Config
 from ds4c.ir import build_step

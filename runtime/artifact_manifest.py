@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ds4c import __version__
+from ds4c.version import __version__
 from ds4c.buckets import MIN_PREFILL_CHUNK, BucketSpec
 from ds4c.config import Ds4Config
 from ds4c.errors import Ds4cError

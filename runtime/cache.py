@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, Iterable, Sequence
 
-from ds4c import __version__, settings
+from ds4c import settings
+from ds4c.version import __version__
 from ds4c.errors import Ds4cError
 from ds4c.runtime.render import KernelSource
 from ds4c.runtime.targets import Target

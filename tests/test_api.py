@@ -4,6 +4,7 @@ prompts, on the tiny synthetic model (a real byte-level BPE vocabulary, eos id 1
 
 from __future__ import annotations
 
+import os
 import json
 import re
 from pathlib import Path
@@ -79,6 +80,11 @@ def test_tokenize_detokenize_round_trip(model):
         assert model.detokenize(ids, skip_special=True) == text
         assert model.tokenize(text, add_bos=False) == ids[1:]
     assert model.detokenize([0]) == "<｜begin▁of▁sentence｜>"
+    assert model.detokenize(torch.tensor([0])) == model.detokenize(iter([0]))  # any iterable of ids
+    for bad in (5, "12", None):  # one id or a string is not a sequence of ids (a raw TypeError before)
+        with pytest.raises(Ds4cError) as e:
+            model.detokenize(bad)
+        one_line(e, "expected a sequence of token ids")
     # a control token written in the text is one id
     assert model.tokenize("<｜User｜>hi", add_bos=False)[0] == tok.specials["<｜User｜>"]
 
@@ -419,6 +425,10 @@ def test_engine_choice(tiny_path):
     with pytest.raises(Ds4cError) as e:
         open_engine(mf, "cpu", threads=0)
     one_line(e, "threads")
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.raises(Ds4cError) as e:  # OpenMP segfaulted at 100000
+        open_engine(mf, "cpu", threads=100000)
+    one_line(e, "threads", f"1..{cpus}", "100000")
     if not torch.cuda.is_available():
         with pytest.raises(Ds4cError) as e:
             Model(tiny_path, device="cuda")
@@ -526,6 +536,11 @@ def test_cli_bad_inputs(tmp_path, tiny_path):
     bad.write_bytes(b"\xff\xfe bad")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt-file", bad), "not UTF-8")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "a", "--threads", "0"), "--threads")
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "a", "--threads", "100000"), "--threads",
+                      "100000")
+    # invalid UTF-8 bytes on the command line reach Python as lone surrogates (surrogateescape)
+    assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "ab\udcffc", "--max-new-tokens", "1"),
+                      "not valid Unicode", "character 2")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "a", "--stop", ""), "--stop")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--prompt", "a", "--max-new-tokens", "70000"),
                       "--max-new-tokens 70000", "context length 65536")

@@ -3,6 +3,7 @@ primitives (spec ds4-flash.md 2.3, P3, P4) and the DeepSeek FP4 <-> MXFP4 repack
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -288,6 +289,21 @@ def test_pow2_ceil_scale_known():
     assert Q.pow2_ceil_scale(b, 6.0).tolist() == [1.0, 2.0, 0.5, 2.0**-126, 0.25, 2.0**100]
     nxt = torch.nextafter(torch.tensor(448.0), torch.tensor(1e9))
     assert Q.pow2_ceil_scale(nxt, 448.0).item() == 2.0
+
+
+def test_pow2_ceil_scale_edges():
+    """Quotients at the ends of fp32: subnormals (2^ceil(log2 m) * 2^-149), the smallest normal, the largest
+    finite (rounds up to inf), inf, and y <= 0 or NaN (2^-149), against exact float64 arithmetic."""
+    tiny = 2.0 ** -149
+    ys = [tiny, 2 * tiny, 3 * tiny, 5 * tiny, 1023 * tiny, 1024 * tiny, 2.0 ** -127, 1.5 * 2.0 ** -127,
+          2.0 ** -126 - tiny, 2.0 ** -126, 2.0 ** -126 + 2 ** -149 * 2, 2.0 ** 127, 1.5 * 2.0 ** 127,
+          float(torch.finfo(torch.float32).max)]
+    y = torch.tensor(ys, dtype=torch.float32)
+    want = [2.0 ** math.ceil(math.log2(v)) if math.frexp(v)[0] != 0.5 else v for v in y.double().tolist()]
+    got = Q.pow2_ceil_scale(y, 1.0)
+    assert got.double().tolist() == [w if w < 2.0 ** 128 else math.inf for w in want]
+    odd = Q.pow2_ceil_scale(torch.tensor([0.0, -0.0, -3.0, float("-inf"), float("nan"), float("inf")]), 1.0)
+    assert odd.tolist() == [tiny] * 5 + [math.inf]
 
 
 @pytest.mark.parametrize("qmax", [448.0, 6.0])

@@ -25,7 +25,7 @@ import importlib
 
 import click
 
-from ds4c import __version__
+from ds4c.version import __version__
 from ds4c.cli.shell import Group
 
 #: The command modules of ``ds4c``, in ``ds4c/cli/``: each defines ``command``.

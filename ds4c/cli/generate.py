@@ -217,7 +217,7 @@ def command(file: str | None, prompt: str | None, prompt_file: str | None, promp
             text = render_chat(Tokenizer.from_metadata(mf.metadata, source=str(mf.path)), messages, thinking=think,
                                reasoning_effort=reasoning_effort, source=str(mf.path))
         # a token is >= 1 byte, + bos (the prompt is checked against max_ctx once tokenized, below)
-        need = min(limit, len(text.encode("utf-8")) + 1 + max_new_tokens)
+        need = min(limit, len(text.encode("utf-8", "surrogatepass")) + 1 + max_new_tokens)
     drafter, taps, record_hc = None, (), False
     if draft is not None:  # checked before the (possibly long) engine start
         from ds4c.drafters.factory import make_drafter  # start-up speed

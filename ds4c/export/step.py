@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds4c import __version__
+from ds4c.version import __version__
 from ds4c.buckets import BucketSpec
 from ds4c.config import MAX_PREFILL_ROWS, Ds4Config
 from ds4c.errors import ExportError
