@@ -41,6 +41,7 @@ from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
 from ds4c.gguf_file import ModelFile
+from ds4c.markers import held_back
 from ds4c.sources import open_model
 
 
@@ -128,6 +129,12 @@ class CompletionStream:
         return "completion" in self._holder
 
     @property
+    def n_tokens(self) -> int:
+        """New tokens generated so far (pieces may hold several: a UTF-8 character split over tokens, text that
+        may begin a stop string)."""
+        return self._holder.get("n_tokens", 0)
+
+    @property
     def completion(self) -> Completion:
         """The final :class:`Completion` (runs the rest of the generation when it has not ended yet)."""
         for _ in self._run:
@@ -170,18 +177,6 @@ def check_stops(stop: Any) -> list[str]:
 def _earliest(text: str, stops: Sequence[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def _held(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (held back: it may be
-    the start of one)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class _Turns:
@@ -516,24 +511,28 @@ class Model:
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            thinking: bool | None = None, reasoning_effort: str | None = None) -> str:
+                            thinking: bool | None = None, reasoning_effort: str | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The prompt text of a conversation: the file's ``tokenizer.chat_template`` rendered by
-        :func:`ds4c.chat.render_chat` (its rules: roles system, user and assistant; a ``reasoning_effort`` the
-        prompt must show, so with thinking on for DeepSeek-V4's template).
+        :func:`ds4c.chat.render_chat` (its rules: roles system, user, assistant and tool, each shown in the prompt;
+        tool calls and ``tools`` only where the template renders them; a ``reasoning_effort`` the prompt must show,
+        so with thinking on for DeepSeek-V4's template). ``tools``: OpenAI's function tools.
 
         Raises:
             Ds4cError: no tokenizer or no chat template; what :func:`~ds4c.chat.render_chat` raises.
         """
         return render_chat(self._need_tokenizer("chat"), messages, add_generation_prompt, thinking, reasoning_effort,
-                           source=str(self.path))
+                           source=str(self.path), tools=tools)
 
     def chat(self, messages: Sequence[dict[str, Any]], max_new_tokens: int = 256, thinking: bool | None = None,
-             reasoning_effort: str | None = None, **kw: Any) -> Completion | CompletionStream:
+             reasoning_effort: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
+             **kw: Any) -> Completion | CompletionStream:
         """Generate the assistant's reply to ``messages`` (:meth:`apply_chat_template` with the generation
-        prompt, then :meth:`generate` with ``kw``: temperature, top_k, top_p, seed, stop, ignore_eos, stream).
-        Generation stops at the eos token that ends the assistant's turn."""
+        prompt and ``tools``, then :meth:`generate` with ``kw``: temperature, top_k, top_p, seed, stop, ignore_eos,
+        stream). Generation stops at the eos token that ends the assistant's turn. The reply is the model's raw
+        text (reasoning and DSML tool calls included); ``ds4c serve`` parses them into OpenAI's fields."""
         prompt = self.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking,
-                                          reasoning_effort=reasoning_effort)
+                                          reasoning_effort=reasoning_effort, tools=tools)
         return self.generate(prompt, max_new_tokens=max_new_tokens, **kw)
 
     def _completion(self, text: str | None, res: GenerationResult, reason: str, n_ids: int | None = None) -> Completion:
@@ -552,6 +551,7 @@ class Model:
         try:
             for t in ts:
                 n += 1
+                holder["n_tokens"] = n
                 if ts.result is not None and ts.result.stop_reason == "eos":
                     break  # the eos token ends the text; it is not part of it
                 acc += dec.push(t)
@@ -562,7 +562,7 @@ class Model:
                     sent = cut
                     holder["completion"] = self._completion(acc[:cut], ts.stop(), "stop", n)
                     return
-                safe = len(acc) - (_held(acc, stops) if stops else 0)
+                safe = len(acc) - (held_back(acc, stops) if stops else 0)
                 if safe > sent:
                     piece, sent = acc[sent:safe], safe
                     yield piece

@@ -266,6 +266,19 @@ class TokenStream:
                 more.close()
 
 
+def check_spec_width(spec_width: Any) -> None:
+    """Speculative decoding's verify rows per step: an int in ``1..MAX_WIDTH``, ``"auto"`` or a
+    :class:`~ds4c.width_policy.WidthPolicy`.
+
+    Raises:
+        StepError: anything else (one line).
+    """
+    if spec_width != "auto" and not isinstance(spec_width, WidthPolicy) and (
+            isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH):
+        raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step) or 'auto', "
+                        f"found {spec_width!r}")
+
+
 def stream(ref: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
            width: int = MAX_WIDTH, top_k: int = 0, top_p: float = 1.0,
            stop_ids: Collection[int] = (), draft: Drafter | None = None, spec_width: int | str = MAX_WIDTH,
@@ -282,10 +295,7 @@ def stream(ref: Engine, prompt: list[int], max_new_tokens: int, temperature: flo
         raise StepError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
     if len(prompt) + max_new_tokens > ref.max_ctx:
         raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={ref.max_ctx}")
-    if spec_width != "auto" and not isinstance(spec_width, WidthPolicy) and (
-            isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH):
-        raise StepError(f"the speculative width must be an int in 1..{MAX_WIDTH} (verify rows per step) or 'auto', "
-                        f"found {spec_width!r}")
+    check_spec_width(spec_width)
     if draft is not None and not isinstance(draft, Drafter):
         raise StepError(f"draft: expected a drafter spelling (a str such as 'oracle:0.8', 'dspark:PATH', 'mtp', "
                         f"'mtp:PATH'; ds4c.Model.generate and the CLI take those) or a drafter object with prepare() "

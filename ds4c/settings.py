@@ -24,6 +24,9 @@ variable                       default                     what it does (reader)
                                                            (0: automatic) (:func:`prefill_attn_threads`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
+``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
+                                                           ``--api-key`` is not given; a secret: ``ds4c info
+                                                           --env`` shows only whether it is set (:func:`api_key`)
 =============================  ==========================  =======================================================
 
 The CUDA and ROCm toolkit folders are searched as their own tools do: ``$CUDA_HOME``, ``$CUDA_PATH``, then
@@ -58,12 +61,14 @@ class SettingsError(Ds4cError):
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable: its ``name``, its ``default`` as documented, what it does, and its reader."""
+    """One environment variable: its ``name``, its ``default`` as documented, what it does, its reader, and
+    whether its value is a ``secret``."""
 
     name: str
     default: str
     doc: str
     read: Callable[[], object]
+    secret: bool = False    # its value is never shown (:func:`describe` says only whether it is set)
 
 
 def raw(name: str) -> str | None:
@@ -155,6 +160,12 @@ def debug() -> bool:
     return raw("DS4C_DEBUG") is not None
 
 
+def api_key() -> str | None:
+    """``$DS4C_API_KEY``: the bearer token ``ds4c serve`` requires when ``--api-key`` is not given (None: no
+    key). An environment variable keeps the key out of the process list, where a command-line option shows it."""
+    return raw("DS4C_API_KEY")
+
+
 #: Every setting, in the order of the module docstring's table (``ds4c info --env`` prints them).
 SETTINGS: tuple[Setting, ...] = (
     Setting("DS4C_HOME", "~/.cache/ds4c", "where the built-in default model is written (models/)", home),
@@ -170,13 +181,15 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_attn_threads),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),
+    Setting("DS4C_API_KEY", "(unset)", "the bearer token ds4c serve requires (when --api-key is not given)",
+            api_key, secret=True),
 )
 
 
 def describe() -> list[dict[str, object]]:
     """One record per setting, for ``ds4c info --env``: ``name``, ``value`` (as set, None when unset), ``used``
     (what ds4c uses now: a path or a number as text, a flag as on/off; a value ds4c cannot use: ``invalid``
-    and why), ``default`` and ``doc``."""
+    and why; a secret's value is ``(hidden)`` in both), ``default`` and ``doc``."""
     out = []
     for s in SETTINGS:
         try:
@@ -184,6 +197,8 @@ def describe() -> list[dict[str, object]]:
         except SettingsError as e:
             used = f"invalid (expected {e.expected})"
         text = ("on" if used else "off") if isinstance(used, bool) else ("(search)" if used is None else str(used))
-        out.append({"name": s.name, "value": os.environ.get(s.name), "used": text, "default": s.default,
-                    "doc": s.doc})
+        value = os.environ.get(s.name)
+        if s.secret:
+            value, text = (None, "(unset)") if used is None else ("(hidden)", "(hidden)")
+        out.append({"name": s.name, "value": value, "used": text, "default": s.default, "doc": s.doc})
     return out

@@ -7,6 +7,7 @@ DeepSeek-V4-style chat template. :class:`ds4c.tokenizer.Tokenizer` reads it as i
 from __future__ import annotations
 
 import heapq
+import json
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -17,7 +18,8 @@ from ds4c.tokenizer import (BYTE_TO_CHAR, KEY_ADD_BOS, KEY_ADD_EOS, KEY_BOS, KEY
                             KEY_MODEL, KEY_PAD, KEY_PRE, KEY_TOKENS, KEY_TYPES, SUPPORTED_MODEL, SUPPORTED_PRE,
                             TokenizerError, TokenType, deepseek_v3_pre_tokenizer)
 
-__all__ = ["synthetic_vocab", "MIN_SYNTHETIC_VOCAB", "SYNTHETIC_SPECIALS", "SYNTHETIC_CHAT_TEMPLATE"]
+__all__ = ["synthetic_vocab", "MIN_SYNTHETIC_VOCAB", "SYNTHETIC_SPECIALS", "SYNTHETIC_CHAT_TEMPLATE", "TOOLS_HEADER",
+           "TOOLS_FOOTER"]
 
 _FROM_LATIN1 = str.maketrans({chr(b): c for b, c in BYTE_TO_CHAR.items()})  # latin-1 text -> byte-level text
 _BYTES_TO_CHARS = [BYTE_TO_CHAR[b] for b in range(256)]
@@ -53,41 +55,91 @@ _INF = 1 << 62
 #: Smallest vocabulary :func:`synthetic_vocab` builds: the 256 byte tokens and the specials.
 MIN_SYNTHETIC_VOCAB = 256 + len(SYNTHETIC_SPECIALS)
 
-#: The chat template of synthetic vocabularies: DeepSeek-V4's turn markup (``<｜User｜>``, ``<｜Assistant｜>``,
-#: ``</think>`` / ``<think>`` for non-thinking / thinking mode, ``<｜end▁of▁sentence｜>``), its variables
-#: (``messages``, ``add_generation_prompt``, ``bos_token``, ``thinking`` or ``enable_thinking``,
-#: ``reasoning_effort`` = ``"high"`` / ``"max"`` in thinking mode) without tools.
+#: The tools block the synthetic template appends to the system prompt: :data:`TOOLS_HEADER`, the tools' JSON one a
+#: line, :data:`TOOLS_FOOTER`. DeepSeek-V4's official encoding (``encoding_dsv4.py`` of the model release) puts the
+#: tools there the same way, between a header that explains the DSML markup with an example and a footer asking
+#: the model to follow the schemas; those instructions are some 700 tokens in a synthetic vocabulary, which the CPU
+#: reference would prefill for every request with tools, so the synthetic template has this one-line stand-in
+#: (as it has for the reasoning-effort instructions). The real model's GGUF carries the official template.
+TOOLS_HEADER = "## Tools\n\nCall tools with a <｜DSML｜tool_calls> block.\n\n### Available Tool Schemas\n\n"
+TOOLS_FOOTER = "\nFollow the tool schemas.\n"
+
+
+def _jinja_str(text: str) -> str:
+    """``text`` as a Jinja string literal (JSON's escapes are a subset of the ones Jinja's lexer decodes)."""
+    return json.dumps(text)
+
+
+#: The chat template of synthetic vocabularies: DeepSeek-V4's chat as its official encoding renders it (with the
+#: stand-ins for its tools and reasoning-effort instructions). Variables:
+#: ``messages`` (roles system / user / assistant / tool; an assistant's ``reasoning_content`` and ``tool_calls``),
+#: ``tools`` (OpenAI function tools, appended to the system prompt), ``add_generation_prompt``, ``bos_token``,
+#: ``thinking`` (or ``enable_thinking``), ``reasoning_effort`` (``"high"`` / ``"max"`` in thinking mode: a one-line
+#: ``Reasoning Effort: high.`` stand-in for the official instructions, which are 80-100 tokens and would slow every
+#: CPU test that asks for an effort; the real model's GGUF carries its own template). Turn markup: ``<｜User｜>`` (a
+#: run of user / tool messages is one turn, tool results as ``<tool_result>...</tool_result>``), ``<｜Assistant｜>``,
+#: ``</think>`` (non-thinking) or ``<think>`` (thinking) after it, ``<｜end▁of▁sentence｜>``; tool calls as DSML
+#: (``<｜DSML｜tool_calls>``, ``invoke``, ``parameter`` with ``string="true"`` for str values, JSON otherwise). It
+#: uses the ``tojson`` / ``from_json`` filters as HuggingFace and llama.cpp define them, which
+#: :func:`ds4c.chat.render_chat` provides.
 SYNTHETIC_CHAT_TEMPLATE = (
     "{%- if not add_generation_prompt is defined -%}{%- set add_generation_prompt = false -%}{%- endif -%}\n"
     "{%- if not thinking is defined -%}\n"
     "  {%- if enable_thinking is defined -%}{%- set thinking = enable_thinking -%}"
     "{%- else -%}{%- set thinking = false -%}{%- endif -%}\n"
     "{%- endif -%}\n"
-    "{%- set ns = namespace(system='', first=true, last_user=-1) -%}\n"
+    "{%- set dsml = '｜DSML｜' -%}\n"
+    "{%- set ns = namespace(system='', first=true, last_user=-1, tool_results=false) -%}\n"
     "{%- for message in messages -%}\n"
     "  {%- if message['role'] == 'system' -%}\n"
     "    {%- set ns.system = ns.system + ('' if ns.first else '\\n\\n') + (message['content'] or '') -%}\n"
     "    {%- set ns.first = false -%}\n"
-    "  {%- elif message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}\n"
+    "  {%- elif message['role'] in ['user', 'tool'] -%}{%- set ns.last_user = loop.index0 -%}\n"
+    "    {%- if message['role'] == 'tool' -%}{%- set ns.tool_results = true -%}{%- endif -%}\n"
     "  {%- endif -%}\n"
     "{%- endfor -%}\n"
+    "{%- set has_tools = tools is defined and tools -%}\n"
+    "{%- if has_tools -%}\n"
+    "  {%- set ts = namespace(schemas='') -%}\n"
+    "  {%- for tool in tools -%}{%- if tool['type'] == 'function' -%}"
+    "{%- set ts.schemas = ts.schemas + (tool['function'] | tojson) + '\\n' -%}{%- endif -%}{%- endfor -%}\n"
+    "  {%- set block = " + _jinja_str(TOOLS_HEADER) + " + ts.schemas + " + _jinja_str(TOOLS_FOOTER) + " -%}\n"
+    "  {%- set ns.system = (ns.system + '\\n\\n' if ns.system else '') + block -%}\n"
+    "{%- endif -%}\n"
     "{{- bos_token -}}\n"
     "{%- if thinking and reasoning_effort is defined and reasoning_effort in ['high', 'max'] -%}\n"
     "  {{- 'Reasoning Effort: ' + reasoning_effort + '.\\n\\n' -}}\n"
     "{%- endif -%}\n"
     "{{- ns.system -}}\n"
+    "{%- set turn = namespace(user=false) -%}\n"
     "{%- for message in messages -%}\n"
-    "  {%- if message['role'] == 'user' -%}\n"
-    "    {{- '<｜User｜>' + (message['content'] or '') -}}\n"
+    "  {%- if message['role'] in ['user', 'tool'] -%}\n"
+    "    {{- '\\n\\n' if turn.user else '<｜User｜>' -}}{%- set turn.user = true -%}\n"
+    "    {%- if message['role'] == 'tool' -%}{{- '<tool_result>' + (message['content'] or '') + '</tool_result>' -}}\n"
+    "    {%- else -%}{{- message['content'] or '' -}}{%- endif -%}\n"
     "  {%- elif message['role'] == 'assistant' -%}\n"
+    "    {%- set turn.user = false -%}\n"
     "    {{- '<｜Assistant｜>' -}}\n"
-    "    {%- if thinking and loop.index0 > ns.last_user -%}\n"
-    "      {{- '<think>' -}}\n"
-    "      {%- if message['reasoning_content'] is defined and message['reasoning_content'] -%}"
-    "{{- message['reasoning_content'] -}}{%- endif -%}\n"
-    "      {{- '</think>' -}}\n"
+    "    {%- if thinking and (has_tools or ns.tool_results or loop.index0 > ns.last_user) -%}\n"
+    "      {{- '<think>' + (message['reasoning_content'] or '') + '</think>' -}}\n"
     "    {%- else -%}{{- '</think>' -}}{%- endif -%}\n"
-    "    {{- (message['content'] or '') + '<｜end▁of▁sentence｜>' -}}\n"
+    "    {{- message['content'] or '' -}}\n"
+    "    {%- if message['tool_calls'] -%}\n"
+    "      {{- '\\n\\n<' + dsml + 'tool_calls>\\n' -}}\n"
+    "      {%- for call in message['tool_calls'] -%}\n"
+    "        {%- set args = call['function']['arguments'] -%}\n"
+    "        {%- if args is string -%}{%- set args = args | from_json -%}{%- endif -%}\n"
+    "        {{- '<' + dsml + 'invoke name=\"' + call['function']['name'] + '\">\\n' -}}\n"
+    "        {%- for key, value in args.items() -%}\n"
+    "          {{- '<' + dsml + 'parameter name=\"' + key + '\" string=\"' + ('true' if value is string else 'false')"
+    " + '\">' + (value if value is string else value | tojson) + '</' + dsml + 'parameter>\\n' -}}\n"
+    "        {%- endfor -%}\n"
+    "        {{- '' if args else '\\n' -}}\n"
+    "        {{- '</' + dsml + 'invoke>\\n' -}}\n"
+    "      {%- endfor -%}\n"
+    "      {{- '</' + dsml + 'tool_calls>' -}}\n"
+    "    {%- endif -%}\n"
+    "    {{- '<｜end▁of▁sentence｜>' -}}\n"
     "  {%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"

@@ -21,6 +21,7 @@ from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import filter_logits, generate, stream
 from ds4c.sources import open_model
 from ds4c.reference import Reference
+from ds4c.synth_vocab import TOOLS_FOOTER, TOOLS_HEADER
 
 PROMPT = "The quick brown fox"
 # "Hi" sampled at temperature 5: seed 10 draws eos (id 1) as its 31st new token (measured on x86 CPUs); the
@@ -360,6 +361,47 @@ def test_chat_template_and_chat(model, tiny_path):
     one_line(e, "no tokenizer.chat_template")
 
 
+def test_chat_template_renders_tools_tool_calls_and_results(model):
+    """DeepSeek-V4's official encoding of a tool conversation (encoding_dsv4.py / llama.cpp's V4 template): the
+    tools block after the system prompt (schemas one a line, JSON with non-ASCII kept and keys in order), the
+    assistant's calls as DSML (str values raw with string="true", others JSON), the results as one user turn."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo",
+                                               "parameters": {"type": "object", "properties": {"city": {
+                                                   "type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Zürich", "days": [1, 2]}'}},
+                {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "b", "content": "noon"}]
+    schemas = ('{"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": '
+               '{"city": {"type": "string"}}, "required": ["city"]}}\n'
+               '{"name": "now", "parameters": {"type": "object", "properties": {}}}\n')
+    d = "｜DSML｜"
+    want = ("<｜begin▁of▁sentence｜>Be brief.\n\n" + TOOLS_HEADER + schemas + TOOLS_FOOTER +
+            "<｜User｜>Weather?<｜Assistant｜></think>"
+            f"\n\n<{d}tool_calls>\n<{d}invoke name=\"get_weather\">\n"
+            f"<{d}parameter name=\"city\" string=\"true\">Zürich</{d}parameter>\n"
+            f"<{d}parameter name=\"days\" string=\"false\">[1, 2]</{d}parameter>\n</{d}invoke>\n"
+            f"<{d}invoke name=\"now\">\n\n</{d}invoke>\n</{d}tool_calls><｜end▁of▁sentence｜>"
+            "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>noon</tool_result><｜Assistant｜></think>")
+    assert model.apply_chat_template(msgs, tools=tools) == want
+    # thinking mode with tools keeps every assistant turn's reasoning (the official encoding's rule)
+    msgs[2]["reasoning_content"] = "look it up"
+    assert "<｜Assistant｜><think>look it up</think>\n\n<" in model.apply_chat_template(msgs, tools=tools,
+                                                                                         thinking=True)
+    for bad in ("abc", "[1]"):
+        with pytest.raises(Ds4cError) as e:
+            model.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [
+                {"function": {"name": "f", "arguments": bad}}]}])
+        one_line(e, "arguments: expected a JSON object")
+    with pytest.raises(Ds4cError) as e:
+        model.apply_chat_template(msgs, tools="get_weather")
+    one_line(e, "tools: expected a list")
+
+
 # ------------------------------------------------------------------------------------------------ engine
 
 def test_engine_choice(tiny_path):
@@ -542,8 +584,8 @@ def test_reasoning_effort_is_checked_against_the_template(tiny_path):
 
 
 def test_chat_rules_refuse_what_the_template_would_drop(model, tmp_path, tiny_path):
-    """Issue 28.6: a reasoning effort without thinking (DeepSeek-V4's template then ignores it) and a tool-role
-    message (the template drops it) are one-line errors, in the API and in ds4c generate (before the engine
+    """Issue 28.6: a reasoning effort without thinking (DeepSeek-V4's template then ignores it) and a tool result,
+    call or tool that the template would drop are one-line errors, in the API and in ds4c generate (before the engine
     starts), not a prompt that silently lacks them."""
     msgs = [{"role": "user", "content": "hi"}]
     for thinking in (None, False):
@@ -551,13 +593,24 @@ def test_chat_rules_refuse_what_the_template_would_drop(model, tmp_path, tiny_pa
             model.apply_chat_template(msgs, thinking=thinking, reasoning_effort="high")
         one_line(e, "reasoning_effort 'high' would change nothing in the prompt", "thinking=True", "--think")
     assert "Reasoning Effort: high." in model.apply_chat_template(msgs, thinking=True, reasoning_effort="high")
+    # a tool result, a tool call and an offered tool must show in the prompt: DeepSeek-V4's template renders them,
+    # a template that knows only user and assistant turns would drop them
     tool = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny, 21 C"}]
-    with pytest.raises(Ds4cError) as e:
-        model.chat(tool, max_new_tokens=1)
-    one_line(e, "messages[1]", "role 'tool'", "not supported yet")
+    assert "<tool_result>sunny, 21 C</tool_result>" in model.apply_chat_template(tool)
+    call = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    m2 = Model(tiny_path, max_ctx=16)
+    m2.tokenizer._chat_template = ("{% for m in messages %}{% if m.role in ['user', 'assistant'] %}"
+                                   "{{ m.role }}: {{ m.content or '' }}\n{% endif %}{% endfor %}")
+    for msgs2, kw, where in ((tool, {}, "messages[1] (a tool result)"), (call, {}, "messages[1].tool_calls[0]"),
+                             (msgs, {"tools": tools}, "tools[0]")):
+        with pytest.raises(Ds4cError) as e:
+            m2.chat(msgs2, max_new_tokens=1, **kw)
+        one_line(e, where, "the chat template does not render it", "does not support tool calls")
     with pytest.raises(Ds4cError) as e:
         model.apply_chat_template([{"role": "usr", "content": "hi"}])
-    one_line(e, "messages[0]", "expected role 'system', 'user', 'assistant'", "found 'usr'")
+    one_line(e, "messages[0]", "expected role 'system', 'user', 'assistant', 'tool'", "found 'usr'")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--reasoning-effort", "high"),
                       "reasoning_effort 'high' would change nothing", "--think")
     assert_error_line(run(tmp_path, "generate", tiny_path, "--chat", "Hi", "--no-think", "--reasoning-effort", "max"),

@@ -92,6 +92,20 @@ def test_info_env_shows_every_setting(monkeypatch, tmp_path):
     assert bad.exit_code == 2 and "--env prints the environment settings alone" in bad.stderr
 
 
+def test_a_secret_setting_is_never_shown(monkeypatch):
+    """DS4C_API_KEY (ds4c serve's key): info --env says whether it is set, never its value."""
+    monkeypatch.setenv("DS4C_API_KEY", "sk-very-secret")
+    assert settings.api_key() == "sk-very-secret"
+    r = CliRunner().invoke(main, ["info", "--env"])
+    js = CliRunner().invoke(main, ["info", "--env", "--json"])
+    assert r.exit_code == js.exit_code == 0 and "sk-very-secret" not in r.output + js.output
+    row = next(x for x in json.loads(js.stdout)["env"] if x["name"] == "DS4C_API_KEY")
+    assert (row["value"], row["used"]) == ("(hidden)", "(hidden)")
+    monkeypatch.delenv("DS4C_API_KEY")
+    row = next(x for x in settings.describe() if x["name"] == "DS4C_API_KEY")
+    assert (row["value"], row["used"], settings.api_key()) == (None, "(unset)", None)
+
+
 def test_the_api_does_not_import_the_cli():
     """The default model store lives in ds4c.default_model, below the API: opening the API loads no CLI."""
     code = "import sys, ds4c.api; print(sorted(m for m in sys.modules if m.startswith('ds4c.cli')))"

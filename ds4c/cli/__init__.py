@@ -2,11 +2,12 @@
 
 One module per command, each defining ``command`` (a :class:`click.Command`): ``make_model`` (a synthetic GGUF),
 ``info`` (config, layer kinds, tensor bytes per type; ``--plan`` the memory plan, ``--env`` the settings),
-``generate`` (tokens through :class:`ds4c.Model`), ``inspect_ir``, ``export_mlir`` (the step as MLIR through
-torch-mlir), ``compile`` (an AOT artifact), ``inspect`` (an artifact: summary, kernels, source, resources,
-SASS/ISA), ``bench`` (one step: compiled vs torch eager vs torch.compile vs the roofline; ``--prefill`` prompt
-ingestion), ``cache`` (``list|show|clear`` the compiled-kernel cache). ``shell`` holds what they share (one-line errors, common options). ``info`` and
-``generate`` with no file use the built-in default model (:mod:`ds4c.default_model`).
+``generate`` (tokens through :class:`ds4c.Model`), ``serve`` (OpenAI's API over HTTP, :mod:`ds4c.server`),
+``inspect_ir``, ``export_mlir`` (the step as MLIR through torch-mlir), ``compile`` (an AOT artifact), ``inspect``
+(an artifact: summary, kernels, source, resources, SASS/ISA), ``bench`` (one step: compiled vs torch eager vs
+torch.compile vs the roofline; ``--prefill`` prompt ingestion), ``cache`` (``list|show|clear`` the compiled-kernel
+cache). ``shell`` holds what they share (one-line errors, common options). ``info``, ``generate`` and ``serve``
+with no file use the built-in default model (:mod:`ds4c.default_model`).
 
 A command translates its options into calls of the Python API (:mod:`ds4c.api`, :mod:`ds4c.engine`,
 :mod:`ds4c.bench`, ...) and prints what they return; the rules of what runs with what live in the API, so a
@@ -28,7 +29,7 @@ from ds4c.version import __version__
 from ds4c.cli.shell import Group
 
 #: The command modules of ``ds4c``, in ``ds4c/cli/``: each defines ``command``.
-COMMANDS = ("make_model", "info", "generate", "inspect_ir", "export_mlir", "compile", "bench", "inspect", "cache")
+COMMANDS = ("make_model", "info", "generate", "serve", "inspect_ir", "export_mlir", "compile", "bench", "inspect", "cache")
 
 
 @click.group(cls=Group)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import click
 
-from ds4c.cli.shell import EXIT_INTERRUPTED, device_of, model_path, prefill_chunks_option, split_options
+from ds4c.cli.shell import (EXIT_INTERRUPTED, device_of, model_path, prefill_chunks_option, spec_width_option,
+                             split_options)
 from ds4c.errors import Ds4cError, GenerationInterrupted
 
 #: The prompt of ``ds4c generate`` when no prompt option is given: this text on a model with a tokenizer, these
@@ -48,16 +49,6 @@ def _read_prompt_file(path: str) -> str:
         return p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise Ds4cError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-
-
-def _spec_width(text: str) -> int | str:
-    """``--spec-width``: ``auto`` or an int 1..5 (one-line error otherwise)."""
-    t = str(text).strip()
-    if t == "auto":
-        return t
-    if not re.fullmatch(r"[1-5]", t):
-        raise Ds4cError(f"--spec-width: expected 1..5 (verify rows per step) or auto, found {text!r}")
-    return int(t)
 
 
 def _echo_prepare(st: dict | None) -> None:
@@ -234,7 +225,7 @@ def command(file: str | None, prompt: str | None, prompt_file: str | None, promp
         drafter = make_drafter(draft, mf.config.vocab_size, seed, config=mf.config, target_file=mf)
         taps, record_hc = resolve_needs(drafter_needs(drafter), resolve_engine(device, engine, dataflow),
                                         devices is not None or layer_split is not None, artifact, name=draft)
-    spec_width = _spec_width(spec_width)
+    spec_width = spec_width_option(spec_width)
     if chunks is None and draft is not None:
         chunks = ()  # --prefill's default with --draft: no chunk graphs (a drafter's are asked for explicitly)
     chunks = check_prefill_request(chunks, device, engine, dataflow, artifact, taps, record_hc)

@@ -96,6 +96,16 @@ def prefill_chunks_option(text: str, option: str) -> tuple[int, ...]:
         raise Ds4cError(f"{option}: {e}") from None
 
 
+def spec_width_option(text: str) -> int | str:
+    """``--spec-width``: ``auto`` or an int 1..5, verify rows per speculative step (one-line error otherwise)."""
+    t = str(text).strip()
+    if t == "auto":
+        return t
+    if not re.fullmatch(r"[1-5]", t):
+        raise Ds4cError(f"--spec-width: expected 1..5 (verify rows per step) or auto, found {text!r}")
+    return int(t)
+
+
 def tap_layers(cfg, taps: str | None, draft: str | None) -> tuple[int, ...]:
     """The tap layers of ``--taps`` / ``--draft`` (one of them, or neither: none), checked against ``cfg`` by
     :func:`ds4c.ir.builder.check_taps` (``compile`` and ``inspect-ir``)."""
