@@ -102,7 +102,7 @@ def _check_tool_calls(calls: Any, where: str) -> None:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise Ds4cError(f"{where}[{j}].function.arguments: expected a JSON object, found "
                                 f"{fn['arguments'][:80]!r}") from None
         if not isinstance(args, dict):

@@ -205,6 +205,9 @@ class Tokenizer:
         self._specials = {tokens[i]: i for i in range(n) if types[i] in _ADDED_TYPES}
         self._special_ids = frozenset(i for i in range(n) if types[i] in _SPECIAL_TYPES)
         self._pieces = [_piece(tokens[i], types[i]) for i in range(n)]
+        #: the longest piece in bytes: a text of N characters is at least N / max_piece_bytes tokens (a character
+        #: is at least one UTF-8 byte), a bound a server checks before tokenizing a huge prompt
+        self.max_piece_bytes = max(1, max(map(len, self._pieces), default=1))
         self._merges = pairs
         self._hf = self._build_hf(encode_special=False)
         self._hf_plain: _HFTokenizer | None = None   # parse_special=False twin, built on first use

@@ -194,7 +194,13 @@ BAD = [  # (what, body or raw bytes, status, param, code)
      400, "stream_options", None),
     ("an empty stop string", {"model": NAME, "prompt": "x", "stop": ["a", ""]}, 400, "stop", "invalid_value"),
     ("a body over the limit", {"model": NAME, "prompt": "x" * BODY_LIMIT}, 413, None, "request_too_large"),
+    # more characters than MAX_CTX tokens of tiny's longest piece (29 bytes) hold: refused before tokenizing
+    ("a text surely over the context", {"model": NAME, "prompt": "x" * 40000}, 400, "prompt",
+     "context_length_exceeded"),
 ]
+_NESTED_SCHEMA: dict = {"type": "object"}
+for _ in range(100):  # jsonschema's check recurses per level (RecursionError, a 500 before)
+    _NESTED_SCHEMA = {"type": "object", "properties": {"x": _NESTED_SCHEMA}}
 BAD_CHAT = [
     ("no messages", {"model": NAME}, 400, "messages", "invalid_value"),
     ("empty messages", {"model": NAME, "messages": []}, 400, "messages", "invalid_value"),
@@ -216,6 +222,16 @@ BAD_CHAT = [
     ("tool call arguments that are not JSON", {"model": NAME, "messages": MSGS + [
         {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
             "name": "get_weather", "arguments": "{city"}}]}]}, 400, "messages", "invalid_conversation"),
+    ("tool call arguments nested too deeply", {"model": NAME, "messages": MSGS + [
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"a":' * 1000 + "1" + "}" * 1000}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"}]}, 400, "messages", "invalid_conversation"),
+    ("a tool schema nested too deeply", {"model": NAME, "messages": MSGS, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": _NESTED_SCHEMA}}]}, 400, "tools.0.function.parameters", "invalid_tool_schema"),
+    ("a lone surrogate in a message", {"model": NAME, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+     "messages", "invalid_prompt"),
+    ("a chat text surely over the context", {"model": NAME, "messages": [{"role": "user", "content": "x" * 40000}]},
+     400, "messages", "context_length_exceeded"),
     ("the deprecated functions", {"model": NAME, "messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions",
      "unsupported_parameter"),
     ("a JSON response_format", {"model": NAME, "messages": MSGS, "response_format": {"type": "json_object"}}, 400,

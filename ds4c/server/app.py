@@ -210,6 +210,20 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
                                 f"{options.model_name!r})", "model", "model_not_found")
         return req, data
 
+    async def prompt_ids(prompt: str | list[int], param: str) -> list[int]:
+        """``model.prompt_ids`` off the event loop, a prompt that cannot be tokenized a 400 ``invalid_prompt``. A text
+        surely over the context (more characters than ``max_ctx`` of the longest piece hold) is refused before it is
+        tokenized: tokenizing megabytes holds the GIL for seconds, stalling every other client's stream."""
+        tok = model.tokenizer if isinstance(prompt, str) else None
+        if tok is not None and len(prompt) > engine.max_ctx * tok.max_piece_bytes:
+            raise APIError(400, f"the prompt is {len(prompt)} characters, at least "
+                                f"{-(-len(prompt) // tok.max_piece_bytes)} tokens; this server's context is "
+                                f"{engine.max_ctx} tokens", param, "context_length_exceeded")
+        try:
+            return await run_in_threadpool(model.prompt_ids, prompt)
+        except Ds4cError as e:  # ids outside the vocabulary, text that is not valid Unicode
+            raise APIError(400, " ".join(str(e).split()), param, "invalid_prompt") from None
+
     def sampling(req: ChatCompletionRequest | CompletionRequest, n_prompt: int, max_new: int | None,
                  reserve: int = 0) -> SamplingParams:
         """The sampling parameters; the context check (400 ``context_length_exceeded``)."""
@@ -354,7 +368,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         try:
             req, data = await parse(request, ChatCompletionRequest)
             plan = await run_in_threadpool(plan_chat, model, req, data.get("tools"))
-            ids = await run_in_threadpool(model.prompt_ids, plan.prompt)
+            ids = await prompt_ids(plan.prompt, "messages")
             reserve = 0
             if plan.forced_after_thinking:
                 reserve = 1 + len(await run_in_threadpool(model.tokenize, plan.forced, False))
@@ -441,10 +455,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         try:
             req, _ = await parse(request, CompletionRequest)
             prompt = req.single_prompt
-            try:
-                ids = await run_in_threadpool(model.prompt_ids, prompt)
-            except Ds4cError as e:  # ids outside the vocabulary
-                raise APIError(400, " ".join(str(e).split()), "prompt", "invalid_prompt") from None
+            ids = await prompt_ids(prompt, "prompt")
             params = sampling(req, len(ids), req.max_tokens)
         except APIError:
             outcome("invalid")

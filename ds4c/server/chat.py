@@ -123,6 +123,9 @@ def check_tools(req: ChatCompletionRequest) -> list[str]:
             except SchemaError as e:
                 raise APIError(400, f"{where}: not a valid JSON Schema ({e.message})", where,
                                "invalid_tool_schema") from None
+            except RecursionError:  # the validator recurses per level; the JSON decoder allows ~1000
+                raise APIError(400, f"{where}: the schema is nested too deeply to check", where,
+                               "invalid_tool_schema") from None
             if f.parameters.get("type", "object") != "object":
                 raise APIError(400, f"{where}: expected a schema of type 'object', found "
                                     f"{f.parameters.get('type')!r}", where, "invalid_tool_schema")
