@@ -246,6 +246,16 @@ def test_reasoning_switches(served, engine, model, extra, thinking, effort):
         assert "reasoning_content" not in msg and msg["content"] == "weighing it</think>Answer."
 
 
+def test_a_developer_message_is_the_system_prompt(served, engine, model):
+    """OpenAI's newer clients send the system prompt with role "developer": rendered as V4's system message."""
+    engine.replies = ["Fine."]
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=30, json={
+        "model": NAME, "messages": [{"role": "developer", "content": "Be brief."}] + MSGS})
+    assert r.status_code == 200, r.text
+    want = _prompt(model, [{"role": "system", "content": "Be brief."}] + MSGS)
+    assert engine.requests[-1].prompt_ids == tuple(want) and want != _prompt(model, MSGS)
+
+
 def test_reasoning_streams_apart_from_content(served, engine):
     engine.replies = ["step one, step two</think>Done."]
     s = served.client().chat.completions.create(model=NAME, messages=MSGS, stream=True, reasoning_effort="high")

@@ -139,10 +139,12 @@ def check_tools(req: ChatCompletionRequest) -> list[str]:
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the template reads them: text content, tool calls as dicts, tool results in call order."""
+    """The messages as the template reads them: text content, tool calls as dicts, tool results in call order, a
+    ``developer`` message as ``system`` (as vLLM maps it)."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        # OpenAI's newer clients send the system prompt as "developer" (o1 and later); V4's template knows "system"
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
         if m.role != "assistant" and m.content is None:
             raise APIError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
         if m.role == "assistant":
