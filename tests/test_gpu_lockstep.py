@@ -17,7 +17,8 @@ STEPS = 300  # > the last bucket's start: crosses 32, 64, 128 and 256 (~10-20 s 
 
 def test_lockstep_from_an_artifact_does_not_drift(tiny_path, tmp_path):
     """Both from an empty sequence with their own state, fed the same tokens: every step's logits finite, the
-    error not growing (``lockstep_ok``: last tenth's median <= 1.5x the first tenth's + 0.01, every step < 0.25).
+    error not growing faster than rounding does (``lockstep_ok``: last tenth's median <= the first tenth's x sqrt of
+    the step ratio + 0.01, every step < 0.25: a random walk of rounding, not a state defect).
     The step opens from the artifact built first (artifact mode compiles nothing)."""
     from ds4c.buckets import BucketSpec
     from ds4c.sources import open_model
