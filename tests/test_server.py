@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -165,7 +166,8 @@ def test_routes_health_models_metrics_and_the_api_key(server, client):
     r = httpx.get(server.url + "/v1/nothing", headers=auth())
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(server.url + "/v1/chat/completions", headers=auth())
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.head(server.url + "/health").status_code == 200
 
 
 BAD = [  # (what, body or raw bytes, status, param, code)
@@ -179,7 +181,12 @@ BAD = [  # (what, body or raw bytes, status, param, code)
     ("temperature > 2", {"model": NAME, "prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
     ("top_p 0", {"model": NAME, "prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("a missing prompt", {"model": NAME}, 400, "prompt", "invalid_value"),
-    ("an empty prompt", {"model": NAME, "prompt": ""}, 400, "prompt", None),
+    ("an empty prompt", {"model": NAME, "prompt": ""}, 400, "prompt", "invalid_value"),
+    ("a NaN temperature", f'{{"model": "{NAME}", "prompt": "x", "temperature": NaN}}'.encode(), 400, "temperature",
+     "invalid_value"),
+    ("min_p", {"model": NAME, "prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    ("stop_token_ids", {"model": NAME, "prompt": "x", "stop_token_ids": [1]}, 400, "stop_token_ids",
+     "unsupported_parameter"),
     ("ids outside the vocabulary", {"model": NAME, "prompt": [5, 99999]}, 400, "prompt", "invalid_prompt"),
     ("a prompt longer than the context", {"model": NAME, "prompt": "word " * 1500}, 400, "prompt",
      "context_length_exceeded"),
@@ -191,7 +198,7 @@ BAD = [  # (what, body or raw bytes, status, param, code)
     ("a penalty", {"model": NAME, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
      "unsupported_parameter"),
     ("stream_options without stream", {"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}},
-     400, "stream_options", None),
+     400, "stream_options", "invalid_value"),
     ("an empty stop string", {"model": NAME, "prompt": "x", "stop": ["a", ""]}, 400, "stop", "invalid_value"),
     ("a body over the limit", {"model": NAME, "prompt": "x" * BODY_LIMIT}, 413, None, "request_too_large"),
     # more characters than MAX_CTX tokens of tiny's longest piece (29 bytes) hold: refused before tokenizing
@@ -207,7 +214,7 @@ BAD_CHAT = [
     ("an unknown role", {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role",
      "invalid_value"),
     ("a user message without content", {"model": NAME, "messages": [{"role": "user"}]}, 400, "messages.0.content",
-     None),
+     "invalid_value"),
     ("max_completion_tokens 0", {"model": NAME, "messages": MSGS, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", "invalid_value"),
     ("an invalid tool schema", {"model": NAME, "messages": MSGS, "tools": [{"type": "function", "function": {
@@ -216,7 +223,7 @@ BAD_CHAT = [
     ("a bad tool name", {"model": NAME, "messages": MSGS, "tools": [{"type": "function", "function": {
         "name": "no spaces"}}]}, 400, "tools.0.function.name", "invalid_value"),
     ("tool_choice required without tools", {"model": NAME, "messages": MSGS, "tool_choice": "required"}, 400,
-     "tool_choice", None),
+     "tool_choice", "invalid_value"),
     ("an unknown reasoning effort", {"model": NAME, "messages": MSGS, "reasoning_effort": "extreme"}, 400,
      "reasoning_effort", "invalid_value"),
     ("tool call arguments that are not JSON", {"model": NAME, "messages": MSGS + [
@@ -426,7 +433,7 @@ def test_bench_serve_drives_a_running_server(server, tmp_path):
 def test_sigterm_drains_the_requests_in_flight(tiny_path):
     """SIGTERM: the stream in flight and the request queued behind it finish (the queue full before: 429); the
     server then exits by the signal it drained for, as uvicorn does (a service manager counts that as a clean
-    stop). A request after the signal is refused (503) or finds nobody listening."""
+    stop). A request after the signal is refused (503): the server listens until the drain ends."""
     s = ServerProcess(tiny_path, "--max-queue", "1", "--drain-timeout", "60")
     try:
         body = {"model": NAME, "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
@@ -455,12 +462,10 @@ def test_sigterm_drains_the_requests_in_flight(tiny_path):
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
         assert full.headers["retry-after"]
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        try:
-            late = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
-            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
-        except httpx.TransportError:
-            pass                          # the listener is closed already
+        time.sleep(0.3)                   # still listening while it drains: refused with OpenAI's error
+        late = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        assert httpx.get(s.url + "/health").json() == {"status": "draining"}
         ta.join(120)
         tb.join(120)
         a = result["a"]
@@ -470,6 +475,47 @@ def test_sigterm_drains_the_requests_in_flight(tiny_path):
         assert b.status_code == 200 and b.json()["usage"]["completion_tokens"] == 3
         assert s.proc.wait(60) == -signal.SIGTERM, "".join(s.log)
         assert not any("Traceback" in ln for ln in s.log), "".join(s.log)
+    finally:
+        s.stop()
+
+
+def test_a_drain_timeout_ends_what_still_runs_with_an_error(tiny_path):
+    """SIGTERM with a stream that outlasts --drain-timeout and a request queued behind it: the stream ends with
+    OpenAI's error event (503 draining) and [DONE], the queued request gets the 503 as its status; the process
+    exits by the signal, no traceback in its log."""
+    s = ServerProcess(tiny_path, "--drain-timeout", "1")
+    try:
+        body = {"model": NAME, "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
+        result: dict = {}
+
+        def stream_a() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "max_tokens": MAX_CTX - 16,
+                              "stream": True}, timeout=120) as r:
+                result["a"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+        ta = threading.Thread(target=stream_a)
+        ta.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/metrics").text.find("ds4c_running_sequences 1.0") < 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        tb = threading.Thread(target=lambda: result.update(b=httpx.post(s.url + "/v1/completions", timeout=120,
+                                                                        json={**body, "max_tokens": 3})))
+        tb.start()
+        while httpx.get(s.url + "/metrics").text.find("ds4c_queue_depth 1.0") < 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        ta.join(60)
+        tb.join(60)
+        a, b = result["a"], result["b"]
+        assert a[-1] == "data: [DONE]" and json.loads(a[-2][6:])["error"]["code"] == "draining", a[-3:]
+        assert len(a) > 3 and all("choices" in json.loads(ln[6:]) for ln in a[:-2])
+        assert b.status_code == 503 and b.json()["error"]["code"] == "draining"
+        assert s.proc.wait(30) == -signal.SIGTERM and time.monotonic() - t0 < 20, "".join(s.log)
+        assert not any("Traceback" in ln for ln in s.log), "".join(s.log)
+        assert any("drain timeout (1 s): stopping 1 request(s)" in ln for ln in s.log), "".join(s.log)
     finally:
         s.stop()
 
@@ -485,6 +531,14 @@ def test_serve_command_errors_are_one_line(tiny_path):
         last = r.output.splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("ds4c: error: ") and want in last, r.output
         assert "listening" not in r.output and "Traceback" not in r.output
+    with socket.socket() as busy:       # a port in use: said at once, before the model loads
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", str(port)])
+    last = r.output.splitlines()[-1]
+    assert r.exit_code == 2 and last.startswith(f"ds4c: error: cannot listen on 127.0.0.1:{port}: "), r.output
+    assert "loaded in" not in r.output and "Traceback" not in r.output
 
 
 def test_the_command_defaults_are_the_servers():

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from ds4c.api import Model
+from ds4c.server import app as app_module
 from ds4c.server.app import ServerOptions, create_app
 from ds4c.server.engine import EngineStats, Finished, GenRequest, Piece, RequestStream, SerialEngine, SamplingParams
 from ds4c.server.metrics import Metrics
@@ -52,7 +53,7 @@ class ScriptedEngine:
 
     def start(self, req: GenRequest, stream: RequestStream) -> None:
         self.requests.append(req)
-        text = self.replies.pop(0) if self.replies else "ok"
+        text = self.replies.pop(0) if self.replies else "ok"   # a list: its pieces as they are
         self.pushed.append(0)
         threading.Thread(target=self._run, args=(req, stream, text, len(self.pushed) - 1), daemon=True).start()
 
@@ -60,10 +61,10 @@ class ScriptedEngine:
         self._running += 1
         try:
             p = req.params
-            hits = [(text.find(s), s) for s in p.stop if s in text]
+            hits = [(text.find(s), s) for s in p.stop if s in text] if isinstance(text, str) else []
             cut, matched = min(hits) if hits else (len(text), None)
             n = self.piece
-            pieces = [text[i:min(i + n, cut)] for i in range(0, cut, n)]
+            pieces = list(text) if isinstance(text, list) else [text[i:min(i + n, cut)] for i in range(0, cut, n)]
             reason = "stop" if matched else "eos"
             if len(pieces) > p.max_tokens:
                 pieces, reason, matched = pieces[:p.max_tokens], "length", None
@@ -193,6 +194,13 @@ def test_tool_choice_none_required_named_and_fallbacks(served, engine, model):
     assert model.detokenize(engine.requests[-1].prompt_ids).endswith(f"<{D}invoke name=\"now\">\n")
     (tc,) = c.choices[0].message.tool_calls
     assert (tc.function.name, tc.function.arguments, c.choices[0].finish_reason) == ("now", "{}", "tool_calls")
+    # required, and the model writes no call: its own text is the content, without the opening the server wrote
+    engine.replies = ["no tool fits", "no tool fits"]
+    c = served.client().chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required")
+    assert (c.choices[0].message.content, c.choices[0].message.tool_calls) == ("no tool fits", None)
+    s = served.client().chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required",
+                                                stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in s) == "no tool fits"
     # the seed's JSON fallbacks, for offered tools only
     engine.replies = ['{"function": "now", "parameters": {"tz": "UTC"}}',
                       '{"function_call": {"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}}',
@@ -254,6 +262,31 @@ def test_a_developer_message_is_the_system_prompt(served, engine, model):
     assert r.status_code == 200, r.text
     want = _prompt(model, [{"role": "system", "content": "Be brief."}] + MSGS)
     assert engine.requests[-1].prompt_ids == tuple(want) and want != _prompt(model, MSGS)
+
+
+def test_empty_pieces_make_no_chunks(served, engine):
+    """The engine sends an empty piece while a token's text is held (a partial UTF-8 character, a possible stop
+    string): no empty chunk reaches the client."""
+    engine.replies = [["", "Hel", "", "lo"]]
+    s = served.client().completions.create(model=NAME, prompt="hi", stream=True)
+    assert [c.choices[0].text for c in s] == ["Hel", "lo", ""]     # the last: finish_reason's chunk
+
+
+def test_a_body_that_never_arrives_is_a_408(served, monkeypatch):
+    """A client that announces a longer body than it sends gets 408 after BODY_TIMEOUT_S, not a handler held
+    forever."""
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0.5)
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\"")
+        got = b""
+        while b"}}" not in got:
+            more = c.recv(65536)
+            assert more, got
+            got += more
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "body_timeout"
 
 
 def test_reasoning_streams_apart_from_content(served, engine):

@@ -11,6 +11,7 @@ import pytest
 
 from ds4c.api import Model
 from ds4c.server.toolcalls import (
+    THINK_END,
     ContentDelta,
     OutputParser,
     ReasoningDelta,
@@ -105,6 +106,27 @@ def test_malformed_blocks_become_content():
     loose = f"<{D}tool_calls><{D}invoke name=\"now\"><{D}parameter name=\"t\" string=\"false\">noon</{D}parameter>" \
             f"</{D}invoke></{D}tool_calls>"
     assert json.loads(every_split(loose, tools=TOOLS)[2][0][2]) == {"t": "noon"}
+
+
+def test_forced_text_is_never_content():
+    """tool_choice required: the server writes the block's opening; a model that then writes no call has its own
+    text as content, without the opening it never wrote (at every split of its text)."""
+    forced = f"\n\n<{D}tool_calls>\n"
+    for reply in ("I cannot call a tool.", f"<{D}invoke name=\"rm_rf\">\n</{D}invoke>"):
+        for i in range(len(reply) + 1):
+            p = OutputParser(tools=TOOLS)
+            deltas = p.feed(forced, forced=True) + p.feed(reply[:i]) + p.feed(reply[i:]) + p.finish()
+            assert "".join(d.text for d in deltas) == p.content == reply and not p.tool_calls, (reply, i)
+    p = OutputParser(thinking=True, tools=TOOLS)   # thinking mode's second part: after the reasoning
+    for piece, forced_ in (("hmm", False), (THINK_END, False), (forced, True), ("no call", False)):
+        p.feed(piece, forced=forced_)
+    p.finish()
+    assert (p.reasoning, p.content, p.tool_calls) == ("hmm", "no call", [])
+    p = OutputParser(tools=TOOLS)                  # a named function: its invoke forced too; a call parses as ever
+    p.feed(forced + f'<{D}invoke name="now">\n', forced=True)
+    p.feed(f"</{D}invoke>\n</{D}tool_calls> then text")
+    p.finish()
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("now", "{}")] and p.content == " then text"
 
 
 def test_parallel_false_keeps_the_first_call():

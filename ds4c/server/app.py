@@ -44,6 +44,10 @@ from ds4c.server.toolcalls import CALLS_START, THINK_END, ContentDelta, OutputPa
 
 log = logging.getLogger("ds4c.server")
 
+#: Seconds a request body may take to arrive (a client that announced more than it sends gets 408, not a hung
+#: handler).
+BODY_TIMEOUT_S = 30.0
+
 #: Seconds a blocked send to a streaming client may take before the response is dropped (a client that stopped
 #: reading; its generation was cancelled when its buffer filled).
 SEND_TIMEOUT_S = 30.0
@@ -75,6 +79,11 @@ class _Cancelled(Exception):
 
 class _EngineFailed(Exception):
     pass
+
+
+class _Forced(str):
+    """Text of the reply the server wrote, not the model: a forced tool call's opening (the parser never shows it
+    as content)."""
 
 
 @dataclass
@@ -147,7 +156,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         what = {404: f"unknown route {request.method} {request.url.path}",
                 405: f"method {request.method} not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        err = APIError(e.status_code, what, code="not_found" if e.status_code == 404 else None)
+        err = APIError(e.status_code, what)
         return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -160,7 +169,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         return JSONResponse(APIError(500, f"internal server error ({type(e).__name__})").body(), status_code=500)
 
     # ------------------------------------------------------------------------------------------- plain routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if sched.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -193,11 +202,16 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             raise APIError(413, f"the request body ({n} bytes) is larger than the limit ({limit} bytes)",
                            code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body is larger than the limit ({limit} bytes)",
-                               code="request_too_large")
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise APIError(413, f"the request body is larger than the limit ({limit} bytes)",
+                                       code="request_too_large")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           code="body_timeout") from None
         return bytes(body)
 
     async def parse(request: Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
@@ -273,7 +287,8 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
                 yield fin
                 return
             # thinking ended (or the model stopped): the forced call follows the reasoning
-            yield THINK_END + plan.forced
+            yield THINK_END
+            yield _Forced(plan.forced)
             prompt_ids = await run_in_threadpool(model.prompt_ids, continuation(plan, "".join(text)))
             left = min(params.max_tokens - fin.completion_tokens, engine.max_ctx - len(prompt_ids))
             if left < 1:
@@ -327,7 +342,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
                 if isinstance(x, Finished):
                     reply.fin = x
                     outcome("length" if x.reason == "length" else "ok")
-                else:
+                elif x:            # (a piece may be empty: text held back while it may start a stop string)
                     yield x
         except (TimeoutError, _Cancelled, _EngineFailed) as e:
             raise fail(outcome, e) from None
@@ -386,9 +401,9 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         if not req.stream:
             async def whole(slot: Slot) -> dict:
                 p, reply = parser(), _Reply()
-                p.feed(plan.prefix_text)
+                p.feed(plan.prefix_text, forced=True)
                 async for x in texts(slot, rid, ids, params, plan, outcome, reply):
-                    p.feed(x)
+                    p.feed(x, forced=isinstance(x, _Forced))
                 p.finish()
                 fin = reply.fin
                 assert fin is not None
@@ -433,10 +448,10 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         async def chunks() -> AsyncIterator[dict]:
             p, reply = parser(), _Reply()
             yield chunk({"role": "assistant", "content": ""})
-            for c in deltas_to_chunks(p.feed(plan.prefix_text)):
+            for c in deltas_to_chunks(p.feed(plan.prefix_text, forced=True)):
                 yield c
             async for x in texts(slot, rid, ids, params, plan, outcome, reply):
-                for c in deltas_to_chunks(p.feed(x)):
+                for c in deltas_to_chunks(p.feed(x, forced=isinstance(x, _Forced))):
                     yield c
             for c in deltas_to_chunks(p.finish()):
                 yield c

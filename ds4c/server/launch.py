@@ -1,16 +1,23 @@
 """Run the server: open a model (:func:`serve`) or take an opened one (:func:`serve_model`), put it behind
 :func:`~ds4c.server.app.create_app` on uvicorn, and run until SIGTERM / SIGINT.
 
-A shutdown signal drains the server: the scheduler refuses new requests (503, ``draining``), uvicorn stops
-listening and waits up to ``drain_timeout_s`` for the requests in flight (queued ones included) to finish, then the
-engine is closed.
+The listening socket is bound before the model loads, so a port in use is a one-line error at once, not after
+minutes of loading.
+
+A shutdown signal drains the server: it keeps listening, and new requests get 503 (``draining``) while the
+requests in flight (queued ones included) finish, for up to ``drain_timeout_s``; the ones still running then are
+stopped, each ending with OpenAI's error object (503 ``draining``; an error event and ``[DONE]`` in a stream).
+Then uvicorn stops listening and the engine is closed. A second signal stops waiting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,24 +32,77 @@ from ds4c.server.app import ServerOptions, create_app
 from ds4c.server.engine import SerialEngine
 from ds4c.server.scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["serve", "serve_model", "DEFAULT_PORT"]
+__all__ = ["serve", "serve_model", "listen", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 8000
 
+#: Seconds the requests stopped at the drain timeout get to send their error and close, and uvicorn's own grace
+#: for connections after that.
+_ABORT_GRACE_S = 5.0
+
+log = logging.getLogger("ds4c.server")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port`` (port 0: a free one), bound now so that a port in use or a bad
+    address is known before the model loads.
+
+    Raises:
+        Ds4cError: the address cannot be used (in use, not this machine's, not resolvable).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise Ds4cError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as e:
+        sock.close()
+        raise Ds4cError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the scheduler to drain when a shutdown signal arrives and saying where it
-    listens once it does (``port`` 0 picks a free port): ``ds4c serve: listening on http://HOST:PORT`` on stderr."""
+    """uvicorn's server, draining on a shutdown signal (module docstring) before uvicorn's own shutdown, and
+    saying where it listens once it does: ``ds4c serve: listening on http://HOST:PORT`` on stderr."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout_s: float):
         super().__init__(config)
-        self._scheduler = scheduler
+        self._scheduler, self._drain_timeout_s = scheduler, drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self._scheduler.drain()
-        super().handle_exit(sig, frame)
+        if self._draining is None and self._loop is not None and not self.should_exit:
+            self._scheduler.drain()
+            self._draining = self._loop.create_task(self._drain(sig))
+        else:                          # a second signal, or one before start-up ended: uvicorn's shutdown now
+            super().handle_exit(sig, frame)
+
+    async def _drain(self, sig: int) -> None:
+        """Wait for the scheduler to empty (at most the drain timeout), stop what still runs, then shut down."""
+        sched = self._scheduler
+        deadline = time.monotonic() + self._drain_timeout_s
+        while not sched.idle and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if not sched.idle and not self.should_exit:
+            n = sched.abort()
+            log.warning("drain timeout (%g s): stopping %d request(s) still running", self._drain_timeout_s, n)
+            deadline = time.monotonic() + _ABORT_GRACE_S
+            while not sched.idle and time.monotonic() < deadline and not self.should_exit:
+                await asyncio.sleep(0.05)
+        if not self.should_exit:       # (a second signal has already shut it down)
+            super().handle_exit(sig, None)
 
     async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         for server in self.servers:
             for sock in server.sockets:
@@ -52,7 +112,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                 max_concurrency: int | None = None, spec_width: int | str = 5, drain_timeout_s: float = 30.0,
-                log_level: str = "info") -> None:
+                log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve an opened ``model`` until SIGTERM / SIGINT (then drain, module docstring).
 
     Args:
@@ -64,27 +124,34 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
         spec_width: verify rows per speculative step (with a drafter), 1..5 or ``"auto"``.
         drain_timeout_s: how long a shutdown waits for requests in flight.
         log_level: uvicorn's log level (``critical`` ... ``debug``).
+        sock: a listening socket (:func:`listen`) to serve on instead of ``host`` / ``port``; closed when this
+            returns.
 
     Raises:
-        Ds4cError: a model without tokenizer; ``max_concurrency`` beyond what the engine runs at once; a
-            ``spec_width`` outside 1..5 / ``"auto"`` (StepError).
+        Ds4cError: ``host`` / ``port`` cannot be listened on (:func:`listen`); a model without tokenizer;
+            ``max_concurrency`` beyond what the engine runs at once; a ``spec_width`` outside 1..5 / ``"auto"``
+            (StepError).
     """
-    check_spec_width(spec_width)
-    if model.tokenizer is None:
-        raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server speaks "
-                        f"text")
-    engine = SerialEngine(model, spec_width=spec_width)
-    if max_concurrency is not None and max_concurrency != engine.capacity:
-        engine.close()
-        raise Ds4cError(f"max_concurrency {max_concurrency}: this engine runs {engine.capacity} sequence at a time "
-                        f"(requests queue for it); more at once needs the multi-sequence engine")
-    app = create_app(model, engine, options)
-    # sse-starlette ends every event stream at a shutdown signal by default; ds4c drains them instead
-    AppStatus.disable_automatic_graceful_drain()
-    logging.getLogger("ds4c.server").setLevel(log_level.upper())
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout_s)
-    _DrainingServer(config, app.state.scheduler).run()
+    if sock is None:
+        sock = listen(host, port)
+    try:
+        check_spec_width(spec_width)
+        if model.tokenizer is None:
+            raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server "
+                            f"speaks text")
+        engine = SerialEngine(model, spec_width=spec_width)
+        if max_concurrency is not None and max_concurrency != engine.capacity:
+            engine.close()
+            raise Ds4cError(f"max_concurrency {max_concurrency}: this engine runs {engine.capacity} sequence at a "
+                            f"time (requests queue for it); more at once needs the multi-sequence engine")
+        app = create_app(model, engine, options)
+        # sse-starlette ends every event stream at a shutdown signal by default; ds4c drains them instead
+        AppStatus.disable_automatic_graceful_drain()
+        logging.getLogger("ds4c.server").setLevel(log_level.upper())
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=_ABORT_GRACE_S)
+        _DrainingServer(config, app.state.scheduler, drain_timeout_s).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
@@ -122,9 +189,14 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
     if api_key is not None and not api_key.strip():
         raise Ds4cError("api_key: expected a non-empty key")
     check_spec_width(spec_width)  # before the (possibly long) model start, as every other argument
-    model = Model(model_path, device=device, artifact=artifact, max_ctx=max_ctx, engine=engine, threads=threads,
-                  dataflow=dataflow, devices=devices, layer_split=layer_split, prefill_chunks=prefill_chunks,
-                  draft=draft)
+    sock = listen(host, port)
+    try:
+        model = Model(model_path, device=device, artifact=artifact, max_ctx=max_ctx, engine=engine, threads=threads,
+                      dataflow=dataflow, devices=devices, layer_split=layer_split, prefill_chunks=prefill_chunks,
+                      draft=draft)
+    except BaseException:
+        sock.close()
+        raise
     name = model_name or Path(str(model.path)).name.removesuffix(".gguf")
     options = ServerOptions(model_name=name, api_key=api_key, max_body_bytes=max_body_bytes,
                             scheduler=SchedulerConfig(max_queue=max_queue, queue_timeout_s=queue_timeout_s,
@@ -132,5 +204,5 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
                                                       stream_buffer=stream_buffer))
     print(f"ds4c serve: {name} ({model.engine} engine on {device}, max_ctx {model.max_ctx}; loaded in "
           f"{model.load_s:.1f} s){', API key required' if api_key else ''}", file=sys.stderr, flush=True)
-    serve_model(model, options, host=host, port=port, max_concurrency=max_concurrency, spec_width=spec_width,
-                drain_timeout_s=drain_timeout_s, log_level=log_level)
+    serve_model(model, options, max_concurrency=max_concurrency, spec_width=spec_width,
+                drain_timeout_s=drain_timeout_s, log_level=log_level, sock=sock)

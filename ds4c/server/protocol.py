@@ -29,18 +29,22 @@ class APIError(Exception):
             timeout, 413 body too large, 429 queue full, 503 draining).
         message: one line for the client.
         param: the request field at fault (``"messages.0.content"``), if any.
-        code: a short machine-readable code (``"context_length_exceeded"``...).
+        code: a short machine-readable code (``"context_length_exceeded"``...); by default from the status
+            (``invalid_value``, ``not_found``, ``method_not_allowed``, ``internal_error``...).
         type: OpenAI's error type; by default from the status.
     """
 
     _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+    _CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+              408: "request_timeout", 413: "request_too_large", 500: "internal_error", 503: "unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or self._CODES.get(status)
         self.type = type or self._TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
 
@@ -50,11 +54,11 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 # ------------------------------------------------------------------------------------------------ chat
@@ -138,6 +142,8 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool = False
     user: Any = None
@@ -162,6 +168,11 @@ class _Sampling(_Strict):
                 raise APIError(400, f"{name} is not supported (0 only)", name, "unsupported_parameter")
         if self.repetition_penalty not in (None, 1, 1.0):
             raise APIError(400, "repetition_penalty is not supported (1 only)", "repetition_penalty",
+                           "unsupported_parameter")
+        if self.min_p not in (None, 0, 0.0):
+            raise APIError(400, "min_p is not supported (0 only)", "min_p", "unsupported_parameter")
+        if self.stop_token_ids:
+            raise APIError(400, "stop_token_ids is not supported (give stop strings)", "stop_token_ids",
                            "unsupported_parameter")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")

@@ -18,7 +18,8 @@ The policy (docs/serving.md):
   (:class:`~ds4c.server.engine.RequestStream`); the engine never waits for a client, and a client that falls that
   far behind has its generation cancelled, so it holds no slot and slows no one.
 * **drain**: after :meth:`Scheduler.drain` (SIGTERM) new requests are refused (503, ``draining``) and the
-  admitted ones run to their end.
+  admitted ones run to their end; :meth:`Scheduler.abort` (the drain timeout) stops those still running, each
+  ending with OpenAI's error (503 ``draining``: the status of a whole reply, an error event of a stream).
 
 The engine's interface is all the scheduler uses, so the lanes engine of issue 30 drops in for the
 one-sequence engine with no change here or in the handlers.
@@ -75,6 +76,8 @@ class Slot:
         """Start ``req`` on the engine once the previous generation of this request has ended (a later one waits
         for a slot at the head of the queue)."""
         assert all(s.terminal is not None for s in self.streams), "one generation at a time per request"
+        if self._sched.aborted:      # the second part of a forced tool call, after the drain timeout
+            raise APIError(503, "the server is shutting down", code="draining")
         if not self.holding:
             await self._sched._acquire(priority=True)
             self.holding = True
@@ -119,7 +122,9 @@ class Scheduler:
         self.engine, self.metrics, self.config = engine, metrics, config
         self._free = engine.capacity
         self._waiters: deque[asyncio.Future] = deque()
+        self._slots: set[Slot] = set()
         self.draining = False
+        self.aborted = False
         metrics.queue_depth.set_function(lambda: self.queue_depth)
         metrics.running.set_function(lambda: self.engine.stats().running)
         metrics.pages.set_function(lambda: self.engine.stats().pages_in_use)
@@ -129,9 +134,29 @@ class Scheduler:
         """Requests waiting for a slot."""
         return sum(not f.done() for f in self._waiters)
 
+    @property
+    def idle(self) -> bool:
+        """No request admitted (its response included) and none waiting."""
+        return not self._slots and not self.queue_depth
+
     def drain(self) -> None:
         """Refuse new requests (503); admitted ones go on."""
         self.draining = True
+
+    def abort(self) -> int:
+        """Drain, and stop every admitted request's generation (each ends with 503 ``draining``); returns how many
+        were stopped. Requests still queued are refused when their slot comes."""
+        self.draining = self.aborted = True
+        n = 0
+        for slot in self._slots:
+            for st in slot.streams:
+                if st.terminal is None:
+                    st.cancel()
+                    n += 1
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(APIError(503, "the server is shutting down", code="draining"))
+        return n
 
     async def _acquire(self, priority: bool = False) -> None:
         """Take a slot: at once if one is free and nobody waits; else wait in the queue (``priority``: at its head,
@@ -162,7 +187,7 @@ class Scheduler:
                            headers={"Retry-After": str(max(1, math.ceil(self.config.queue_timeout_s / 10)))}) \
                 from None
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._release()      # handed a slot just as the waiter went away
             raise
         finally:
@@ -183,9 +208,11 @@ class Scheduler:
         block cancels an unfinished generation (its slot is freed when the engine has stopped it)."""
         await self._acquire()
         s = Slot(self, arrival)
+        self._slots.add(s)
         try:
             yield s
         finally:
+            self._slots.discard(s)
             for st in s.streams:
                 if st.terminal is None:
                     st.cancel()

@@ -148,7 +148,8 @@ class OutputParser:
     :attr:`reasoning`, :attr:`content` and :attr:`tool_calls` hold everything returned so far.
 
     A malformed block (an element that is not DSML, a function that was not offered, a repeated parameter) ends
-    the parsing: the block's text from there on is content, calls already returned stay. A block cut off by the
+    the parsing: the block's text from there on is content, calls already returned stay; text the server forced
+    (``feed(..., forced=True)``: the opening of a required call) is not the model's and never becomes content. A block cut off by the
     end of the text keeps the calls and parameters that were complete (an open call's arguments are closed).
     """
 
@@ -165,6 +166,7 @@ class OutputParser:
         self._state = "reasoning" if self.thinking else "content"
         self._buf = ""
         self._raw = ""          # block text consumed since the last delta (content again if the block is bad)
+        self._forced = ""       # forced text at the start of _raw (dropped, not said, if the block is bad)
         self._params: set[str] = set()
         self._call: ToolCall | None = None   # the open invoke
         self._emit_call = True  # False: a non-parallel block's later calls are parsed, not returned
@@ -190,8 +192,11 @@ class OutputParser:
             self._out.append(ToolCallDelta(len(self.tool_calls) - 1, text))
 
     # -------------------------------------------------------------------------------------------- input
-    def feed(self, text: str) -> list[Delta]:
-        """Take the next piece of generated text; returns the deltas it made certain."""
+    def feed(self, text: str, forced: bool = False) -> list[Delta]:
+        """Take the next piece of generated text (``forced``: text the server put in the model's mouth, a forced
+        tool call's opening); returns the deltas it made certain."""
+        if forced:
+            self._forced = self._raw + self._buf + text
         self._buf += text
         while self._step(final=False):
             pass
@@ -225,15 +230,16 @@ class OutputParser:
         if self._emit_call:
             self.tool_calls.append(call)
             self._out.append(ToolCallDelta(len(self.tool_calls) - 1, arguments, call.id, name))
-        self._call, self._raw, self._params = call, "", set()
+        self._call, self._raw, self._params, self._forced = call, "", set(), ""
 
     def _malformed(self) -> bool:
         """The block does not parse: an open call's arguments are closed, the block's unreturned text is content
         from here on."""
         if self._state == "invoke":
             self._args("}" if self._params else "{}")
-        self._say(self._raw + self._buf)
-        self._raw, self._buf, self._state, self._call = "", "", "raw", None
+        text = self._raw + self._buf
+        self._say(text.removeprefix(self._forced))
+        self._raw, self._buf, self._state, self._call, self._forced = "", "", "raw", None, ""
         return False
 
     def _step(self, final: bool) -> bool:
@@ -286,7 +292,7 @@ class OutputParser:
             return False
         if st == "block":
             if buf.startswith(CALLS_END):
-                self._raw, self._buf, self._state = "", buf[len(CALLS_END):], "content"
+                self._raw, self._forced, self._buf, self._state = "", "", buf[len(CALLS_END):], "content"
                 return True
             if buf.startswith(INVOKE_START):
                 end = buf.find(">")
