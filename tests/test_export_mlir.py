@@ -134,20 +134,21 @@ def test_a_conversion_torch_mlir_refuses_is_one_line_naming_the_ir_op(tiny_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("case", X.cases(["q1", "q2", "q3", "q4", "q5", "prefill8"], ["q1", "q5", "prefill8"]))
 def test_cpu_step_equals_the_interpreter(fp32_weights, tiny_path, tmp_path, tokens, case):
-    """tiny's whole step exported to linalg with external weights, lowered to LLVM and run with the ExecutionEngine,
+    """tiny's step exported to linalg with external weights, lowered to LLVM and run with the ExecutionEngine,
     its weights read from the written side file: logits and every state output within
     :func:`export_check.fp32_reorder_bound` of the interpreter over 40 positions from a reset state (ring wraps,
     compressor flushes of ratios 4 and 16, the indexer top-k over more candidates than it keeps, hash and scored
     routers; the prefill chunk of 8 rows holds 5..8 tokens). fp32 dataflow without fake quantization, so only
     the order of fp32 operations differs.
 
-    Width 1 exports the whole step (embedding, the six layers, the head). The wider steps and the chunk export the
-    shard of layers 2:4 (ratio 4 with the hash router, ratio 16 with the scored router: every kind of layer but the
-    uncompressed ones width 1 covers; ``hc_in`` fresh random data), a third of the export and JIT time of the
-    whole step (~50 s of a core each) in the CI suite; ``DS4C_EXPORT_ALL_WIDTHS=1`` runs them whole."""
+    Each case exports a third of the step, together all of it: width 1 the layers 0:2 (the embedding, the
+    uncompressed layers, the hash router), width 5 the layers 2:4 (ratio 4 with the hash router, ratio 16 with the
+    scored router; ``hc_in`` fresh random data), the chunk the layers 4:6 (both ratios with the scored router, the
+    head and its logits): a third of the export and JIT time of the whole step (~50 s of a core each) in the CI
+    suite. ``DS4C_EXPORT_ALL_WIDTHS=1`` runs every width whole; the CLI test below reads a module back."""
     st = pytest.importorskip("safetensors.torch", reason="the safetensors reader (requirements-cpu.txt)")
     prefill = 8 if case.startswith("prefill") else None
-    layers = None if case == "q1" or X.ALL_WIDTHS else (2, 4)
+    layers = None if X.ALL_WIDTHS else {"q1": (0, 2), "prefill8": (4, 6)}.get(case, (2, 4))
     e = export_mlir(tiny_path, tmp_path / "step.mlir", width=1 if prefill else int(case[1:]), prefill=prefill,
                     ctx=X.MAX_CTX, layers=layers, dialect="linalg", weights="external", dataflow="fp32",
                     quant_emulation=False)
