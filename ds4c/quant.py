@@ -316,7 +316,8 @@ def pow2_ceil_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     # whose bits are the integer 2^ceil(log2 m): the same carry on m's exact fp32 value. y <= 0 (and NaN): 2^-149.
     # About a third of the ops of frexp + where + bits (the CPU reference calls this ~2,500 times a token).
     normal = (y.view(torch.int32) + _MANTISSA_MASK) & ~_MANTISSA_MASK
-    if bool((y >= _FP32_MIN_NORMAL).all()):   # the common case (callers floor amax): three ops, not eleven
+    # the common case (callers floor amax): three ops, not eleven; eager only (a traced graph cannot branch on data)
+    if not torch.compiler.is_compiling() and bool((y >= _FP32_MIN_NORMAL).all()):
         return normal.view(torch.float32)
     m = y.view(torch.int32).to(torch.float32)
     sub = ((m.view(torch.int32) + _MANTISSA_MASK) & ~_MANTISSA_MASK).view(torch.float32).to(torch.int32)

@@ -430,6 +430,25 @@ def test_bench_serve_drives_a_running_server(server, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ drain
+def _wait_metric(s: ServerProcess, sample: str, deadline: float) -> None:
+    """Poll ``/metrics`` until it shows ``sample`` (``"ds4c_queue_depth 1.0"``), at most until ``deadline``."""
+    while httpx.get(s.url + "/metrics").text.find(sample) < 0:
+        assert time.monotonic() < deadline, sample
+        time.sleep(0.05)
+
+
+def _one_running_one_queued(s: ServerProcess, run, queue) -> tuple[threading.Thread, threading.Thread]:
+    """Start ``run`` in a thread, wait until its sequence runs, then ``queue`` until it waits in the queue."""
+    ta = threading.Thread(target=run)
+    ta.start()
+    deadline = time.monotonic() + 60
+    _wait_metric(s, "ds4c_running_sequences 1.0", deadline)
+    tb = threading.Thread(target=queue)
+    tb.start()
+    _wait_metric(s, "ds4c_queue_depth 1.0", deadline)
+    return ta, tb
+
+
 def test_sigterm_drains_the_requests_in_flight(tiny_path):
     """SIGTERM: the stream in flight and the request queued behind it finish (the queue full before: 429); the
     server then exits by the signal it drained for, as uvicorn does (a service manager counts that as a clean
@@ -447,17 +466,7 @@ def test_sigterm_drains_the_requests_in_flight(tiny_path):
         def queued_b() -> None:
             result["b"] = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=120)
 
-        ta = threading.Thread(target=stream_a)
-        ta.start()
-        deadline = time.monotonic() + 60
-        while httpx.get(s.url + "/metrics").text.find("ds4c_running_sequences 1.0") < 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        tb = threading.Thread(target=queued_b)
-        tb.start()
-        while httpx.get(s.url + "/metrics").text.find("ds4c_queue_depth 1.0") < 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        ta, tb = _one_running_one_queued(s, stream_a, queued_b)
         full = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
         assert full.headers["retry-after"]
@@ -493,18 +502,8 @@ def test_a_drain_timeout_ends_what_still_runs_with_an_error(tiny_path):
                               "stream": True}, timeout=120) as r:
                 result["a"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
 
-        ta = threading.Thread(target=stream_a)
-        ta.start()
-        deadline = time.monotonic() + 60
-        while httpx.get(s.url + "/metrics").text.find("ds4c_running_sequences 1.0") < 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        tb = threading.Thread(target=lambda: result.update(b=httpx.post(s.url + "/v1/completions", timeout=120,
-                                                                        json={**body, "max_tokens": 3})))
-        tb.start()
-        while httpx.get(s.url + "/metrics").text.find("ds4c_queue_depth 1.0") < 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        ta, tb = _one_running_one_queued(s, stream_a, lambda: result.update(
+            b=httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=120)))
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         ta.join(60)

@@ -100,6 +100,7 @@ def ref(tiny_weights):
 
 
 PROMPTS = [[5, 17, 301, 42, 7, 99], list(range(30, 61))]
+N_PIPE = 60  # the pipelined loop against the synchronous one: 12+ verify steps at width 5
 N_AR = 160  # 6 + 160 positions: 10 ratio-16 blocks, more than index_topk (8); 16-token windows wrap 10 times
 
 
@@ -123,8 +124,8 @@ def test_greedy_speculative_equals_autoregressive(ref, ar, width, which):
 
 
 def test_oracle_alpha_bounds_acceptance(ref, ar):
-    perfect = generate(ref, PROMPTS[0], 120, draft=OracleDrafter(1.0, 512, continuation=ar[0]), spec_width=5)
-    assert perfect.tokens == ar[0][:120] and perfect.speculative["acceptance_by_depth"] == [1.0] * 4
+    perfect = generate(ref, PROMPTS[0], 60, draft=OracleDrafter(1.0, 512, continuation=ar[0]), spec_width=5)
+    assert perfect.tokens == ar[0][:60] and perfect.speculative["acceptance_by_depth"] == [1.0] * 4
     assert perfect.speculative["tokens_per_step"] > 4.5
     wrong = generate(ref, PROMPTS[0], 60, draft=OracleDrafter(0.0, 512, continuation=ar[0]), spec_width=3)
     assert wrong.tokens == ar[0][:60] and wrong.speculative["acceptance_by_depth"] == [0.0, 0.0]
@@ -302,9 +303,9 @@ def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
     consumer stops early."""
     from ds4c.speculative import _pipelined_tokens
 
-    sync = generate(ref, PROMPTS[0], 120, draft=OracleDrafter(0.7, 512, seed=2, continuation=ar[0]),
+    sync = generate(ref, PROMPTS[0], N_PIPE, draft=OracleDrafter(0.7, 512, seed=2, continuation=ar[0]),
                     spec_width=width)
-    for n in (120, 9):
+    for n in (N_PIPE, 9):
         prompt = PROMPTS[0]
         ref.reset()
         logits = None
@@ -314,13 +315,13 @@ def test_the_pipelined_loop_equals_the_synchronous_one(ref, ar, width):
         pipe = _QueuedOnTheReference(ref)
         stats = SpecStats("oracle", width)
         d = OracleDrafter(0.7, 512, seed=2, continuation=ar[0])
-        d.prepare(ref, prompt, 120)
-        gen = _pipelined_tokens(pipe, d, prompt, first, n - 1 if n == 120 else 119, WidthPolicy(width), stats)
+        d.prepare(ref, prompt, N_PIPE)
+        gen = _pipelined_tokens(pipe, d, prompt, first, n - 1 if n == N_PIPE else N_PIPE - 1, WidthPolicy(width), stats)
         got = [first] + [t for _, t in zip(range(n - 1), gen)]
         gen.close()
         assert got == sync.tokens[:n]
         assert not pipe.queue and 0 <= ref.state.pos - (len(prompt) + n - 1) <= 2 * width
-        if n == 120:  # the same steps, but for the last one's width: chosen before the tokens left were known
+        if n == N_PIPE:  # the same steps, but for the last one's width: chosen before the tokens left were known
             a, b = stats.as_dict()["widths"], sync.speculative["widths"]
             assert sum(a.values()) == sum(b.values())
             assert sum(abs(a.get(w, 0) - b.get(w, 0)) for w in set(a) | set(b)) <= 2, (a, b)

@@ -347,6 +347,11 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         except (TimeoutError, _Cancelled, _EngineFailed) as e:
             raise fail(outcome, e) from None
 
+    def reply_head(prefix: str, kind: str) -> tuple[str, int, dict]:
+        """A new reply's id, creation time and the fields every chunk of it starts with."""
+        rid, t0 = prefix + secrets.token_hex(12), int(time.time())
+        return rid, t0, {"id": rid, "object": kind, "created": t0, "model": options.model_name}
+
     async def admit(outcome: _Outcome):
         """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot)."""
         cm = sched.slot(outcome.arrival)
@@ -391,8 +396,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         except APIError:
             outcome("invalid")
             raise
-        rid, t0 = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": options.model_name}
+        rid, t0, head = reply_head("chatcmpl-", "chat.completion.chunk")
         cm, slot = await admit(outcome)
 
         def parser() -> OutputParser:
@@ -475,8 +479,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         except APIError:
             outcome("invalid")
             raise
-        rid, t0 = "cmpl-" + secrets.token_hex(12), int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": t0, "model": options.model_name}
+        rid, t0, head = reply_head("cmpl-", "text_completion")
         cm, slot = await admit(outcome)
 
         if not req.stream:
