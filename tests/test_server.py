@@ -184,6 +184,8 @@ BAD = [  # (what, body or raw bytes, status, param, code)
     ("an empty prompt", {"model": NAME, "prompt": ""}, 400, "prompt", "invalid_value"),
     ("a NaN temperature", f'{{"model": "{NAME}", "prompt": "x", "temperature": NaN}}'.encode(), 400, "temperature",
      "invalid_value"),
+    ("a seed of 5000 digits", f'{{"model": "{NAME}", "prompt": "x", "seed": 1{"0" * 5000}}}'.encode(), 400, None,
+     "invalid_value"),
     ("min_p", {"model": NAME, "prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
     ("stop_token_ids", {"model": NAME, "prompt": "x", "stop_token_ids": [1]}, 400, "stop_token_ids",
      "unsupported_parameter"),
@@ -240,6 +242,8 @@ BAD_CHAT = [
     ("a chat text surely over the context", {"model": NAME, "messages": [{"role": "user", "content": "x" * 40000}]},
      400, "messages", "context_length_exceeded"),
     ("the deprecated functions", {"model": NAME, "messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions",
+     "unsupported_parameter"),
+    ("top_logprobs", {"model": NAME, "messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs",
      "unsupported_parameter"),
     ("a JSON response_format", {"model": NAME, "messages": MSGS, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
@@ -321,21 +325,22 @@ def test_chat_streaming_reasoning_and_tools(server, client, model):
     assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (reasoning, content)
     assert r.usage.prompt_tokens == len(model.prompt_ids(head))
 
-    t = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=3, tool_choice={
-        "type": "function", "function": {"name": "get_weather"}}, **GREEDY)
-    (call,) = t.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and call.id.startswith("call_")
-    assert isinstance(json.loads(call.function.arguments), dict)
-    # streamed: the call arrives as tool_calls deltas (id, type and name first, then the arguments in pieces)
-    # that add up to the same call
+    # a named function: the prompt goes on with the call's opening; tiny's random weights then write no parameter,
+    # so the reply is their text as content and no call (a written call streams as tool_calls deltas:
+    # tests/test_server_app.py's scripted engine)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = model.apply_chat_template(MSGS, tools=TOOLS) + '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    want = model.generate(forced, max_new_tokens=3, ignore_eos=True).text
+    t = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=3, tool_choice=named,
+                                       **GREEDY)
+    assert t.usage.prompt_tokens == len(model.prompt_ids(forced))
+    assert "｜DSML｜" not in want     # (random weights: no parameter markup in three tokens)
+    assert (t.choices[0].message.tool_calls, t.choices[0].message.content) == (None, want)
     chunks = list(client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=3, stream=True,
-                                                 tool_choice={"type": "function", "function": {
-                                                     "name": "get_weather"}}, **GREEDY))
-    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
-    assert deltas and {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
-    assert (deltas[0].type, deltas[0].function.name) == ("function", "get_weather")
-    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    assert chunks[-1].choices[0].finish_reason == t.choices[0].finish_reason   # "length": 3 tokens cut it
+                                                 tool_choice=named, **GREEDY))
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == t.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == t.choices[0].finish_reason == "length"
 
 
 # ------------------------------------------------------------------------------------------------ many clients
@@ -403,7 +408,8 @@ def test_many_streaming_clients(server):
     prompt_tokens = sum(alone[job(i, r)][1].prompt_tokens for i in range(N_CLIENTS) for r in range(N_REQUESTS))
     assert d["ds4c_prompt_tokens_total"] == prompt_tokens      # cancelled generations ran their prompt too
     made = d["ds4c_generation_tokens_total"]
-    assert n_done * N_NEW + N_HANG_UP <= made < n_done * N_NEW + N_HANG_UP * HANG_UP_NEW
+    # a hang-up may be cancelled before its first token (a chat stream's first chunk is the role, sent before any)
+    assert n_done * N_NEW <= made < n_done * N_NEW + N_HANG_UP * HANG_UP_NEW
     assert d["ds4c_time_to_first_token_seconds_count"] >= n_done
     print(f"{N_CLIENTS} clients x {N_REQUESTS} requests ({N_HANG_UP} hung up): {elapsed:.1f} s")
 
@@ -525,7 +531,8 @@ def test_serve_command_errors_are_one_line(tiny_path):
     for args, want in ((["--api-key", " "], "api_key: expected a non-empty key"),
                        (["--max-concurrency", "4"], "max_concurrency 4: this engine runs 1 sequence at a time"),
                        (["--spec-width", "9"], "--spec-width: expected 1..5"),
-                       (["--prefill", "256"], "--prefill 256: prefill chunk graphs run on the compiled engine")):
+                       (["--prefill", "256"], "--prefill 256: prefill chunk graphs run on the compiled engine"),
+                       (["--request-timeout", "nan"], "request_timeout_s: expected a finite number of seconds")):
         r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", *args])
         last = r.output.splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("ds4c: error: ") and want in last, r.output

@@ -366,6 +366,42 @@ def test_disconnect_cancels_and_drain_refuses(model):
         s.stop()
 
 
+def test_clients_that_leave_before_their_reply_begins_are_gone_at_once(model):
+    """A client that gives up while its request is queued leaves the queue at once (the next one is not refused as
+    queue_full, the engine never starts it); one that closes while sending its body is counted cancelled, with no
+    traceback; completions' max_tokens null is OpenAI's 16."""
+    eng = ScriptedEngine()
+    s = Served(model, eng, SchedulerConfig(max_queue=1))
+    try:
+        eng.delay, eng.replies = 0.05, ["y" * 150]        # 50 pieces: 2.5 s holding the one slot
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 200}
+        hold = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", json=body, timeout=30))
+        hold.start()
+        t0 = time.monotonic()
+        while "ds4c_running_sequences 1.0" not in httpx.get(s.url + "/metrics").text:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.02)
+        with pytest.raises(httpx.ReadTimeout):           # queued, then the client gives up
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
+        time.sleep(0.2)
+        assert "ds4c_queue_depth 0.0" in httpx.get(s.url + "/metrics").text
+        eng.replies = ["fine"]
+        r = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": None}, timeout=30)  # waits its turn
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fine"
+        assert eng.requests[-1].params.max_tokens == 16 and len(eng.requests) == 2   # the gone one never ran
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\"")
+        time.sleep(0.3)
+        m = httpx.get(s.url + "/metrics").text
+        assert 'ds4c_requests_total{endpoint="completions",outcome="cancelled"} 2.0' in m
+        assert 'outcome="failed"' not in m and 'outcome="invalid"' not in m
+        hold.join(30)
+    finally:
+        s.stop()
+
+
 def test_a_client_that_stops_reading_does_not_slow_the_others(model):
     """A streaming client that stops reading (a raw socket with a small receive buffer that never reads): once the
     socket buffers are full its handler blocks, its bounded buffer fills and its generation is cancelled, so the

@@ -127,6 +127,16 @@ def test_forced_text_is_never_content():
     p.feed(f"</{D}invoke>\n</{D}tool_calls> then text")
     p.finish()
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("now", "{}")] and p.content == " then text"
+    named = forced + f'<{D}invoke name="get_weather">\n'  # a named call the model does not write: no call
+    for reply in ("t ache", f"<{D}parameter oops"):
+        for i in range(len(reply) + 1):
+            p = OutputParser(tools=TOOLS)
+            deltas = p.feed(named, forced=True) + p.feed(reply[:i]) + p.feed(reply[i:]) + p.finish()
+            assert not any(isinstance(d, ToolCallDelta) for d in deltas), (reply, i)
+            assert (p.content, p.tool_calls) == (reply, []), (reply, i)
+    p = OutputParser(tools=TOOLS)                  # ... and one it does write: returned as ever
+    deltas = p.feed(named, forced=True) + p.feed(f'<{D}parameter name="city" string="true">Oslo</{D}parameter>')
+    assert [(d.name, d.arguments) for d in deltas] == [("get_weather", ""), (None, '{"city": "Oslo"')]
 
 
 def test_parallel_false_keeps_the_first_call():

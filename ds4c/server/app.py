@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ds4c.api import Model
 from ds4c.errors import Ds4cError
@@ -79,6 +80,13 @@ class _Cancelled(Exception):
 
 class _EngineFailed(Exception):
     pass
+
+
+class _Gone(APIError):
+    """The client went away before its reply began (answered to nobody; counted cancelled, not invalid)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", code="client_closed")
 
 
 class _Forced(str):
@@ -212,6 +220,8 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                            code="body_timeout") from None
+        except ClientDisconnect:
+            raise _Gone() from None
         return bytes(body)
 
     async def parse(request: Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
@@ -352,14 +362,31 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         rid, t0 = prefix + secrets.token_hex(12), int(time.time())
         return rid, t0, {"id": rid, "object": kind, "created": t0, "model": options.model_name}
 
-    async def admit(outcome: _Outcome):
-        """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot)."""
+    async def admit(outcome: _Outcome, request: Request):
+        """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot). A
+        client that goes away while its request waits leaves the queue at once (counted cancelled)."""
         cm = sched.slot(outcome.arrival)
+        enter = asyncio.ensure_future(cm.__aenter__())
+        gone = asyncio.ensure_future(watch_disconnect(request))
         try:
-            slot = await cm.__aenter__()
+            await asyncio.wait({enter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not enter.done():
+                enter.cancel()
+        try:
+            slot = await enter
+        except asyncio.CancelledError:
+            slot = None
         except APIError:
             outcome("rejected")
             raise
+        if gone.done() and not gone.cancelled():   # the client left: give back a slot it got meanwhile
+            if slot is not None:
+                await cm.__aexit__(None, None, None)
+            outcome("cancelled")
+            raise _Gone()
+        assert slot is not None
         return cm, slot
 
     def streaming(outcome: _Outcome, cm, chunks: AsyncIterator[dict]) -> EventSourceResponse:
@@ -393,11 +420,11 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             if plan.forced_after_thinking:
                 reserve = 1 + len(await run_in_threadpool(model.tokenize, plan.forced, False))
             params = sampling(req, len(ids), req.max_new, reserve)
-        except APIError:
-            outcome("invalid")
+        except APIError as e:
+            outcome("cancelled" if isinstance(e, _Gone) else "invalid")
             raise
         rid, t0, head = reply_head("chatcmpl-", "chat.completion.chunk")
-        cm, slot = await admit(outcome)
+        cm, slot = await admit(outcome, request)
 
         def parser() -> OutputParser:
             return OutputParser(thinking=plan.thinking, tools=plan.tools, parallel=plan.parallel)
@@ -475,12 +502,12 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
             req, _ = await parse(request, CompletionRequest)
             prompt = req.single_prompt
             ids = await prompt_ids(prompt, "prompt")
-            params = sampling(req, len(ids), req.max_tokens)
-        except APIError:
-            outcome("invalid")
+            params = sampling(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)  # OpenAI's default
+        except APIError as e:
+            outcome("cancelled" if isinstance(e, _Gone) else "invalid")
             raise
         rid, t0, head = reply_head("cmpl-", "text_completion")
-        cm, slot = await admit(outcome)
+        cm, slot = await admit(outcome, request)
 
         if not req.stream:
             async def whole(slot: Slot) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -188,6 +189,12 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
     """
     if api_key is not None and not api_key.strip():
         raise Ds4cError("api_key: expected a non-empty key")
+    if api_key is not None:
+        api_key = api_key.strip()     # as the presented token is: a stray space would refuse every request
+    for name, v in (("queue_timeout_s", queue_timeout_s), ("request_timeout_s", request_timeout_s),
+                    ("drain_timeout_s", drain_timeout_s)):
+        if v is not None and not math.isfinite(v):
+            raise Ds4cError(f"{name}: expected a finite number of seconds, found {v}")
     check_spec_width(spec_width)  # before the (possibly long) model start, as every other argument
     sock = listen(host, port)
     try:

@@ -208,7 +208,8 @@ class ChatCompletionRequest(_Sampling):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs", "unsupported_parameter")
+            name = "logprobs" if self.logprobs else "top_logprobs"
+            raise APIError(400, "logprobs are not supported", name, "unsupported_parameter")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
                                 f"'text')", "response_format", "unsupported_parameter")
@@ -275,6 +276,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
+        if "int_max_str_digits" in str(e):   # Python's guard against quadratic int parsing
+            raise APIError(400, "a number in the body has too many digits", code="invalid_value") from None
         raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
     except RecursionError:  # json's decoder recurses per nesting level: a body of 100,000 '[' exhausts the stack
         raise APIError(400, "the body is not valid JSON here: nested too deeply", code="invalid_json") from None

@@ -167,6 +167,7 @@ class OutputParser:
         self._buf = ""
         self._raw = ""          # block text consumed since the last delta (content again if the block is bad)
         self._forced = ""       # forced text at the start of _raw (dropped, not said, if the block is bad)
+        self._held = False      # the open call's opening was forced and the model has not confirmed it yet
         self._params: set[str] = set()
         self._call: ToolCall | None = None   # the open invoke
         self._emit_call = True  # False: a non-parallel block's later calls are parsed, not returned
@@ -185,6 +186,8 @@ class OutputParser:
             self._out.append(ContentDelta(text))
 
     def _args(self, text: str) -> None:
+        if self._held:
+            self._emit_open()
         call = self._call
         assert call is not None
         call.arguments += text
@@ -217,6 +220,9 @@ class OutputParser:
                 self._call = None
             else:
                 self._say(buf)
+        elif st == "invoke" and self._held:   # cut off before the model wrote any of a forced call: its text
+            self._held = False
+            self._say((self._raw + buf).removeprefix(self._forced))
         elif st == "invoke":   # cut off inside a call: close the arguments of the complete parameters
             self._args("}" if self._params else "{}")
         # in the block, an unfinished element cut off by the end of the text is dropped
@@ -224,19 +230,31 @@ class OutputParser:
         out, self._out = self._out, []
         return out
 
-    def _open_call(self, name: str, arguments: str = "") -> None:
+    def _open_call(self, name: str, arguments: str = "", held: bool = False) -> None:
+        """A call opens. ``held``: the server forced its opening, so it is the model's call only once the model
+        writes a parameter or closes it; until then it is not returned (a model that writes something else gets
+        its text back as content, no call)."""
         call = ToolCall(self.new_id(), name, arguments)
         self._emit_call = self.parallel or not self.tool_calls
+        self._call, self._raw, self._params, self._forced = call, "", set(), ""
+        self._held = held
+        if not held:
+            self._emit_open()
+
+    def _emit_open(self) -> None:
+        call = self._call
+        assert call is not None
+        self._held = False
         if self._emit_call:
             self.tool_calls.append(call)
-            self._out.append(ToolCallDelta(len(self.tool_calls) - 1, arguments, call.id, name))
-        self._call, self._raw, self._params, self._forced = call, "", set(), ""
+            self._out.append(ToolCallDelta(len(self.tool_calls) - 1, call.arguments, call.id, call.name))
 
     def _malformed(self) -> bool:
         """The block does not parse: an open call's arguments are closed, the block's unreturned text is content
         from here on."""
-        if self._state == "invoke":
+        if self._state == "invoke" and not self._held:
             self._args("}" if self._params else "{}")
+        self._held = False      # a forced opening the model did not follow: no call
         text = self._raw + self._buf
         self._say(text.removeprefix(self._forced))
         self._raw, self._buf, self._state, self._call, self._forced = "", "", "raw", None, ""
@@ -303,7 +321,9 @@ class OutputParser:
                     return self._malformed()
                 self._raw += buf[:end + 1]
                 self._buf = buf[end + 1:]
-                self._open_call(m.group(1))
+                forced = self._forced[len(self._raw):] if self._forced.startswith(self._raw) else None
+                self._open_call(m.group(1), held=forced is not None)
+                self._forced = forced or ""   # the forced text after the tag
                 self._state = "invoke"
                 return True
             if CALLS_END.startswith(buf) or INVOKE_START.startswith(buf):
