@@ -310,18 +310,24 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[asyncio.Future, bool]:
+        """Run ``work`` until it ends or the client goes away (it is then cancelled); returns its task and whether
+        the client went away."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(watch_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+        return task, gone.done() and not gone.cancelled()
+
     async def run_whole(request: Request, outcome: _Outcome, cm, slot: Slot,
                         body: Callable[[Slot], Awaitable[dict]]) -> Any:
         """A non-streaming reply: the body built under the admitted slot, abandoned if the client goes away."""
         try:
-            task = asyncio.ensure_future(body(slot))
-            gone = asyncio.ensure_future(watch_disconnect(request))
-            try:
-                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not task.done():
-                    task.cancel()
+            task, _ = await until_disconnect(request, body(slot))
             if not task.done() or task.cancelled():
                 outcome("cancelled")
                 return Response(status_code=499)   # nobody is there to read it
@@ -366,14 +372,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         """Enter a scheduler slot (429 / 503 counted as rejected); returns (its context manager, the slot). A
         client that goes away while its request waits leaves the queue at once (counted cancelled)."""
         cm = sched.slot(outcome.arrival)
-        enter = asyncio.ensure_future(cm.__aenter__())
-        gone = asyncio.ensure_future(watch_disconnect(request))
-        try:
-            await asyncio.wait({enter, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not enter.done():
-                enter.cancel()
+        enter, left = await until_disconnect(request, cm.__aenter__())
         try:
             slot = await enter
         except asyncio.CancelledError:
@@ -381,7 +380,7 @@ def create_app(model: Model, engine: Engine, options: ServerOptions) -> FastAPI:
         except APIError:
             outcome("rejected")
             raise
-        if gone.done() and not gone.cancelled():   # the client left: give back a slot it got meanwhile
+        if left:                   # the client left: give back a slot it got meanwhile
             if slot is not None:
                 await cm.__aexit__(None, None, None)
             outcome("cancelled")

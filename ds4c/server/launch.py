@@ -44,6 +44,11 @@ _ABORT_GRACE_S = 5.0
 log = logging.getLogger("ds4c.server")
 
 
+def _check_drain_timeout(seconds: float) -> None:
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise Ds4cError(f"drain_timeout_s: expected a finite number of seconds >= 0, found {seconds}")
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket listening on ``host``:``port`` (port 0: a free one), bound now so that a port in use or a bad
     address is known before the model loads.
@@ -134,8 +139,10 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
             (StepError).
     """
     if sock is None:
+        _check_drain_timeout(drain_timeout_s)
         sock = listen(host, port)
     try:
+        _check_drain_timeout(drain_timeout_s)
         check_spec_width(spec_width)
         if model.tokenizer is None:
             raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server "
@@ -191,10 +198,9 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
         raise Ds4cError("api_key: expected a non-empty key")
     if api_key is not None:
         api_key = api_key.strip()     # as the presented token is: a stray space would refuse every request
-    for name, v in (("queue_timeout_s", queue_timeout_s), ("request_timeout_s", request_timeout_s),
-                    ("drain_timeout_s", drain_timeout_s)):
-        if v is not None and not math.isfinite(v):
-            raise Ds4cError(f"{name}: expected a finite number of seconds, found {v}")
+    _check_drain_timeout(drain_timeout_s)
+    limits = SchedulerConfig(max_queue=max_queue, queue_timeout_s=queue_timeout_s,  # checked before the model loads
+                             request_timeout_s=request_timeout_s, stream_buffer=stream_buffer)
     check_spec_width(spec_width)  # before the (possibly long) model start, as every other argument
     sock = listen(host, port)
     try:
@@ -206,9 +212,7 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
         raise
     name = model_name or Path(str(model.path)).name.removesuffix(".gguf")
     options = ServerOptions(model_name=name, api_key=api_key, max_body_bytes=max_body_bytes,
-                            scheduler=SchedulerConfig(max_queue=max_queue, queue_timeout_s=queue_timeout_s,
-                                                      request_timeout_s=request_timeout_s,
-                                                      stream_buffer=stream_buffer))
+                            scheduler=limits)
     print(f"ds4c serve: {name} ({model.engine} engine on {device}, max_ctx {model.max_ctx}; loaded in "
           f"{model.load_s:.1f} s){', API key required' if api_key else ''}", file=sys.stderr, flush=True)
     serve_model(model, options, max_concurrency=max_concurrency, spec_width=spec_width,

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from ds4c.errors import Ds4cError
 from ds4c.server.engine import Engine, Failed, Finished, GenRequest, Piece, RequestStream
 from ds4c.server.metrics import Metrics
 from ds4c.server.protocol import APIError
@@ -42,12 +43,19 @@ from ds4c.server.protocol import APIError
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The limits of the policy (module docstring); times in seconds, None = no limit."""
+    """The limits of the policy (module docstring); times in seconds, None = no limit. A timeout that is not a
+    finite number > 0 is a Ds4cError."""
 
     max_queue: int = 256
     queue_timeout_s: float = 60.0
     request_timeout_s: float | None = 600.0
     stream_buffer: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("queue_timeout_s", "request_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise Ds4cError(f"{name}: expected a finite number of seconds > 0, found {v}")
 
 
 class Slot:
