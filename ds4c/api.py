@@ -38,10 +38,12 @@ from ds4c.default_model import default_model_path
 from ds4c.engine import open_engine, resolve_engine, resolve_needs
 from ds4c.engine_protocol import CompiledEngine, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, GenerationInterrupted
+from ds4c.batching import BatchConfig, BatchEngine, BatchRequest
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
 from ds4c.generate import stream as stream_tokens
 from ds4c.gguf_file import ModelFile
 from ds4c.markers import held_back
+from ds4c.sampling import check_seed
 from ds4c.sources import open_model
 
 
@@ -156,6 +158,10 @@ class CompletionStream:
         c.stop_reason = c.result.stop_reason = "interrupted"
 
 
+def _nothing() -> None:
+    """No turn to give back (a generation in the batch engine holds none)."""
+
+
 def check_stops(stop: Any) -> list[str]:
     """The stop strings of a request (``stop`` of :meth:`Model.generate`, ``--stop`` of ``ds4c generate``) as a
     list: a str is one, None none.
@@ -264,11 +270,18 @@ class Model:
             was compiled with, ``ds4c compile --prefill``), else empty (the chunk graphs are not yet validated on
             a GPU). With an artifact, explicit sizes must be among its chunk sizes
             (:func:`ds4c.engine.open_engine`).
+        lanes: run generations of many threads together (continuous batching, docs/batching.md): the number of
+            sequences a step holds (or a :class:`~ds4c.batching.BatchConfig`). :meth:`generate` calls from several
+            threads then run at once, each request's tokens equal to the same request run alone; prompts that
+            begin with a prefix an earlier request left in the page pool start from it. The reference engine only
+            (the compiled step's graphs hold one sequence today), without a drafter. None (the default): one
+            generation at a time.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
         :class:`~ds4c.tokenizer.Tokenizer` or None; ``stepper``: the engine's stepper; ``engine``: its name;
-        ``draft``: the default drafter (as given; None: none); ``load_s``: seconds spent opening it all.
+        ``draft``: the default drafter (as given; None: none); ``load_s``: seconds spent opening it all;
+        ``batch``: the :class:`~ds4c.batching.BatchEngine` with ``lanes`` (None without).
 
     Raises:
         Ds4cError: a ``path`` of another type (an int, bytes...); what :func:`~ds4c.sources.open_model`,
@@ -282,7 +295,7 @@ class Model:
                  quant_emulation: bool = True, threads: int | None = None, dataflow: str = "bf16",
                  devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
                  taps: Sequence[int] = (), record_hc: bool = False, prefill_chunks: Any = None,
-                 draft: str | os.PathLike[str] | Any | None = None):
+                 draft: str | os.PathLike[str] | Any | None = None, lanes: int | BatchConfig | None = None):
         from ds4c.tokenizer import Tokenizer, has_tokenizer
 
         t0 = time.perf_counter()
@@ -312,7 +325,29 @@ class Model:
                                    record_hc=bool(record_hc), prefill_chunks=prefill_chunks, draft=drafter)
         self.max_ctx: int = max_ctx if max_ctx is not None else self.stepper.max_ctx
         self._turns = _Turns()
+        self.batch: BatchEngine | None = None
+        if lanes is not None:
+            self.batch = self._open_batch(lanes)
         self.load_s = time.perf_counter() - t0
+
+    def _open_batch(self, lanes: Any) -> BatchEngine:
+        if isinstance(lanes, bool) or not isinstance(lanes, (int, BatchConfig)):
+            raise Ds4cError(f"lanes: expected an int >= 1 (sequences per step) or a BatchConfig, found {lanes!r}")
+        cfg = lanes if isinstance(lanes, BatchConfig) else BatchConfig(max_lanes=lanes, max_rows=max(16, lanes))
+        if self.draft is not None:
+            raise Ds4cError("lanes: speculative decoding inside the batch is not supported yet; open the Model "
+                            "without draft (or without lanes)")
+        if self.engine != "reference":
+            raise Ds4cError(f"lanes: continuous batching runs on the reference engine (the {self.engine} step's "
+                            f"graphs hold one sequence today); open the Model with engine='reference' or without "
+                            f"lanes")
+        return BatchEngine(self.stepper, self.max_ctx, cfg)
+
+    def close(self) -> None:
+        """End the batch engine's running and waiting generations (``lanes``); a Model without lanes has nothing to
+        close."""
+        if self.batch is not None:
+            self.batch.close()
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -427,8 +462,8 @@ class Model:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | str | None = None,
                  ignore_eos: bool = False, stream: bool = False, draft: str | Any | None = None,
-                 spec_width: int | str = 5, on_prefill: Callable[[int, int], Any] | None = None
-                 ) -> Completion | CompletionStream:
+                 spec_width: int | str = 5, on_prefill: Callable[[int, int], Any] | None = None,
+                 cancel: threading.Event | None = None) -> Completion | CompletionStream:
         """Generate after ``prompt`` (text or token ids) on a fresh sequence.
 
         Args:
@@ -451,6 +486,8 @@ class Model:
                 ``"auto"``: chosen per step from the acceptance so far and each width's measured cost.
             on_prefill: called as the prompt is ingested with ``(tokens done, prompt tokens)``, after each prefill
                 step (the last call has them equal): e.g. a progress bar of a long prompt (``ds4c generate``'s).
+            cancel: with ``lanes``, an event another thread sets to end this generation before the batch's next
+                step (``stop_reason`` ``"stop"``; the server sets it when a client goes away).
 
         Raises:
             Ds4cError: a bad prompt (see :meth:`prompt_ids`), sampling values out of range, stop strings or
@@ -480,14 +517,26 @@ class Model:
         draft = self._drafter(given, seed)
         if draft is not None:  # what it needs of this Model's engine (the step records it, or a one-line refusal)
             self._check_needs(given, draft)
-        release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
-        try:
-            ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                               top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width, on_end=release,
-                               on_prefill=on_prefill)
-        except BaseException:
-            release()
-            raise
+        ts: TokenStream | BatchRequest
+        if cancel is not None and (self.batch is None or not isinstance(cancel, threading.Event)):
+            raise Ds4cError("cancel: a threading.Event, with a Model opened with lanes (one generation at a time ends "
+                            "with CompletionStream.close())")
+        if self.batch is not None:  # lanes: this generation joins the running batch, no turn to wait for
+            if draft is not None:
+                raise Ds4cError("draft: speculative decoding inside the batch (lanes) is not supported yet")
+            check_seed(seed)
+            release = _nothing
+            ts = self.batch.submit(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   stop_ids=stop_ids, cancel=cancel, on_prefill=on_prefill)
+        else:
+            release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
+            try:
+                ts = stream_tokens(self.stepper, ids, max_new_tokens, temperature=temperature, seed=seed,
+                                   top_k=top_k, top_p=top_p, stop_ids=stop_ids, draft=draft, spec_width=spec_width,
+                                   on_end=release, on_prefill=on_prefill)
+            except BaseException:
+                release()
+                raise
         holder: dict[str, Any] = {}
         if stream:
             def end() -> None:  # closed before its first piece, or dropped: the generation ends

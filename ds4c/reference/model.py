@@ -12,6 +12,8 @@ new rows are written to the ring after all rows attended (the side-buffer scheme
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -23,6 +25,16 @@ from ds4c.reference.state import CompressorState, SequenceState
 from ds4c.reference.weights import Compressor, LayerWeights, ReferenceWeights
 
 BF16, F32 = torch.bfloat16, torch.float32
+
+
+@dataclass
+class Lane:
+    """One sequence's part of a step of several (:meth:`Reference.step_lanes`): its ``state``, the ``tokens`` of
+    its rows and the position ``pos`` of the first (the state's next position)."""
+
+    state: SequenceState
+    tokens: list[int]
+    pos: int
 
 
 class Reference:
@@ -150,6 +162,54 @@ class Reference:
             logits = self._step(toks, pos)
         self._check_finite(logits, pos, len(toks))
         return logits
+
+    def step_lanes(self, lanes: list[tuple[SequenceState, list[int], int]],
+                   check_finite: bool = True) -> list[torch.Tensor]:
+        """One step of several sequences ("lanes", docs/batching.md): lane ``(state, tokens, pos)`` runs
+        ``len(tokens)`` rows (1 for a decode, several for a verify or a prompt chunk) at positions ``pos ..`` on
+        its own ``state`` (this reference's own :attr:`state` untouched). The row-wise work (projections, experts,
+        HC) runs over every lane's rows; attention, compressors, indexer and state writes per lane. Each lane's
+        logits and state equal a step of that lane alone bit for bit (the primitives are row-invariant).
+        Returns the fp32 logits ``[len(tokens), vocab]`` of each lane, in order. After it, ``state.rollback``
+        keeps a prefix of a lane's rows. ``check_finite``: raise for a lane whose logits are not finite (False: the
+        caller checks each lane's, so one lane's NaN fails that lane only).
+
+        Raises:
+            StepError: no lanes, a lane with no tokens, a state of another model or layer range, the same state
+                twice, a position that is not the state's next one or past its ``max_ctx``, a token id outside the
+                vocabulary; taps or final HC recording on (one sequence's rings: lanes do not record them); this
+                reference is a shard of a layer split.
+        """
+        if not self.is_whole:
+            raise StepError("step_lanes needs the whole model, not a shard of a layer split")
+        if self.tap_rows is not None or self.final_hc_rows is not None:
+            raise StepError("step_lanes: this reference records DSpark taps or the final HC state (one sequence's "
+                            "rings); lanes record neither: switch them off (set_taps(()), record_final_hc(False))")
+        if not lanes:
+            raise StepError("step_lanes: expected at least one lane")
+        checked, seen = [], set()
+        for k, lane in enumerate(lanes):
+            try:
+                st, tokens, pos = lane
+            except (TypeError, ValueError):
+                raise StepError(f"lane {k}: expected (state, tokens, pos), found {lane!r:.60}") from None
+            if not isinstance(st, SequenceState) or st.config != self.cfg or st.layer_range != self.layer_range:
+                raise StepError(f"lane {k}: expected a sequence state of this model ({self.cfg.name}, every layer)")
+            if id(st) in seen:
+                raise StepError(f"lane {k}: the same sequence state is in two lanes")
+            seen.add(id(st))
+            toks = self._check_tokens(tokens, pos, st, width=None)
+            checked.append(Lane(st, toks, pos))
+        with torch.no_grad(), P.dataflow(self.dataflow):
+            logits = self._lanes_step(checked)
+        out, base = [], 0
+        for ln in checked:
+            n = len(ln.tokens)
+            if check_finite:
+                self._check_finite(logits[base:base + n], ln.pos, n)
+            out.append(logits[base:base + n])
+            base += n
+        return out
 
     def run(self, tokens: list[int] | torch.Tensor, pos: int, x: torch.Tensor | None = None) -> torch.Tensor:
         """This shard's part of a verify step of ``q = len(tokens)`` rows at positions ``pos .. pos+q-1``.
@@ -283,18 +343,26 @@ class Reference:
     # ---------------------------------------------------------------------------------------------- checks
     def _check_step(self, tokens: list[int] | torch.Tensor, pos: int) -> list[int]:
         """The step's token ids as ints, after the width, position, max_ctx and vocabulary checks."""
+        return self._check_tokens(tokens, pos, self.state, width=MAX_WIDTH)
+
+    def _check_tokens(self, tokens: list[int] | torch.Tensor, pos: int, st: SequenceState,
+                      width: int | None) -> list[int]:
+        """``tokens`` as ints for a step of ``st`` at ``pos``: at most ``width`` of them (None: any number >= 1),
+        ``pos`` the state's next position, inside its ``max_ctx``, ids in the vocabulary."""
         raw = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in raw):
             raise StepError(f"token ids must be integers, found {raw}")
         toks = [int(t) for t in raw]
         q = len(toks)
-        if not 1 <= q <= MAX_WIDTH:
-            raise StepError(f"verify width must be in 1..{MAX_WIDTH}, found {q}")
-        if pos != self.state.pos:
-            raise StepError(f"step at position {pos}, but the sequence's next position is {self.state.pos} "
+        if width is not None and not 1 <= q <= width:
+            raise StepError(f"verify width must be in 1..{width}, found {q}")
+        if q < 1:
+            raise StepError("a step needs at least one token")
+        if pos != st.pos:
+            raise StepError(f"step at position {pos}, but the sequence's next position is {st.pos} "
                             f"(call reset() for a new sequence, or rollback() after a verify)")
-        if pos + q > self.max_ctx:
-            raise StepError(f"positions {pos}..{pos + q - 1} exceed max_ctx={self.max_ctx}")
+        if pos + q > st.max_ctx:
+            raise StepError(f"positions {pos}..{pos + q - 1} exceed max_ctx={st.max_ctx}")
         bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
@@ -311,46 +379,57 @@ class Reference:
         """The layers of ``layer_range`` for the step's rows: from the embedded tokens (``x`` None) or the
         incoming HC state ``x``; returns the outgoing HC state, or the logits when the range ends at the
         last layer."""
-        cfg, w, st = self.cfg, self.w, self.state
-        q = len(toks)
-        st.begin_step(q)
-        tok = torch.tensor(toks, dtype=torch.int64, device=self.device)
-        pos = torch.arange(p0, p0 + q, dtype=torch.int64, device=self.device)
+        return self._lanes_step([Lane(self.state, toks, p0)], x)
+
+    def _lanes_step(self, lanes: list["Lane"], x: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`_step` of several sequences' rows at once (lane after lane): the row-wise work on all rows
+        together, attention, compressors and state writes per lane on its own state. Row-invariant primitives
+        make each lane's rows bit-identical to a step of that lane alone."""
+        cfg, w = self.cfg, self.w
+        for ln in lanes:
+            ln.state.begin_step(len(ln.tokens))
+        tok = torch.tensor([t for ln in lanes for t in ln.tokens], dtype=torch.int64, device=self.device)
+        pos = torch.tensor([ln.pos + r for ln in lanes for r in range(len(ln.tokens))], dtype=torch.int64,
+                           device=self.device)
+        q = tok.shape[0]
         if x is None:
             e = w.embed[tok].to(P.act_dtype())  # 5.1: bf16 [q, D] (fp32 in the fp32 dataflow)
             x = e.unsqueeze(1).expand(q, cfg.hc_mult, cfg.hidden_size).contiguous()
         for i, lw in zip(range(*self.layer_range), w.layers):
-            x = self._layer(i, lw, x, tok, pos, p0)
-            if i in self._tap_of:  # 5.2(q): the bf16 mean over the HC streams, per row
+            x = self._layer(i, lw, x, tok, pos, lanes)
+            if i in self._tap_of:  # 5.2(q): the bf16 mean over the HC streams, per row (one lane: see step_lanes)
+                p0 = lanes[0].pos
                 self.tap_rows[p0:p0 + q, self._tap_of[i]] = x.mean(dim=-2)
         if not self.is_last:  # the boundary of a layer split: the HC state of the step's rows
-            st.pos = p0 + q
+            for ln in lanes:
+                ln.state.pos = ln.pos + len(ln.tokens)
             return x
-        if self.final_hc_rows is not None:  # spec 7.5's X_main, for an MTP drafter
+        if self.final_hc_rows is not None:  # spec 7.5's X_main, for an MTP drafter (one lane)
             n = self.final_hc_rows.shape[0]
             for r in range(q):
-                self.final_hc_rows[(p0 + r) % n] = x[r]
+                self.final_hc_rows[(lanes[0].pos + r) % n] = x[r]
         y = P.hc_head(x, *w.hc_head, cfg.hc_eps, cfg.norm_eps)  # 5.4
         y = P.rms_norm(y, w.out_norm, cfg.norm_eps)
         logits = P.linear_f32(y, w.head)
-        st.pos = p0 + q
+        for ln in lanes:
+            ln.state.pos = ln.pos + len(ln.tokens)
         return logits
 
     def _layer(self, i: int, lw: LayerWeights, x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor,
-               p0: int) -> torch.Tensor:
+               lanes: list["Lane"]) -> torch.Tensor:
         cfg = self.cfg
         y, post, comb = P.hc_pre(x, *lw.hc_attn, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)  # (a)
         a = P.rms_norm(y, lw.attn_norm, cfg.norm_eps)  # (b)
-        out = self._attention(i, lw, a, pos, p0)  # (c)-(k)
+        out = self._attention(i, lw, a, pos, lanes)  # (c)-(k)
         x = P.hc_post(out, x, post, comb)  # (l)
         y, post, comb = P.hc_pre(x, *lw.hc_ffn, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)  # (m)
         b = P.rms_norm(y, lw.ffn_norm, cfg.norm_eps)  # (n)
         return P.hc_post(self._moe(i, lw, b, tok), x, post, comb)  # (o), (p)
 
     # ---------------------------------------------------------------------------------------------- attention
-    def _attention(self, i: int, lw: LayerWeights, a: torch.Tensor, pos: torch.Tensor, p0: int) -> torch.Tensor:
-        cfg, st = self.cfg, self.state
-        ls = st.layer(i)
+    def _attention(self, i: int, lw: LayerWeights, a: torch.Tensor, pos: torch.Tensor,
+                   lanes: list["Lane"]) -> torch.Tensor:
+        cfg = self.cfg
         emu = cfg.quant_emulation
         r = cfg.ratio(i)
         freqs = self._freqs[cfg.uses_yarn(i)]
@@ -370,33 +449,40 @@ class Reference:
                 qi = P.fp4_fake_quant(qi, 32)
             scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
             hw = (P.linear_bf16(a, lw.idx_proj).to(F32) * scale).to(P.act_dtype())
-        comp_in = None
+        comp_in = idx_in = None
         if r:  # compressor projections of every row (5.3), fp32 from the bf16 normed input
             comp_in = (P.linear_f32(a, lw.compressor.wkv), P.linear_f32(a, lw.compressor.wgate))
             if r == 4:
                 idx_in = (P.linear_f32(a, lw.idx_compressor.wkv), P.linear_f32(a, lw.idx_compressor.wgate))
         outs = []
-        for row in range(q):
-            p = p0 + row
-            comp, comp_ok = None, None
-            if r == 4:  # (f.4-7): indexer compressor first, so a just-finished block is visible
-                self._compress(lw.idx_compressor, ls.idx_state, ls.idx_keys, idx_in, row, p, 4, cfg.index_head_dim,
-                               freqs, indexer=True)
-                T = (p + 1) // 4
-                sel = B.indexer_select(ls.idx_keys[:T], torch.ones(T, dtype=torch.bool, device=self.device),
-                                       qi[row], hw[row], cfg.index_topk)
-            if r:  # (h.2) main compressor
-                self._compress(lw.compressor, ls.comp_state, ls.comp, comp_in, row, p, r, cfg.head_dim, freqs,
-                               indexer=False)
-                if r == 4:  # CSA: the selected blocks in descending score order
-                    comp, comp_ok = ls.comp[sel], sel >= 0
-                else:  # (g) HCA: all completed blocks
-                    comp = ls.comp[: (p + 1) // r]
-                    comp_ok = torch.ones(comp.shape[0], dtype=torch.bool, device=self.device)
-            outs.append(B.attention_row(qh[row], ls.ring, kv, p, p0, cfg.window, comp, comp_ok, lw.sink,
-                                        cfg.head_dim ** -0.5))  # (e), (i)
-        for row in range(q):  # (h.1) ring writes after every row attended (side-buffer scheme)
-            st.write(ls.ring, (p0 + row) % cfg.window, kv[row], row)
+        base = 0
+        for ln in lanes:  # the sequence-dependent part, each lane on its own state
+            st, p0, n = ln.state, ln.pos, len(ln.tokens)
+            ls = st.layer(i)
+            rows = slice(base, base + n)
+            lane_kv = kv[rows]
+            for row in range(n):
+                p, g = p0 + row, base + row
+                comp, comp_ok = None, None
+                if r == 4:  # (f.4-7): indexer compressor first, so a just-finished block is visible
+                    self._compress(st, lw.idx_compressor, ls.idx_state, ls.idx_keys, idx_in, row, g, p, 4,
+                                   cfg.index_head_dim, freqs, indexer=True)
+                    T = (p + 1) // 4
+                    sel = B.indexer_select(ls.idx_keys[:T], torch.ones(T, dtype=torch.bool, device=self.device),
+                                           qi[g], hw[g], cfg.index_topk)
+                if r:  # (h.2) main compressor
+                    self._compress(st, lw.compressor, ls.comp_state, ls.comp, comp_in, row, g, p, r, cfg.head_dim,
+                                   freqs, indexer=False)
+                    if r == 4:  # CSA: the selected blocks in descending score order
+                        comp, comp_ok = ls.comp[sel], sel >= 0
+                    else:  # (g) HCA: all completed blocks
+                        comp = ls.comp[: (p + 1) // r]
+                        comp_ok = torch.ones(comp.shape[0], dtype=torch.bool, device=self.device)
+                outs.append(B.attention_row(qh[g], ls.ring, lane_kv, p, p0, cfg.window, comp, comp_ok, lw.sink,
+                                            cfg.head_dim ** -0.5))  # (e), (i)
+            for row in range(n):  # (h.1) ring writes after every row attended (side-buffer scheme)
+                st.write(ls.ring, (p0 + row) % cfg.window, lane_kv[row], row)
+            base += n
         o = P.apply_rope(torch.stack(outs), pos, freqs, inverse=True)  # (j)
         # (k) grouped wo_a (bf16 einsum on the dequantized weight), then wo_b
         og = o.view(q, cfg.o_groups, cfg.heads_per_group * cfg.head_dim)
@@ -404,16 +490,18 @@ class Reference:
         z = torch.stack([P.linear_bf16(og[:, g], woa[g]) for g in range(cfg.o_groups)], dim=1)
         return P.linear_q(z.reshape(q, -1), lw.wo_b, emu)
 
-    def _compress(self, cw: Compressor, cs: CompressorState, rows: torch.Tensor, proj: tuple[torch.Tensor, torch.Tensor],
-                  row: int, p: int, r: int, d: int, freqs: torch.Tensor, indexer: bool) -> None:
-        """Compressor update for one token (spec 5.3); on a flush the finished row j = p // r is written to
-        ``rows``. Every write is journaled under verify row ``row``."""
+    def _compress(self, st: SequenceState, cw: Compressor, cs: CompressorState, rows: torch.Tensor,
+                  proj: tuple[torch.Tensor, torch.Tensor], row: int, g: int, p: int, r: int, d: int,
+                  freqs: torch.Tensor, indexer: bool) -> None:
+        """Compressor update for one token (spec 5.3) of sequence ``st`` (its step row ``row``, row ``g`` of the
+        projections); on a flush the finished row j = p // r is written to ``rows``. Every write is journaled
+        under verify row ``row``."""
         cfg = self.cfg
 
         def write(buf: torch.Tensor, index, value: torch.Tensor) -> None:
-            self.state.write(buf, index, value, row)
+            st.write(buf, index, value, row)
 
-        cvec = B.compress_token(cs.kv, cs.score, proj[0][row], proj[1][row] + cw.ape[p % r], p, r, d, write)
+        cvec = B.compress_token(cs.kv, cs.score, proj[0][g], proj[1][g] + cw.ape[p % r], p, r, d, write)
         if cvec is not None:
             write(rows, p // r, B.finish_compressed_row(cvec, cw.norm, p, r, freqs, cfg.norm_eps, indexer,
                                                          cfg.quant_emulation, cfg.nope_dim))
