@@ -271,11 +271,15 @@ class BatchEngine:
         return req
 
     def stats(self) -> dict[str, int]:
-        """Running sequences (admitted: prefilling or decoding), waiting requests, pages in use and in the pool,
-        cached prefix pages and prefix hits."""
+        """Running sequences (admitted: prefilling or decoding), waiting requests, pages in use (by running
+        sequences or the prefix cache), pages the running sequences hold, pages in the pool, cached prefix pages,
+        prefix hits and the prompt positions they saved, steps and rows run."""
         with self._lock:
             waiting = len(self._waiting) + len(self._incoming)
-        return {"running": len(self._active), "waiting": waiting, "pages_in_use": self.pool.alloc.in_use,
+        active = list(self._active)
+        running_pages = {p for r in active if r.seq is not None and not r.seq.freed for p in r.seq.table}
+        return {"running": len(active), "waiting": waiting, "pages_in_use": self.pool.alloc.in_use,
+                "pages_running": len(running_pages),
                 "pages": self.pool.alloc.n_pages, "page_tokens": self.pool.page_tokens,
                 "prefix_pages": len(self.pool.prefix.nodes), "prefix_hits": self.pool.prefix.hits,
                 "prefix_hit_tokens": self.pool.prefix.hit_tokens, "steps": self.steps, "rows": self.rows}

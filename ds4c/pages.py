@@ -158,10 +158,10 @@ class PrefixCache:
             self.nodes[key] = node
             if parent is not None:
                 parent.children += 1
+        self._touch(node)
         if node.state is None and state is not None:
             node.state = state
             self._trim_states()
-        self._touch(node)
         return node
 
     def _trim_states(self) -> None:

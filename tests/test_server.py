@@ -414,6 +414,71 @@ def test_many_streaming_clients(server):
     print(f"{N_CLIENTS} clients x {N_REQUESTS} requests ({N_HANG_UP} hung up): {elapsed:.1f} s")
 
 
+def test_lanes_serve_many_clients_at_once(tiny_path, server):
+    """``--lanes 4``: eight streaming clients at once (completions and chat, greedy) each get the text the
+    one-at-a-time server gives the same request; up to four sequences run together (``/metrics``); a client that
+    hangs up is counted cancelled and its pages are freed; a long prompt sent twice starts the second time from the
+    prefix cache (``ds4c_prefix_reused_tokens``); ``--lanes`` with a drafter is refused in one line."""
+    serial = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    jobs = [("chat" if k % 2 else "completions", PROMPTS[k % len(PROMPTS)] + " " * (k // 3), 6) for k in range(8)]
+
+    def run(c: openai.OpenAI, kind: str, prompt: str, n: int) -> str:
+        if kind == "chat":
+            r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                                          **GREEDY)
+            return r.choices[0].message.content
+        return c.completions.create(model=NAME, prompt=prompt, max_tokens=n, **GREEDY).choices[0].text
+
+    want = [run(serial, *j) for j in jobs]
+    long_prompt = " ".join(PROMPTS * 12)
+    want_long = run(serial, "completions", long_prompt, 4)
+    s = ServerProcess(tiny_path, "--lanes", "4", "--api-key", KEY)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        peak = [0.0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], metrics(s.url)["ds4c_running_sequences"])
+                time.sleep(0.02)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        got: list = [None] * len(jobs)
+
+        def go(k: int) -> None:
+            got[k] = run(c, *jobs[k])
+
+        ts = [threading.Thread(target=go, args=(k,)) for k in range(len(jobs))]
+        for t in ts:
+            t.start()
+        with httpx.stream("POST", s.url + "/v1/completions", headers=auth(), timeout=60,
+                          json={"model": NAME, "prompt": "Bye", "max_tokens": 500, "stream": True}) as r:
+            next(r.iter_lines())      # the first event: then hang up
+        for t in ts:
+            t.join()
+        done.set()
+        w.join()
+        assert got == want
+        assert 2 <= peak[0] <= 4
+        assert run(c, "completions", long_prompt, 4) == want_long
+        before = metrics(s.url)["ds4c_prefix_reused_tokens"]
+        assert run(c, "completions", long_prompt, 4) == want_long
+        m = metrics(s.url)
+        assert m["ds4c_prefix_reused_tokens"] - before >= 64
+        deadline = time.monotonic() + 30
+        while (m := metrics(s.url))["ds4c_running_sequences"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (m["ds4c_running_sequences"], m["ds4c_pages_in_use"], m["ds4c_queue_depth"]) == (0, 0, 0)
+        assert requests_by_outcome(m).get("cancelled") == 1
+    finally:
+        assert s.stop() == -signal.SIGTERM, "".join(s.log)
+    assert not any("Traceback" in ln for ln in s.log), "".join(s.log)
+    r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", "--lanes", "2", "--draft", "oracle:0.8"])
+    assert r.exit_code == 2 and "speculative decoding inside the batch is not supported yet" in r.output, r.output
+
+
 # ------------------------------------------------------------------------------------------------ the benchmark
 def test_bench_serve_drives_a_running_server(server, tmp_path):
     """tools/bench_serve.py against the server: every level's requests complete, its token counts are what the
@@ -529,7 +594,7 @@ def test_serve_command_errors_are_one_line(tiny_path):
     """The command's own refusals (before anything listens): an empty key, more sequences at once than the engine
     runs, a bad speculative width, prefill chunks on the reference engine."""
     for args, want in ((["--api-key", " "], "api_key: expected a non-empty key"),
-                       (["--max-concurrency", "4"], "max_concurrency 4: this engine runs 1 sequence at a time"),
+                       (["--max-concurrency", "4"], "max_concurrency 4: without --lanes the engine runs 1 sequence at a time"),
                        (["--spec-width", "9"], "--spec-width: expected 1..5"),
                        (["--prefill", "256"], "--prefill 256: prefill chunk graphs run on the compiled engine"),
                        (["--request-timeout", "nan"], "request_timeout_s: expected a finite number of seconds")):

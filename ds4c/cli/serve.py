@@ -28,8 +28,11 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
 @click.option("--api-key", default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health (default: $DS4C_API_KEY, which "
                    "keeps the key out of the process list; none when unset).")
+@click.option("--lanes", type=click.IntRange(min=1), default=None,
+              help="Sequences stepped together (continuous batching over a paged state pool, prompts starting from "
+                   "cached prefixes; reference engine, no --draft). Default: one at a time.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
-              help="Sequences run at once (default: what the engine runs; today's engine runs 1, the rest queue).")
+              help="Sequences run at once (default: --lanes, else 1; the rest queue).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=DEFAULTS["max_queue"], show_default=True,
               help="Requests that may wait for a sequence; one more gets 429.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULTS["queue_timeout_s"],
@@ -63,7 +66,7 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
               show_default=True)
 @split_options
 def command(file: str | None, host: str, port: int, model_name: str | None, api_key: str | None,
-            max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
+            lanes: int | None, max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
             drain_timeout: float, stream_buffer: int, max_body_bytes: int, max_ctx: int | None, device: str,
             engine: str, artifact: str | None, draft: str | None, spec_width: str, prefill: str | None,
             threads: int | None, dataflow: str, log_level: str, devices: str | None, layer_split: str | None) -> None:
@@ -72,7 +75,7 @@ def command(file: str | None, host: str, port: int, model_name: str | None, api_
     from ds4c.server import serve  # start-up speed: FastAPI and the model stack load only when the command runs
 
     chunks = prefill_chunks_option(prefill, "--prefill") if prefill is not None else None
-    serve(model_path(file), host=host, port=port, max_concurrency=max_concurrency,
+    serve(model_path(file), host=host, port=port, max_concurrency=max_concurrency, lanes=lanes,
           api_key=api_key if api_key is not None else settings.api_key(), model_name=model_name,
           device=device_of(device, devices), engine=engine, artifact=artifact, max_ctx=max_ctx, threads=threads,
           dataflow=dataflow, devices=devices, layer_split=layer_split, prefill_chunks=chunks, draft=draft,

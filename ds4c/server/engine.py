@@ -1,4 +1,5 @@
-"""What the server asks of an engine, and the one-sequence-at-a-time engine over :class:`ds4c.Model`.
+"""What the server asks of an engine; the one-sequence-at-a-time engine over :class:`ds4c.Model` and the
+continuous-batching one over a Model opened with ``lanes`` (:mod:`ds4c.batching`).
 
 The interface (:class:`Engine`) is small so that the multi-sequence engine of issue 30 (lanes over a paged
 state pool) can replace :class:`SerialEngine` without changing the scheduler or any handler:
@@ -124,6 +125,11 @@ class RequestStream:
         """Whether the request should stop (thread-safe)."""
         return self._cancel.is_set()
 
+    @property
+    def cancel_event(self) -> threading.Event:
+        """The event :meth:`cancel` sets (an engine that steps many requests watches it between steps)."""
+        return self._cancel
+
     def push(self, ev: Event) -> None:
         """Deliver an event (never blocks; thread-safe). After the handler's event loop has closed (the server
         stopped while the engine still ran the request) the event is dropped: nobody is there to read it, and the
@@ -172,10 +178,13 @@ class RequestStream:
 
 @dataclass
 class EngineStats:
-    """What an engine holds now: running sequences and the KV pages (:data:`PAGE_TOKENS` tokens) they take."""
+    """What an engine holds now: running sequences and the KV pages they take (:data:`PAGE_TOKENS` tokens; the
+    batch engine's own pages), the pages its prefix cache holds and the prompt positions it saved so far."""
 
     running: int
     pages_in_use: int
+    prefix_pages: int = 0
+    prefix_reused_tokens: int = 0
 
 
 class Engine(Protocol):
@@ -216,13 +225,15 @@ class SerialEngine:
     spec_width: int | str = 5
     capacity: int = 1
     _jobs: queue.Queue = field(default_factory=queue.Queue, repr=False)
-    _running: _Job | None = field(default=None, repr=False)
+    _running: dict[int, _Job] = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.max_ctx = self.model.max_ctx
-        self._thread = threading.Thread(target=self._work, name="ds4c-engine", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._work, name=f"ds4c-engine-{k}", daemon=True)
+                         for k in range(self.capacity)]
+        for t in self._threads:
+            t.start()
 
     def start(self, req: GenRequest, stream: RequestStream) -> None:
         if self._closed:
@@ -231,18 +242,17 @@ class SerialEngine:
         self._jobs.put(_Job(req, stream))
 
     def stats(self) -> EngineStats:
-        job = self._running
-        if job is None:
-            return EngineStats(0, 0)
-        return EngineStats(1, math.ceil((len(job.req.prompt_ids) + job.tokens) / PAGE_TOKENS))
+        jobs = list(self._running.values())
+        return EngineStats(len(jobs), sum(math.ceil((len(j.req.prompt_ids) + j.tokens) / PAGE_TOKENS) for j in jobs))
 
     def close(self) -> None:
         self._closed = True
-        job = self._running
-        if job is not None:
+        for job in list(self._running.values()):
             job.stream.cancel()
-        self._jobs.put(None)
-        self._thread.join(timeout=60)
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=60)
 
     # ---------------------------------------------------------------------------- the worker thread
     def _work(self) -> None:
@@ -250,7 +260,8 @@ class SerialEngine:
             job = self._jobs.get()
             if job is None:
                 return
-            self._running = job
+            me = threading.get_ident()
+            self._running[me] = job
             try:
                 job.stream.push(self._run(job))
             except Ds4cError as e:
@@ -259,7 +270,7 @@ class SerialEngine:
                 log.exception("request %s failed", job.req.id)
                 job.stream.push(Failed(f"internal engine error ({type(e).__name__}: {e})"))
             finally:
-                self._running = None
+                self._running.pop(me, None)
 
     def _run(self, job: _Job) -> Finished:
         req, st, p = job.req, job.stream, job.req.params
@@ -267,7 +278,7 @@ class SerialEngine:
             return Finished("cancelled", len(req.prompt_ids), 0)
         s = self.model.generate(list(req.prompt_ids), max_new_tokens=p.max_tokens, temperature=p.temperature,
                                 top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=list(p.stop) or None,
-                                ignore_eos=p.ignore_eos, stream=True, spec_width=self.spec_width)
+                                ignore_eos=p.ignore_eos, stream=True, **self._run_options(st))
         for piece in s:
             job.tokens = s.n_tokens
             st.push(Piece(piece, s.n_tokens))
@@ -275,8 +286,39 @@ class SerialEngine:
                 c = s.close()
                 return Finished("cancelled", len(c.prompt_ids), len(c.ids))
         c = s.completion
+        if st.cancelled:  # ended by its cancellation before a piece came (the batch engine stops it mid-prompt)
+            return Finished("cancelled", len(c.prompt_ids), len(c.ids))
         return Finished(c.stop_reason, len(c.prompt_ids), len(c.ids), _matched_stop(self.model, c.ids, c.text,
                                                                                     p.stop, c.stop_reason))
+
+
+    def _run_options(self, stream: RequestStream) -> dict:
+        return {"spec_width": self.spec_width}
+
+
+@dataclass
+class BatchedEngine(SerialEngine):
+    """Many sequences at once on a :class:`ds4c.Model` opened with ``lanes`` (continuous batching,
+    :class:`ds4c.batching.BatchEngine`): one worker thread per sequence slot hands its request to the Model's batch
+    engine, which steps every running request together; a request's cancellation reaches the batch engine through
+    its stream's event, so it ends before the next step, also in the middle of its prompt. :attr:`capacity`: the
+    Model's lanes (or fewer)."""
+
+    def __post_init__(self) -> None:
+        batch = self.model.batch
+        if batch is None:
+            raise Ds4cError("BatchedEngine needs a Model opened with lanes")
+        if not 1 <= self.capacity <= batch.config.max_lanes:
+            raise Ds4cError(f"max_concurrency {self.capacity}: the model runs {batch.config.max_lanes} sequences at "
+                            f"once (its lanes)")
+        super().__post_init__()
+
+    def stats(self) -> EngineStats:
+        st = self.model.batch.stats()
+        return EngineStats(st["running"], st["pages_running"], st["prefix_pages"], st["prefix_hit_tokens"])
+
+    def _run_options(self, stream: RequestStream) -> dict:
+        return {"cancel": stream.cancel_event}
 
 
 def _matched_stop(model: Model, ids: Sequence[int], text: str | None, stops: Sequence[str],

@@ -30,7 +30,7 @@ from ds4c.api import Model
 from ds4c.errors import Ds4cError
 from ds4c.generate import check_spec_width
 from ds4c.server.app import ServerOptions, create_app
-from ds4c.server.engine import SerialEngine
+from ds4c.server.engine import BatchedEngine, SerialEngine
 from ds4c.server.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["serve", "serve_model", "listen", "DEFAULT_PORT"]
@@ -126,7 +126,7 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
             opened with one) decodes every request speculatively.
         options: model name, API key, body and scheduler limits (:class:`~ds4c.server.app.ServerOptions`).
         host, port: where to listen (127.0.0.1 unless told otherwise; port 0: a free port, printed).
-        max_concurrency: sequences run at once; None: the engine's capacity.
+        max_concurrency: sequences run at once; None: the engine's capacity (the model's ``lanes``, else 1).
         spec_width: verify rows per speculative step (with a drafter), 1..5 or ``"auto"``.
         drain_timeout_s: how long a shutdown waits for requests in flight.
         log_level: uvicorn's log level (``critical`` ... ``debug``).
@@ -147,11 +147,13 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
         if model.tokenizer is None:
             raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server "
                             f"speaks text")
-        engine = SerialEngine(model, spec_width=spec_width)
-        if max_concurrency is not None and max_concurrency != engine.capacity:
-            engine.close()
-            raise Ds4cError(f"max_concurrency {max_concurrency}: this engine runs {engine.capacity} sequence at a "
-                            f"time (requests queue for it); more at once needs the multi-sequence engine")
+        if model.batch is not None:  # lanes: continuous batching, a worker per sequence slot
+            engine: SerialEngine = BatchedEngine(model, capacity=max_concurrency or model.batch.config.max_lanes)
+        else:
+            if max_concurrency is not None and max_concurrency != 1:
+                raise Ds4cError(f"max_concurrency {max_concurrency}: without --lanes the engine runs 1 sequence at "
+                                f"a time (requests queue for it); --lanes N runs N at once")
+            engine = SerialEngine(model, spec_width=spec_width)
         app = create_app(model, engine, options)
         # sse-starlette ends every event stream at a shutdown signal by default; ds4c drains them instead
         AppStatus.disable_automatic_graceful_drain()
@@ -168,6 +170,7 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
           max_ctx: int | None = None, threads: int | None = None, dataflow: str = "bf16",
           devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
           prefill_chunks: Any = None, draft: str | None = None, spec_width: int | str = 5,
+          lanes: int | None = None,
           max_queue: int = SchedulerConfig.max_queue, queue_timeout_s: float = SchedulerConfig.queue_timeout_s,
           request_timeout_s: float | None = SchedulerConfig.request_timeout_s,
           stream_buffer: int = SchedulerConfig.stream_buffer, max_body_bytes: int = ServerOptions.max_body_bytes,
@@ -177,14 +180,15 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
     Args:
         model_path: a GGUF file, a ``synthetic:...`` spec, or None (the built-in default model).
         host, port: where to listen (127.0.0.1 unless told otherwise; port 0: a free port, printed on stderr).
-        max_concurrency: sequences run at once (None: the engine's capacity; today's engine runs 1, the rest
-            queue).
+        max_concurrency: sequences run at once (None: the engine's capacity: ``lanes``, else 1; the rest queue).
         api_key: the bearer token every route but ``/health`` needs (None: none).
         model_name: the id clients name in ``model`` (default: the file's name without ``.gguf``).
         device, engine, artifact, max_ctx, threads, dataflow, devices, layer_split, prefill_chunks, draft: as
             :class:`ds4c.Model` takes them (``max_ctx``: positions a sequence may hold, prompt + reply; None: the
             artifact's, else 4096; ``draft``: speculative decoding for every request).
         spec_width: with ``draft``: verify rows per step, 1..5 or ``"auto"``.
+        lanes: sequences stepped together (continuous batching over the paged pool, with prefix reuse;
+            :class:`ds4c.Model`'s ``lanes``: the reference engine, no drafter); None: one at a time.
         max_queue, queue_timeout_s, request_timeout_s, stream_buffer: the scheduler's limits
             (:class:`~ds4c.server.scheduler.SchedulerConfig`).
         max_body_bytes: larger request bodies get 413.
@@ -206,14 +210,15 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
     try:
         model = Model(model_path, device=device, artifact=artifact, max_ctx=max_ctx, engine=engine, threads=threads,
                       dataflow=dataflow, devices=devices, layer_split=layer_split, prefill_chunks=prefill_chunks,
-                      draft=draft)
+                      draft=draft, lanes=lanes)
     except BaseException:
         sock.close()
         raise
     name = model_name or Path(str(model.path)).name.removesuffix(".gguf")
     options = ServerOptions(model_name=name, api_key=api_key, max_body_bytes=max_body_bytes,
                             scheduler=limits)
-    print(f"ds4c serve: {name} ({model.engine} engine on {device}, max_ctx {model.max_ctx}; loaded in "
+    lanes_note = f", {model.batch.config.max_lanes} lanes" if model.batch is not None else ""
+    print(f"ds4c serve: {name} ({model.engine} engine on {device}{lanes_note}, max_ctx {model.max_ctx}; loaded in "
           f"{model.load_s:.1f} s){', API key required' if api_key else ''}", file=sys.stderr, flush=True)
     serve_model(model, options, max_concurrency=max_concurrency, spec_width=spec_width,
                 drain_timeout_s=drain_timeout_s, log_level=log_level, sock=sock)

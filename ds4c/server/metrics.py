@@ -11,6 +11,9 @@ name                                      type       what
 ``ds4c_queue_depth``                      gauge      requests admitted, waiting for a sequence slot
 ``ds4c_running_sequences``                gauge      sequences the engine runs
 ``ds4c_pages_in_use``                     gauge      KV pages (128 tokens) the running sequences hold
+``ds4c_prefix_cache_pages``               gauge      pages the prefix cache holds (``--lanes``)
+``ds4c_prefix_reused_tokens``             gauge      prompt positions taken from the prefix cache instead of
+                                                     prefilled, since the start (``--lanes``)
 ``ds4c_prompt_tokens_total``              counter    prompt tokens of generations that ran (counted when
                                                      the engine ends one, also a cancelled one)
 ``ds4c_generation_tokens_total``          counter    tokens generated (likewise)
@@ -46,6 +49,9 @@ class Metrics:
         self.queue_depth = Gauge("ds4c_queue_depth", "Requests waiting for a sequence slot", registry=r)
         self.running = Gauge("ds4c_running_sequences", "Sequences the engine runs", registry=r)
         self.pages = Gauge("ds4c_pages_in_use", "KV pages (128 tokens) the running sequences hold", registry=r)
+        self.prefix_pages = Gauge("ds4c_prefix_cache_pages", "Pages the prefix cache holds", registry=r)
+        self.prefix_reused = Gauge("ds4c_prefix_reused_tokens",
+                                   "Prompt positions taken from the prefix cache since the start", registry=r)
         self.prompt_tokens = Counter("ds4c_prompt_tokens", "Prompt tokens of requests that ran", registry=r)
         self.generation_tokens = Counter("ds4c_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("ds4c_time_to_first_token_seconds", "Request arrival to its first text",

@@ -136,6 +136,8 @@ class Scheduler:
         metrics.queue_depth.set_function(lambda: self.queue_depth)
         metrics.running.set_function(lambda: self.engine.stats().running)
         metrics.pages.set_function(lambda: self.engine.stats().pages_in_use)
+        metrics.prefix_pages.set_function(lambda: self.engine.stats().prefix_pages)
+        metrics.prefix_reused.set_function(lambda: self.engine.stats().prefix_reused_tokens)
 
     @property
     def queue_depth(self) -> int:

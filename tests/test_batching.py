@@ -1,0 +1,265 @@
+"""Many sequences on the reference (issue 30, docs/batching.md): the lanes step, the paged pool and its prefix
+cache, the continuous-batching engine and ``Model(lanes=N)``.
+
+Every equality here is bit for bit: the reference's primitives are row-invariant, so a lane's logits and tokens
+must equal the same sequence run alone (the one-sequence loop, ``ds4c.generate``). The pools poison freed pages
+with NaN, so a read of a page a sequence no longer holds shows as non-finite logits or a changed token.
+
+The tiny preset (window 16, ratios 4 and 16) pages every 16 positions: 256 tokens cross 16 window wraps, 16 HCA
+and 64 CSA flushes and 16 page boundaries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ds4c import Model
+from ds4c.batching import BatchConfig, BatchEngine
+from ds4c.errors import Ds4cError, StepError
+from ds4c.generate import generate
+from ds4c.pages import PageAllocator, PrefixCache
+from ds4c.reference import Reference
+from ds4c.reference.paged import StatePool, check_page_tokens, default_page_tokens
+from ds4c.reference.state import SequenceState
+
+MAX_CTX = 320
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_weights):
+    return Reference(tiny_weights, max_ctx=MAX_CTX)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ pages
+def test_page_allocator_and_prefix_cache_bookkeeping():
+    freed = []
+    a = PageAllocator(4, freed.append)
+    p = a.alloc(3)
+    assert a.free == 1 and sorted(p) == [0, 1, 2]
+    with pytest.raises(StepError, match="1 free pages, 2 were asked for"):
+        a.alloc(2)
+    a.incref(p[0])
+    a.decref(p[0])
+    assert freed == [] and a.refs[p[0]] == 1
+    a.release(p)
+    assert sorted(freed) == [0, 1, 2] and a.free == 4
+    with pytest.raises(StepError, match="already free"):
+        a.decref(0)
+    with pytest.raises(StepError, match="cannot be shared"):
+        a.incref(0)
+    # the cache: a chain of pages keyed by every token before them; a node holds its page
+    c = PrefixCache(a, 2, max_states=1)
+    pa, pb = a.alloc(2)
+    n0 = c.insert(None, [1, 2], pa, "s0")
+    n1 = c.insert(n0, [3, 4], pb, "s1")
+    assert a.refs[pa] == a.refs[pb] == 2 and c.states == 1 and n0.state is None  # one state kept: the newest
+    assert c.match([1, 2, 3, 4]) == []  # n1 would leave no token to compute, n0 lost its state
+    assert c.match([1, 2, 3, 4, 5]) == [n0, n1]
+    assert c.match([1, 2, 9, 9, 5]) == []  # n0 has no state left
+    assert c.match([9, 2, 3, 4, 5]) == []
+    a.release([pa, pb])  # the sequences end: the cache keeps the pages
+    assert a.free == 2 and c.evictable() == 2
+    assert c.evict(1) == 1 and list(c.nodes.values()) == [n0]  # leaves first
+    c.clear()
+    assert a.free == 4 and not c.nodes
+
+
+def test_page_size_rules(ref):
+    assert default_page_tokens(ref.cfg) == 16
+    from ds4c.config import preset
+    assert default_page_tokens(preset("flash")) == 128
+    for bad in (0, 8, 24, "16", True):
+        with pytest.raises(StepError, match="page_tokens must be a positive multiple of 16"):
+            check_page_tokens(ref.cfg, bad)
+    assert check_page_tokens(ref.cfg, 32) == 32
+
+
+def test_a_write_into_a_shared_page_copies_it_first(ref):
+    pool = StatePool(ref.cfg, 8, poison=True)
+    a = pool.new_sequence(32)
+    rows = a.layers[3].comp  # ratio 16: one row per page
+    rows[0] = torch.full((ref.cfg.head_dim,), 1.5, dtype=torch.bfloat16)
+    b = pool.new_sequence(32)
+    pool.alloc.decref(b.table[0])
+    b.table[0] = a.table[0]  # share a's first page (as a reused prefix does)
+    pool.alloc.incref(a.table[0])
+    b.layers[3].comp[0] = torch.full((ref.cfg.head_dim,), -2.0, dtype=torch.bfloat16)
+    assert b.table[0] != a.table[0]
+    assert bool((rows[0] == 1.5).all()) and bool((b.layers[3].comp[0] == -2.0).all())
+    assert bool((b.layers[3].comp[torch.tensor([-1, 0])][0] == 0).all())  # a masked -1 entry reads zeros
+
+
+# ------------------------------------------------------------------------------------------------ the lanes step
+def test_lanes_step_equals_each_sequence_alone(ref):
+    """Three sequences stepped together with different row counts per step (decode, verify widths, prompt chunks
+    longer than the window), on paged states of a poisoning pool and on a flat state: each lane's logits equal the
+    same sequence's one-sequence steps bit for bit, also after a lane's rollback."""
+    seqs = [ids(70, 1), ids(61, 2), ids(45, 3)]
+    alone = []
+    for toks in seqs:
+        ref.reset()
+        alone.append(torch.cat([ref.verify(toks[s:s + 5], s) for s in range(0, len(toks), 5)]))
+    pool = StatePool(ref.cfg, 16, poison=True)
+    states = [pool.new_sequence(80), pool.new_sequence(80), SequenceState.new(ref.cfg, 80)]
+    widths = [(1, 3, 20, 1, 5), (2, 1, 1, 17, 4), (5, 1, 2, 3, 1)]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    k = 0
+    while any(st.pos < len(t) for st, t in zip(states, seqs)):
+        lanes, who = [], []
+        for j, (st, toks) in enumerate(zip(states, seqs)):
+            if st.pos < len(toks):
+                n = min(widths[j][k % 5], len(toks) - st.pos)
+                lanes.append((st, toks[st.pos:st.pos + n], st.pos))
+                who.append(j)
+        out = ref.step_lanes(lanes)
+        if k == 2:  # lane 0 keeps 4 of its 20 rows: rolled back to what 4 rows alone would leave
+            lanes[0][0].rollback(4)
+            out[0] = out[0][:4]
+        for j, lg in zip(who, out):
+            got[j].append(lg)
+        k += 1
+    for j in range(3):
+        assert torch.equal(torch.cat(got[j]), alone[j]), j
+    assert ref.pos == len(seqs[2])  # the reference's own sequence is not touched by lanes
+    with pytest.raises(StepError, match="the same sequence state is in two lanes"):
+        ref.step_lanes([(states[2], [1], states[2].pos), (states[2], [1], states[2].pos)])
+    with pytest.raises(StepError, match="next position is"):
+        ref.step_lanes([(states[2], [1], 0)])
+    with pytest.raises(StepError, match="at least one lane"):
+        ref.step_lanes([])
+    with pytest.raises(StepError, match="expected \\(state, tokens, pos\\)"):
+        ref.step_lanes([(states[2], [1])])
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+def _alone(ref, prompt, n, **kw):
+    return generate(ref, prompt, n, stop_ids=kw.pop("stop_ids", ()), **kw).tokens
+
+
+def test_continuous_batching_equals_each_request_alone(ref):
+    """Requests join and leave the running batch at different positions (256 new tokens for the longest, greedy
+    and seeded sampling, a stop id, one cancelled in its prompt, one prompt that starts from the prefix cache):
+    each request's tokens equal the same request alone; the pool's pages are all back (but the cache's) at the
+    end, and a freed page is poisoned."""
+    long_a, long_b = ids(21, 10), ids(40, 11)
+    late = [(ids(7, 12), dict(temperature=0.9, top_k=40, seed=3)),
+            (ids(33, 13), dict(temperature=1.0, top_p=0.8, seed=4))]
+    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=3, max_rows=8, poison=True))
+    want_a = _alone(ref, long_a, 256)
+    want_b = _alone(ref, long_b, 90, temperature=0.7, seed=1)
+    eos = want_b[50]  # a stop id the sampled request meets at its 51st token (or earlier, where it also occurs)
+    want_b_eos = _alone(ref, long_b, 90, temperature=0.7, seed=1, stop_ids=(eos,))
+    want_late = [_alone(ref, p, 40, **kw) for p, kw in late]
+    a = eng.submit(long_a, 256)
+    b = eng.submit(long_b, 90, temperature=0.7, seed=1, stop_ids=(eos,))
+    doomed = eng.submit(ids(200, 14), 10)  # the third lane; cancelled in its prompt
+    for _ in range(12):
+        next(a)
+    c = eng.submit(late[0][0], 40, **late[0][1])  # waits for a lane
+    while doomed.seq is None or doomed.seq.pos == 0:
+        time.sleep(0.01)
+    doomed.cancel()
+    d = eng.submit(late[1][0], 40, **late[1][1])
+    # a second turn: b's prompt and its first 30 tokens, then more; starts from b's cached pages
+    for _ in range(30):
+        next(b)
+    turn2 = long_b + b.tokens[:30] + ids(5, 15)
+    want_t2 = _alone(ref, turn2, 20)
+    t2 = eng.submit(turn2, 20)
+    res = {k: r.run() for k, r in dict(a=a, b=b, c=c, d=d, t2=t2).items()}
+    assert res["a"].tokens == want_a and len(want_a) == 256
+    assert res["b"].tokens == want_b_eos and res["b"].stop_reason == "eos"
+    assert res["c"].tokens == want_late[0] and res["d"].tokens == want_late[1]
+    assert res["t2"].tokens == want_t2 and t2.prefix_reused == 64  # 70 positions were cached: 4 full pages
+    assert doomed.stop().stop_reason == "stop" and doomed.run().tokens == []
+    st = eng.stats()
+    assert st["running"] == 0 and st["pages_running"] == 0 and st["pages_in_use"] == st["prefix_pages"]
+    eng.pool.prefix.clear()
+    assert eng.pool.alloc.free == eng.pool.alloc.n_pages
+    assert bool(torch.isnan(next(iter(eng.pool.comp.values()))).all())  # every page freed is poisoned
+    eng.close()
+
+
+def test_a_short_pool_is_a_wait_not_a_failure(ref):
+    """A pool with room for two requests at a time and five submitted: they wait (first come, first served) and
+    every one ends with its alone tokens; pages in use never pass the pool; the cache's pages are evicted for
+    admission."""
+    prompts = [ids(9 + 3 * k, 20 + k) for k in range(5)]
+    want = [_alone(ref, p, 24) for p in prompts]
+    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=8, pages=6, poison=True))
+    reqs = [eng.submit(p, 24) for p in prompts]
+    peak = 0
+    while any(r.result is None for r in reqs):
+        st = eng.stats()
+        peak = max(peak, st["running"])
+        assert st["pages_in_use"] <= 6
+        for r in reqs:
+            while r._read < len(r.tokens):
+                next(r)
+        time.sleep(0.005)
+    assert [r.result.tokens for r in reqs] == want
+    assert peak <= 2
+    with pytest.raises(StepError, match="need 20 pages; the pool has 6"):
+        eng.submit(ids(300, 1), 20)
+    eng.close()
+    with pytest.raises(StepError, match="closed"):
+        eng.submit([1], 1)
+
+
+def test_batch_engine_refusals(ref):
+    eng = BatchEngine(ref, 64, BatchConfig(max_lanes=2, max_rows=2))
+    for args, want in ((([], 4), "at least one token"), (([600], 4), "token ids must be in 0..511"),
+                       (([1], -1), "max_new_tokens must be an int >= 0"), (([1] * 60, 10), "exceeds max_ctx=64")):
+        with pytest.raises(StepError, match=want):
+            eng.submit(*args)
+    with pytest.raises(StepError, match="temperature"):
+        eng.submit([1], 2, temperature=-1)
+    for bad, want in ((BatchConfig(max_lanes=0), "max_lanes"), (BatchConfig(max_lanes=4, max_rows=2), "max_rows"),
+                      (BatchConfig(pages=0), "pages"), (BatchConfig(page_tokens=24), "page_tokens")):
+        with pytest.raises(StepError, match=want):
+            BatchEngine(ref, 64, bad)
+    assert eng.submit([1, 2], 0).run().tokens == []
+    eng.close()
+
+
+# ------------------------------------------------------------------------------------------------ the API
+def test_model_lanes_runs_threads_together(tiny_path):
+    """``Model(lanes=3)``: generations from four threads at once give each the text it gives on a Model without
+    lanes; a cancel event ends one; lanes refuse what they cannot run, in one line."""
+    one = Model(tiny_path, max_ctx=256, threads=1)
+    m = Model(tiny_path, max_ctx=256, threads=1, lanes=3)
+    prompts = ["The quick brown fox", "def main():", "Hello there", "Once upon a time, in"]
+    want = [one.generate(p, 24, temperature=0.8, seed=k).text for k, p in enumerate(prompts)]
+    got: list = [None] * 4
+
+    def go(k: int) -> None:
+        got[k] = m.generate(prompts[k], 24, temperature=0.8, seed=k).text
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    assert m.batch.stats()["steps"] < 4 * 24  # they ran together
+    stop = threading.Event()
+    s = m.generate(prompts[0], 200, stream=True, cancel=stop)
+    next(s)
+    stop.set()
+    c = s.completion
+    assert c.stop_reason == "stop" and len(c.ids) < 200
+    with pytest.raises(Ds4cError, match="cancel: a threading.Event, with a Model opened with lanes"):
+        one.generate("x", 2, cancel=stop)
+    with pytest.raises(Ds4cError, match="speculative decoding inside the batch is not supported yet"):
+        Model(tiny_path, max_ctx=64, lanes=2, draft="oracle:0.8")
+    with pytest.raises(Ds4cError, match="lanes: expected an int >= 1"):
+        Model(tiny_path, max_ctx=64, lanes=True)
+    m.close()
