@@ -43,7 +43,8 @@ import torch
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
 from ds4c.reference.model import Reference
-from ds4c.reference.paged import StatePool, default_page_tokens, check_page_tokens
+from ds4c.pages import check_page_tokens, default_page_tokens
+from ds4c.reference.paged import StatePool
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits
 
@@ -58,7 +59,7 @@ class BatchConfig:
         max_lanes: sequences in a step at most (decoding and prefilling).
         max_rows: rows in a step at most (>= ``max_lanes``: every lane can have a row).
         pages: pages in the pool; None: enough for ``max_lanes`` sequences of the engine's ``max_ctx``.
-        page_tokens: positions per page; None: :func:`~ds4c.reference.paged.default_page_tokens`.
+        page_tokens: positions per page; None: :func:`~ds4c.pages.default_page_tokens`.
         prefix_states: boundary states the prefix cache keeps (0: no prefix reuse).
         poison: fill freed pages with NaN (tests: a stale read shows).
     """

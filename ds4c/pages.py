@@ -20,11 +20,60 @@ so the compiled step's pool can share it.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4c.config import Ds4Config
 from ds4c.errors import StepError
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+def default_page_tokens(cfg: Ds4Config) -> int:
+    """The smallest page that is a multiple of the window and of every compress ratio (and of 4, the indexer's
+    ratio), at least 16 positions: 128 for DeepSeek-V4-Flash (window 128, ratios 4 and 128), 16 for ``tiny``."""
+    lcm = _page_unit(cfg)
+    return lcm * max(1, math.ceil(16 / lcm))
+
+
+def check_page_tokens(cfg: Ds4Config, page_tokens: Any) -> int:
+    """``page_tokens`` as an int. Raises StepError unless it is a positive multiple of the window and of every
+    compress ratio (a page boundary must end every block and hold whole windows)."""
+    base = _page_unit(cfg)
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1 or page_tokens % base:
+        raise StepError(f"page_tokens must be a positive multiple of {base} (the window and every compress ratio of "
+                        f"{cfg.name}), found {page_tokens!r}")
+    return page_tokens
+
+
+def _page_unit(cfg: Ds4Config) -> int:
+    return math.lcm(cfg.window, 4, *(r for r in cfg.compress_ratios[:cfg.n_layers] if r))
+
+
+def page_bytes(cfg: Ds4Config, page_tokens: int, elem: int = 2) -> int:
+    """Bytes of one page: every layer's compressed rows and indexer keys of ``page_tokens`` positions (bf16)."""
+    n = 0
+    for i in range(cfg.n_layers):
+        r = cfg.ratio(i)
+        if r:
+            n += page_tokens // r * cfg.head_dim
+        if r == 4:
+            n += page_tokens // 4 * cfg.index_head_dim
+    return n * elem
+
+
+def lane_state_bytes(cfg: Ds4Config) -> int:
+    """Bytes a sequence holds beside its pages: the window ring of every layer (bf16) and the compressors' fp32
+    partial state (kv and score)."""
+    n = cfg.n_layers * cfg.window * cfg.head_dim * 2
+    for i in range(cfg.n_layers):
+        r = cfg.ratio(i)
+        if r:
+            n += 2 * 4 * (8 if r == 4 else r) * (2 if r == 4 else 1) * cfg.head_dim
+        if r == 4:
+            n += 2 * 4 * 8 * 2 * cfg.index_head_dim
+    return n
 
 
 class PageAllocator:

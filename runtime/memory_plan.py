@@ -21,6 +21,7 @@ from typing import Any
 
 from ds4c.buckets import BucketSpec
 from ds4c.gguf_file import ModelFile
+from ds4c.pages import default_page_tokens, lane_state_bytes, page_bytes
 from ds4c.shard_plan import MemoryModel, ShardPlan, ShardPlanError
 
 HEADROOM = 0.05
@@ -201,6 +202,12 @@ class MemoryPlan:
     shards: tuple[ShardNeed, ...]
     synthetic: bool = False
     hints: dict[str, Any] = field(default_factory=dict)
+    pool: dict[str, int] = field(default_factory=dict)
+    """The paged state pool of many sequences (docs/batching.md): ``page_tokens``, ``page_bytes`` (one page of every
+    layer's compressed rows and indexer keys), ``lane_bytes`` (what a sequence holds beside its pages: rings and the
+    compressors' partial state), ``sequence_bytes`` (one sequence of ``max_ctx``), and, on one device whose free
+    memory is known, ``sequences``: how many sequences of ``max_ctx`` fit (the one the plan holds, plus what the
+    memory left takes)."""
 
     @property
     def need(self) -> int:
@@ -218,6 +225,7 @@ class MemoryPlan:
                 "weights": dict(self.weights), "state_by_bucket": {str(k): v for k, v in self.state_by_bucket.items()},
                 "need": self.need,
                 "fits": None if any(s.free is None for s in self.shards) and self.fits else self.fits,
+                "pool": dict(self.pool),
                 "shards": [{"device": s.device, "layers": list(s.layers), "weights": dict(s.weights),
                             "state": s.state, "arena": s.arena, "logits": s.logits, "overhead": s.overhead,
                             "need": s.need, "free": s.free, "usable": s.usable, "short": s.short}
@@ -232,6 +240,12 @@ class MemoryPlan:
         lines.append(f"  weights {_gib(w)}: " + ", ".join(f"{k} {g(v)}" for k, v in self.weights.items() if v))
         lines.append("  state by bucket: " + ", ".join(f"{c} {g(v)}" for c, v in self.state_by_bucket.items())
                      + f" (held: {self.contexts[-1]})")
+        if self.pool:
+            pl = self.pool
+            fit = f"; {pl['sequences']} such sequences fit" if "sequences" in pl else ""
+            lines.append(f"  paged pool (lanes): pages of {pl['page_tokens']} tokens, {g(pl['page_bytes'])} each, "
+                         f"+ {g(pl['lane_bytes'])} per sequence: a {self.max_ctx}-token sequence "
+                         f"{g(pl['sequence_bytes'])}{fit}")
         for k, s in enumerate(self.shards):
             have = "free unknown" if s.free is None else (
                 f"free {_gib(s.free)}, usable {_gib(s.usable)} ({s.headroom:.0%} headroom): "
@@ -313,4 +327,15 @@ def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = Non
     return MemoryPlan(str(mf.path), buckets.max_ctx, tuple(buckets.contexts), total,
                       {c: sum(v) for c, v in p.state.items()}, tuple(shards),
                       synthetic=bool(getattr(mf, "generates_on_device", False)),
-                      hints={"smaller_formats": _smaller_formats(mf)})
+                      hints={"smaller_formats": _smaller_formats(mf)}, pool=_pool(cfg, buckets.max_ctx, shards))
+
+
+def _pool(cfg: Any, max_ctx: int, shards: list[ShardNeed]) -> dict[str, int]:
+    """:attr:`MemoryPlan.pool` (the sequence count only for one shard whose device's free memory is known)."""
+    pt = default_page_tokens(cfg)
+    pb, lane = page_bytes(cfg, pt), lane_state_bytes(cfg)
+    seq = -(-max_ctx // pt) * pb + lane
+    out = {"page_tokens": pt, "page_bytes": pb, "lane_bytes": lane, "sequence_bytes": seq}
+    if len(shards) == 1 and shards[0].usable is not None and not shards[0].short:
+        out["sequences"] = 1 + (shards[0].usable - shards[0].need) // seq
+    return out

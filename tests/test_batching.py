@@ -11,6 +11,7 @@ and 64 CSA flushes and 16 page boundaries.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -23,7 +24,8 @@ from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import generate
 from ds4c.pages import PageAllocator, PrefixCache
 from ds4c.reference import Reference
-from ds4c.reference.paged import StatePool, check_page_tokens, default_page_tokens
+from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
+from ds4c.reference.paged import StatePool
 from ds4c.reference.state import SequenceState
 
 MAX_CTX = 320
@@ -80,6 +82,26 @@ def test_page_size_rules(ref):
         with pytest.raises(StepError, match="page_tokens must be a positive multiple of 16"):
             check_page_tokens(ref.cfg, bad)
     assert check_page_tokens(ref.cfg, 32) == 32
+
+
+def test_pool_sizes_are_the_flat_states(ref):
+    """A sequence's pages plus its lane state hold exactly what the one-sequence step's state buffers hold (the IR's
+    state inputs) at a context that is a whole number of pages; ``ds4c info --plan`` prints the pool line."""
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+    from ds4c.config import preset
+    from ds4c.ir.builder import state_inputs
+
+    size = {"bf16": 2, "f32": 4}
+    for cfg in (ref.cfg, preset("flash")):
+        pt = default_page_tokens(cfg)
+        flat = sum(size[t.dtype] * math.prod(t.shape) for t in state_inputs(cfg, 64 * pt).values())
+        assert flat == 64 * page_bytes(cfg, pt) + lane_state_bytes(cfg), cfg.name
+    r = CliRunner().invoke(main, ["info", "synthetic:flash:q2_k", "--plan", "--max-ctx", "65536", "--free-gib", "139"])
+    assert r.exit_code == 0, r.output
+    assert ("paged pool (lanes): pages of 128 tokens, 0.8 MiB each, + 17.0 MiB per sequence: a 65536-token sequence "
+            "447.0 MiB; 84 such sequences fit") in r.output
 
 
 def test_a_write_into_a_shared_page_copies_it_first(ref):

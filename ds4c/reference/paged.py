@@ -18,13 +18,12 @@ What is paged and what is not, and why:
   so its partial state at a boundary carries nothing and is not kept (a sequence continuing from a boundary
   starts those slots at their initial values; its outputs equal a fresh run's bit for bit, the tests check it).
 
-``page_tokens`` must be a multiple of the window and of every compress ratio (:func:`default_page_tokens`: their
-least common multiple, at least 16; 128 for DeepSeek-V4-Flash, the seed's and SGLang's page).
+``page_tokens`` must be a multiple of the window and of every compress ratio (:func:`ds4c.pages.default_page_tokens`:
+their least common multiple, at least 16; 128 for DeepSeek-V4-Flash, the seed's and SGLang's page).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,29 +31,12 @@ import torch
 
 from ds4c.config import Ds4Config
 from ds4c.errors import StepError
-from ds4c.pages import PageAllocator, PrefixCache, PrefixNode
+from ds4c.pages import PageAllocator, PrefixCache, PrefixNode, check_page_tokens, default_page_tokens
 from ds4c.reference.primitives import act_dtype
 from ds4c.reference.state import CompressorState, LayerState, SequenceState
 
 POISON = float("nan")
 """What a freed page is filled with when the pool poisons (tests): a stale read shows as NaN logits."""
-
-
-def default_page_tokens(cfg: Ds4Config) -> int:
-    """The smallest page that is a multiple of the window and of every compress ratio (and of 4, the indexer's
-    ratio), at least 16 positions: 128 for DeepSeek-V4-Flash (window 128, ratios 4 and 128), 16 for ``tiny``."""
-    lcm = math.lcm(cfg.window, 4, *(r for r in cfg.compress_ratios[:cfg.n_layers] if r))
-    return lcm * max(1, math.ceil(16 / lcm))
-
-
-def check_page_tokens(cfg: Ds4Config, page_tokens: Any) -> int:
-    """``page_tokens`` as an int. Raises StepError unless it is a positive multiple of the window and of every
-    compress ratio (a page boundary must end every block and hold whole windows)."""
-    base = math.lcm(cfg.window, 4, *(r for r in cfg.compress_ratios[:cfg.n_layers] if r))
-    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1 or page_tokens % base:
-        raise StepError(f"page_tokens must be a positive multiple of {base} (the window and every compress ratio of "
-                        f"{cfg.name}), found {page_tokens!r}")
-    return page_tokens
 
 
 class PagedRows:
@@ -166,18 +148,6 @@ class StatePool:
                 self._freed(p)
 
     # ------------------------------------------------------------------------------------------ sizes
-    @staticmethod
-    def page_bytes(cfg: Ds4Config, page_tokens: int, elem: int = 2) -> int:
-        """Bytes of one page (every layer's compressed rows and indexer keys of ``page_tokens`` positions)."""
-        n = 0
-        for i in range(cfg.n_layers):
-            r = cfg.ratio(i)
-            if r:
-                n += page_tokens // r * cfg.head_dim
-            if r == 4:
-                n += page_tokens // 4 * cfg.index_head_dim
-        return n * elem
-
     def pages_for(self, positions: int) -> int:
         """Pages a sequence of ``positions`` positions holds."""
         return -(-positions // self.page_tokens)
