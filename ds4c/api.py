@@ -333,6 +333,8 @@ class Model:
     def _open_batch(self, lanes: Any) -> BatchEngine:
         if isinstance(lanes, bool) or not isinstance(lanes, (int, BatchConfig)):
             raise Ds4cError(f"lanes: expected an int >= 1 (sequences per step) or a BatchConfig, found {lanes!r}")
+        if isinstance(lanes, int) and lanes < 1:
+            raise Ds4cError(f"lanes: expected an int >= 1 (sequences per step) or a BatchConfig, found {lanes!r}")
         cfg = lanes if isinstance(lanes, BatchConfig) else BatchConfig(max_lanes=lanes, max_rows=max(16, lanes))
         if self.draft is not None:
             raise Ds4cError("lanes: speculative decoding inside the batch is not supported yet; open the Model "

@@ -29,12 +29,14 @@ A :class:`BatchRequest` reads like the one-sequence :class:`~ds4c.generate.Token
 from __future__ import annotations
 
 import itertools
+import operator
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +45,7 @@ import torch
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
 from ds4c.reference.model import Reference
-from ds4c.pages import check_page_tokens, default_page_tokens
+from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
 from ds4c.reference.paged import StatePool
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits
@@ -87,6 +89,21 @@ class BatchConfig:
 
 
 _END = object()
+
+
+def _int_ids(ids: Any, what: str) -> list[int]:
+    """``ids`` as a list of ints; StepError (one line) for a str, bytes, a non-iterable, a bool or a non-int."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+        raise StepError(f"{what}: expected a list of int token ids, found {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool):
+            raise StepError(f"{what}: expected int token ids, found a bool")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise StepError(f"{what}: expected int token ids, found {type(t).__name__} {t!r:.30}") from None
+    return out
 
 
 class BatchRequest:
@@ -196,6 +213,23 @@ class BatchRequest:
         return int(sample(logits, self.temperature, self._rng)[0])
 
 
+def _check_fits(cfg: Any, pages: int, page_tokens: int, lanes: int, device: torch.device) -> None:
+    """StepError (one line) when the pool and the lanes' own state would not fit in the device's memory (the host's
+    RAM for the CPU, the free memory of a CUDA device), before anything is allocated."""
+    need = pages * page_bytes(cfg, page_tokens) + lanes * lane_state_bytes(cfg)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > have:
+        raise StepError(f"the page pool ({pages} pages of {page_tokens} tokens) and {lanes} lanes need "
+                        f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {device}: fewer lanes, a "
+                        f"smaller max_ctx or pages=")
+
+
 class BatchEngine:
     """Continuous batching over the reference (module docstring).
 
@@ -210,7 +244,11 @@ class BatchEngine:
     """
 
     def __init__(self, ref: Reference, max_ctx: int, config: BatchConfig = BatchConfig()):
+        if not isinstance(config, BatchConfig):
+            raise StepError(f"config: expected a BatchConfig, found {type(config).__name__}")
         config.check()
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= ref.cfg.max_position:
+            raise StepError(f"max_ctx must be an int in 1..{ref.cfg.max_position}, found {max_ctx!r}")
         if not isinstance(ref, Reference) or not ref.is_whole:
             raise StepError("continuous batching runs on the whole model's reference engine (not a layer split, not "
                             "the compiled step: its graphs hold one sequence)")
@@ -219,6 +257,7 @@ class BatchEngine:
         page_tokens = default_page_tokens(cfg) if config.page_tokens is None else check_page_tokens(cfg, config.page_tokens)
         per_seq = -(-max_ctx // page_tokens)
         pages = config.pages if config.pages is not None else config.max_lanes * per_seq
+        _check_fits(cfg, pages, page_tokens, config.max_lanes, ref.device)
         self.pool = StatePool(cfg, pages, page_tokens, ref.device, config.prefix_states, config.poison)
         self._lock = threading.Condition()
         self._incoming: deque[BatchRequest] = deque()
@@ -243,9 +282,14 @@ class BatchEngine:
             StepError: an empty prompt or an id outside the vocabulary, bad sampling values, a negative
                 ``max_new_tokens``, prompt + new tokens past ``max_ctx`` or past the whole pool, the engine closed.
         """
-        prompt = [int(t) for t in prompt]
+        prompt = _int_ids(prompt, "prompt")
         if not prompt:
             raise StepError("the prompt must hold at least one token id")
+        stops = _int_ids(stop_ids, "stop_ids")
+        if cancel is not None and not isinstance(cancel, threading.Event):
+            raise StepError(f"cancel: expected a threading.Event, found {type(cancel).__name__}")
+        if on_prefill is not None and not callable(on_prefill):
+            raise StepError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
         bad = [t for t in prompt if not 0 <= t < self.ref.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.ref.cfg.vocab_size - 1}, found {bad[0]}")
@@ -260,7 +304,7 @@ class BatchEngine:
             raise StepError(f"prompt + max_new_tokens ({n} positions) need {self.pool.pages_for(n)} pages; the pool "
                             f"has {self.pool.alloc.n_pages}")
         req = BatchRequest(next(self._ids), prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                           frozenset(int(t) for t in stop_ids), cancel or threading.Event(), on_prefill, self)
+                           frozenset(stops), cancel or threading.Event(), on_prefill, self)
         with self._lock:
             if self._closed:
                 raise StepError("the batch engine is closed")
@@ -319,9 +363,12 @@ class BatchEngine:
             except Exception as e:  # an engine bug fails the running requests, never the thread
                 log.exception("batch step failed")
                 err = e if isinstance(e, Ds4cError) else StepError(f"internal engine error ({type(e).__name__}: {e})")
-                for req in self._active:
+                with self._lock:  # everything in flight fails: an error that repeats must not spin the thread
+                    pending = list(self._waiting) + list(self._incoming)
+                    self._waiting.clear()
+                    self._incoming.clear()
+                for req in list(self._active) + pending:
                     self._finish(req, None, err)
-                self._active = []
 
     def step(self) -> bool:
         """One scheduler step (the engine's thread calls it; a caller driving the engine itself may too, when it
@@ -344,13 +391,8 @@ class BatchEngine:
         return True
 
     def _reap(self) -> None:
-        keep = []
-        for req in self._active:
-            if req.cancel_event.is_set():
-                self._finish(req, "stop")
-            else:
-                keep.append(req)
-        self._active = keep
+        for req in [r for r in self._active if r.cancel_event.is_set()]:
+            self._finish(req, "stop")
 
     def _admit(self) -> None:
         pool = self.pool
@@ -366,10 +408,16 @@ class BatchEngine:
                 continue
             n = len(req.prompt) + req.max_new_tokens
             reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse else []
-            if not pool.can_admit(pool.pages_for(n) - len(reuse)):
-                break  # first come, first served: wait for pages
-            self._waiting.popleft()
-            req.seq = pool.new_sequence(n, reuse)
+            for node in reuse:  # held while pages are made room for: eviction must not take them
+                pool.alloc.incref(node.page)
+            try:
+                if not pool.can_admit(pool.pages_for(n) - len(reuse)):
+                    break  # first come, first served: wait for pages
+                self._waiting.popleft()
+                req.seq = pool.new_sequence(n, reuse)
+            finally:
+                pool.alloc.release([node.page for node in reuse])
+            pool.prefix.record_hit(len(reuse))
             req.reused = req.seq.pos
             req.fed = list(req.prompt[:req.seq.pos])
             req.t_admit = time.perf_counter()
@@ -404,12 +452,14 @@ class BatchEngine:
                                               f"weights or the config hold NaN/inf values"))
             return
         self.pool.cache_page(seq, req.fed)
-        if not req.tokens and seq.pos < len(req.prompt):  # more of the prompt to come
-            if req.on_prefill is not None:
-                req.on_prefill(seq.pos, len(req.prompt))
-            return
         if not req.tokens and req.on_prefill is not None:
-            req.on_prefill(len(req.prompt), len(req.prompt))
+            try:
+                req.on_prefill(seq.pos, len(req.prompt))
+            except Exception as e:  # the caller's callback fails its own request only
+                self._finish(req, None, StepError(f"on_prefill raised {type(e).__name__}: {e}"))
+                return
+        if not req.tokens and seq.pos < len(req.prompt):  # more of the prompt to come
+            return
         tok = req._sample(logits[-1:].float().cpu())
         req._emit(tok)
         if tok in req.stop_ids:

@@ -221,7 +221,8 @@ class PrefixCache:
     def match(self, tokens: Sequence[int]) -> list[PrefixNode]:
         """The nodes of the longest cached prefix of ``tokens`` that a sequence can start from: it ends at a page
         boundary strictly before the last token (at least one token is left to compute the first new token's
-        logits from) and its last node holds a boundary state. ``[]``: none. Marks them used."""
+        logits from) and its last node holds a boundary state. ``[]``: none. Marks them used (a sequence that
+        starts from them is counted by :meth:`record_hit`)."""
         P = self.page_tokens
         chain: list[PrefixNode] = []
         key = ROOT_KEY
@@ -235,9 +236,13 @@ class PrefixCache:
             chain.pop()
         if chain:
             self._touch(chain[-1])
-            self.hits += 1
-            self.hit_tokens += len(chain) * P
         return chain
+
+    def record_hit(self, pages: int) -> None:
+        """Count a sequence started from a matched prefix of ``pages`` pages (none: nothing counted)."""
+        if pages:
+            self.hits += 1
+            self.hit_tokens += pages * self.page_tokens
 
     def evict(self, pages: int) -> int:
         """Drop least recently used leaf nodes whose page only the cache holds until ``pages`` pages were freed

@@ -236,6 +236,56 @@ def test_a_short_pool_is_a_wait_not_a_failure(ref):
         eng.submit([1], 1)
 
 
+def test_cancelling_one_running_request_leaves_the_others_running(ref):
+    """The first of four running requests is cancelled mid-decode: it ends ``stop``; the three after it (which a
+    scheduler that edits its running list while walking it would drop) finish with their alone tokens."""
+    prompts = [ids(5 + k, 30 + k) for k in range(4)]
+    want = [_alone(ref, p, 12) for p in prompts[1:]]
+    eng = BatchEngine(ref, 64, BatchConfig(max_lanes=4, max_rows=8))
+    reqs = [eng.submit(p, 12 if k else 40) for k, p in enumerate(prompts)]
+    for _ in range(3):
+        next(reqs[0])
+    assert reqs[0].stop().stop_reason == "stop"
+    assert all(r._done.wait(120) for r in reqs[1:]), "a running request was dropped"
+    assert [r.run().tokens for r in reqs[1:]] == want
+    eng.close()
+
+
+def test_a_matched_prefix_survives_the_eviction_that_makes_room_for_it(ref):
+    """A short pool: a request that starts from a cached prefix while the pool is full of other cached pages and a
+    running sequence: making room evicts other pages, never the prefix it is about to share; both requests give
+    their alone tokens and the hit is counted once."""
+    pa = list(range(10, 43))  # 33 tokens: two full pages cached
+    r_prompt, b_prompt = list(range(100, 117)), pa + list(range(200, 207))
+    want_r, want_b = _alone(ref, r_prompt, 47), _alone(ref, b_prompt, 24)
+    eng = BatchEngine(ref, 64, BatchConfig(max_lanes=2, max_rows=16, pages=6))
+    eng.submit(pa, 1).run()
+    assert eng.stats()["prefix_pages"] == 2
+    r = eng.submit(r_prompt, 47)
+    next(r)
+    b = eng.submit(b_prompt, 24)
+    assert r._done.wait(120) and b._done.wait(120), "a request hung"
+    assert (r.run().tokens, b.run().tokens) == (want_r, want_b)
+    assert b.prefix_reused == 32 and eng.stats()["prefix_hits"] == 1
+    eng.close()
+
+
+def test_a_failing_callback_fails_its_own_request_only(ref):
+    want = _alone(ref, ids(9, 40), 16)
+    eng = BatchEngine(ref, 64, BatchConfig(max_lanes=2, max_rows=4))
+
+    def broken(done: int, total: int) -> None:
+        raise ValueError("my callback broke")
+
+    good = eng.submit(ids(9, 40), 16)
+    bad = eng.submit(ids(20, 41), 16, on_prefill=broken)
+    with pytest.raises(StepError, match="on_prefill raised ValueError: my callback broke"):
+        bad.run()
+    assert good.run().tokens == want
+    assert eng.stats()["pages_running"] == 0
+    eng.close()
+
+
 def test_batch_engine_refusals(ref):
     eng = BatchEngine(ref, 64, BatchConfig(max_lanes=2, max_rows=2))
     for args, want in ((([], 4), "at least one token"), (([600], 4), "token ids must be in 0..511"),
@@ -244,6 +294,19 @@ def test_batch_engine_refusals(ref):
             eng.submit(*args)
     with pytest.raises(StepError, match="temperature"):
         eng.submit([1], 2, temperature=-1)
+    for kw, want in ((dict(prompt="abc"), "prompt: expected a list of int token ids, found str"),
+                     (dict(prompt=None), "found NoneType"), (dict(prompt=[1.7]), "found float 1.7"),
+                     (dict(prompt=[True]), "found a bool"), (dict(stop_ids=["x"]), "stop_ids: expected int"),
+                     (dict(cancel="yes"), "cancel: expected a threading.Event, found str"),
+                     (dict(on_prefill=3), "on_prefill: expected a callable")):
+        args = {"prompt": [1, 2], "max_new_tokens": 2, **kw}
+        with pytest.raises(StepError, match=want):
+            eng.submit(**args)
+    for args, want in (((ref, "64"), "max_ctx must be an int"), ((ref, 0), "max_ctx must be an int"),
+                       ((ref, 64, 4), "config: expected a BatchConfig, found int"),
+                       ((ref, 320, BatchConfig(max_lanes=10**6, max_rows=10**6)), "need .* GiB, more than the")):
+        with pytest.raises(StepError, match=want):
+            BatchEngine(*args)
     for bad, want in ((BatchConfig(max_lanes=0), "max_lanes"), (BatchConfig(max_lanes=4, max_rows=2), "max_rows"),
                       (BatchConfig(pages=0), "pages"), (BatchConfig(page_tokens=24), "page_tokens")):
         with pytest.raises(StepError, match=want):
@@ -285,3 +348,25 @@ def test_model_lanes_runs_threads_together(tiny_path):
     with pytest.raises(Ds4cError, match="lanes: expected an int >= 1"):
         Model(tiny_path, max_ctx=64, lanes=True)
     m.close()
+
+
+def test_bench_lanes_reports_the_three_targets(tiny_path, tmp_path):
+    """``ds4c bench --lanes`` on the CPU: a line per lane count with its ratios to one sequence, the prefill beside
+    decode and the prefix reuse lines, the JSON record; its options alone are refused in one line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+
+    out = tmp_path / "lanes.json"
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--lanes", "1,2", "--new-tokens", "4",
+                                  "--prompt-len", "4", "--long-prompt", "40", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert [lv["lanes"] for lv in rec["levels"]] == [1, 2] and rec["levels"][0]["aggregate_x"] == 1.0
+    assert rec["engine"] == "reference" and rec["prefix_reuse"]["reused"] == 16
+    assert rec["prefill_beside_decode"]["decoding"] == 1
+    assert "prefill beside decode: 1 decoding, a 40-token prompt" in r.output and "prefix reuse:" in r.output
+    r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--new-tokens", "4"])
+    assert r.exit_code == 2 and "--new-tokens: applies only with --lanes" in r.output

@@ -44,15 +44,28 @@ from ds4c.errors import Ds4cError
               help="With --prefill: the chunk graph sizes compiled.")
 @click.option("--prefill-baseline/--no-prefill-baseline", default=True, show_default=True,
               help="With --prefill: also time the verify-step path once per length.")
+@click.option("--lanes", "lanes", default=None, metavar="L,L,...",
+              help="Instead of the step table: L sequences at once through the continuous-batching engine at each L "
+                   "(aggregate tokens/s, ITL, TTFT, their ratios to one sequence), a long prompt arriving beside "
+                   "decoding sequences, and a second turn from the prefix cache vs cold (ds4c/lanes_bench.py; the "
+                   "reference engine).")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+              help="With --lanes: new tokens per request.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True,
+              help="With --lanes: prompt length of the decoding requests.")
+@click.option("--long-prompt", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="With --lanes: the prompt that arrives beside decoding sequences, and the first chat turn's.")
 @split_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")
 def command(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
             compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
             reference: bool, end_to_end: bool, prefill: str | None, prefill_chunks: str, prefill_baseline: bool,
+            lanes: str | None, new_tokens: int, prompt_len: int, long_prompt: int,
             devices: str | None, layer_split: str | None, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
-    With --prefill: prompt ingestion instead (ds4c/prefill_bench.py)."""
+    With --prefill: prompt ingestion instead (ds4c/prefill_bench.py); with --lanes: many sequences at once
+    (ds4c/lanes_bench.py)."""
     # start-up speed: the model stack (torch) loads only when the command runs
     from ds4c.bench import format_report, run_bench
     from ds4c.sources import open_model
@@ -75,7 +88,23 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
             raise Ds4cError("--prefill times the unsplit compiled step built here: drop --devices / --layer-split / "
                             "--artifact")
         chunks = prefill_chunks_option(prefill_chunks, "--prefill-chunks")
+    lanes_only = [o for o, p in (("--new-tokens", "new_tokens"), ("--prompt-len", "prompt_len"),
+                                 ("--long-prompt", "long_prompt")) if src(p) is not click.core.ParameterSource.DEFAULT]
+    if lanes is None and lanes_only:
+        raise Ds4cError(f"{', '.join(lanes_only)}: applies only with --lanes L,L,...")
+    if lanes is not None and (prefill is not None or devices or layer_split or artifact):
+        raise Ds4cError("--lanes runs the continuous-batching engine on one device: drop --prefill / --devices / "
+                        "--layer-split / --artifact")
     mf = open_model(model_path(file))
+    if lanes is not None:
+        from ds4c.lanes_bench import format_lanes_report, run_lanes_bench
+
+        lrep = run_lanes_bench(mf, device, tuple(parse_ints(lanes, "--lanes")), new_tokens, prompt_len, long_prompt,
+                               say=lambda m: click.echo(m, err=True))
+        click.echo(format_lanes_report(lrep))
+        if json_out:
+            write_json(json_out, lrep.as_dict())
+        return
     if prefill is not None:
         prep = run_prefill_bench(mf, lengths, device, chunks, llama_bench, baseline=prefill_baseline,
                                  say=lambda m: click.echo(m, err=True))

@@ -48,7 +48,7 @@ class Metrics:
                                 registry=r)
         self.queue_depth = Gauge("ds4c_queue_depth", "Requests waiting for a sequence slot", registry=r)
         self.running = Gauge("ds4c_running_sequences", "Sequences the engine runs", registry=r)
-        self.pages = Gauge("ds4c_pages_in_use", "KV pages (128 tokens) the running sequences hold", registry=r)
+        self.pages = Gauge("ds4c_pages_in_use", "KV pages the running sequences hold (128 tokens for DeepSeek-V4-Flash)", registry=r)
         self.prefix_pages = Gauge("ds4c_prefix_cache_pages", "Pages the prefix cache holds", registry=r)
         self.prefix_reused = Gauge("ds4c_prefix_reused_tokens",
                                    "Prompt positions taken from the prefix cache since the start", registry=r)
