@@ -370,3 +370,27 @@ def test_bench_lanes_reports_the_three_targets(tiny_path, tmp_path):
     assert "prefill beside decode: 1 decoding, a 40-token prompt" in r.output and "prefix reuse:" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--new-tokens", "4"])
     assert r.exit_code == 2 and "--new-tokens: applies only with --lanes" in r.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the reference's lanes on cuda)")
+def test_lanes_on_cuda_equal_each_request_alone_on_cuda(tiny_path):
+    """The reference on cuda: continuous batching (four requests joining at different times, one from the prefix
+    cache) gives each request the tokens the same request gives alone on cuda, bit for bit (every product is row
+    by row there too, so no other lane's rows can change a row's result)."""
+    from ds4c.reference import ReferenceWeights
+    from ds4c.sources import open_model
+
+    cref = Reference(ReferenceWeights.load(open_model(tiny_path), "cuda"), max_ctx=MAX_CTX)
+    prompts = [ids(21, 50), ids(40, 51), ids(7, 52)]
+    prompts.append(prompts[1] + ids(9, 53))
+    kws = [dict(), dict(temperature=0.8, seed=2), dict(temperature=1.0, top_k=30, seed=3), dict()]
+    want = [_alone(cref, p, 96, **kw) for p, kw in zip(prompts, kws)]
+    eng = BatchEngine(cref, MAX_CTX, BatchConfig(max_lanes=3, max_rows=8, poison=True))
+    reqs = [eng.submit(p, 96, **kw) for p, kw in zip(prompts[:3], kws[:3])]
+    for _ in range(40):
+        next(reqs[1])
+    reqs.append(eng.submit(prompts[3], 96, **kws[3]))
+    assert [r.run().tokens for r in reqs] == want
+    assert reqs[3].prefix_reused == 32
+    eng.close()

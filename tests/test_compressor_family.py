@@ -135,11 +135,11 @@ def test_reference_matches_model_compressor(tiny_weights) -> None:
     seen = {"n": 0, "flush": 0}
     orig = Reference._compress
 
-    def spy(self, cw, cs, rows, proj, row, p, r, d, freqs, indexer):
+    def spy(self, st, cw, cs, rows, proj, row, g, p, r, d, freqs, indexer):
         before = (cs.kv.clone(), cs.score.clone(), rows.clone())
-        orig(self, cw, cs, rows, proj, row, p, r, d, freqs, indexer)
+        orig(self, st, cw, cs, rows, proj, row, g, p, r, d, freqs, indexer)
         spec = C.CompressorSpec(r, d, indexer, cfg.quant_emulation, cfg.nope_dim, cfg.rope_dim, 1, cfg.norm_eps)
-        kv, score, out = C.reference(spec, proj[0][row:row + 1], proj[1][row:row + 1], cw.ape, cw.norm, *before, p,
+        kv, score, out = C.reference(spec, proj[0][g:g + 1], proj[1][g:g + 1], cw.ape, cw.norm, *before, p,
                                      freqs)
         assert torch.equal(kv, cs.kv) and torch.equal(score, cs.score)
         assert torch.equal(out.view(torch.int16), rows.view(torch.int16))
