@@ -1,7 +1,7 @@
 """partition: group the remaining ops into kernels and describe the kernel plan.
 
-After this pass every top-level op is either *free* (weights, constants, row positions, reshapes and
-span views: no launch, they are addresses and scalars) or a ``fused`` op that is one kernel. Singles are
+After this pass every top-level op is either *free* (weights, constants, row positions, reshapes, span views
+and a lanes step's row views: no launch, they are addresses and scalars) or a ``fused`` op that is one kernel. Singles are
 wrapped (pattern = their kind); span masks join their reader; the main and indexer compressor updates of
 a layer form one ``compressor`` kernel; the ring write joins the inverse-RoPE + grouped ``wo_a`` kernel
 (it must follow the attention, which reads the old ring rows), or, in a graph with no attention in that layer
@@ -22,7 +22,8 @@ from ds4c.ir.graph import Graph, Op, Value
 from ds4c.quant import GGMLType, nbytes
 from ds4c.passes.rewrite import fuse, is_leaf_constant, producers, users
 
-FREE_KINDS = frozenset({"param", "const", "row_positions", "reshape", "live_rows", "bucket_rows"})
+FREE_KINDS = frozenset({"param", "const", "row_positions", "reshape", "live_rows", "bucket_rows", "lane_rows",
+                        "concat_rows"})
 
 FAMILIES = {
     "hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc",
@@ -49,11 +50,13 @@ def partition(g: Graph, ctx: Any = None) -> Graph:
             u = users(g)
     by_layer: dict[tuple[int, str], list[Op]] = {}
     for op in g.ops:
-        if op.kind == "compress":
-            by_layer.setdefault((op.layer, "compress"), []).append(op)
+        if op.kind == "compress":  # per layer, and per lane in a lanes step (each lane's own state)
+            by_layer.setdefault((op.layer, _lane_of(g, op)), []).append(op)
     for ops in by_layer.values():
         fuse(g, ops, "compressor")
     for ring in [op for op in g.ops if op.kind == "ring_write"]:
+        if g.meta.get("lanes"):  # a lane's ring write covers its rows only: its own kernel after the attention
+            continue
         target = next((op for op in g.ops if op.layer == ring.layer and _pattern(op) == "grouped_linear"), None)
         if target is not None:
             fuse(g, [target, ring], "grouped_linear", layer=ring.layer, ring_write=True)
@@ -69,6 +72,14 @@ def partition(g: Graph, ctx: Any = None) -> Graph:
             fuse(g, [op], op.kind)
     g.meta = {**g.meta, "kernels": len([op for op in g.ops if op.kind == "fused"])}
     return g
+
+
+def _lane_of(g: Graph, op: Op) -> str:
+    """The lane prefix (``lane{j}.``) of a per-lane op of a lanes step, by the state buffer it updates; ``""``
+    otherwise."""
+    names = {v: k for k, v in g.inputs.items()}
+    state = names.get(op.inputs[4], "") if op.kind == "compress" else ""
+    return state[: state.index(".") + 1] if state.startswith("lane") else ""
 
 
 def _pattern(op: Op) -> str:

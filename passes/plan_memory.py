@@ -2,7 +2,8 @@
 
 Values that live inside a kernel stay in registers/shared memory; graph inputs and outputs (token ids,
 position, live lengths, state buffers, logits) are external buffers (state outputs are written in place
-over their inputs); free ops (reshapes, span views) alias their source. Every other value produced by a
+over their inputs); free ops (reshapes, span views, a lanes step's ``lane_rows``) alias their source, and the
+inputs of a ``concat_rows`` (each lane's attention output) live in its output, at their rows. Every other value produced by a
 kernel and read by a later one gets an offset in one arena, assigned first-fit in kernel order from
 liveness (a value's slot is reused once its last reader has run), aligned to 256 bytes.
 
@@ -31,9 +32,12 @@ def plan_memory(g: Graph, ctx: Any = None) -> Graph:
     external = set(g.inputs.values()) | set(g.outputs.values())
     alias: dict[Value, Value] = {}
     for op in g.ops:
-        if op.body is None and op.kind in ("reshape", "live_rows", "bucket_rows"):
+        if op.body is None and op.kind in ("reshape", "live_rows", "bucket_rows", "lane_rows"):
             src = op.inputs[0]
             alias[op.outputs[0]] = alias.get(src, src)
+        elif op.body is None and op.kind == "concat_rows":
+            for v in op.inputs:
+                alias[v] = op.outputs[0]
     last_use: dict[Value, int] = {}
     for k, op in enumerate(g.ops):
         for v in op.inputs:
@@ -46,7 +50,8 @@ def plan_memory(g: Graph, ctx: Any = None) -> Graph:
     for k, op in enumerate(g.ops):
         if op.kind == "fused":
             for v in op.outputs:
-                if v in external or v not in last_use:
+                v = alias.get(v, v)
+                if v in external or v not in last_use or v in live:
                     continue
                 if not v.type.is_static:
                     raise VerifyError(f"plan_memory: {v!r} has a symbolic shape; run fix_verify_width and "

@@ -32,9 +32,12 @@ from ds4c.tempfiles import write_text_atomic
               help="Build the graph with the DSpark taps of these layers (e.g. 40,41,42): the dspark_tap op.")
 @click.option("--record-hc", "record_hc", is_flag=True,
               help="Build the graph recording the final HC state for the MTP drafter (spec 7.5): the record_hc op.")
+@click.option("--lanes", "lanes", default=None, metavar="N or R,R,...",
+              help="Print a lanes step (docs/batching.md): N sequences of one decode row each, or the rows of each "
+                   "lane (e.g. 1,3,1: a verify lane of 3 rows between two decode lanes); at most 16 rows.")
 def command(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
             context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
-            dot: str | None, taps: str | None, record_hc: bool) -> None:
+            dot: str | None, taps: str | None, record_hc: bool, lanes: str | None) -> None:
     """Print the step IR (or a prefill chunk's, --prefill C) after the chosen passes and a per-layer
     kernel-plan summary."""
     # start-up speed: the model stack (torch) loads only when the command runs
@@ -62,6 +65,12 @@ def command(file: str | None, preset_name: str | None, width: int, prefill: int 
     if prefill is not None and prefill > max_ctx:
         raise click.BadParameter(f"a prefill chunk of {prefill} rows is longer than the context ({max_ctx})",
                                  param_hint="--prefill")
+    lane_rows = None
+    if lanes is not None:
+        if prefill is not None or width != 1 or taps or record_hc:
+            raise click.UsageError("--lanes takes no --width, --prefill, --taps or --record-hc")
+        counts = parse_ints(lanes, "--lanes")
+        lane_rows = tuple([1] * counts[0]) if len(counts) == 1 else tuple(counts)
     buckets = BucketSpec.build(cfg, (width,), max_ctx)
     ctx = context if context is not None else buckets.contexts[-1]
     if ctx not in buckets.contexts:
@@ -73,8 +82,12 @@ def command(file: str | None, preset_name: str | None, width: int, prefill: int 
         raise Ds4cError(f"--after {after!r} is not a pass of pipeline {pipeline!r}: expected one of {list(names)}")
     cap = buckets.contexts[-1]  # state capacity: the largest bucket (>= max_ctx), as compiled artifacts hold
     taps_ = tap_layers(cfg, taps, None)
-    g0 = build_step(cfg, prefill, cap, prefill=True, taps=taps_, record_hc=record_hc) if prefill is not None \
-        else build_step(cfg, width, cap, taps=taps_, record_hc=record_hc)
+    if lane_rows is not None:
+        g0 = build_step(cfg, sum(lane_rows), cap, lanes=lane_rows)
+    elif prefill is not None:
+        g0 = build_step(cfg, prefill, cap, prefill=True, taps=taps_, record_hc=record_hc)
+    else:
+        g0 = build_step(cfg, width, cap, taps=taps_, record_hc=record_hc)
     want = "all" if print_all else ([after] if after else [])
     res = run_pipeline(g0, names, context=ctx, print_after=want)
     only = set(parse_ints(layers, "--layers")) if layers else None
@@ -89,6 +102,8 @@ def command(file: str | None, preset_name: str | None, width: int, prefill: int 
         write_text_atomic(dot, to_dot(res.graph))
         click.echo(f"wrote {dot}", err=True)
     what = f"prefill chunk of {prefill} rows" if prefill is not None else f"width {width}"
+    if lane_rows is not None:
+        what = f"{len(lane_rows)} lanes of rows {list(lane_rows)} ({sum(lane_rows)} rows)"
     click.echo(f"// {cfg.name}, {what}, context bucket {ctx}, max_ctx {max_ctx}")
     click.echo("// pass                 seconds  top-level ops  leaf ops")
     for r in res.records:

@@ -114,6 +114,32 @@ class GraphBuilder:
         return self.op("param", name=name, weight=name, shape=tuple(shape), dtype=dtype)
 
 
+MAX_LANE_ROWS = 16
+"""The most rows of a lanes step (all lanes together; issue 30's row budget)."""
+
+
+def check_lanes(lanes: Any) -> tuple[int, ...]:
+    """``lanes`` as a tuple of per-lane row counts: each 1..MAX_WIDTH, at most MAX_LANE_ROWS in all.
+
+    Raises:
+        StepError: anything else (one line naming what was found).
+    """
+    try:
+        out = tuple(lanes)
+    except TypeError:
+        out = None
+    if not out or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_WIDTH
+                      for n in out) or sum(out) > MAX_LANE_ROWS:
+        raise StepError(f"lanes: expected row counts in 1..{MAX_WIDTH}, at most {MAX_LANE_ROWS} rows in all, "
+                        f"found {lanes!r}")
+    return tuple(int(n) for n in out)
+
+
+def lane_state_name(lane: int, name: str) -> str:
+    """The graph input / output name of lane ``lane``'s state buffer ``name`` (``l{i}.ring`` ...) in a lanes step."""
+    return f"lane{lane}.{name}"
+
+
 def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, int]:
     """``layers`` as ``(start, stop)`` (the whole model when None).
 
@@ -130,7 +156,7 @@ def check_layers(cfg: Ds4Config, layers: tuple[int, int] | None) -> tuple[int, i
 
 def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[int, int] | None = None,
                prefill: bool = False, all_logits: bool = False, taps: tuple[int, ...] = (),
-               record_hc: bool = False) -> Graph:
+               record_hc: bool = False, lanes: tuple[int, ...] | None = None) -> Graph:
     """The IR of one step of ``width`` rows (1 = decode, 2..5 = verify; with ``prefill`` a chunk of a prompt)
     for ``cfg``.
 
@@ -166,12 +192,28 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
             streams (bf16 ``[hc, hidden]``) into ring row ``t mod (window + MAX_WIDTH)`` (a padded prefill
             chunk's padding rows are not written); recorded in ``meta["record_hc"]``. False (the default): the
             graph is unchanged.
+        lanes: a lanes step (docs/batching.md): the rows of several sequences, ``lanes[j]`` rows (1 decode, 2..5
+            verify) of lane j, ``width == sum(lanes)`` rows in lane order, at most :data:`MAX_LANE_ROWS`. Row-wise
+            work (HC, projections, experts, head) runs over all rows; each lane has its own state inputs
+            (:func:`lane_state_name`: ``lane{j}.l{i}.ring`` ...), position ``lane{j}.pos`` and its rows'
+            compressor, indexer, attention and ring write (``lane_rows`` views of the row-wise values;
+            ``concat_rows`` joins the attention outputs). Row positions are the input ``positions`` (i64
+            [width]) instead of ``pos + i``. Types are static from the start. Not with ``prefill``, ``layers``,
+            ``taps`` or ``record_hc``. Recorded in ``meta["lanes"]``.
 
     Raises:
         StepError: width outside 1..5 (1..MAX_PREFILL_ROWS with ``prefill``), max_ctx < 1, a layer range
-            outside the model, ``all_logits`` without ``prefill``, or taps that are not distinct layer ids.
+            outside the model, ``all_logits`` without ``prefill``, or taps that are not distinct layer ids; lanes
+            that are not 1..MAX_LANE_ROWS rows in all of 1..5 rows each summing to ``width``, or lanes with an
+            option they do not take.
     """
-    limit = MAX_PREFILL_ROWS if prefill else MAX_WIDTH
+    if lanes is not None:
+        lanes = check_lanes(lanes)
+        if (prefill, layers, tuple(taps), record_hc) != (False, None, (), False):
+            raise StepError("a lanes step takes no prefill, layers, taps or record_hc")
+        if width != sum(lanes):
+            raise StepError(f"a lanes step of lanes {list(lanes)} has width {sum(lanes)}, found {width}")
+    limit = MAX_PREFILL_ROWS if prefill else MAX_LANE_ROWS if lanes is not None else MAX_WIDTH
     if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= limit:
         raise StepError(f"{'prefill chunk' if prefill else 'step'} width must be in 1..{limit}, found {width}")
     if all_logits and not prefill:
@@ -187,12 +229,17 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
     def W(name: str, dtype: str = "f32") -> Value:
         return b.param(name, shapes[name], dtype)
 
-    inputs: dict[str, Value] = {"tokens": Value(TensorType((Q,), "i64"), "tokens"),
-                                "pos": Value(TensorType((), "i64"), "pos")}
-    for k, t in state_inputs(cfg, max_ctx, (start, stop)).items():
-        inputs[k] = Value(t, k)
+    rows_dim = width if lanes is not None else Q
+    inputs: dict[str, Value] = {"tokens": Value(TensorType((rows_dim,), "i64"), "tokens")}
+    spans = [(0, width)] if lanes is None else [(sum(lanes[:j]), n) for j, n in enumerate(lanes)]
+    prefixes = [""] if lanes is None else [f"lane{j}." for j in range(len(lanes))]
+    for pre in prefixes:
+        inputs[pre + "pos"] = Value(TensorType((), "i64"), pre + "pos")
+    for pre in prefixes:
+        for k, t in state_inputs(cfg, max_ctx, (start, stop)).items():
+            inputs[pre + k] = Value(t, pre + k)
     outputs: dict[str, Value] = {}
-    tok, pos = inputs["tokens"], inputs["pos"]
+    tok = inputs["tokens"]
     valid: tuple[Value, ...] = ()  # the padded chunk's n_valid, passed to every op that writes state
     if prefill:
         valid = (inputs.setdefault("n_valid", Value(TensorType((), "i64"), "n_valid")),)
@@ -203,7 +250,22 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         inputs[FINAL_HC_RING] = Value(final_hc_ring_type(cfg), FINAL_HC_RING)
     tapped: list[Value] = []  # the outputs of the local tap layers, in layer order
     emu, eps, hc = cfg.quant_emulation, cfg.norm_eps, cfg.hc_mult
-    positions = b.op("row_positions", tok, pos, name="positions")
+    if lanes is None:
+        positions = b.op("row_positions", tok, inputs["pos"], name="positions")
+    else:
+        positions = inputs["positions"] = Value(TensorType((width,), "i64"), "positions")
+    views: dict[tuple[Value, int], Value] = {}
+
+    def lane(v: Value, j: int) -> Value:
+        """Lane j's rows of a row-wise value (the value itself in a one-sequence step)."""
+        if lanes is None:
+            return v
+        if (v, j) not in views:
+            views[v, j] = b.op("lane_rows", v, start=spans[j][0], rows=spans[j][1], name=f"{v.name}.lane{j}")
+        return views[v, j]
+
+    def st(j: int, name: str) -> Value:
+        return inputs[prefixes[j] + name]
     freq_attrs = dict(rope_dim=cfg.rope_dim, factor=cfg.rope_factor, orig_len=cfg.original_seq_len,
                       beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow)
 
@@ -240,8 +302,9 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
         kv = b.op("rms_norm", kv, W(p + "attn_kv_a_norm.weight"), eps=eps, name=f"{L}.kv_normed")
         kv = b.op("rope", kv, positions, freqs, inverse=False, name=f"{L}.kv_rope")
         kv = b.op("kv_fake_quant", kv, nope=cfg.nope_dim, enabled=emu, name=f"{L}.kv")
-        ring = inputs[f"{L}.ring"]
-        comp_span = mask = sel = None
+        comp_span: dict[int, Value] = {}
+        mask: dict[int, Value] = {}
+        sel: dict[int, Value] = {}
         if r:
             d = cfg.head_dim
             if r == 4:  # indexer query, head weights, indexer compressor (spec 5.2(f))
@@ -257,30 +320,44 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
                           name=f"{L}.hw")
                 iv = b.op("linear", a, W(p + "indexer_compressor_kv.weight"), mode="f32", name=f"{L}.idx_v")
                 ig = b.op("linear", a, W(p + "indexer_compressor_gate.weight"), mode="f32", name=f"{L}.idx_g")
-                ikv, isc, keys = b.op(
-                    "compress", iv, ig, W(p + "indexer_compressor_ape.weight"),
-                    W(p + "indexer_compressor_norm.weight"), inputs[f"{L}.idx_kv"], inputs[f"{L}.idx_score"],
-                    inputs[f"{L}.idx_keys"], positions, freqs, *valid, ratio=4, d=cfg.index_head_dim, indexer=True,
-                    emulate=emu, nope=cfg.index_head_dim - cfg.rope_dim, eps=eps, name=f"{L}.idx")
-                outputs.update({f"{L}.idx_kv": ikv, f"{L}.idx_score": isc, f"{L}.idx_keys": keys})
-                key_span = b.op("live_rows", keys, tok, pos, *valid, ratio=4, sym=span_sym(4), name=f"{L}.key_span")
-                key_mask = b.op("span_mask", key_span, positions, ratio=4, name=f"{L}.key_mask")
-                sel = b.op("indexer_topk", qi, key_span, hw, key_mask, topk=cfg.index_topk, name=f"{L}.sel")
+                for j, pre in enumerate(prefixes):
+                    n = f"{pre}{L}"
+                    ikv, isc, keys = b.op(
+                        "compress", lane(iv, j), lane(ig, j), W(p + "indexer_compressor_ape.weight"),
+                        W(p + "indexer_compressor_norm.weight"), st(j, f"{L}.idx_kv"), st(j, f"{L}.idx_score"),
+                        st(j, f"{L}.idx_keys"), lane(positions, j), freqs, *valid, ratio=4, d=cfg.index_head_dim,
+                        indexer=True, emulate=emu, nope=cfg.index_head_dim - cfg.rope_dim, eps=eps, name=f"{n}.idx")
+                    outputs.update({f"{n}.idx_kv": ikv, f"{n}.idx_score": isc, f"{n}.idx_keys": keys})
+                    key_span = b.op("live_rows", keys, lane(tok, j), st(j, "pos"), *valid, ratio=4,
+                                    sym=pre + span_sym(4), name=f"{n}.key_span")
+                    key_mask = b.op("span_mask", key_span, lane(positions, j), ratio=4, name=f"{n}.key_mask")
+                    sel[j] = b.op("indexer_topk", lane(qi, j), key_span, lane(hw, j), key_mask, topk=cfg.index_topk,
+                                  name=f"{n}.sel")
             v = b.op("linear", a, W(p + "attn_compressor_kv.weight"), mode="f32", name=f"{L}.comp_v")
             g = b.op("linear", a, W(p + "attn_compressor_gate.weight"), mode="f32", name=f"{L}.comp_g")
-            ckv, csc, rows = b.op(
-                "compress", v, g, W(p + "attn_compressor_ape.weight"), W(p + "attn_compressor_norm.weight"),
-                inputs[f"{L}.comp_kv"], inputs[f"{L}.comp_score"], inputs[f"{L}.comp"], positions, freqs, *valid,
-                ratio=r, d=d, indexer=False, emulate=emu, nope=cfg.nope_dim, eps=eps, name=f"{L}.comp")
-            outputs.update({f"{L}.comp_kv": ckv, f"{L}.comp_score": csc, f"{L}.comp": rows})
-            comp_span = b.op("live_rows", rows, tok, pos, *valid, ratio=r, sym=span_sym(r), name=f"{L}.comp_span")
-            if r != 4:
-                mask = b.op("span_mask", comp_span, positions, ratio=r, name=f"{L}.comp_mask")
+            for j, pre in enumerate(prefixes):
+                n = f"{pre}{L}"
+                ckv, csc, rows = b.op(
+                    "compress", lane(v, j), lane(g, j), W(p + "attn_compressor_ape.weight"),
+                    W(p + "attn_compressor_norm.weight"), st(j, f"{L}.comp_kv"), st(j, f"{L}.comp_score"),
+                    st(j, f"{L}.comp"), lane(positions, j), freqs, *valid, ratio=r, d=d, indexer=False, emulate=emu,
+                    nope=cfg.nope_dim, eps=eps, name=f"{n}.comp")
+                outputs.update({f"{n}.comp_kv": ckv, f"{n}.comp_score": csc, f"{n}.comp": rows})
+                comp_span[j] = b.op("live_rows", rows, lane(tok, j), st(j, "pos"), *valid, ratio=r,
+                                    sym=pre + span_sym(r), name=f"{n}.comp_span")
+                if r != 4:
+                    mask[j] = b.op("span_mask", comp_span[j], lane(positions, j), ratio=r, name=f"{n}.comp_mask")
         kind = cfg.layer_kind(i)
-        extra = () if kind == "swa" else (comp_span, sel if kind == "csa" else mask)
-        o = b.op("sparse_attention", qh, ring, kv, positions, W(p + "attn_sinks.weight"), *extra, kind=kind,
-                 window=cfg.window, scale=cfg.head_dim ** -0.5, name=f"{L}.o")
-        outputs[f"{L}.ring"] = b.op("ring_write", ring, kv, positions, *valid, window=cfg.window, name=f"{L}.ring_new")
+        o_lanes = []
+        for j, pre in enumerate(prefixes):
+            extra = () if kind == "swa" else (comp_span[j], sel[j] if kind == "csa" else mask[j])
+            o_lanes.append(b.op("sparse_attention", lane(qh, j), st(j, f"{L}.ring"), lane(kv, j), lane(positions, j),
+                                W(p + "attn_sinks.weight"), *extra, kind=kind, window=cfg.window,
+                                scale=cfg.head_dim ** -0.5, name=f"{pre}{L}.o"))
+        o = o_lanes[0] if lanes is None else b.op("concat_rows", *o_lanes, name=f"{L}.o")
+        for j, pre in enumerate(prefixes):
+            outputs[f"{pre}{L}.ring"] = b.op("ring_write", st(j, f"{L}.ring"), lane(kv, j), lane(positions, j), *valid,
+                                             window=cfg.window, name=f"{pre}{L}.ring_new")
         o = b.op("rope", o, positions, freqs, inverse=True, name=f"{L}.o_rope")
         z = b.op("grouped_linear", o, W(p + "attn_output_a.weight"), groups=cfg.o_groups, name=f"{L}.z")
         z = b.op("reshape", z, tail=(cfg.o_groups * cfg.o_lora_rank,), name=f"{L}.z_flat")
@@ -310,6 +387,8 @@ def build_step(cfg: Ds4Config, width: int, max_ctx: int = 4096, layers: tuple[in
                                          slots=tuple(local[l] for l in sorted(local)), window=cfg.window,
                                          name="taps")
     meta = {"config": cfg.name, "config_hash": cfg.hash(), "width": width, "max_ctx": max_ctx, "passes": []}
+    if lanes is not None:
+        meta["lanes"] = list(lanes)
     if prefill:
         meta["prefill"] = True
         if all_logits:

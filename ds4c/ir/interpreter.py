@@ -244,3 +244,51 @@ def run_split_step(interps: list[Interpreter], state: SequenceState, tokens: lis
                 buffers[name].copy_(t)
     state.pos = pos + len(tokens)
     return out["logits"]
+
+
+def run_lanes_step(interp: Interpreter, states: list[SequenceState], tokens: list[list[int]]) -> torch.Tensor:
+    """One lanes step (``build_step(..., lanes=...)``) through the interpreter: lane j takes ``tokens[j]`` (its
+    ``meta["lanes"][j]`` rows) at its state's next position; each state's updated buffers are written back and its
+    position advanced. Returns fp32 logits [sum of rows, vocab] in lane order.
+
+    Raises:
+        StepError: not a lanes graph, a state or token count per lane that does not match it, token ids outside
+            the vocabulary, or positions past a state's max_ctx.
+    """
+    from ds4c.ir.builder import lane_state_name
+
+    lanes = interp.graph.meta.get("lanes")
+    if not lanes:
+        raise StepError("run_lanes_step needs a lanes graph (build_step(..., lanes=...))")
+    if len(states) != len(lanes) or len(tokens) != len(lanes) or \
+            any(len(t) != n for t, n in zip(tokens, lanes)):
+        raise StepError(f"the graph's lanes have rows {list(lanes)}; got {len(states)} states and token counts "
+                        f"{[len(t) for t in tokens]}")
+    vocab = interp.w.config.vocab_size
+    bad = [t for ts in tokens for t in ts if not 0 <= int(t) < vocab]
+    if bad:
+        raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
+    dev = states[0].layers[0].ring.device
+    ins: dict[str, torch.Tensor] = {
+        "tokens": torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=dev),
+        "positions": torch.tensor([s.pos + i for s, ts in zip(states, tokens) for i in range(len(ts))],
+                                  dtype=torch.int64, device=dev)}
+    buffers: dict[str, torch.Tensor] = {}
+    for j, (s, ts) in enumerate(zip(states, tokens)):
+        if s.pos + len(ts) > s.max_ctx:
+            raise StepError(f"lane {j}: positions {s.pos}..{s.pos + len(ts) - 1} exceed its max_ctx={s.max_ctx}")
+        ins[lane_state_name(j, "pos")] = torch.tensor(s.pos, dtype=torch.int64, device=dev)
+        for name, t in state_to_inputs(s).items():
+            buffers[lane_state_name(j, name)] = t
+        for name in interp.graph.inputs:
+            prefix = lane_state_name(j, "live_r")
+            if name.startswith(prefix):
+                ins[name] = live_length(s.pos, len(ts), int(name[len(prefix):]), dev)
+    ins.update(buffers)
+    out = interp.run(ins)
+    for name, t in out.items():
+        if name in buffers:
+            buffers[name].copy_(t)
+    for s, ts in zip(states, tokens):
+        s.pos += len(ts)
+    return out["logits"]

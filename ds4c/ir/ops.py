@@ -406,6 +406,34 @@ class TakeRow:
         return [x[n - 1:n]]
 
 
+@register("lane_rows", ("x",), ("y",), ("start", "rows"))
+class LaneRows:
+    """The rows of one lane of a lanes step (``build_step(..., lanes=...)``): ``x[start : start + rows]``. A view:
+    no kernel, the lowering binds the lane's rows at their offset."""
+
+    @staticmethod
+    def infer(ins, a):
+        return [T((a["rows"],) + tuple(ins[0].shape[1:]), ins[0].dtype)]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        return [ins[0][a["start"]: a["start"] + a["rows"]]]
+
+
+@register("concat_rows", ("x*",), ("y",))
+class ConcatRows:
+    """The lanes' rows back in one tensor, in lane order (the attention outputs of a lanes step). No kernel: each
+    lane's producer writes its rows in place, at their offset."""
+
+    @staticmethod
+    def infer(ins, a):
+        return [T((sum(int(t.shape[0]) for t in ins),) + tuple(ins[0].shape[1:]), ins[0].dtype)]
+
+    @staticmethod
+    def run(ctx, ins, a):
+        return [torch.cat(list(ins))]
+
+
 @register("cast", ("x",), ("y",), ("dtype",))
 class Cast:
     """Round to ``dtype`` (bf16 or f32; bf16 is the activation dtype: f32 in the fp32 dataflow)."""

@@ -1,0 +1,147 @@
+"""Lanes steps on the IR (issue 30, the compiled step's graph): ``build_step(cfg, R, lanes=(n0, n1, ...))`` runs
+the rows of several sequences in one graph, row-wise work over all R rows and each lane's compressor, indexer,
+attention and ring write on its own state. Through the interpreter, before and after the default pass pipeline,
+every lane's logits and state buffers equal the same lane run alone through the one-sequence graph, bit for bit,
+with lanes at different positions (across window wraps, flushes of both ratios and context buckets) and verify
+rows beside decode rows.
+
+The tiny preset: window 16, CSA ratio 4, HCA ratio 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4c.buckets import BucketSpec
+from ds4c.config import preset
+from ds4c.errors import StepError
+from ds4c.ir import Interpreter, build_step, run_step
+from ds4c.ir.builder import MAX_LANE_ROWS
+from ds4c.ir.interpreter import run_lanes_step
+from ds4c.ir.verify import verify
+from ds4c.passes.manager import run_pipeline
+from ds4c.passes.partition import kernel_plan
+from ds4c.reference import Reference
+
+TINY = preset("tiny")
+MAX_CTX = 256
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _buffers(state) -> dict[str, torch.Tensor]:
+    from ds4c.ir.interpreter import state_to_inputs
+
+    return {k: v.clone() for k, v in state_to_inputs(state).items()}
+
+
+class _Alone:
+    """One-sequence graphs of widths 1..5 (raw, or through the default pipeline at each bucket)."""
+
+    def __init__(self, weights, passes: bool):
+        self.buckets = BucketSpec.build(TINY, (1,), MAX_CTX)
+        self.passes = passes
+        self.ip: dict[tuple[int, int], Interpreter] = {}
+        for q in range(1, 6):
+            g = build_step(TINY, q, MAX_CTX)
+            for c in (self.buckets.contexts if passes else (0,)):
+                self.ip[q, c] = Interpreter(run_pipeline(g, "default", context=c).graph if passes else g, weights)
+
+    def bucket(self, end: int) -> int:
+        return next(c for c in self.buckets.contexts if end <= c) if self.passes else 0
+
+    def step(self, ref: Reference, toks: list[int]) -> torch.Tensor:
+        return run_step(self.ip[len(toks), self.bucket(ref.state.pos + len(toks))], ref.state, toks, ref.state.pos)
+
+
+def _start(weights, alone: _Alone, length: int, seed: int) -> Reference:
+    ref = Reference(weights, max_ctx=MAX_CTX)
+    for t in _tokens(length, seed):
+        alone.step(ref, [t])
+    return ref
+
+
+@pytest.mark.parametrize("passes", [False, True], ids=["raw", "passes"])
+def test_lanes_step_equals_each_lane_alone(tiny_weights, passes: bool) -> None:
+    """Four lanes at positions 0, 15 (the window wraps in this step), 63 (ratio-16 and ratio-4 flushes) and 70,
+    rows (1, 3, 1, 2): four steps, each lane's logits and every state buffer bit-equal to the lane alone. With
+    passes, each lanes step runs the graph of the bucket holding its furthest lane."""
+    lanes = (1, 3, 1, 2)
+    alone = _Alone(tiny_weights, passes)
+    starts = (0, 15, 63, 70)
+    solo = [_start(tiny_weights, alone, n, seed=j) for j, n in enumerate(starts)]
+    batch = [_start(tiny_weights, alone, n, seed=j) for j, n in enumerate(starts)]
+    g = build_step(TINY, sum(lanes), MAX_CTX, lanes=lanes)
+    verify(g)
+    graphs = {}
+    for step in range(4):
+        toks = [_tokens(n, seed=100 * step + j) for j, n in enumerate(lanes)]
+        end = max(s.state.pos + n for s, n in zip(batch, lanes))
+        c = alone.bucket(end)
+        if c not in graphs:
+            graphs[c] = Interpreter(run_pipeline(g, "default", context=c).graph if passes else g, tiny_weights)
+        got = run_lanes_step(graphs[c], [s.state for s in batch], toks)
+        row = 0
+        for j, (ref, t) in enumerate(zip(solo, toks)):
+            want = alone.step(ref, t)
+            assert torch.equal(got[row:row + len(t)], want), f"step {step} lane {j}: logits differ"
+            row += len(t)
+            a, b = _buffers(ref.state), _buffers(batch[j].state)
+            bad = [k for k in a if not torch.equal(a[k], b[k])]
+            assert not bad, f"step {step} lane {j}: state buffers differ: {bad}"
+            assert ref.state.pos == batch[j].state.pos
+
+
+def test_lanes_graph_shape_and_plan() -> None:
+    """The lanes graph has per-lane state and positions, row views and one concat per layer; after the default
+    pipeline each lane has its own compressor, indexer, attention and ring-write kernels and the row-wise kernels
+    are shared (as many as the one-sequence graph has)."""
+    lanes = (1, 1, 1)
+    g = build_step(TINY, 3, MAX_CTX, lanes=lanes)
+    assert g.meta["lanes"] == [1, 1, 1]
+    assert {"tokens", "positions", "lane0.pos", "lane2.pos", "lane1.l0.ring", "lane2.l2.idx_keys"} <= set(g.inputs)
+    assert "pos" not in g.inputs
+    assert {"lane0.l3.comp", "lane2.l2.comp_kv", "logits"} <= set(g.outputs)
+    assert sum(op.kind == "concat_rows" for op in g.ops) == TINY.n_layers
+    out = run_pipeline(g, "default", context=64).graph
+    assert {"lane0.live_r4", "lane2.live_r16"} <= set(out.inputs)
+    plan = kernel_plan(out)
+    one = kernel_plan(run_pipeline(build_step(TINY, 1, MAX_CTX), "default", context=64).graph)
+    fams = lambda p, f: sum(k.family == f for k in p.kernels)  # noqa: E731
+    for f in ("attention", "compressor", "indexer"):
+        assert fams(plan, f) == 3 * fams(one, f), f
+    for f in ("gemv", "hc", "experts", "router"):
+        assert fams(plan, f) == fams(one, f), f
+
+
+@pytest.mark.parametrize("bad", [(), (0,), (6,), (5, 5, 5, 2), (1.5,), "ab"])
+def test_bad_lanes_are_one_line_errors(bad) -> None:
+    with pytest.raises(StepError, match="lanes"):
+        build_step(TINY, 1, MAX_CTX, lanes=bad)
+
+
+def test_lanes_options_checked() -> None:
+    with pytest.raises(StepError, match="width 2"):
+        build_step(TINY, 3, MAX_CTX, lanes=(1, 1))
+    with pytest.raises(StepError, match="prefill"):
+        build_step(TINY, 2, MAX_CTX, lanes=(1, 1), prefill=True)
+    with pytest.raises(StepError, match="record_hc"):
+        build_step(TINY, 2, MAX_CTX, lanes=(1, 1), record_hc=True)
+    assert MAX_LANE_ROWS >= 16
+    g = build_step(TINY, 16, MAX_CTX, lanes=(1,) * 16)
+    verify(g)
+
+
+def test_run_lanes_step_checks_its_arguments(tiny_weights) -> None:
+    g = build_step(TINY, 2, MAX_CTX, lanes=(1, 1))
+    ip = Interpreter(g, tiny_weights)
+    refs = [Reference(tiny_weights, max_ctx=MAX_CTX) for _ in range(2)]
+    with pytest.raises(StepError, match="lanes have rows"):
+        run_lanes_step(ip, [r.state for r in refs], [[1], [2, 3]])
+    with pytest.raises(StepError, match="token ids"):
+        run_lanes_step(ip, [r.state for r in refs], [[1], [TINY.vocab_size]])
+    with pytest.raises(StepError, match="lanes graph"):
+        run_lanes_step(Interpreter(build_step(TINY, 1, MAX_CTX), tiny_weights), [refs[0].state], [[1]])
