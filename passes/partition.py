@@ -31,7 +31,7 @@ FAMILIES = {
     "compressor": "compressor", "compress": "compressor",
     "indexer_topk": "indexer", "sparse_attention": "attention", "grouped_linear": "wo_a",
     "route": "router", "moe_experts": "experts", "dspark_tap": "tap", "record_hc": "tap", "markov_chain": "dspark",
-    "dspark_confidence": "dspark",
+    "dspark_confidence": "dspark", "ring_write": "rowchain",
 }
 
 

@@ -69,6 +69,18 @@ class _Ctx:
             elif leaf.kind in ("ring_write", "dspark_tap", "record_hc"):
                 self.alias[leaf.outputs[0]] = leaf.inputs[0]
         self.inputs = {v: k for k, v in g.inputs.items()}
+        #: a lanes step (ds4c.ir.builder.build_step(lanes=...)): the rows of each lane, else None. Its per-lane
+        #: kernels bind lane views at their first row (Arg.row); positions are read per row (pos_mode "rows"), a
+        #: lane's first position is the positions entry at its first row
+        self.lanes = g.meta.get("lanes")
+        #: a concat_rows input (a lane's attention output) -> (the concat, its first row): written in place
+        self.concat_at: dict[Value, tuple[Value, int]] = {}
+        for leaf in g.leaf_ops():
+            if leaf.kind == "concat_rows":
+                row = 0
+                for v in leaf.inputs:
+                    self.concat_at[v] = (leaf.outputs[0], row)
+                    row += int(v.type.shape[0])
         # what a prefill chunk graph changes (runtime/lower_prefill.py sets them; decode / verify keep these):
         #: HcSpec.row_block of the HC kernels (0: every stage-mix block loops over all q rows)
         self.row_block = 0
@@ -89,6 +101,10 @@ class _Ctx:
         state buffers resolve to the buffer they view)."""
         while v in self.alias:
             v = self.alias[v]
+        if v in self.concat_at:
+            base, row = self.concat_at[v]
+            a = self.arg(base)
+            return dataclasses.replace(a, row=a.row + row)
         w = self.weight_name(v)
         if w is not None:
             form = "bf16" if w == "token_embd.weight" else "i64" if w.endswith("tid2eid.weight") else "f32"
@@ -96,11 +112,32 @@ class _Ctx:
         p = self.prod.get(v)
         if p is not None and p.kind in ("bucket_rows", "live_rows", "reshape"):
             return self.arg(p.inputs[0])
+        if p is not None and p.kind == "lane_rows":
+            a = self.arg(p.inputs[0])
+            return dataclasses.replace(a, row=a.row + int(p.attrs["start"]))
         if p is not None and p.kind == "row_positions":
             return Arg("step", "positions")
-        if v in self.inputs and self.inputs[v] in ("tokens", "pos", "n_valid") or (v in self.inputs and self.inputs[v].startswith("live_r")):
-            return Arg("step", self.inputs[v])
+        name = self.inputs.get(v)
+        if name is not None and (name in ("tokens", "pos", "n_valid", "positions")
+                                 or name.rsplit(".", 1)[-1].startswith("live_r")):
+            return Arg("step", name)
         return Arg("value", self.names[v])
+
+    def by_name(self) -> dict[str, Value]:
+        """Graph values by printed name."""
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n: v for v, n in self.names.items()}
+        return self._by_name
+
+    def pos_arg(self, positions: Value) -> Arg:
+        """The ``pos`` argument (the first row's position) of a kernel of one sequence reading ``positions``: the
+        step's ``pos``, or in a lanes step the positions entry at the lane's first row."""
+        return self.arg(positions) if self.lanes else Arg("step", "pos")
+
+    def row_pos(self) -> tuple[str, Arg]:
+        """``(pos_mode, pos argument)`` of a row-wise kernel that reads positions (row chains, grouped wo_a):
+        ``pos + i`` in a one-sequence step, each row's own position in a lanes step."""
+        return ("rows", Arg("step", "positions")) if self.lanes else ("base", Arg("step", "pos"))
 
     def fmt(self, weight: str) -> str:
         """The kernel ``fmt`` string of ``weight``'s stored type (:data:`_FMT`); LoweringError for a type no
@@ -209,11 +246,12 @@ def _rowchain(c: _Ctx, name: str, x: Value, chain: list[Op], ring: Op | None = N
     shape = last.type.shape
     groups, width = (int(shape[1]), int(shape[2])) if len(shape) == 3 else (1, int(shape[-1]))
     cops = [(_chain_op(c, o), o) for o in ops]
+    mode, pos = c.row_pos()
     spec = _rc.RowChainSpec(groups, width, tuple(co for co, _ in cops if co is not None), pos_dtype="i64",
-                            ring_window=0 if ring is None else int(ring.attrs["window"]))
+                            ring_window=0 if ring is None else int(ring.attrs["window"]), pos_mode=mode)
     src = _rc.render_rowchain(spec, c.target, name)
     la = _rc.rowchain_launch(spec, c.q)
-    binding: dict[str, Arg] = {"x": c.arg(x), "out": Arg("value", c.names[last]), "pos": Arg("step", "pos")}
+    binding: dict[str, Arg] = {"x": c.arg(x), "out": Arg("value", c.names[last]), "pos": pos}
     if ring is not None:
         binding["ring"] = c.arg(ring.inputs[0])
     kept = [o for co, o in cops if co is not None]
@@ -322,12 +360,13 @@ def _lower_hc(c: _Ctx, op: Op) -> list[Launch]:
 # ------------------------------------------------------------------------------------------------- others
 def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     comps = [b for b in (op.body or [op]) if b.kind == "compress"]
-    specs, binding = [], [Arg("step", "pos")]
+    specs, binding = [], [c.pos_arg(comps[0].inputs[7])]
     for b in comps:
         a = b.attrs
-        undo = c.q > 1  # a verify step saves what its rollback needs
+        q = int(b.inputs[0].type.shape[0])  # the step's rows, or in a lanes step the lane's
+        undo = q > 1 and not c.lanes  # a verify step saves what its rollback needs (lanes: no rollback yet)
         specs.append(_cmp.CompressorSpec(a["ratio"], a["d"], a["indexer"], a["emulate"], a["nope"], c.cfg.rope_dim,
-                                         c.q, a["eps"], undo=undo))
+                                         q, a["eps"], undo=undo))
         binding += [c.arg(b.inputs[i]) for i in (0, 1, 2, 3, 4, 5, 6, 8)]
         if undo:
             w = specs[-1].state_width
@@ -346,11 +385,13 @@ def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
         raise LoweringError(f"a context bucket of {cap * 4} positions needs {cap} indexer keys per CSA layer; the "
                             f"compiled indexer holds at most {_idx.MAX_CAP}, so the compiled step serves max_ctx <= "
                             f"{_idx.MAX_CAP * 4} (ask for a smaller --max-ctx)")
-    spec = _idx.IndexerSpec(c.q, int(qi.type.shape[1]), int(qi.type.shape[2]), it.attrs["topk"], cap, 4)
+    q = int(qi.type.shape[0])
+    spec = _idx.IndexerSpec(q, int(qi.type.shape[1]), int(qi.type.shape[2]), it.attrs["topk"], cap, 4)
     srcs = _idx.render_indexer(spec, c.target, c.name(op, "indexer"))
-    b = {"qi": c.arg(qi), "keys": c.arg(keys), "hw": c.arg(hw), "positions": Arg("step", "positions"),
-         "live": Arg("step", "live_r4"), "out": Arg("value", c.names[it.outputs[0]]),
-         "scores": Arg("workspace", c.name(op, "idx_scores"), nbytes=2 * c.q * cap)}
+    mask = c.prod[it.inputs[3]]  # span_mask(span, positions, live)
+    b = {"qi": c.arg(qi), "keys": c.arg(keys), "hw": c.arg(hw), "positions": c.arg(mask.inputs[1]),
+         "live": c.arg(mask.inputs[2]), "out": c.arg(it.outputs[0]),
+         "scores": Arg("workspace", c.name(op, "idx_scores"), nbytes=2 * q * cap)}
     names = _idx.arg_names(spec)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
             for s, la in zip(srcs, _idx.launch_shapes(spec))]
@@ -367,7 +408,7 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
         ratio = c.prod[sa.inputs[6]].attrs["ratio"]
     heads = int(sa.inputs[0].type.shape[1])
     hpb = c.attn_heads_per_block if heads % c.attn_heads_per_block == 0 else 1
-    spec = _att.AttentionSpec(kind, c.q, heads, int(sa.inputs[0].type.shape[2]),
+    spec = _att.AttentionSpec(kind, int(sa.inputs[0].type.shape[0]), heads, int(sa.inputs[0].type.shape[2]),
                               a["window"], cap, topk, ratio, heads_per_block=hpb, scale=a["scale"])
     if c.attn_threads:
         try:
@@ -378,14 +419,14 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
         spec = dataclasses.replace(spec, heads_per_block=1, threads=0)
     srcs = _att.render_attention(spec, c.target, c.name(op, f"attn_{kind}"))
     b = {"q": c.arg(sa.inputs[0]), "ring": c.arg(sa.inputs[1]), "kv_new": c.arg(sa.inputs[2]),
-         "sink": c.arg(sa.inputs[4]), "out": Arg("value", c.names[sa.outputs[0]]), "pos": Arg("step", "pos"),
+         "sink": c.arg(sa.inputs[4]), "out": c.arg(sa.outputs[0]), "pos": c.pos_arg(sa.inputs[3]),
          "ws": Arg("workspace", c.name(op, "attn_ws"), nbytes=4 * max(_att.workspace_floats(spec), 1))}
     if kind in ("csa", "hca"):
         b["comp"] = c.arg(sa.inputs[5])
     if kind == "csa":
         b["sel"] = c.arg(sa.inputs[6])
     if kind == "hca":
-        b["live"] = Arg("step", f"live_r{ratio}")
+        b["live"] = c.arg(c.prod[sa.inputs[6]].inputs[2])  # span_mask(span, positions, live)
     names = _att.arg_names(spec)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
             for s, la in zip(srcs, _att.launch_shapes(spec))]
@@ -402,11 +443,11 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
                            rope_dim=cfg.rope_dim if rope is not None else 0,
                            ring_window=cfg.window if ring is not None else 0,
                            kv_width=cfg.head_dim if ring is not None else 0, pos_dtype="i64",
-                           ring_undo=ring is not None and c.q > 1)
+                           ring_undo=ring is not None and c.q > 1, pos_mode=c.row_pos()[0])
     src = _rc.render_grouped(spec, c.target, c.name(op, "wo_a"))
     la = _rc.grouped_launch(spec, c.target)
     b = {"o": c.arg(o), "w": Arg("weight", c.weight_name(gl.inputs[1]) or "", form="bf16"),
-         "z": Arg("value", c.names[gl.outputs[0]]), "pos": Arg("step", "pos")}
+         "z": Arg("value", c.names[gl.outputs[0]]), "pos": c.row_pos()[1]}
     if rope is not None:
         b["freqs"] = c.arg(rope.inputs[2])
     if ring is not None:
@@ -414,6 +455,18 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
         if spec.ring_undo:
             b["ring_undo"] = Arg("workspace", _undo.workspace_name(op.layer, "ring"), nbytes=_undo.ring_undo_bytes(cfg))
     return [_launch(src, la.grid, la.block, la.smem, [b[a.name] for a in _rc.grouped_args(spec)])]
+
+
+def _lower_ring_write(c: _Ctx, op: Op) -> list[Launch]:
+    """A lane's ring write in a lanes step (partition keeps it apart from the grouped ``wo_a`` over all rows): a
+    row chain with no ops storing each of the lane's KV rows into its ring slot (in place: out is x)."""
+    ring = next(b for b in (op.body or [op]) if b.kind == "ring_write")
+    kv = ring.inputs[1]
+    spec = _rc.RowChainSpec(1, int(kv.type.shape[-1]), (), ring_window=int(ring.attrs["window"]), pos_dtype="i64")
+    src = _rc.render_rowchain(spec, c.target, c.name(op, "ring_write"))
+    la = _rc.rowchain_launch(spec, int(kv.type.shape[0]))
+    binding = {"x": c.arg(kv), "out": c.arg(kv), "pos": c.pos_arg(ring.inputs[2]), "ring": c.arg(ring.inputs[0])}
+    return [_launch(src, la.grid, la.block, la.smem, [binding[a.name] for a in _rc.rowchain_args(spec)])]
 
 
 def _lower_route(c: _Ctx, op: Op) -> list[Launch]:
@@ -557,14 +610,14 @@ _PATTERNS = {
     "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "grouped_linear": _lower_grouped, "route": _lower_route, "moe_experts": _lower_experts,
     "dspark_tap": _lower_tap, "record_hc": _lower_tap, "markov_chain": _lower_markov,
-    "dspark_confidence": _lower_confidence,
+    "dspark_confidence": _lower_confidence, "ring_write": _lower_ring_write,
 }
 
 FAMILY_OF = {"hc_embed_pre": "hc", "hc_post_pre": "hc", "hc_post_head": "hc", "hc_pre": "hc", "hc_post_out": "hc", "multi_gemv": "gemv",
              "linear": "gemv", "compressor": "compressor", "indexer_topk": "indexer",
              "sparse_attention": "attention", "grouped_linear": "grouped", "route": "router",
              "moe_experts": "experts", "dspark_tap": "tap", "record_hc": "tap", "markov_chain": "dspark",
-             "dspark_confidence": "dspark"}
+             "dspark_confidence": "dspark", "ring_write": "rowchain"}
 
 
 EXPERT_FORMATS = tuple(_EXPERT_FMT)
@@ -609,10 +662,53 @@ def lower_step(g: Graph, cfg: Ds4Config, target: Target,
         fn = _PATTERNS.get(pattern)
         if fn is None:
             raise LoweringError(f"no kernel family lowers the plan kernel pattern {pattern!r} (layer {op.layer})")
-        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, fn(c, op)))
-    if c.q > 1 and not g.meta.get("dspark"):  # the drafter's graphs are never rolled back (ds4c.ir.dspark)
+        out.append(LoweredKernel(name, FAMILY_OF[pattern], op.layer, _lower_rows(c, fn, op) if c.lanes else fn(c, op)))
+    # the drafter's graphs are never rolled back (ds4c.ir.dspark); a lanes step has no rollback yet
+    if c.q > 1 and not g.meta.get("dspark") and not c.lanes:
         out.append(_lower_rollback(c))
     return out
+
+
+def _lower_rows(c: _Ctx, fn: Any, op: Op) -> list[Launch]:
+    """A plan kernel of a lanes step: lowered at all its rows, or, when its family does not take that many at once
+    (the GEMV and experts kernels hold at most 8 rows, the grouped ``wo_a`` 5 of flash's K = 4096 in shared memory,
+    HIP's experts fewer), over chunks of rows, the widest that lower, each launch bound at its chunk's first row:
+    the chunk's weights are then read once per chunk."""
+    try:
+        return fn(c, op)
+    except RenderError as e:
+        first = e
+    rows = c.q
+    try:
+        for chunk in range(rows - 1, 0, -1):
+            try:
+                out = []
+                for r0 in range(0, rows, chunk):
+                    c.q = min(chunk, rows - r0)
+                    out += [_shift_rows(c, la, r0, rows) for la in fn(c, op)]
+                return out
+            except RenderError:
+                continue
+    finally:
+        c.q = rows
+    raise first
+
+
+def _shift_rows(c: _Ctx, la: Launch, r0: int, rows: int) -> Launch:
+    """``la`` bound ``r0`` rows further into every row-wise buffer (a value with ``rows`` rows, the step's positions
+    and tokens)."""
+    if not r0:
+        return la
+    by_name = c.by_name()
+
+    def row_wise(a: Arg) -> bool:
+        if a.kind == "step":
+            return a.name in ("positions", "tokens")
+        v = by_name.get(a.name) if a.kind == "value" else None
+        return v is not None and v.type.shape[:1] == (rows,)
+
+    return dataclasses.replace(la, args=tuple(dataclasses.replace(a, row=a.row + r0) if row_wise(a) else a
+                                              for a in la.args))
 
 
 def plan_kernels(g: Graph) -> Iterator[tuple[str, str, Op]]:

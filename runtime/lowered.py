@@ -35,6 +35,9 @@ class Arg:
     name: str
     nbytes: int = 0
     value: int = 0
+    row: int = 0
+    """For ``value`` and ``step``: the argument points at this row of the buffer (the first row of one lane of a
+    lanes step: a ``lane_rows`` view, or a lane's rows of a ``concat_rows``), not at its start."""
     form: str = ""
     """For ``weight``: how the kernel reads it — ``raw`` (the stored GGUF bytes: GEMV and expert weights),
     ``f32`` (dequantized to fp32, as the reference holds norms, HC parameters, sinks, ape, biases), ``bf16``
@@ -74,6 +77,7 @@ def describe(k: LoweredKernel) -> dict[str, Any]:
                           "block": list(l.block), "smem": l.smem,
                           "args": [{"kind": a.kind, "name": a.name, **({"nbytes": a.nbytes} if a.nbytes else {}),
                                     **({"form": a.form} if a.form else {}),
+                                    **({"row": a.row} if a.row else {}),
                                     **({"value": a.value} if a.kind == "int" else {})} for a in l.args]}
                          for l in k.launches]}
 

