@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ds4c.runtime.sampler import argmax_rows
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
@@ -27,13 +29,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=120)
     ap.add_argument("--max-ctx", type=int, default=4096)
     ap.add_argument("--check", type=int, default=8, help="lanes of the exactness check (0: none)")
+    ap.add_argument("--beside", type=int, default=4096, help="prompt prefilled beside 7 decoding lanes (0: none)")
+    ap.add_argument("--chunk", type=int, default=64, help="its prefill chunk rows (one chunk per decode step)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from lanes_compare import lanes_vs_alone
 
     from ds4c.buckets import BucketSpec
     from ds4c.runtime.cache import KernelCache
-    from ds4c.runtime.sampler import argmax_chunk, argmax_rows
+    from ds4c.runtime.sampler import argmax_chunk
     from ds4c.runtime.step import CompiledStep, device_arch
     from ds4c.runtime.step.lanes import LanesStep
     from ds4c.sources import open_model
@@ -42,7 +46,8 @@ def main() -> None:
     mf = open_model(a.model)
     cfg = mf.config
     t0 = time.perf_counter()
-    ex = CompiledStep(mf, BucketSpec.build(cfg, (1,), a.max_ctx), device_arch(), KernelCache())
+    ex = CompiledStep(mf, BucketSpec.build(cfg, (1,), a.max_ctx), device_arch(), KernelCache(),
+                      prefill_chunks=(a.chunk, 2048) if a.beside else ())
     lanes = LanesStep(ex, slots=max(counts + [a.check]))
     print(f"# {torch.cuda.get_device_name()} {a.model}: opened in {time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
@@ -97,8 +102,72 @@ def main() -> None:
               f"{agg:.1f} tok/s = {agg / base:.2f}x one lane, {agg * single:.2f}x the one-sequence step", flush=True)
         out["rows"].append({"lanes": n, "step_ms": dt * 1e3, "agg_tok_s": agg, "vs_one_lane": agg / base,
                             "vs_single": agg * single, "itl_vs_single": dt / single})
+    if a.beside:
+        out["beside"] = beside(ex, lanes, prompt, a, g)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+def beside(ex, lanes, prompt, a, g) -> dict:
+    """A new prompt of ``a.beside`` tokens arrives while 7 lanes decode: its chunks of ``a.chunk`` rows alternate with
+    their decode steps (the policy: one chunk, then one decode step); their inter-token latency during the prefill
+    against without it; then the time to first token of a second turn (64 new tokens) starting from the first
+    turn's state held on the device, against a cold prefill of both turns."""
+    vocab = ex.cfg.vocab_size
+    n = 7
+    for j in range(n):
+        ex.reset()
+        for t in prompt:
+            ex.step([t], ex.pos)
+        lanes.install(j)
+    toks = [prompt[-1]] * n
+    for _ in range(4):
+        toks = lanes.greedy(lanes.decode(toks))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        toks = lanes.greedy(lanes.decode(toks))
+    alone = (time.perf_counter() - t0) / a.steps
+    long = torch.randint(0, vocab, (a.beside,), generator=g).tolist()
+    ex.reset()
+    ex.prefill(long[: a.chunk], 0, chunks=(a.chunk,))  # warm the chunk graph
+    ex.reset()
+    gaps, last, pos = [], time.perf_counter(), 0
+    t_start = last
+    while pos < len(long):
+        c = long[pos:pos + a.chunk]
+        ex.prefill(c, pos, chunks=(a.chunk,))
+        pos += len(c)
+        toks = lanes.greedy(lanes.decode(toks))
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    prefill_s = last - t_start
+    gaps_t = torch.tensor(gaps)
+    print(f"beside: 7 lanes ITL {alone * 1e3:.3f} ms alone; during a {a.beside}-token prefill in {a.chunk}-row chunks "
+          f"(one chunk per decode step, {prefill_s:.2f} s): median {gaps_t.median() * 1e3:.3f} ms "
+          f"({gaps_t.median() / alone:.2f}x), max {gaps_t.max() * 1e3:.3f} ms ({gaps_t.max() / alone:.2f}x)", flush=True)
+    # prefix reuse: the first turn's state kept (a device snapshot), the second turn prefills its own tokens only
+    turn2 = torch.randint(0, vocab, (64,), generator=g).tolist()
+    held = ex.snapshot()  # the first turn (a.beside tokens) just prefilled
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ex.restore(held)
+    first = int(argmax_rows(ex.prefill(turn2, ex.pos), None)[0])
+    warm = time.perf_counter() - t0
+    ex.reset()
+    torch.cuda.synchronize()
+    ex.prefill(long + turn2, 0)  # warm the 2048-row graphs of every bucket the cold prefill crosses
+    ex.reset()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cold_first = int(argmax_rows(ex.prefill(long + turn2, 0), None)[0])  # every chunk size: 2048s
+    cold = time.perf_counter() - t0
+    print(f"second turn: TTFT {warm * 1e3:.2f} ms from the held first turn vs {cold * 1e3:.2f} ms cold "
+          f"({warm / cold:.3f}x); same first token: {first == cold_first}", flush=True)
+    return {"itl_alone_ms": alone * 1e3, "itl_median_ms": float(gaps_t.median()) * 1e3,
+            "itl_max_ms": float(gaps_t.max()) * 1e3, "chunk": a.chunk, "prompt": a.beside, "prefill_s": prefill_s,
+            "ttft_warm_ms": warm * 1e3, "ttft_cold_ms": cold * 1e3, "same_first_token": first == cold_first}
 
 
 if __name__ == "__main__":
