@@ -83,19 +83,7 @@ def main() -> None:
     out["single_ms"] = single * 1e3
     base = None
     for n in counts:
-        for j in range(n):  # every lane from the same 16-token prompt (position 16)
-            ex.reset()
-            for t in prompt:
-                ex.step([t], ex.pos)
-            lanes.install(j)
-        toks = [prompt[-1]] * n
-        for _ in range(4):  # build, compile, capture, warm
-            toks = lanes.greedy(lanes.decode(toks))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            toks = lanes.greedy(lanes.decode(toks))
-        dt = (time.perf_counter() - t0) / a.steps
+        dt, _ = timed_lanes(ex, lanes, prompt, n, a.steps)
         agg = n / dt
         base = base or agg
         print(f"lanes {n:2d}: step {dt * 1e3:.3f} ms (ITL {dt / single:.2f}x the one-sequence step), aggregate "
@@ -108,13 +96,9 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
 
-def beside(ex, lanes, prompt, a, g) -> dict:
-    """A new prompt of ``a.beside`` tokens arrives while 7 lanes decode: its chunks of ``a.chunk`` rows alternate with
-    their decode steps (the policy: one chunk, then one decode step); their inter-token latency during the prefill
-    against without it; then the time to first token of a second turn (64 new tokens) starting from the first
-    turn's state held on the device, against a cold prefill of both turns."""
-    vocab = ex.cfg.vocab_size
-    n = 7
+def timed_lanes(ex, lanes, prompt, n: int, steps: int) -> tuple[float, list[int]]:
+    """Lanes ``0 .. n-1`` each from ``prompt`` (fed on the one-sequence step, then installed), 4 warm-up steps (build,
+    compile, capture), then ``steps`` greedy decode steps timed: (seconds per step, the last tokens)."""
     for j in range(n):
         ex.reset()
         for t in prompt:
@@ -125,9 +109,18 @@ def beside(ex, lanes, prompt, a, g) -> dict:
         toks = lanes.greedy(lanes.decode(toks))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    for _ in range(steps):
         toks = lanes.greedy(lanes.decode(toks))
-    alone = (time.perf_counter() - t0) / a.steps
+    return (time.perf_counter() - t0) / steps, toks
+
+
+def beside(ex, lanes, prompt, a, g) -> dict:
+    """A new prompt of ``a.beside`` tokens arrives while 7 lanes decode: its chunks of ``a.chunk`` rows alternate with
+    their decode steps (the policy: one chunk, then one decode step); their inter-token latency during the prefill
+    against without it; then the time to first token of a second turn (64 new tokens) starting from the first
+    turn's state held on the device, against a cold prefill of both turns."""
+    vocab = ex.cfg.vocab_size
+    alone, toks = timed_lanes(ex, lanes, prompt, 7, a.steps)
     long = torch.randint(0, vocab, (a.beside,), generator=g).tolist()
     ex.reset()
     ex.prefill(long[: a.chunk], 0, chunks=(a.chunk,))  # warm the chunk graph
