@@ -186,3 +186,31 @@ def test_lanes_step_lowers_with_lane_bindings(name, ctx, lanes, arch) -> None:
                 if lane_of and a.kind in ("value", "step") and a.name in ("positions",):
                     assert a.row == firsts[lane_of.pop() if len(lane_of) == 1 else 0] or True
     assert seen_rows == set(firsts) - {0}
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "17", "300000000", "99999999999999999999", "1,6", "a", "1,,2"])
+def test_inspect_ir_bad_lanes_are_one_line_errors(text) -> None:
+    """A fresh user's inputs: every bad --lanes is a short one-line usage error naming what was typed, before any
+    list of that many lanes is built."""
+    from click.testing import CliRunner
+
+    from ds4c.cli import main
+
+    r = CliRunner().invoke(main, ["inspect-ir", "--preset", "tiny", "--lanes", text])
+    assert r.exit_code != 0 and "Traceback" not in r.output and len(r.output) < 400, r.output
+    assert "lanes" in r.output
+
+
+def test_run_lanes_step_refuses_shared_states_floats_and_other_capacities(tiny_weights) -> None:
+    g = build_step(TINY, 2, MAX_CTX, lanes=(1, 1))
+    ip = Interpreter(g, tiny_weights)
+    a, b = (Reference(tiny_weights, max_ctx=MAX_CTX) for _ in range(2))
+    with pytest.raises(StepError, match="its own sequence state"):
+        run_lanes_step(ip, [a.state, a.state], [[1], [2]])
+    with pytest.raises(StepError, match="ints"):
+        run_lanes_step(ip, [a.state, b.state], [[1.7], [2]])
+    with pytest.raises(StepError, match="ints"):
+        run_lanes_step(ip, [a.state, b.state], [["a"], [2]])
+    with pytest.raises(StepError, match="max_ctx 256"):
+        run_lanes_step(ip, [a.state, Reference(tiny_weights, max_ctx=128).state], [[1], [2]])
+    assert a.state.pos == b.state.pos == 0

@@ -34,7 +34,8 @@ from ds4c.tempfiles import write_text_atomic
               help="Build the graph recording the final HC state for the MTP drafter (spec 7.5): the record_hc op.")
 @click.option("--lanes", "lanes", default=None, metavar="N or R,R,...",
               help="Print a lanes step (docs/batching.md): N sequences of one decode row each, or the rows of each "
-                   "lane (e.g. 1,3,1: a verify lane of 3 rows between two decode lanes); at most 16 rows.")
+                   "lane (e.g. 1,3,1: a verify lane of 3 rows between two decode lanes; a single number is always "
+                   "that many one-row lanes); at most 16 rows.")
 def command(file: str | None, preset_name: str | None, width: int, prefill: int | None, max_ctx: int,
             context: int | None, pipeline: str, after: str | None, print_all: bool, layers: str | None,
             dot: str | None, taps: str | None, record_hc: bool, lanes: str | None) -> None:
@@ -69,7 +70,12 @@ def command(file: str | None, preset_name: str | None, width: int, prefill: int 
     if lanes is not None:
         if prefill is not None or width != 1 or taps or record_hc:
             raise click.UsageError("--lanes takes no --width, --prefill, --taps or --record-hc")
+        from ds4c.ir.builder import MAX_LANE_ROWS
+
         counts = parse_ints(lanes, "--lanes")
+        if len(counts) == 1 and not 1 <= counts[0] <= MAX_LANE_ROWS:
+            raise click.BadParameter(f"{lanes.strip()}: expected 1..{MAX_LANE_ROWS} lanes (one decode row each), or "
+                                     f"the rows of each lane like 1,3,1", param_hint="--lanes")
         lane_rows = tuple([1] * counts[0]) if len(counts) == 1 else tuple(counts)
     buckets = BucketSpec.build(cfg, (width,), max_ctx)
     ctx = context if context is not None else buckets.contexts[-1]
@@ -103,7 +109,8 @@ def command(file: str | None, preset_name: str | None, width: int, prefill: int 
         click.echo(f"wrote {dot}", err=True)
     what = f"prefill chunk of {prefill} rows" if prefill is not None else f"width {width}"
     if lane_rows is not None:
-        what = f"{len(lane_rows)} lanes of rows {list(lane_rows)} ({sum(lane_rows)} rows)"
+        n, r = len(lane_rows), sum(lane_rows)
+        what = f"{n} lane{'s' * (n > 1)} of rows {list(lane_rows)} ({r} row{'s' * (r > 1)})"
     click.echo(f"// {cfg.name}, {what}, context bucket {ctx}, max_ctx {max_ctx}")
     click.echo("// pass                 seconds  top-level ops  leaf ops")
     for r in res.records:

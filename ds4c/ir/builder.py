@@ -125,9 +125,11 @@ def check_lanes(lanes: Any) -> tuple[int, ...]:
         StepError: anything else (one line naming what was found).
     """
     try:
-        out = tuple(lanes)
+        out = tuple(lanes) if not isinstance(lanes, (str, bytes)) else None
     except TypeError:
         out = None
+    if out is not None and len(out) > MAX_LANE_ROWS:
+        raise StepError(f"lanes: at most {MAX_LANE_ROWS} lanes of 1..{MAX_WIDTH} rows, found {len(out)} lanes")
     if not out or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_WIDTH
                       for n in out) or sum(out) > MAX_LANE_ROWS:
         raise StepError(f"lanes: expected row counts in 1..{MAX_WIDTH}, at most {MAX_LANE_ROWS} rows in all, "

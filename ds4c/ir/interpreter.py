@@ -9,6 +9,7 @@ from it, updated buffers written back), so the interpreter can be compared with 
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -252,8 +253,9 @@ def run_lanes_step(interp: Interpreter, states: list[SequenceState], tokens: lis
     position advanced. Returns fp32 logits [sum of rows, vocab] in lane order.
 
     Raises:
-        StepError: not a lanes graph, a state or token count per lane that does not match it, token ids outside
-            the vocabulary, or positions past a state's max_ctx.
+        StepError: not a lanes graph, a state or token count per lane that does not match it, one state given to
+            two lanes, states of another max_ctx than the graph's, token ids that are not ints in the vocabulary, or
+            positions past a state's max_ctx.
     """
     from ds4c.ir.builder import lane_state_name
 
@@ -265,9 +267,16 @@ def run_lanes_step(interp: Interpreter, states: list[SequenceState], tokens: lis
         raise StepError(f"the graph's lanes have rows {list(lanes)}; got {len(states)} states and token counts "
                         f"{[len(t) for t in tokens]}")
     vocab = interp.w.config.vocab_size
-    bad = [t for ts in tokens for t in ts if not 0 <= int(t) < vocab]
+    bad = [t for ts in tokens for t in ts
+           if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab]
     if bad:
-        raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad}")
+        raise StepError(f"token ids must be ints in 0..{vocab - 1}, found {bad[:8]}")
+    if len({id(s) for s in states}) != len(states):
+        raise StepError("each lane needs its own sequence state; the same state was given to two lanes")
+    want = interp.graph.meta.get("max_ctx")
+    other = [s.max_ctx for s in states if s.max_ctx != want]
+    if want is not None and other:
+        raise StepError(f"the lanes graph holds states of max_ctx {want}; found states of max_ctx {other}")
     dev = states[0].layers[0].ring.device
     ins: dict[str, torch.Tensor] = {
         "tokens": torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=dev),
