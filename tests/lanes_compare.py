@@ -10,8 +10,8 @@ import torch
 
 def lanes_vs_alone(ex: Any, lanes: Any, prompts: list[list[int]], feeds: list[list[int]]) -> dict[str, Any]:
     """Teacher-forced: lane j starts from ``prompts[j]`` (fed token by token on ``ex``, then installed into slot j)
-    and decodes ``feeds[j]``; alone, the same sequence on ``ex``. Each slot is poisoned first (NaN KV, +inf scores)
-    so a read of anything the install did not write shows, and the logits buffer before every step. Returns per-row relative L2 errors (fp32 [steps * L]),
+    and decodes ``feeds[j]``; alone, the same sequence on ``ex``. The lanes' logits buffer is poisoned (NaN) before
+    every step, so a lane row the step does not write shows. Returns per-row relative L2 errors (fp32 [steps * L]),
     the fraction of bit-equal rows and the argmax agreement."""
     n, steps = len(prompts), len(feeds[0])
     alone = []
@@ -24,8 +24,6 @@ def lanes_vs_alone(ex: Any, lanes: Any, prompts: list[list[int]], feeds: list[li
             rows.append(ex.step([t], ex.pos)[0].float().cpu().clone())
         alone.append(rows)
     for j, p in enumerate(prompts):
-        for name, t in lanes.slot_state[j].items():
-            t.fill_(float("inf") if name.endswith("_score") else float("nan"))
         ex.reset()
         for t in p:
             ex.step([t], ex.pos)

@@ -183,8 +183,9 @@ def test_lanes_step_lowers_with_lane_bindings(name, ctx, lanes, arch) -> None:
                 if a.row:
                     assert a.row in firsts, (k.name, a)
                     seen_rows.add(a.row)
-                if lane_of and a.kind in ("value", "step") and a.name in ("positions",):
-                    assert a.row == firsts[lane_of.pop() if len(lane_of) == 1 else 0] or True
+            if lane_of:  # a per-lane kernel reads its own lane's positions
+                j = lane_of.pop()
+                assert all(a.row == firsts[j] for a in la.args if a.kind == "step" and a.name == "positions"), k.name
     assert seen_rows == set(firsts) - {0}
 
 
