@@ -273,9 +273,10 @@ class Model:
         lanes: run generations of many threads together (continuous batching, docs/batching.md): the number of
             sequences a step holds (or a :class:`~ds4c.batching.BatchConfig`). :meth:`generate` calls from several
             threads then run at once, each request's tokens equal to the same request run alone; prompts that
-            begin with a prefix an earlier request left in the page pool start from it. The reference engine only
-            (the compiled step's graphs hold one sequence today), without a drafter. None (the default): one
-            generation at a time.
+            begin with a prefix an earlier request left start from it (the reference's page pool; the compiled step's
+            slot snapshots). Either engine, on one device, without a drafter; on the compiled step decode lanes run
+            as one CUDA graph and prompts are prefilled beside them (:mod:`ds4c.batch_slots`). None (the default):
+            one generation at a time.
 
     Attributes:
         file: the :class:`~ds4c.gguf_file.ModelFile`; ``config``: its config; ``tokenizer``: the
@@ -339,10 +340,8 @@ class Model:
         if self.draft is not None:
             raise Ds4cError("lanes: speculative decoding inside the batch is not supported yet; open the Model "
                             "without draft (or without lanes)")
-        if self.engine != "reference":
-            raise Ds4cError(f"lanes: continuous batching runs on the reference engine (the {self.engine} step's "
-                            f"graphs hold one sequence today); open the Model with engine='reference' or without "
-                            f"lanes")
+        if self._split:
+            raise Ds4cError("lanes: continuous batching runs on one device (not with devices / layer_split)")
         return BatchEngine(self.stepper, self.max_ctx, cfg)
 
     def close(self) -> None:

@@ -1,26 +1,23 @@
-"""Continuous batching: many sequences stepped together on one engine, over the paged state pool (issue 30,
-docs/batching.md).
+"""Continuous batching: many sequences stepped together on one engine (issue 30, docs/batching.md).
 
-A :class:`BatchEngine` owns a :class:`~ds4c.reference.paged.StatePool` and a scheduler thread. Requests
-(:meth:`BatchEngine.submit`, from any thread) wait in arrival order, are admitted between steps when a lane and
-their pages are free, and leave the batch the step they end (their pages are free for the next admission then).
-Every step is one :meth:`~ds4c.reference.Reference.step_lanes` call:
+A :class:`BatchEngine` owns a scheduler thread and a *lanes backend*, the way its steps run:
 
-* **policy** (stated, and what the tests check): every decoding sequence gets one row; the rest of the row budget
-  (``max_rows``) goes to the prompts being prefilled, in arrival order, each chunk cut at the next page boundary (so
-  the prefix cache can record every full page). Decode never waits for a prefill; a prefill always gets at least one
-  row (``max_lanes <= max_rows``), so no prompt starves.
-* **admission** reserves every page a request can use (``prompt + max_new_tokens`` positions, less a reused prefix):
-  a sequence never runs out of pages mid-run, so the pool running short is a wait in the queue (first come, first
-  served: a large request is not overtaken), never a failure or a neighbour's corrupted state. Cached prefixes
-  nobody runs are evicted (least recently used first) to make room.
-* **prefix reuse**: a prompt that begins with full pages the cache holds (an earlier turn of the chat, a shared
-  system prompt) starts at the end of the longest such prefix: its pages shared, the window ring and compressor
-  state loaded from the boundary state kept there; only the rest is prefilled. Its tokens equal a fresh run's.
-* **sampling** per request on the CPU, each with its own generator seeded by the request's seed, by the rule the
-  one-sequence loop uses (:func:`ds4c.generate.stream`): a request's tokens equal the same request run alone.
+* on the reference, :class:`~ds4c.batch_paged.PagedLanes`: the paged state pool, every step one
+  ``step_lanes`` call mixing decode rows and prompt rows (its policy, admission and prefix reuse are described
+  there);
+* on the compiled step, :class:`~ds4c.batch_slots.SlotLanes`: decode lanes over sequence slots in one CUDA graph,
+  prompts prefilled beside them one piece per step on the one-sequence step (its policy there).
+
+:func:`open_batch` picks the backend by the engine. Requests (:meth:`BatchEngine.submit`, from any thread) wait in
+arrival order, are admitted between steps when the backend has room (a lane and its pages or slot), and leave the
+batch the step they end (their pages or slot free for the next admission then).
+
+* **sampling** per request, each with its own generator seeded by the request's seed, by the rule the one-sequence
+  loop uses (:func:`ds4c.generate.stream`): on the host from the logits on the reference; on the compiled step the
+  first token on the host and the rest on the device per lane, as the compiled one-sequence loop draws them. A
+  request's tokens equal the same request run alone.
 * **cancellation**: :meth:`BatchRequest.stop` (or its ``cancel`` event set from any thread) ends it before the next
-  step; its pages are freed then.
+  step; its pages or slot are freed then.
 
 A :class:`BatchRequest` reads like the one-sequence :class:`~ds4c.generate.TokenStream` (an iterator of token ids,
 ``result``, ``stop()``, ``run()``), so :class:`ds4c.Model` turns either into text the same way.
@@ -31,7 +28,6 @@ from __future__ import annotations
 import itertools
 import operator
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,11 +38,11 @@ from typing import Any
 
 import torch
 
+from ds4c.batch_lane import LaneOut
+from ds4c.batch_paged import PagedLanes
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
 from ds4c.reference.model import Reference
-from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
-from ds4c.reference.paged import StatePool
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits
 
@@ -62,8 +58,14 @@ class BatchConfig:
         max_rows: rows in a step at most (>= ``max_lanes``: every lane can have a row).
         pages: pages in the pool; None: enough for ``max_lanes`` sequences of the engine's ``max_ctx``.
         page_tokens: positions per page; None: :func:`~ds4c.pages.default_page_tokens`.
-        prefix_states: boundary states the prefix cache keeps (0: no prefix reuse).
+        prefix_states: boundary states the prefix cache keeps (0: no prefix reuse); on the compiled step, slot
+            snapshots (at most as many as the slots).
         poison: fill freed pages with NaN (tests: a stale read shows).
+        prefill_chunk: compiled step: the largest prefill chunk run beside decoding sequences (a bound on how long
+            their next token waits; None: the prefill policy's own chunks, as a prompt alone is ingested).
+        prefill_every: compiled step: a prefill piece every this many steps while sequences decode (1: every
+            step; N: their mean inter-token latency grows by a chunk's time / N, the prompt's prefill takes longer).
+        warm: compiled step: build and capture every lanes graph when the engine opens (nothing compiled later).
     """
 
     max_lanes: int = 8
@@ -72,6 +74,9 @@ class BatchConfig:
     page_tokens: int | None = None
     prefix_states: int = 64
     poison: bool = False
+    prefill_chunk: int | None = None
+    prefill_every: int = 1
+    warm: bool = True
 
     def check(self) -> None:
         """Raises StepError (one line) for a value out of range."""
@@ -86,6 +91,10 @@ class BatchConfig:
             raise StepError(f"pages must be an int >= 1 or None, found {self.pages!r}")
         if not is_int(self.prefix_states) or self.prefix_states < 0:
             raise StepError(f"prefix_states must be an int >= 0, found {self.prefix_states!r}")
+        if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
+            raise StepError(f"prefill_chunk must be an int >= 1 or None, found {self.prefill_chunk!r}")
+        if not is_int(self.prefill_every) or self.prefill_every < 1:
+            raise StepError(f"prefill_every must be an int >= 1, found {self.prefill_every!r}")
 
 
 _END = object()
@@ -213,52 +222,30 @@ class BatchRequest:
         return int(sample(logits, self.temperature, self._rng)[0])
 
 
-def _check_fits(cfg: Any, pages: int, page_tokens: int, lanes: int, device: torch.device) -> None:
-    """StepError (one line) when the pool and the lanes' own state would not fit in the device's memory (the host's
-    RAM for the CPU, the free memory of a CUDA device), before anything is allocated."""
-    need = pages * page_bytes(cfg, page_tokens) + lanes * lane_state_bytes(cfg)
-    if device.type == "cuda":
-        have = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return
-    if need > have:
-        raise StepError(f"the page pool ({pages} pages of {page_tokens} tokens) and {lanes} lanes need "
-                        f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {device}: fewer lanes, a "
-                        f"smaller max_ctx or pages=")
-
-
 class BatchEngine:
-    """Continuous batching over the reference (module docstring).
+    """Continuous batching (module docstring) over a lanes backend.
 
     Args:
-        ref: the reference whose weights every lane shares (its own one-sequence :attr:`~Reference.state` is not
-            touched; it must record neither taps nor the final HC state).
+        ref: the engine whose weights every lane shares: the whole model's reference (its own one-sequence
+            :attr:`~Reference.state` is not touched; it must record neither taps nor the final HC state), or the
+            compiled step (its one-sequence state is where prompts are prefilled; unsplit, no taps, no final HC).
         max_ctx: positions a request may hold (prompt + new tokens).
         config: lanes, rows and pool (:class:`BatchConfig`).
+        backend: the lanes backend to use instead of the one :func:`lanes_backend` makes for ``ref``.
 
     Raises:
-        StepError: a bad config; a reference that is a shard of a layer split or records taps / final HC.
+        StepError: a bad config; a layer split; a step that records taps / final HC.
     """
 
-    def __init__(self, ref: Reference, max_ctx: int, config: BatchConfig = BatchConfig()):
+    def __init__(self, ref: Any, max_ctx: int, config: BatchConfig = BatchConfig(), backend: Any = None):
         if not isinstance(config, BatchConfig):
             raise StepError(f"config: expected a BatchConfig, found {type(config).__name__}")
         config.check()
-        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= ref.cfg.max_position:
-            raise StepError(f"max_ctx must be an int in 1..{ref.cfg.max_position}, found {max_ctx!r}")
-        if not isinstance(ref, Reference) or not ref.is_whole:
-            raise StepError("continuous batching runs on the whole model's reference engine (not a layer split, not "
-                            "the compiled step: its graphs hold one sequence)")
-        cfg = ref.cfg
+        top = ref.cfg.max_position if isinstance(ref, Reference) else ref.max_ctx
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 1 <= max_ctx <= top:
+            raise StepError(f"max_ctx must be an int in 1..{top}, found {max_ctx!r}")
         self.ref, self.max_ctx, self.config = ref, max_ctx, config
-        page_tokens = default_page_tokens(cfg) if config.page_tokens is None else check_page_tokens(cfg, config.page_tokens)
-        per_seq = -(-max_ctx // page_tokens)
-        pages = config.pages if config.pages is not None else config.max_lanes * per_seq
-        _check_fits(cfg, pages, page_tokens, config.max_lanes, ref.device)
-        self.pool = StatePool(cfg, pages, page_tokens, ref.device, config.prefix_states, config.poison)
+        self.backend = backend if backend is not None else lanes_backend(ref, max_ctx, config)
         self._lock = threading.Condition()
         self._incoming: deque[BatchRequest] = deque()
         self._waiting: deque[BatchRequest] = deque()
@@ -268,6 +255,11 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.rows = 0
+
+    @property
+    def pool(self) -> Any:
+        """The reference backend's paged pool (:class:`~ds4c.reference.paged.StatePool`)."""
+        return self.backend.pool
 
     # ---------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -290,9 +282,10 @@ class BatchEngine:
             raise StepError(f"cancel: expected a threading.Event, found {type(cancel).__name__}")
         if on_prefill is not None and not callable(on_prefill):
             raise StepError(f"on_prefill: expected a callable (done, total), found {type(on_prefill).__name__}")
-        bad = [t for t in prompt if not 0 <= t < self.ref.cfg.vocab_size]
+        vocab = self.ref.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise StepError(f"token ids must be in 0..{self.ref.cfg.vocab_size - 1}, found {bad[0]}")
+            raise StepError(f"token ids must be in 0..{vocab - 1}, found {bad[0]}")
         check_sampling(temperature, top_k, top_p)
         check_seed(seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -300,9 +293,7 @@ class BatchEngine:
         n = len(prompt) + max_new_tokens
         if n > self.max_ctx:
             raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={self.max_ctx}")
-        if self.pool.pages_for(n) > self.pool.alloc.n_pages:
-            raise StepError(f"prompt + max_new_tokens ({n} positions) need {self.pool.pages_for(n)} pages; the pool "
-                            f"has {self.pool.alloc.n_pages}")
+        self.backend.check_request(n)
         req = BatchRequest(next(self._ids), prompt, max_new_tokens, temperature, top_k, top_p, seed,
                            frozenset(stops), cancel or threading.Event(), on_prefill, self)
         with self._lock:
@@ -316,18 +307,20 @@ class BatchEngine:
         return req
 
     def stats(self) -> dict[str, int]:
-        """Running sequences (admitted: prefilling or decoding), waiting requests, pages in use (by running
-        sequences or the prefix cache), pages the running sequences hold, pages in the pool, cached prefix pages,
-        prefix hits and the prompt positions they saved, steps and rows run."""
+        """Running sequences (admitted: prefilling or decoding), waiting requests, steps and rows run, and the
+        backend's: pages in use (by running sequences or the prefix cache), pages the running sequences hold,
+        pages in the pool, cached prefix pages, prefix hits and the prompt positions they saved (on the compiled
+        step a page is a slot: :meth:`~ds4c.batch_slots.SlotLanes.stats`)."""
         with self._lock:
             waiting = len(self._waiting) + len(self._incoming)
         active = list(self._active)
-        running_pages = {p for r in active if r.seq is not None and not r.seq.freed for p in r.seq.table}
-        return {"running": len(active), "waiting": waiting, "pages_in_use": self.pool.alloc.in_use,
-                "pages_running": len(running_pages),
-                "pages": self.pool.alloc.n_pages, "page_tokens": self.pool.page_tokens,
-                "prefix_pages": len(self.pool.prefix.nodes), "prefix_hits": self.pool.prefix.hits,
-                "prefix_hit_tokens": self.pool.prefix.hit_tokens, "steps": self.steps, "rows": self.rows}
+        return {"running": len(active), "waiting": waiting, **self.backend.stats(active), "steps": self.steps,
+                "rows": self.rows}
+
+    def clear_prefixes(self) -> None:
+        """Forget every cached prefix nobody runs (a benchmark's cold start; memory back)."""
+        with self._lock:
+            self.backend.clear_prefixes()
 
     def close(self) -> None:
         """Stop: running and waiting requests end with ``stop_reason`` ``"stop"``; later submissions fail."""
@@ -343,6 +336,7 @@ class BatchEngine:
         for req in pending + self._active:
             self._finish(req, "stop")
         self._active = []
+        self.backend.close()
 
     def _wake(self) -> None:
         with self._lock:
@@ -381,12 +375,11 @@ class BatchEngine:
         self._admit()
         if not self._active:
             return False
-        lanes, plan = self._plan()
-        logits = self.ref.step_lanes(lanes, check_finite=False)
+        outs = self.backend.run(self._active)
         self.steps += 1
-        self.rows += sum(len(t) for _, t, _ in lanes)
-        for (req, n), lg in zip(plan, logits):
-            self._advance(req, n, lg)
+        self.rows += sum(o.rows for o in outs)
+        for o in outs:
+            self._advance(o)
         self._reap()
         return True
 
@@ -395,7 +388,6 @@ class BatchEngine:
             self._finish(req, "stop")
 
     def _admit(self) -> None:
-        pool = self.pool
         while self._waiting and len(self._active) < self.config.max_lanes:
             req = self._waiting[0]
             if req.cancel_event.is_set():
@@ -406,61 +398,27 @@ class BatchEngine:
                 self._waiting.popleft()
                 self._finish(req, "length")
                 continue
-            n = len(req.prompt) + req.max_new_tokens
-            reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse else []
-            for node in reuse:  # held while pages are made room for: eviction must not take them
-                pool.alloc.incref(node.page)
-            try:
-                if not pool.can_admit(pool.pages_for(n) - len(reuse)):
-                    break  # first come, first served: wait for pages
-                self._waiting.popleft()
-                req.seq = pool.new_sequence(n, reuse)
-            finally:
-                pool.alloc.release([node.page for node in reuse])
-            pool.prefix.record_hit(len(reuse))
-            req.reused = req.seq.pos
-            req.fed = list(req.prompt[:req.seq.pos])
+            if not self.backend.admit(req):
+                break  # first come, first served: wait for room
+            self._waiting.popleft()
             req.t_admit = time.perf_counter()
             self._active.append(req)
 
-    def _plan(self) -> tuple[list[tuple[Any, list[int], int]], list[tuple[BatchRequest, int]]]:
-        """The step's lanes: every decoding request one row, then prefill chunks from what is left of
-        ``max_rows`` in admission order, each cut at the next page boundary."""
-        lanes, plan = [], []
-        decoding = [r for r in self._active if r.tokens]
-        prefilling = [r for r in self._active if not r.tokens]
-        for req in decoding:
-            lanes.append((req.seq, [req.tokens[-1]], req.seq.pos))
-            plan.append((req, 1))
-        budget = self.config.max_rows - len(decoding)
-        P = self.pool.page_tokens
-        for req in prefilling:
-            if budget <= 0:
-                break
-            pos = req.seq.pos
-            n = min(budget, len(req.prompt) - pos, P - pos % P)
-            lanes.append((req.seq, req.prompt[pos:pos + n], pos))
-            plan.append((req, n))
-            budget -= n
-        return lanes, plan
-
-    def _advance(self, req: BatchRequest, n: int, logits: torch.Tensor) -> None:
-        seq = req.seq
-        req.fed += req.prompt[seq.pos - n:seq.pos] if not req.tokens else [req.tokens[-1]]
-        if not bool(torch.isfinite(logits).all()):
-            self._finish(req, None, StepError(f"non-finite logits at positions {seq.pos - n}..{seq.pos - 1}: the "
-                                              f"weights or the config hold NaN/inf values"))
+    def _advance(self, o: LaneOut) -> None:
+        req = o.req
+        if o.error is not None:
+            self._finish(req, None, o.error)
             return
-        self.pool.cache_page(seq, req.fed)
-        if not req.tokens and req.on_prefill is not None:
-            try:
-                req.on_prefill(seq.pos, len(req.prompt))
-            except Exception as e:  # the caller's callback fails its own request only
-                self._finish(req, None, StepError(f"on_prefill raised {type(e).__name__}: {e}"))
+        if o.prompt_done is not None:
+            if req.on_prefill is not None:
+                try:
+                    req.on_prefill(o.prompt_done, len(req.prompt))
+                except Exception as e:  # the caller's callback fails its own request only
+                    self._finish(req, None, StepError(f"on_prefill raised {type(e).__name__}: {e}"))
+                    return
+            if o.prompt_done < len(req.prompt):  # more of the prompt to come
                 return
-        if not req.tokens and seq.pos < len(req.prompt):  # more of the prompt to come
-            return
-        tok = req._sample(logits[-1:].float().cpu())
+        tok = o.token if o.token is not None else req._sample(o.logits)
         req._emit(tok)
         if tok in req.stop_ids:
             self._finish(req, "eos")
@@ -469,8 +427,22 @@ class BatchEngine:
 
     def _finish(self, req: BatchRequest, reason: str | None, error: Ds4cError | None = None) -> None:
         if req.seq is not None:
-            self.pool.free(req.seq)
+            self.backend.free(req, failed=error is not None)
         if req in self._active:
             self._active.remove(req)
         if req._final is None and req.error is None:
             req._end(reason, error)
+
+
+def lanes_backend(ref: Any, max_ctx: int, config: BatchConfig) -> Any:
+    """The lanes backend for ``ref``: :class:`~ds4c.batch_paged.PagedLanes` on the reference,
+    :class:`~ds4c.batch_slots.SlotLanes` on the compiled step. StepError (one line) for anything else (a layer
+    split, a step recording taps or the final HC state)."""
+    if isinstance(ref, Reference):
+        return PagedLanes(ref, max_ctx, config)
+    if getattr(ref, "is_split", True) or getattr(ref, "taps", ()) or getattr(ref, "record_hc", False):
+        raise StepError("continuous batching runs on the whole model's reference engine or on an unsplit compiled "
+                        "step without DSpark taps or final-HC recording")
+    from ds4c.batch_slots import SlotLanes  # its runtime imports only where the compiled step runs
+
+    return SlotLanes(ref, max_ctx, config)

@@ -9,8 +9,10 @@
 * **prefix reuse**: a second turn (the first turn's prompt and reply, then 16 more ids) after the first: its time
   to first token with the first turn's pages held, over a cold start of the same prompt.
 
-It runs the reference engine (the one with lanes today) on ``device``; the report says so. Nothing imports this
-module but the CLI.
+It runs ``engine`` on ``device`` (``auto``: the compiled step on cuda, its decode lanes in one CUDA graph and prompts
+prefilled beside them, :mod:`ds4c.batch_slots`; the reference on cpu, :mod:`ds4c.batch_paged`), one batch engine
+for every measurement, opened (and on the compiled step warmed: every lanes graph captured) before any is timed;
+the report names the engine and the warm-up time. Nothing imports this module but the CLI.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class LanesReport:
     levels: list[dict[str, Any]] = field(default_factory=list)
     prefill_beside_decode: dict[str, Any] | None = None
     prefix_reuse: dict[str, Any] | None = None
+    open_s: float = 0.0
+    prefill_chunk: int | None = None
+    prefill_every: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,22 +58,41 @@ def _itl(reqs: list) -> float:
 
 
 def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_tokens: int = 64, prompt_len: int = 32,
-                    long_prompt: int = 4096, threads: int | None = None,
+                    long_prompt: int = 4096, threads: int | None = None, engine: str = "auto",
+                    prefill_chunk: int | None = None, prefill_every: int = 1,
                     say: Callable[[str], Any] = lambda m: None) -> LanesReport:
-    """Measure (module docstring). Raises Ds4cError for lanes below 1 or lengths past the model's context."""
-    from ds4c.engine import open_engine  # start-up speed
+    """Measure (module docstring); ``prefill_chunk``, ``prefill_every``: :class:`~ds4c.batching.BatchConfig`'s (the
+    compiled step's largest prefill chunk beside decoding sequences, and how often one runs). Raises Ds4cError for lanes outside 1..16 or lengths past the
+    model's context, and what :func:`~ds4c.engine.open_engine` raises."""
+    from ds4c.engine import open_engine, resolve_engine  # start-up speed
 
-    if not lanes or any(n < 1 for n in lanes):
-        raise Ds4cError(f"--lanes: expected sequence counts >= 1, found {lanes}")
+    if not lanes or any(not 1 <= n <= 16 for n in lanes):
+        raise Ds4cError(f"--lanes: expected sequence counts in 1..16, found {lanes}")
     if new_tokens < 2 or prompt_len < 1 or long_prompt < 1:
         raise Ds4cError("--lanes: expected --new-tokens >= 2 and prompt lengths >= 1")
     top = max(lanes)
     max_ctx = max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)
-    ref = open_engine(mf, device=device, engine="reference", max_ctx=max_ctx, threads=threads)
+    name = resolve_engine(device, engine)
+    t0 = time.perf_counter()
+    ref = open_engine(mf, device=device, engine=name, max_ctx=max_ctx, threads=threads)
+    eng = BatchEngine(ref, ref.max_ctx, BatchConfig(max_lanes=top, max_rows=max(16, top),
+                                                    prefill_chunk=prefill_chunk, prefill_every=prefill_every))
     vocab = mf.config.vocab_size
-    rep = LanesReport(str(mf.path), device, "reference", prompt_len, new_tokens)
+    rep = LanesReport(str(mf.path), device, name, prompt_len, new_tokens, open_s=time.perf_counter() - t0,
+                      prefill_chunk=prefill_chunk, prefill_every=prefill_every)
+    say(f"{name} engine opened in {rep.open_s:.1f} s (batch engine of {top} lanes)")
+    try:
+        _measure(eng, rep, lanes, new_tokens, prompt_len, long_prompt, vocab, say)
+    finally:
+        eng.close()
+    return rep
+
+
+def _measure(eng: BatchEngine, rep: LanesReport, lanes: tuple[int, ...], new_tokens: int, prompt_len: int,
+             long_prompt: int, vocab: int, say: Callable[[str], Any]) -> None:
+    top = max(lanes)
     for n in sorted(set(lanes)):
-        eng = BatchEngine(ref, max_ctx, BatchConfig(max_lanes=n, max_rows=max(16, n), prefix_states=0))
+        steps0, rows0 = eng.steps, eng.rows
         say(f"lanes {n}: {n} requests of {prompt_len} + {new_tokens} tokens")
         reqs = [eng.submit(_ids(prompt_len, 100 + k, vocab), new_tokens) for k in range(n)]
         for r in reqs:
@@ -78,8 +102,7 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
         made = sum(len(r.tokens) - 1 for r in reqs)
         rep.levels.append({"lanes": n, "aggregate_tokens_per_s": made / (last - first) if last > first else None,
                            "itl_s": _itl(reqs), "ttft_s": statistics.median(r.t_first - r.t_submit for r in reqs),
-                           "steps": eng.steps, "rows": eng.rows})
-        eng.close()
+                           "steps": eng.steps - steps0, "rows": eng.rows - rows0})
     base = rep.levels[0]
     for lv in rep.levels:
         a, b = lv["aggregate_tokens_per_s"], base["aggregate_tokens_per_s"]
@@ -88,7 +111,6 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
     # prefill beside decode: top - 1 decoding, then a long prompt arrives
     if top >= 2:
         say(f"prefill beside decode: {top - 1} decoding, a {long_prompt}-token prompt arrives")
-        eng = BatchEngine(ref, max_ctx, BatchConfig(max_lanes=top, max_rows=max(16, top), prefix_states=0))
         n_dec = 2 * new_tokens
         dec = [eng.submit(_ids(prompt_len, 200 + k, vocab), n_dec) for k in range(top - 1)]
         while min(len(r.tokens) for r in dec) < new_tokens // 2:
@@ -101,31 +123,33 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
         calm = [s for r in dec for s in r.step_s[:before[id(r)]]]
         for r in dec:
             r.stop()
-        eng.close()
         rep.prefill_beside_decode = {
             "decoding": top - 1, "prompt": long_prompt, "prefill_s": t1 - t0,
             "itl_before_s": statistics.median(calm) if calm else None,
-            "itl_during_s": statistics.median(during) if during else None}
+            "itl_during_s": statistics.median(during) if during else None,
+            "itl_during_mean_s": statistics.fmean(during) if during else None,
+            "itl_during_max_s": max(during) if during else None}
         if calm and during:
-            rep.prefill_beside_decode["itl_x"] = statistics.median(during) / statistics.median(calm)
+            base = statistics.median(calm)
+            p = rep.prefill_beside_decode
+            p["itl_x"], p["itl_mean_x"], p["itl_max_x"] = (statistics.median(during) / base,
+                                                          statistics.fmean(during) / base, max(during) / base)
     # prefix reuse: a second turn with the first's pages held vs cold
     say(f"prefix reuse: a second turn after a {long_prompt}-token first turn")
-    eng = BatchEngine(ref, max_ctx, BatchConfig(max_lanes=1, max_rows=16))
+    eng.clear_prefixes()
     first = _ids(long_prompt - 24, 400, vocab)
     r1 = eng.submit(first, 8)
     r1.run()
     turn2 = first + r1.tokens + _ids(16, 401, vocab)
     warm = eng.submit(turn2, 2)
     warm.run()
-    eng.close()
-    cold_eng = BatchEngine(ref, max_ctx, BatchConfig(max_lanes=1, max_rows=16, prefix_states=0))
-    cold = cold_eng.submit(turn2, 2)
+    eng.clear_prefixes()
+    cold = eng.submit(turn2, 2)
     cold.run()
-    cold_eng.close()
-    rep.prefix_reuse = {"prompt": len(turn2), "reused": warm.prefix_reused, "ttft_warm_s": warm.t_first - warm.t_submit,
-                        "ttft_cold_s": cold.t_first - cold.t_submit}
+    rep.prefix_reuse = {"prompt": len(turn2), "reused": warm.prefix_reused, "cold_reused": cold.prefix_reused,
+                        "ttft_warm_s": warm.t_first - warm.t_submit, "ttft_cold_s": cold.t_first - cold.t_submit,
+                        "same_first_token": warm.tokens[:1] == cold.tokens[:1]}
     rep.prefix_reuse["ttft_x"] = rep.prefix_reuse["ttft_warm_s"] / rep.prefix_reuse["ttft_cold_s"]
-    return rep
 
 
 def _ends(r: Any) -> list[float]:
@@ -145,8 +169,10 @@ def format_lanes_report(rep: LanesReport) -> str:
     def x(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
-    lines = [f"{rep.model} on {rep.device} ({rep.engine} engine): {rep.prompt_len}-token prompts, {rep.new_tokens} "
-             f"new tokens each",
+    cap = "" if rep.prefill_chunk is None else f", prefill chunks <= {rep.prefill_chunk} beside decoding"
+    cap += "" if rep.prefill_every == 1 else f", a prefill piece every {rep.prefill_every} steps"
+    lines = [f"{rep.model} on {rep.device} ({rep.engine} engine, opened in {rep.open_s:.1f} s{cap}): "
+             f"{rep.prompt_len}-token prompts, {rep.new_tokens} new tokens each",
              f"{'lanes':>5} {'agg tok/s':>10} {'vs 1':>6} {'ITL':>10} {'vs 1':>6} {'TTFT':>10} {'rows/step':>9}"]
     for lv in rep.levels:
         agg = lv["aggregate_tokens_per_s"]
@@ -156,10 +182,12 @@ def format_lanes_report(rep: LanesReport) -> str:
     p = rep.prefill_beside_decode
     if p is not None:
         lines.append(f"prefill beside decode: {p['decoding']} decoding, a {p['prompt']}-token prompt prefilled in "
-                     f"{p['prefill_s']:.2f} s: their ITL {ms(p['itl_before_s'])} before, {ms(p['itl_during_s'])} "
-                     f"during ({x(p.get('itl_x'))})")
+                     f"{p['prefill_s']:.2f} s: their ITL {ms(p['itl_before_s'])} before; during it median "
+                     f"{ms(p['itl_during_s'])} ({x(p.get('itl_x'))}), mean {ms(p['itl_during_mean_s'])} "
+                     f"({x(p.get('itl_mean_x'))}), max {ms(p['itl_during_max_s'])} ({x(p.get('itl_max_x'))})")
     q = rep.prefix_reuse
     if q is not None:
         lines.append(f"prefix reuse: second turn of {q['prompt']} tokens, {q['reused']} from the cache: TTFT "
-                     f"{ms(q['ttft_warm_s'])} vs {ms(q['ttft_cold_s'])} cold ({x(q['ttft_x'])})")
+                     f"{ms(q['ttft_warm_s'])} vs {ms(q['ttft_cold_s'])} cold ({x(q['ttft_x'])}); same first token: "
+                     f"{q['same_first_token']}")
     return "\n".join(lines)

@@ -34,3 +34,50 @@ def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path):
     e = r["errors"]
     assert torch.isfinite(e).all() and e.median() < 1e-3 and e.max() < 2e-2, e
     assert r["argmax"] == 1.0, r
+
+
+def test_batch_engine_on_the_compiled_step_equals_each_request_alone(tiny_path):
+    """Continuous batching on the compiled step (ds4c.batch_slots): three slots, four requests (greedy, seeded
+    sampling with top-k / top-p, one waiting for a slot), vacated slots poisoned: each request's tokens equal the
+    same request alone on the same compiled step (``ds4c.generate``: chunked prefill, then the device loop), and a
+    chat's next turn starts from the first turn's slot snapshot."""
+    from ds4c.batching import BatchConfig, BatchEngine
+    from ds4c.engine import open_engine
+    from ds4c.generate import generate
+    from ds4c.sources import open_model
+
+    step = open_engine(open_model(tiny_path), device="cuda", engine="compiled", max_ctx=256, progress=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (21, 40, 7, 70)]
+    kws = [dict(), dict(temperature=0.8, top_p=0.9, seed=2), dict(temperature=1.0, top_k=30, seed=3), dict()]
+    want = [generate(step, p, 96, **kw).tokens for p, kw in zip(prompts, kws)]
+    eng = BatchEngine(step, step.max_ctx, BatchConfig(max_lanes=3, poison=True))
+    assert eng.backend.name == "compiled" and eng.backend.warm_s > 0
+    reqs = [eng.submit(p, 96, **kw) for p, kw in zip(prompts, kws)]
+    assert [r.run().tokens for r in reqs] == want
+    turn2 = prompts[0] + want[0] + torch.randint(0, 512, (5,), generator=g).tolist()
+    cold = generate(step, turn2, 8).tokens
+    t2 = eng.submit(turn2, 8)
+    assert t2.run().tokens[:1] == cold[:1] and t2.prefix_reused == len(prompts[0]) + 95
+    st = eng.stats()
+    assert st["running"] == 0 and st["prefix_hits"] == 1
+    eng.close()
+
+
+def test_model_lanes_on_cuda_runs_threads_together(tiny_path):
+    """``Model(device="cuda", lanes=3)``: the compiled step's batch; four threads' generations give each the text a
+    Model without lanes gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ds4c import Model
+
+    one = Model(tiny_path, device="cuda", max_ctx=256)
+    prompts = ["The quick brown fox", "def main():", "Hello there", "Once upon a time, in"]
+    want = [one.generate(p, 24, temperature=0.8, seed=k).text for k, p in enumerate(prompts)]
+    del one
+    m = Model(tiny_path, device="cuda", max_ctx=256, lanes=3)
+    assert m.batch.backend.name == "compiled"
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda k: m.generate(prompts[k], 24, temperature=0.8, seed=k).text, range(4)))
+    assert got == want
+    m.close()

@@ -48,7 +48,14 @@ from ds4c.errors import Ds4cError
               help="Instead of the step table: L sequences at once through the continuous-batching engine at each L "
                    "(aggregate tokens/s, ITL, TTFT, their ratios to one sequence), a long prompt arriving beside "
                    "decoding sequences, and a second turn from the prefix cache vs cold (ds4c/lanes_bench.py; the "
-                   "reference engine).")
+                   "compiled engine on cuda, the reference on cpu; --lanes-engine picks).")
+@click.option("--lanes-engine", type=click.Choice(["auto", "reference", "compiled"]), default="auto",
+              show_default=True, help="With --lanes: the engine the batch runs on.")
+@click.option("--lanes-prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="With --lanes on the compiled engine: the largest prefill chunk run beside decoding sequences "
+                   "(default: the prefill policy's own chunks).")
+@click.option("--lanes-prefill-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --lanes on the compiled engine: a prefill piece every N steps while sequences decode.")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="With --lanes: new tokens per request.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True,
@@ -60,8 +67,8 @@ from ds4c.errors import Ds4cError
 def command(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
             compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
             reference: bool, end_to_end: bool, prefill: str | None, prefill_chunks: str, prefill_baseline: bool,
-            lanes: str | None, new_tokens: int, prompt_len: int, long_prompt: int,
-            devices: str | None, layer_split: str | None, json_out: str | None) -> None:
+            lanes: str | None, lanes_engine: str, lanes_prefill_chunk: int | None, lanes_prefill_every: int, new_tokens: int, prompt_len: int,
+            long_prompt: int, devices: str | None, layer_split: str | None, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
     With --prefill: prompt ingestion instead (ds4c/prefill_bench.py); with --lanes: many sequences at once
@@ -89,7 +96,9 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
                             "--artifact")
         chunks = prefill_chunks_option(prefill_chunks, "--prefill-chunks")
     lanes_only = [o for o, p in (("--new-tokens", "new_tokens"), ("--prompt-len", "prompt_len"),
-                                 ("--long-prompt", "long_prompt")) if src(p) is not click.core.ParameterSource.DEFAULT]
+                                 ("--long-prompt", "long_prompt"), ("--lanes-engine", "lanes_engine"),
+                                 ("--lanes-prefill-chunk", "lanes_prefill_chunk"),
+                                 ("--lanes-prefill-every", "lanes_prefill_every")) if src(p) is not click.core.ParameterSource.DEFAULT]
     if lanes is None and lanes_only:
         raise Ds4cError(f"{', '.join(lanes_only)}: applies only with --lanes L,L,...")
     if lanes is not None and (prefill is not None or devices or layer_split or artifact):
@@ -100,6 +109,8 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
         from ds4c.lanes_bench import format_lanes_report, run_lanes_bench
 
         lrep = run_lanes_bench(mf, device, tuple(parse_ints(lanes, "--lanes")), new_tokens, prompt_len, long_prompt,
+                               engine=lanes_engine, prefill_chunk=lanes_prefill_chunk,
+                               prefill_every=lanes_prefill_every,
                                say=lambda m: click.echo(m, err=True))
         click.echo(format_lanes_report(lrep))
         if json_out:

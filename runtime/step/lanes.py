@@ -12,10 +12,19 @@ One graph per (lanes, context bucket), the bucket the furthest lane needs; captu
 and replayed. The step buffer holds every lane's row position, token and live compressed lengths, uploaded in one
 copy per step.
 
+Graphs hold a fixed set of lane counts (:attr:`LanesStep.sizes`: powers of two up to the slots, and the slots): a
+step of ``n`` running lanes replays the smallest size ``>= n``; the padding lanes run on free slots (position 0, token
+0; a slot is overwritten whole when a sequence is installed) and their rows are never read. :meth:`LanesStep.warm`
+builds and captures every (size, bucket) graph ahead, so serving compiles nothing after start.
+
+Sampling per lane on the device (:meth:`LanesStep.configure`, :meth:`LanesStep.next_tokens`): one
+:class:`~ds4c.runtime.sampler.DeviceSampler` per slot with its request's temperature, top-k, top-p and seed, the
+greedy lanes by one argmax over the rows; a lane's draws are those the one-sequence device loop
+(``CompiledStep.decode_tokens``) makes for the same request (same rule, same counter-based noise, same rows).
+
 Not yet: verify rows inside a lanes step (the IR and lowering take them, the runtime has no lanes rollback), page
 tables (a slot holds the sequence's whole capacity; the reference's paged pool, ds4c.reference.paged, is where the
-pages and prefix reuse live), device sampling with per-lane parameters (:meth:`LanesStep.greedy` is the device
-argmax; other sampling reads the logits rows).
+pages live; ds4c.batch_slots keeps prefixes as slot snapshots).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from ds4c.ir import build_step
 from ds4c.ir.builder import MAX_LANE_ROWS, lane_state_name, state_inputs
 from ds4c.passes.manager import run_pipeline
 from ds4c.runtime.lower import lower_graph
-from ds4c.runtime.sampler import argmax_chunk, argmax_rows
+from ds4c.runtime.sampler import DeviceSampler, argmax_chunk, argmax_rows
 from ds4c.runtime.step.binding import DTYPES, StepGraph
 from ds4c.runtime.step.graphs import StepGraphs
 
@@ -54,7 +63,7 @@ class LaneScalars:
         self._done = torch.cuda.Event()
 
     def upload(self, positions: list[int], tokens: list[int]) -> None:
-        """Lane j decodes ``tokens[j]`` at ``positions[j]``."""
+        """Lane j decodes ``tokens[j]`` at ``positions[j]`` (the lanes of the graph, padding included)."""
         self._done.synchronize()  # the previous upload has left the pinned buffer
         a, off, n = self._np, self.offsets, len(positions)
         a[off["positions"]:off["positions"] + n] = positions
@@ -86,6 +95,7 @@ class LanesStep:
             raise StepError(f"slots must be in 1..{MAX_LANE_ROWS}, found {slots!r}")
         self.step, self.cfg, self.slots, self.use_graphs = step, step.cfg, slots, use_graphs
         self.dev = step.dev
+        self.sizes = tuple(sorted({1 << k for k in range(5) if 1 << k < slots} | {slots}))
         specs = state_inputs(self.cfg, step.capacity)
         with torch.cuda.device(self.dev):
             self.slot_state: list[dict[str, torch.Tensor]] = [
@@ -95,6 +105,8 @@ class LanesStep:
                 self.reset(j)
             self.pos = [0] * slots
             self.scalars = LaneScalars(self.cfg, slots, self.dev)
+            self.samplers = [DeviceSampler(self.cfg.vocab_size, self.dev) for _ in range(slots)]
+            self.tokens_host = torch.zeros(slots, dtype=torch.int64).pin_memory()
             bound = {lane_state_name(j, k): t for j, st in enumerate(self.slot_state) for k, t in st.items()}
             g = step.graphs
             self.graphs = StepGraphs(
@@ -104,12 +116,20 @@ class LanesStep:
                 programmatic=g.programmatic, weights=step.weights, state=bound, scalars=self.scalars,
                 is_first=True, is_last=True, dev=self.dev)
         self._chunk = argmax_chunk(self.cfg.vocab_size)
+        self.temperature = [0.0] * slots  # per slot, host side: which lanes draw (> 0) and which take the argmax
 
     # ------------------------------------------------------------------------------------------ slots
     def reset(self, slot: int) -> None:
         """Slot ``slot`` back to an empty sequence (KV 0, compressor scores -inf)."""
         for name, t in self.slot_state[slot].items():
             t.fill_(float("-inf") if name.endswith("_score") else 0)
+
+    def poison(self, slot: int) -> None:
+        """Fill slot ``slot``'s state with NaN (tests: a read of a slot no sequence holds shows)."""
+        self._check_slot(slot)
+        with torch.cuda.device(self.dev):
+            for t in self.slot_state[slot].values():
+                t.fill_(float("nan"))
 
     def install(self, slot: int) -> None:
         """Copy the one-sequence step's current sequence (its state and position, e.g. after a prefill) into
@@ -128,7 +148,27 @@ class LanesStep:
         with torch.cuda.device(self.dev):
             for name, t in self.slot_state[dst].items():
                 t.copy_(self.slot_state[src][name])
+            a, b = self.samplers[src], self.samplers[dst]
+            for k in ("temperature", "top_k", "top_p", "seed", "counter"):
+                getattr(b, k).copy_(getattr(a, k))
         self.pos[dst] = self.pos[src]
+        self.temperature[dst] = self.temperature[src]
+
+    def save(self, slot: int) -> dict[str, Any]:
+        """A device copy of slot ``slot``'s sequence, in the one-sequence step's snapshot form (``pos``,
+        ``tap_end``, ``state``): ``CompiledStep.restore`` takes it (a prefix a later prompt starts from)."""
+        self._check_slot(slot)
+        with torch.cuda.device(self.dev):
+            state = {k: v.clone() for k, v in self.slot_state[slot].items()}
+        return {"pos": self.pos[slot], "tap_end": self.pos[slot], "state": state}
+
+    def configure(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        """The sampling of slot ``slot``'s sequence from its next step on (its draw counter restarts at 0, as the
+        one-sequence device loop's does after the first token)."""
+        self._check_slot(slot)
+        with torch.cuda.device(self.dev):
+            self.samplers[slot].configure(temperature, top_k, top_p, seed)
+        self.temperature[slot] = float(temperature)
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
@@ -143,6 +183,30 @@ class LanesStep:
                 return c
         raise StepError(f"a lane at position {end - 1} is past the largest context bucket "
                         f"{self.step.buckets.contexts[-1]}")
+
+    def size_for(self, lanes: int) -> int:
+        """The lane count of the graph a step of ``lanes`` running lanes replays (the smallest size holding them)."""
+        return next(n for n in self.sizes if n >= lanes)
+
+    def warm(self, contexts: tuple[int, ...] | None = None) -> float:
+        """Build, compile and capture the graph of every lane size at every context bucket (default: all of the
+        step's) now, so no step compiles or captures later; every slot is reset afterwards (the captures' eager
+        runs write them). Returns the seconds it took."""
+        import time
+
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.dev):
+            for c in contexts or self.step.buckets.contexts:
+                for n in self.sizes:
+                    sg = self.prepare(n, c)
+                    if self.use_graphs and sg.cuda_graph is None:
+                        self.scalars.upload([0] * n, [0] * n)
+                        self.graphs.capture(sg)
+            torch.cuda.synchronize()
+            for j in range(self.slots):
+                self.reset(j)
+        self.pos = [0] * self.slots
+        return time.perf_counter() - t0
 
     def prepare(self, lanes: int, context: int) -> StepGraph:
         """The graph of ``lanes`` decode lanes at ``context``, built, lowered, compiled (kernel cache) and bound
@@ -176,9 +240,11 @@ class LanesStep:
         bad = [t for t in tokens if isinstance(t, bool) or not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
+        size = self.size_for(n)
         with torch.cuda.device(self.dev):
-            sg = self.prepare(n, self.context_for(n))
-            self.scalars.upload(self.pos[:n], [int(t) for t in tokens])
+            sg = self.prepare(size, self.context_for(n))
+            pad = size - n  # padding lanes on free slots: position 0, token 0, rows never read
+            self.scalars.upload(self.pos[:n] + [0] * pad, [int(t) for t in tokens] + [0] * pad)
             if not self.use_graphs:
                 self.graphs.run(sg)
             elif sg.cuda_graph is None:
@@ -187,8 +253,22 @@ class LanesStep:
                 sg.cuda_graph.replay()
         for j in range(n):
             self.pos[j] += 1
-        return sg.values["logits"]
+        return sg.values["logits"][:n]
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Each lane's argmax token (ties to the lower id), on the device, read back in one copy."""
         return argmax_rows(logits, self._chunk).tolist()
+
+    def next_tokens(self, logits: torch.Tensor) -> list[int]:
+        """Each lane's next token from its logits row (:meth:`decode`'s ``[lanes, vocab]``) by its slot's sampling
+        (:meth:`configure`): the argmax for greedy lanes, a draw of the slot's device sampler for the others;
+        read back in one copy."""
+        n = logits.shape[0]
+        with torch.cuda.device(self.dev):
+            ids = argmax_rows(logits, self._chunk)
+            for j in range(n):
+                if self.temperature[j] > 0:
+                    ids[j:j + 1] = self.samplers[j].sample(logits[j])
+            host = self.tokens_host[:n]
+            host.copy_(ids)  # synchronous: the ids are needed now
+        return host.tolist()

@@ -1,0 +1,145 @@
+"""A batch step on the reference over the paged state pool (:class:`PagedLanes`; issue 30, docs/batching.md).
+
+Every step is one :meth:`~ds4c.reference.Reference.step_lanes` call. Its policy (stated, and what the tests check):
+every decoding sequence gets one row; the rest of the row budget (``max_rows``) goes to the prompts being prefilled,
+in arrival order, each chunk cut at the next page boundary (so the prefix cache can record every full page). Decode
+never waits for a prefill; a prefill always gets at least one row (``max_lanes <= max_rows``), so no prompt starves.
+
+Admission reserves every page a request can use (``prompt + max_new_tokens`` positions, less a reused prefix): a
+sequence never runs out of pages mid-run, so the pool running short is a wait in the queue, never a failure or a
+neighbour's corrupted state. Cached prefixes nobody runs are evicted (least recently used first) to make room.
+A prompt that begins with full pages the cache holds starts at the end of the longest such prefix: its pages
+shared, the window ring and compressor state loaded from the boundary state kept there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ds4c.batch_lane import LaneOut, nonfinite
+from ds4c.errors import StepError
+from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
+from ds4c.reference.model import Reference
+from ds4c.reference.paged import StatePool
+
+
+def _check_fits(cfg: Any, pages: int, page_tokens: int, lanes: int, device: torch.device) -> None:
+    """StepError (one line) when the pool and the lanes' own state would not fit in the device's memory (the host's
+    RAM for the CPU, the free memory of a CUDA device), before anything is allocated."""
+    need = pages * page_bytes(cfg, page_tokens) + lanes * lane_state_bytes(cfg)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > have:
+        raise StepError(f"the page pool ({pages} pages of {page_tokens} tokens) and {lanes} lanes need "
+                        f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {device}: fewer lanes, a "
+                        f"smaller max_ctx or pages=")
+
+
+class PagedLanes:
+    """Batch steps on the reference (module docstring).
+
+    Args:
+        ref: the whole model's reference (its own one-sequence state is not touched).
+        max_ctx: positions a request may hold.
+        config: a :class:`~ds4c.batching.BatchConfig`.
+    """
+
+    name = "reference"
+
+    def __init__(self, ref: Reference, max_ctx: int, config: Any):
+        if not isinstance(ref, Reference) or not ref.is_whole:
+            raise StepError("continuous batching runs on the whole model's reference engine or on the compiled "
+                            "step (not a layer split)")
+        cfg = ref.cfg
+        self.ref, self.cfg, self.config = ref, cfg, config
+        page_tokens = default_page_tokens(cfg) if config.page_tokens is None else \
+            check_page_tokens(cfg, config.page_tokens)
+        per_seq = -(-max_ctx // page_tokens)
+        pages = config.pages if config.pages is not None else config.max_lanes * per_seq
+        _check_fits(cfg, pages, page_tokens, config.max_lanes, ref.device)
+        self.pool = StatePool(cfg, pages, page_tokens, ref.device, config.prefix_states, config.poison)
+
+    def check_request(self, positions: int) -> None:
+        """StepError when a request of ``positions`` could never be admitted (more pages than the pool's)."""
+        if self.pool.pages_for(positions) > self.pool.alloc.n_pages:
+            raise StepError(f"prompt + max_new_tokens ({positions} positions) need {self.pool.pages_for(positions)} "
+                            f"pages; the pool has {self.pool.alloc.n_pages}")
+
+    def admit(self, req: Any) -> bool:
+        """Reserve ``req``'s pages (its prefix reused); False: not enough pages now (it waits)."""
+        pool = self.pool
+        n = len(req.prompt) + req.max_new_tokens
+        reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse else []
+        for node in reuse:  # held while pages are made room for: eviction must not take them
+            pool.alloc.incref(node.page)
+        try:
+            if not pool.can_admit(pool.pages_for(n) - len(reuse)):
+                return False
+            req.seq = pool.new_sequence(n, reuse)
+        finally:
+            pool.alloc.release([node.page for node in reuse])
+        pool.prefix.record_hit(len(reuse))
+        req.reused = req.seq.pos
+        req.fed = list(req.prompt[:req.seq.pos])
+        return True
+
+    def run(self, active: list[Any]) -> list[LaneOut]:
+        """One step of every admitted request, by the policy (module docstring)."""
+        lanes, plan = [], []
+        decoding = [r for r in active if r.tokens]
+        for req in decoding:
+            lanes.append((req.seq, [req.tokens[-1]], req.seq.pos))
+            plan.append((req, 1))
+        budget = self.config.max_rows - len(decoding)
+        P = self.pool.page_tokens
+        for req in (r for r in active if not r.tokens):
+            if budget <= 0:
+                break
+            pos = req.seq.pos
+            n = min(budget, len(req.prompt) - pos, P - pos % P)
+            lanes.append((req.seq, req.prompt[pos:pos + n], pos))
+            plan.append((req, n))
+            budget -= n
+        logits = self.ref.step_lanes(lanes, check_finite=False)
+        out = []
+        for (req, n), lg in zip(plan, logits):
+            seq = req.seq
+            prefill = not req.tokens
+            req.fed += req.prompt[seq.pos - n:seq.pos] if prefill else [req.tokens[-1]]
+            err = nonfinite(lg, seq.pos - n, seq.pos)
+            if err is None:
+                self.pool.cache_page(seq, req.fed)
+            sample = not prefill or seq.pos == len(req.prompt)  # a decode row, or the prompt's last
+            out.append(LaneOut(req, n, seq.pos if prefill else None, lg[-1:].float().cpu() if sample else None,
+                               None, err))
+        return out
+
+    def free(self, req: Any, failed: bool = False) -> None:
+        """``req`` has ended: its pages back to the pool (full prefix pages stay cached)."""
+        if req.seq is not None:
+            self.pool.free(req.seq)
+
+    def stats(self, active: list[Any]) -> dict[str, int]:
+        """Pages in use (by running sequences or the prefix cache), those the running sequences hold, pages in
+        the pool, page size, cached prefix pages, prefix hits and the prompt positions they saved."""
+        running_pages = {p for r in active if r.seq is not None and not r.seq.freed for p in r.seq.table}
+        pool = self.pool
+        return {"pages_in_use": pool.alloc.in_use, "pages_running": len(running_pages),
+                "pages": pool.alloc.n_pages, "page_tokens": pool.page_tokens,
+                "prefix_pages": len(pool.prefix.nodes), "prefix_hits": pool.prefix.hits,
+                "prefix_hit_tokens": pool.prefix.hit_tokens}
+
+    def clear_prefixes(self) -> None:
+        """Drop the cached prefix pages no running sequence holds."""
+        self.pool.prefix.clear()
+
+    def close(self) -> None:
+        """Nothing to release beyond the pool (freed with the engine)."""
