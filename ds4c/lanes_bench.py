@@ -62,17 +62,19 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
                     prefill_chunk: int | None = None, prefill_every: int = 1,
                     say: Callable[[str], Any] = lambda m: None) -> LanesReport:
     """Measure (module docstring); ``prefill_chunk``, ``prefill_every``: :class:`~ds4c.batching.BatchConfig`'s (the
-    compiled step's largest prefill chunk beside decoding sequences, and how often one runs). Raises Ds4cError for lanes outside 1..16 or lengths past the
+    compiled step's largest prefill chunk beside decoding sequences, and how often one runs). Raises Ds4cError for lanes below 1 (above 16 on the compiled step) or lengths past the
     model's context, and what :func:`~ds4c.engine.open_engine` raises."""
     from ds4c.engine import open_engine, resolve_engine  # start-up speed
 
-    if not lanes or any(not 1 <= n <= 16 for n in lanes):
-        raise Ds4cError(f"--lanes: expected sequence counts in 1..16, found {lanes}")
+    if not lanes or any(n < 1 for n in lanes):
+        raise Ds4cError(f"--lanes: expected sequence counts >= 1, found {lanes}")
     if new_tokens < 2 or prompt_len < 1 or long_prompt < 1:
         raise Ds4cError("--lanes: expected --new-tokens >= 2 and prompt lengths >= 1")
     top = max(lanes)
     max_ctx = max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)
     name = resolve_engine(device, engine)
+    if name == "compiled" and top > 16:
+        raise Ds4cError(f"--lanes: the compiled step runs 1..16 sequences at once, found {top}")
     t0 = time.perf_counter()
     ref = open_engine(mf, device=device, engine=name, max_ctx=max_ctx, threads=threads)
     eng = BatchEngine(ref, ref.max_ctx, BatchConfig(max_lanes=top, max_rows=max(16, top),

@@ -29,8 +29,9 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
               help="Require 'Authorization: Bearer KEY' on every route but /health (default: $DS4C_API_KEY, which "
                    "keeps the key out of the process list; none when unset).")
 @click.option("--lanes", type=click.IntRange(min=1), default=None,
-              help="Sequences stepped together (continuous batching over a paged state pool, prompts starting from "
-                   "cached prefixes; reference engine, no --draft). Default: one at a time.")
+              help="Sequences stepped together (continuous batching: on cuda the compiled step's decode lanes, on cpu "
+                   "the reference's paged pool; prompts starting from cached prefixes; no --draft). Default: one at "
+                   "a time.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="Sequences run at once (default: --lanes, else 1; the rest queue).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=DEFAULTS["max_queue"], show_default=True,

@@ -187,8 +187,9 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
             :class:`ds4c.Model` takes them (``max_ctx``: positions a sequence may hold, prompt + reply; None: the
             artifact's, else 4096; ``draft``: speculative decoding for every request).
         spec_width: with ``draft``: verify rows per step, 1..5 or ``"auto"``.
-        lanes: sequences stepped together (continuous batching over the paged pool, with prefix reuse;
-            :class:`ds4c.Model`'s ``lanes``: the reference engine, no drafter); None: one at a time.
+        lanes: sequences stepped together (continuous batching with prefix reuse, :class:`ds4c.Model`'s ``lanes``:
+            the compiled step's decode lanes on cuda, the reference's paged pool on cpu; no drafter); None: one at a
+            time.
         max_queue, queue_timeout_s, request_timeout_s, stream_buffer: the scheduler's limits
             (:class:`~ds4c.server.scheduler.SchedulerConfig`).
         max_body_bytes: larger request bodies get 413.
