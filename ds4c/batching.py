@@ -199,7 +199,9 @@ class BatchRequest:
                                 reason, None, {"chunks": [], "verify_tokens": len(self.prompt) - self.reused,
                                                "prefix_reused": self.reused})
 
-    def _emit(self, tok: int) -> None:
+    def _emit(self, tok: int, last: str | None = None) -> None:
+        """Hand out ``tok``; ``last``: it ends the request for this reason, and the result is set before the token
+        is handed out (a reader that takes it sees ``result`` at once: the eos token is then not text)."""
         now = time.perf_counter()
         if self.t_first:
             self.step_s.append(now - self.t_last)
@@ -207,12 +209,14 @@ class BatchRequest:
             self.t_first = now
         self.t_last = now
         self.tokens.append(tok)
+        if last is not None:
+            self._final = self._result(last)
         self._q.put(tok)
 
     def _end(self, reason: str | None, error: Ds4cError | None = None) -> None:
         if error is not None:
             self.error = error
-        else:
+        elif self._final is None:
             self._final = self._result(reason or "stop")
         self._q.put(_END)
         self._done.set()
@@ -419,18 +423,17 @@ class BatchEngine:
             if o.prompt_done < len(req.prompt):  # more of the prompt to come
                 return
         tok = o.token if o.token is not None else req._sample(o.logits)
-        req._emit(tok)
-        if tok in req.stop_ids:
-            self._finish(req, "eos")
-        elif len(req.tokens) >= req.max_new_tokens:
-            self._finish(req, "length")
+        last = "eos" if tok in req.stop_ids else "length" if len(req.tokens) + 1 >= req.max_new_tokens else None
+        req._emit(tok, last)
+        if last is not None:
+            self._finish(req, last)
 
     def _finish(self, req: BatchRequest, reason: str | None, error: Ds4cError | None = None) -> None:
         if req.seq is not None:
             self.backend.free(req, failed=error is not None)
         if req in self._active:
             self._active.remove(req)
-        if req._final is None and req.error is None:
+        if not req._done.is_set():
             req._end(reason, error)
 
 

@@ -55,10 +55,11 @@ def test_batch_engine_on_the_compiled_step_equals_each_request_alone(tiny_path):
     assert eng.backend.name == "compiled" and eng.backend.warm_s > 0
     reqs = [eng.submit(p, 96, **kw) for p, kw in zip(prompts, kws)]
     assert [r.run().tokens for r in reqs] == want
-    turn2 = prompts[0] + want[0] + torch.randint(0, 512, (5,), generator=g).tolist()
+    # the next turn of the last to end (the snapshots kept are at most the slots: the first to end was dropped)
+    turn2 = prompts[3] + want[3] + torch.randint(0, 512, (5,), generator=g).tolist()
     cold = generate(step, turn2, 8).tokens
     t2 = eng.submit(turn2, 8)
-    assert t2.run().tokens[:1] == cold[:1] and t2.prefix_reused == len(prompts[0]) + 95
+    assert t2.run().tokens[:1] == cold[:1] and t2.prefix_reused == len(prompts[3]) + 95
     st = eng.stats()
     assert st["running"] == 0 and st["prefix_hits"] == 1
     eng.close()
