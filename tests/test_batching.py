@@ -394,3 +394,23 @@ def test_lanes_on_cuda_equal_each_request_alone_on_cuda(tiny_path):
     assert [r.run().tokens for r in reqs] == want
     assert reqs[3].prefix_reused == 32
     eng.close()
+
+
+def test_the_last_token_comes_with_its_result(ref, monkeypatch):
+    """A reader that takes a request's last token sees its result at once (the Model's text drops an eos token by
+    it): the engine's clean-up after that token is slowed here, so a result set only then would be missed."""
+    slow = BatchEngine._finish
+
+    def late_finish(self, req, reason, error=None):
+        time.sleep(0.2)
+        slow(self, req, reason, error)
+
+    monkeypatch.setattr(BatchEngine, "_finish", late_finish)
+    eng = BatchEngine(ref, 64, BatchConfig(max_lanes=1, max_rows=4))
+    want = _alone(ref, ids(5, 60), 3)
+    for stop_ids, reason in (((), "length"), ((want[1],), "eos")):
+        req = eng.submit(ids(5, 60), 3, stop_ids=stop_ids)
+        seen = [(t, req.result) for t in req]
+        assert seen[-1][1] is not None and seen[-1][1].stop_reason == reason
+        assert all(r is None for _, r in seen[:-1])
+    eng.close()
