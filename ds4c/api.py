@@ -36,7 +36,7 @@ from typing import Any
 from ds4c.chat import render_chat
 from ds4c.default_model import default_model_path
 from ds4c.engine import open_engine, resolve_engine, resolve_needs
-from ds4c.engine_protocol import CompiledEngine, drafter_name, drafter_needs
+from ds4c.engine_protocol import NO_NEEDS, CompiledEngine, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.batching import BatchConfig, BatchEngine, BatchRequest
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
@@ -274,7 +274,9 @@ class Model:
             sequences a step holds (or a :class:`~ds4c.batching.BatchConfig`). :meth:`generate` calls from several
             threads then run at once, each request's tokens equal to the same request run alone; prompts that
             begin with a prefix an earlier request left start from it (the reference's page pool; the compiled step's
-            slot snapshots). Either engine, on one device, without a drafter; on the compiled step decode lanes run
+            slot snapshots). Either engine, on one device; a ``draft`` on the reference only (speculative rows in
+            the batch; the oracle, or a drafter that needs neither taps nor the final HC state); on the compiled
+            step decode lanes run
             as one CUDA graph and prompts are prefilled beside them (:mod:`ds4c.batch_slots`). None (the default):
             one generation at a time.
 
@@ -338,8 +340,15 @@ class Model:
             raise Ds4cError(f"lanes: expected an int >= 1 (sequences per step) or a BatchConfig, found {lanes!r}")
         cfg = lanes if isinstance(lanes, BatchConfig) else BatchConfig(max_lanes=lanes, max_rows=max(16, lanes))
         if self.draft is not None:
-            raise Ds4cError("lanes: speculative decoding inside the batch is not supported yet; open the Model "
-                            "without draft (or without lanes)")
+            if self.engine != "reference":
+                raise Ds4cError(f"lanes: speculative rows inside the batch run on the reference engine; the "
+                                f"{self.engine} step's batch decodes one row per sequence (open the Model without "
+                                f"draft, or with engine='reference')")
+            drafter = self._drafter(self.draft, 0)
+            if drafter_needs(drafter) != NO_NEEDS:
+                raise Ds4cError(f"lanes: draft {self.draft!r} reads the target's DSpark taps or final HC state, which a "
+                                f"batch step does not record; the oracle (or a drafter that needs neither) runs in "
+                                f"a batch")
         if self._split:
             raise Ds4cError("lanes: continuous batching runs on one device (not with devices / layer_split)")
         return BatchEngine(self.stepper, self.max_ctx, cfg)
@@ -523,12 +532,11 @@ class Model:
             raise Ds4cError("cancel: a threading.Event, with a Model opened with lanes (one generation at a time ends "
                             "with CompletionStream.close())")
         if self.batch is not None:  # lanes: this generation joins the running batch, no turn to wait for
-            if draft is not None:
-                raise Ds4cError("draft: speculative decoding inside the batch (lanes) is not supported yet")
             check_seed(seed)
             release = _nothing
             ts = self.batch.submit(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   stop_ids=stop_ids, cancel=cancel, on_prefill=on_prefill)
+                                   stop_ids=stop_ids, cancel=cancel, on_prefill=on_prefill, draft=draft,
+                                   spec_width=spec_width)
         else:
             release = self._turns.take()  # another thread's unfinished generation: wait for it (class docstring)
             try:

@@ -23,6 +23,8 @@ class LaneOut:
             the prompt; every step on the reference); None when the device sampled it (``token``).
         token: the token the device sampled (None: sample ``logits`` on the host).
         error: this request failed (non-finite logits...): it ends with this error, the others go on.
+        tokens: the tokens a speculative lane's verify rows settled (its accepted drafts and the target's next
+            token), in order; None otherwise.
     """
 
     req: Any
@@ -31,6 +33,7 @@ class LaneOut:
     logits: torch.Tensor | None = None
     token: int | None = None
     error: StepError | None = None
+    tokens: list[int] | None = None
 
 
 def nonfinite(logits: torch.Tensor, start: int, stop: int) -> StepError | None:

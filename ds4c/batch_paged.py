@@ -10,6 +10,13 @@ sequence never runs out of pages mid-run, so the pool running short is a wait in
 neighbour's corrupted state. Cached prefixes nobody runs are evicted (least recently used first) to make room.
 A prompt that begins with full pages the cache holds starts at the end of the longest such prefix: its pages
 shared, the window ring and compressor state loaded from the boundary state kept there.
+
+Speculative rows: a decoding request with a drafter (``BatchEngine.submit(draft=...)``) runs its last token and
+``k`` drafts as one lane (``k`` from its fixed-width policy, as alone: at most ``spec_width - 1`` and what it still
+needs); the drafts are accepted on its own logits rows by the one-sequence loop's rules (greedy, or the
+rejection rule with the request's generator) and the lane's state rolled back to the kept rows, so its tokens equal
+the same request run alone with the same drafter. Decode rows (speculative ones included) always run; the prompts
+get what is left of ``max_rows``, at least one row.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from typing import Any
 import torch
 
 from ds4c.batch_lane import LaneOut, nonfinite
+from ds4c.engine_protocol import ReportsConfidence
 from ds4c.errors import StepError
+from ds4c.sampling import accept, accept_greedy
+from ds4c.speculative import call_propose
 from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
 from ds4c.reference.model import Reference
 from ds4c.reference.paged import StatePool
@@ -53,6 +63,7 @@ class PagedLanes:
     """
 
     name = "reference"
+    speculates = True
 
     def __init__(self, ref: Reference, max_ctx: int, config: Any):
         if not isinstance(ref, Reference) or not ref.is_whole:
@@ -93,14 +104,27 @@ class PagedLanes:
 
     def run(self, active: list[Any]) -> list[LaneOut]:
         """One step of every admitted request, by the policy (module docstring)."""
-        lanes, plan = [], []
+        lanes, plan, drafted = [], [], {}
         decoding = [r for r in active if r.tokens]
         for req in decoding:
-            lanes.append((req.seq, [req.tokens[-1]], req.seq.pos))
-            plan.append((req, 1))
-        budget = self.config.max_rows - len(decoding)
+            rows = [req.tokens[-1]]
+            if req.draft is not None:
+                k = req.policy.choose(req.max_new_tokens - len(req.tokens) - 1)
+                if k > 0:  # as speculative_tokens alone: propose, trim, verify [last] + drafts
+                    drafts, q = call_propose(req.draft, req.prompt + req.tokens, k, self.cfg.vocab_size)
+                    greedy_conf = req.temperature == 0 and isinstance(req.draft, ReportsConfidence)
+                    k = req.policy.trim(len(drafts), req.draft.confidence if greedy_conf else None)
+                    drafts, q = list(drafts[:k]), None if q is None else q[:k]
+                    drafted[id(req)] = (drafts, q)
+                    rows += drafts
+            lanes.append((req.seq, rows, req.seq.pos))
+            plan.append((req, len(rows)))
+        budget = self.config.max_rows - sum(n for _, n in plan)
+        prefilling = [r for r in active if not r.tokens]
+        if prefilling and budget < 1:
+            budget = 1  # a prompt always gets a row
         P = self.pool.page_tokens
-        for req in (r for r in active if not r.tokens):
+        for req in prefilling:
             if budget <= 0:
                 break
             pos = req.seq.pos
@@ -112,6 +136,9 @@ class PagedLanes:
         out = []
         for (req, n), lg in zip(plan, logits):
             seq = req.seq
+            if id(req) in drafted:
+                out.append(self._settle(req, n, lg, *drafted[id(req)]))
+                continue
             prefill = not req.tokens
             req.fed += req.prompt[seq.pos - n:seq.pos] if prefill else [req.tokens[-1]]
             err = nonfinite(lg, seq.pos - n, seq.pos)
@@ -121,6 +148,23 @@ class PagedLanes:
             out.append(LaneOut(req, n, seq.pos if prefill else None, lg[-1:].float().cpu() if sample else None,
                                None, err))
         return out
+
+    def _settle(self, req: Any, n: int, lg: torch.Tensor, drafts: list[int], q: Any) -> LaneOut:
+        """A speculative lane's step: acceptance on its rows (the one-sequence loop's rules), its state rolled back
+        to the kept rows, the pages cached."""
+        seq = req.seq
+        err = nonfinite(lg, seq.pos - n, seq.pos)
+        if err is not None:
+            return LaneOut(req, n, error=err)
+        if req.temperature == 0:
+            new = accept_greedy(lg.argmax(dim=-1).tolist(), drafts)
+        else:
+            new = accept(lg.float().cpu(), drafts, q, req.temperature, req.top_k, req.top_p, req._rng)
+        seq.rollback(len(new))  # the step's first row and the accepted drafts
+        req.policy.update(len(drafts), len(new) - 1)
+        req.fed += ([req.tokens[-1]] + drafts)[:len(new)]
+        self.pool.cache_page(seq, req.fed)
+        return LaneOut(req, n, tokens=new)
 
     def free(self, req: Any, failed: bool = False) -> None:
         """``req`` has ended: its pages back to the pool (full prefix pages stay cached)."""

@@ -8,7 +8,8 @@ slots (:class:`~ds4c.runtime.step.lanes.LanesStep`), prompts prefilled on the on
   graph, weights read once for all of them), then one *piece* of the prompt being prefilled, on the one-sequence
   step's chunk graphs (or its verify steps): the chunk the one-sequence prefill policy
   (:func:`~ds4c.buckets.prefill_chunk_for`) would run next, so a prompt is ingested exactly as it is alone. Decode
-  therefore waits at most one chunk per token (``prefill_chunk`` caps the chunks run beside decoding sequences;
+  therefore waits at most one chunk per token (``prefill_chunk`` caps the chunks run beside decoding sequences,
+  and, below the smallest chunk graph, the verify steps a piece holds (at least one);
   ``prefill_every`` N runs a piece only every N steps while sequences decode, so their mean inter-token latency
   grows by a chunk's time / N); with nothing decoding the chunks run back to back. One prompt is prefilled at a time, in arrival order; its
   sequence takes a slot when its last piece is in.
@@ -157,8 +158,12 @@ class SlotLanes:
             n = min(c, rest)
         elif chunks and rest < MIN_PREFILL_CHUNK:
             n = rest  # the tail: verify steps, as the one-sequence prefill runs it
-        else:
-            n = min(rest, max(one.buckets.widths) * VERIFY_STEPS_PER_PIECE)
+        else:  # verify steps: at most VERIFY_STEPS_PER_PIECE, and within the cap beside decoding sequences
+            w = max(one.buckets.widths)
+            steps = VERIFY_STEPS_PER_PIECE
+            if self.order and self.config.prefill_chunk is not None:
+                steps = max(1, min(steps, self.config.prefill_chunk // w))
+            n = min(rest, w * steps)
         toks = prompt[pos:pos + n]
         if chunks:
             logits = one.prefill(toks, pos, chunks=chunks)

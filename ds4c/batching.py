@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +40,13 @@ import torch
 
 from ds4c.batch_lane import LaneOut
 from ds4c.batch_paged import PagedLanes
+from ds4c.engine_protocol import NO_NEEDS, SamplingDrafter, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
 from ds4c.reference.model import Reference
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits
+from ds4c.speculative import WidthPolicy
 
 log = logging.getLogger("ds4c.batching")
 
@@ -55,7 +57,8 @@ class BatchConfig:
 
     Attributes:
         max_lanes: sequences in a step at most (decoding and prefilling).
-        max_rows: rows in a step at most (>= ``max_lanes``: every lane can have a row).
+        max_rows: rows in a step at most (>= ``max_lanes``: every lane can have a row); None: ``max(16,
+            max_lanes)``.
         pages: pages in the pool; None: enough for ``max_lanes`` sequences of the engine's ``max_ctx``.
         page_tokens: positions per page; None: :func:`~ds4c.pages.default_page_tokens`.
         prefix_states: boundary states the prefix cache keeps (0: no prefix reuse); on the compiled step, slot
@@ -69,7 +72,7 @@ class BatchConfig:
     """
 
     max_lanes: int = 8
-    max_rows: int = 16
+    max_rows: int | None = None
     pages: int | None = None
     page_tokens: int | None = None
     prefix_states: int = 64
@@ -77,6 +80,10 @@ class BatchConfig:
     prefill_chunk: int | None = None
     prefill_every: int = 1
     warm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_rows is None and isinstance(self.max_lanes, int) and not isinstance(self.max_lanes, bool):
+            object.__setattr__(self, "max_rows", max(16, self.max_lanes))
 
     def check(self) -> None:
         """Raises StepError (one line) for a value out of range."""
@@ -95,6 +102,9 @@ class BatchConfig:
             raise StepError(f"prefill_chunk must be an int >= 1 or None, found {self.prefill_chunk!r}")
         if not is_int(self.prefill_every) or self.prefill_every < 1:
             raise StepError(f"prefill_every must be an int >= 1, found {self.prefill_every!r}")
+        for name in ("poison", "warm"):
+            if not isinstance(getattr(self, name), bool):
+                raise StepError(f"{name} must be True or False, found {getattr(self, name)!r}")
 
 
 _END = object()
@@ -102,7 +112,7 @@ _END = object()
 
 def _int_ids(ids: Any, what: str) -> list[int]:
     """``ids`` as a list of ints; StepError (one line) for a str, bytes, a non-iterable, a bool or a non-int."""
-    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+    if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable):
         raise StepError(f"{what}: expected a list of int token ids, found {type(ids).__name__}")
     out = []
     for t in ids:
@@ -136,6 +146,10 @@ class BatchRequest:
         self.error: Ds4cError | None = None
         self._done = threading.Event()
         self._rng = torch.Generator().manual_seed(seed)
+        # speculative decoding (submit's draft): the drafter, its width policy, steps / drafts / accepted drafts
+        self.draft: Any = None
+        self.policy: Any = None
+        self.spec = [0, 0, 0]
         # engine-side bookkeeping
         self.seq: Any = None
         self.fed: list[int] = []
@@ -259,6 +273,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.rows = 0
+        self.spec = [0, 0, 0]  # speculative lanes stepped, drafts verified, drafts accepted
 
     @property
     def pool(self) -> Any:
@@ -269,14 +284,19 @@ class BatchEngine:
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_ids: Collection[int] = (),
                cancel: threading.Event | None = None,
-               on_prefill: Callable[[int, int], Any] | None = None) -> BatchRequest:
+               on_prefill: Callable[[int, int], Any] | None = None, draft: Any = None,
+               spec_width: int = 5) -> BatchRequest:
         """Queue a request (from any thread); returns its :class:`BatchRequest` at once. Arguments as
         :func:`ds4c.generate.stream`; ``cancel``: an event that ends it when set; ``on_prefill(done, total)`` is
-        called from the engine's thread after each prefill chunk.
+        called from the engine's thread after each prefill chunk; ``draft``: a drafter of this request alone
+        (speculative rows in the batch, the reference's backend: :mod:`ds4c.batch_paged`) with ``spec_width``
+        verify rows per step (1..5).
 
         Raises:
             StepError: an empty prompt or an id outside the vocabulary, bad sampling values, a negative
-                ``max_new_tokens``, prompt + new tokens past ``max_ctx`` or past the whole pool, the engine closed.
+                ``max_new_tokens``, prompt + new tokens past ``max_ctx`` or past the whole pool, the engine closed;
+                a draft on the compiled step's batch, one that needs the target's taps or final HC state, a
+                spec_width outside 1..5.
         """
         prompt = _int_ids(prompt, "prompt")
         if not prompt:
@@ -298,8 +318,10 @@ class BatchEngine:
         if n > self.max_ctx:
             raise StepError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_ctx={self.max_ctx}")
         self.backend.check_request(n)
+        policy = self._spec_policy(draft, spec_width) if draft is not None else None
         req = BatchRequest(next(self._ids), prompt, max_new_tokens, temperature, top_k, top_p, seed,
                            frozenset(stops), cancel or threading.Event(), on_prefill, self)
+        req.draft, req.policy = draft, policy
         with self._lock:
             if self._closed:
                 raise StepError("the batch engine is closed")
@@ -310,6 +332,22 @@ class BatchEngine:
             self._lock.notify()
         return req
 
+    def _spec_policy(self, draft: Any, spec_width: Any) -> Any:
+        """The fixed-width policy of a request's speculative rows; StepError (one line) for what the batch cannot
+        run."""
+        if not getattr(self.backend, "speculates", False):
+            raise StepError(f"draft: speculative rows inside the batch run on the reference's batch; the "
+                            f"{self.backend.name} step's batch decodes one row per sequence")
+        if not callable(getattr(draft, "propose", None)) or not callable(getattr(draft, "prepare", None)):
+            raise StepError(f"draft: expected a drafter (prepare, propose), found {type(draft).__name__}")
+        if drafter_needs(draft) != NO_NEEDS:
+            raise StepError(f"draft: {drafter_name(draft)} reads the target's DSpark taps or final HC state, which a "
+                            f"batch step does not record; the oracle (or a drafter that needs neither) runs in a batch")
+        if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= 5:
+            raise StepError(f"spec_width: expected an int in 1..5 (verify rows per step) in a batch, found "
+                            f"{spec_width!r}")
+        return WidthPolicy(spec_width)
+
     def stats(self) -> dict[str, int]:
         """Running sequences (admitted: prefilling or decoding), waiting requests, steps and rows run, and the
         backend's: pages in use (by running sequences or the prefix cache), pages the running sequences hold,
@@ -319,7 +357,7 @@ class BatchEngine:
             waiting = len(self._waiting) + len(self._incoming)
         active = list(self._active)
         return {"running": len(active), "waiting": waiting, **self.backend.stats(active), "steps": self.steps,
-                "rows": self.rows}
+                "rows": self.rows, "spec_steps": self.spec[0], "drafts": self.spec[1], "accepted": self.spec[2]}
 
     def clear_prefixes(self) -> None:
         """Forget every cached prefix nobody runs (a benchmark's cold start; memory back)."""
@@ -407,6 +445,12 @@ class BatchEngine:
             self._waiting.popleft()
             req.t_admit = time.perf_counter()
             self._active.append(req)
+            if req.draft is not None and req.max_new_tokens > 1:  # as alone: before the target's prefill
+                try:
+                    req.draft.prepare(self.ref, req.prompt, req.max_new_tokens)
+                except Exception as e:  # the request's drafter fails its own request only
+                    err = e if isinstance(e, Ds4cError) else StepError(f"draft: {type(e).__name__}: {e}")
+                    self._finish(req, None, err)
 
     def _advance(self, o: LaneOut) -> None:
         req = o.req
@@ -422,11 +466,22 @@ class BatchEngine:
                     return
             if o.prompt_done < len(req.prompt):  # more of the prompt to come
                 return
-        tok = o.token if o.token is not None else req._sample(o.logits)
-        last = "eos" if tok in req.stop_ids else "length" if len(req.tokens) + 1 >= req.max_new_tokens else None
-        req._emit(tok, last)
-        if last is not None:
-            self._finish(req, last)
+        if o.tokens is not None:  # a speculative lane: its settled tokens, up to an eos or the length
+            self.spec[0] += 1
+            self.spec[1] += o.rows - 1
+            self.spec[2] += len(o.tokens) - 1
+            toks = o.tokens
+        else:
+            toks = [o.token if o.token is not None else req._sample(o.logits)]
+        if not req.tokens and req.draft is not None:
+            if isinstance(req.draft, SamplingDrafter):  # as alone: drafts sampled with the request's generator
+                req.draft.configure_sampling(req.temperature, req.top_k, req.top_p, req._rng)
+        for tok in toks:
+            last = "eos" if tok in req.stop_ids else "length" if len(req.tokens) + 1 >= req.max_new_tokens else None
+            req._emit(tok, last)
+            if last is not None:
+                self._finish(req, last)
+                return
 
     def _finish(self, req: BatchRequest, reason: str | None, error: Ds4cError | None = None) -> None:
         if req.seq is not None:

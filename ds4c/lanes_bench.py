@@ -68,11 +68,20 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
 
     if not lanes or any(n < 1 for n in lanes):
         raise Ds4cError(f"--lanes: expected sequence counts >= 1, found {lanes}")
-    if new_tokens < 2 or prompt_len < 1 or long_prompt < 1:
-        raise Ds4cError("--lanes: expected --new-tokens >= 2 and prompt lengths >= 1")
+    if new_tokens < 2 or prompt_len < 1:
+        raise Ds4cError("--lanes: expected --new-tokens >= 2 and --prompt-len >= 1")
+    if long_prompt < 32:
+        raise Ds4cError(f"--long-prompt must be >= 32 (the first chat turn is it less 24 tokens), found {long_prompt}")
     top = max(lanes)
     max_ctx = max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)
     name = resolve_engine(device, engine)
+    if name == "reference" and (prefill_chunk is not None or prefill_every != 1):
+        raise Ds4cError("--lanes-prefill-chunk / --lanes-prefill-every: the compiled engine's policy; the reference "
+                        "mixes prompt rows into its steps (drop them, or --device cuda)")
+    limit = mf.config.max_position
+    if max(prompt_len + 2 * new_tokens + 16, long_prompt + 8) > limit:
+        raise Ds4cError(f"--long-prompt / --prompt-len / --new-tokens: the runs need "
+                        f"{max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)} positions, the model holds {limit}")
     if name == "compiled" and top > 16:
         raise Ds4cError(f"--lanes: the compiled step runs 1..16 sequences at once, found {top}")
     t0 = time.perf_counter()
@@ -95,7 +104,7 @@ def _measure(eng: BatchEngine, rep: LanesReport, lanes: tuple[int, ...], new_tok
     top = max(lanes)
     for n in sorted(set(lanes)):
         steps0, rows0 = eng.steps, eng.rows
-        say(f"lanes {n}: {n} requests of {prompt_len} + {new_tokens} tokens")
+        say(f"lanes {n}: {n} request{'s' if n > 1 else ''} of {prompt_len} + {new_tokens} tokens")
         reqs = [eng.submit(_ids(prompt_len, 100 + k, vocab), new_tokens) for k in range(n)]
         for r in reqs:
             r.run()

@@ -307,7 +307,12 @@ def test_batch_engine_refusals(ref):
                        ((ref, 320, BatchConfig(max_lanes=10**6, max_rows=10**6)), "need .* GiB, more than the")):
         with pytest.raises(StepError, match=want):
             BatchEngine(*args)
-    for bad, want in ((BatchConfig(max_lanes=0), "max_lanes"), (BatchConfig(max_lanes=4, max_rows=2), "max_rows"),
+    assert BatchConfig(max_lanes=20).max_rows == 20 and BatchConfig(max_lanes=3).max_rows == 16
+    with pytest.raises(StepError, match="expected a list of int token ids, found dict"):
+        eng.submit({1: 2}, 2)
+    for bad, want in ((BatchConfig(warm="False"), "warm must be True or False, found 'False'"),
+                      (BatchConfig(poison=1), "poison must be True or False, found 1"),
+                      (BatchConfig(max_lanes=0), "max_lanes"), (BatchConfig(max_lanes=4, max_rows=2), "max_rows"),
                       (BatchConfig(pages=0), "pages"), (BatchConfig(page_tokens=24), "page_tokens")):
         with pytest.raises(StepError, match=want):
             BatchEngine(ref, 64, bad)
@@ -343,8 +348,6 @@ def test_model_lanes_runs_threads_together(tiny_path):
     assert c.stop_reason == "stop" and len(c.ids) < 200
     with pytest.raises(Ds4cError, match="cancel: a threading.Event, with a Model opened with lanes"):
         one.generate("x", 2, cancel=stop)
-    with pytest.raises(Ds4cError, match="speculative decoding inside the batch is not supported yet"):
-        Model(tiny_path, max_ctx=64, lanes=2, draft="oracle:0.8")
     with pytest.raises(Ds4cError, match="lanes: expected an int >= 1"):
         Model(tiny_path, max_ctx=64, lanes=True)
     m.close()
@@ -370,6 +373,11 @@ def test_bench_lanes_reports_the_three_targets(tiny_path, tmp_path):
     assert "prefill beside decode: 1 decoding, a 40-token prompt" in r.output and "prefix reuse:" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--new-tokens", "4"])
     assert r.exit_code == 2 and "--new-tokens: applies only with --lanes" in r.output
+    for extra, want in ((["--long-prompt", "10"], "--long-prompt must be >= 32"),
+                        (["--lanes-prefill-every", "2"], "the compiled engine's policy"),
+                        (["--long-prompt", "100000"], "the runs need 100008 positions, the model holds")):
+        r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--lanes", "1", *extra])
+        assert r.exit_code != 0 and want in r.output and "Traceback" not in r.output, r.output
 
 
 @pytest.mark.gpu
@@ -414,3 +422,58 @@ def test_the_last_token_comes_with_its_result(ref, monkeypatch):
         assert seen[-1][1] is not None and seen[-1][1].stop_reason == reason
         assert all(r is None for _, r in seen[:-1])
     eng.close()
+
+
+def test_speculative_lanes_equal_each_request_alone(ref):
+    """Speculative rows inside the batch: two requests with oracle drafters (greedy at width 5, seeded sampling at
+    width 3, one ending at a stop id among accepted drafts) beside a plain request and a prompt being prefilled:
+    each request's tokens equal the same request alone with the same drafter (``ds4c.generate``), bit for bit;
+    drafts were verified and accepted in the batch; a drafter the batch cannot serve is refused in one line."""
+    from types import SimpleNamespace
+
+    from ds4c.drafters.oracle import OracleDrafter
+    from ds4c.engine_protocol import EngineNeeds
+
+    def oracle(seed):
+        return OracleDrafter(0.8, ref.cfg.vocab_size, seed=seed)
+
+    pa, pb, pc, pd = ids(21, 70), ids(30, 71), ids(9, 72), ids(90, 73)
+    kb = dict(temperature=0.8, top_p=0.9, seed=2)
+    want_a = generate(ref, pa, 60, draft=oracle(5), spec_width=5).tokens
+    eos = want_a[33]
+    want_a = generate(ref, pa, 60, draft=oracle(5), spec_width=5, stop_ids=(eos,)).tokens
+    want_b = generate(ref, pb, 50, draft=oracle(6), spec_width=3, **kb).tokens
+    want_c, want_d = _alone(ref, pc, 40), _alone(ref, pd, 8)
+    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
+    a = eng.submit(pa, 60, draft=oracle(5), spec_width=5, stop_ids=(eos,))
+    b = eng.submit(pb, 50, draft=oracle(6), spec_width=3, **kb)
+    c = eng.submit(pc, 40)
+    next(c)
+    d = eng.submit(pd, 8)  # prefilled beside the speculative lanes (at least one row a step)
+    assert a.run().tokens == want_a and a.result.stop_reason == "eos"
+    assert b.run().tokens == want_b and c.run().tokens == want_c and d.run().tokens == want_d
+    st = eng.stats()
+    assert st["spec_steps"] > 0 and 0 < st["accepted"] <= st["drafts"]
+    needy = SimpleNamespace(prepare=lambda *a: None, propose=lambda ctx, k: ([1] * k, None),
+                            needs=EngineNeeds(final_hc=True))
+    for kw, want in ((dict(draft=needy), "reads the target's DSpark taps or final HC state"),
+                     (dict(draft=3), "expected a drafter"), (dict(draft=oracle(1), spec_width="auto"),
+                                                             "spec_width: expected an int in 1..5")):
+        with pytest.raises(StepError, match=want):
+            eng.submit(pa, 4, **kw)
+    eng.close()
+
+
+def test_model_lanes_with_a_drafter(tiny_path):
+    """``Model(lanes=2, draft="oracle:0.8")``: threads' generations equal a Model without lanes with the same
+    drafter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one = Model(tiny_path, max_ctx=128, threads=1, draft="oracle:0.8")
+    m = Model(tiny_path, max_ctx=128, threads=1, lanes=2, draft="oracle:0.8")
+    prompts = ["The quick brown fox", "def main():", "Hello there"]
+    want = [one.generate(p, 20, temperature=0.7, seed=k).text for k, p in enumerate(prompts)]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda k: m.generate(prompts[k], 20, temperature=0.7, seed=k).text, range(3)))
+    assert got == want and m.batch.stats()["spec_steps"] > 0
+    m.close()

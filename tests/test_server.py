@@ -475,8 +475,10 @@ def test_lanes_serve_many_clients_at_once(tiny_path, server):
     finally:
         assert s.stop() == -signal.SIGTERM, "".join(s.log)
     assert not any("Traceback" in ln for ln in s.log), "".join(s.log)
-    r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", "--lanes", "2", "--draft", "oracle:0.8"])
-    assert r.exit_code == 2 and "speculative decoding inside the batch is not supported yet" in r.output, r.output
+    r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", "--lanes", "2", "--draft", "oracle:0.8",
+                                  "--spec-width", "auto"])
+    assert r.exit_code == 2 and "--spec-width auto: speculative rows in a batch take a fixed width" in r.output, \
+        r.output
 
 
 # ------------------------------------------------------------------------------------------------ the benchmark

@@ -318,7 +318,7 @@ class BatchedEngine(SerialEngine):
         return EngineStats(st["running"], st["pages_running"], st["prefix_pages"], st["prefix_hit_tokens"])
 
     def _run_options(self, stream: RequestStream) -> dict:
-        return {"cancel": stream.cancel_event}
+        return {"cancel": stream.cancel_event, "spec_width": self.spec_width}
 
 
 def _matched_stop(model: Model, ids: Sequence[int], text: str | None, stops: Sequence[str],

@@ -148,7 +148,10 @@ def serve_model(model: Model, options: ServerOptions, host: str = "127.0.0.1", p
             raise Ds4cError(f"{model.path}: the file has no tokenizer (written by ds4c before 0.2?); the server "
                             f"speaks text")
         if model.batch is not None:  # lanes: continuous batching, a worker per sequence slot
-            engine: SerialEngine = BatchedEngine(model, capacity=max_concurrency or model.batch.config.max_lanes)
+            if model.draft is not None and spec_width == "auto":
+                raise Ds4cError("--spec-width auto: speculative rows in a batch take a fixed width (1..5)")
+            engine: SerialEngine = BatchedEngine(model, capacity=max_concurrency or model.batch.config.max_lanes,
+                                                 spec_width=spec_width)
         else:
             if max_concurrency is not None and max_concurrency != 1:
                 raise Ds4cError(f"max_concurrency {max_concurrency}: without --lanes the engine runs 1 sequence at "
@@ -188,7 +191,8 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
             artifact's, else 4096; ``draft``: speculative decoding for every request).
         spec_width: with ``draft``: verify rows per step, 1..5 or ``"auto"``.
         lanes: sequences stepped together (continuous batching with prefix reuse, :class:`ds4c.Model`'s ``lanes``:
-            the compiled step's decode lanes on cuda, the reference's paged pool on cpu; no drafter); None: one at a
+            the compiled step's decode lanes on cuda, the reference's paged pool on cpu; a drafter on the reference
+            only, the oracle or one without needs); None: one at a
             time.
         max_queue, queue_timeout_s, request_timeout_s, stream_buffer: the scheduler's limits
             (:class:`~ds4c.server.scheduler.SchedulerConfig`).
