@@ -439,15 +439,15 @@ def test_speculative_lanes_equal_each_request_alone(ref):
 
     pa, pb, pc, pd = ids(21, 70), ids(30, 71), ids(9, 72), ids(90, 73)
     kb = dict(temperature=0.8, top_p=0.9, seed=2)
-    want_a = generate(ref, pa, 60, draft=oracle(5), spec_width=5).tokens
-    eos = want_a[33]
-    want_a = generate(ref, pa, 60, draft=oracle(5), spec_width=5, stop_ids=(eos,)).tokens
-    want_b = generate(ref, pb, 50, draft=oracle(6), spec_width=3, **kb).tokens
-    want_c, want_d = _alone(ref, pc, 40), _alone(ref, pd, 8)
+    want_a = generate(ref, pa, 40, draft=oracle(5), spec_width=5).tokens
+    eos = want_a[25]
+    want_a = generate(ref, pa, 40, draft=oracle(5), spec_width=5, stop_ids=(eos,)).tokens
+    want_b = generate(ref, pb, 30, draft=oracle(6), spec_width=3, **kb).tokens
+    want_c, want_d = _alone(ref, pc, 24), _alone(ref, pd, 8)
     eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
-    a = eng.submit(pa, 60, draft=oracle(5), spec_width=5, stop_ids=(eos,))
-    b = eng.submit(pb, 50, draft=oracle(6), spec_width=3, **kb)
-    c = eng.submit(pc, 40)
+    a = eng.submit(pa, 40, draft=oracle(5), spec_width=5, stop_ids=(eos,))
+    b = eng.submit(pb, 30, draft=oracle(6), spec_width=3, **kb)
+    c = eng.submit(pc, 24)
     next(c)
     d = eng.submit(pd, 8)  # prefilled beside the speculative lanes (at least one row a step)
     assert a.run().tokens == want_a and a.result.stop_reason == "eos"
@@ -472,8 +472,8 @@ def test_model_lanes_with_a_drafter(tiny_path):
     one = Model(tiny_path, max_ctx=128, threads=1, draft="oracle:0.8")
     m = Model(tiny_path, max_ctx=128, threads=1, lanes=2, draft="oracle:0.8")
     prompts = ["The quick brown fox", "def main():", "Hello there"]
-    want = [one.generate(p, 20, temperature=0.7, seed=k).text for k, p in enumerate(prompts)]
+    want = [one.generate(p, 12, temperature=0.7, seed=k).text for k, p in enumerate(prompts)]
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda k: m.generate(prompts[k], 20, temperature=0.7, seed=k).text, range(3)))
+        got = list(pool.map(lambda k: m.generate(prompts[k], 12, temperature=0.7, seed=k).text, range(3)))
     assert got == want and m.batch.stats()["spec_steps"] > 0
     m.close()
