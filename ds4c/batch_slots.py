@@ -11,8 +11,8 @@ slots (:class:`~ds4c.runtime.step.lanes.LanesStep`), prompts prefilled on the on
   therefore waits at most one chunk per token (``prefill_chunk`` caps the chunks run beside decoding sequences,
   and, below the smallest chunk graph, the verify steps a piece holds (at least one);
   ``prefill_every`` N runs a piece only every N steps while sequences decode, so their mean inter-token latency
-  grows by a chunk's time / N); with nothing decoding the chunks run back to back. One prompt is prefilled at a time, in arrival order; its
-  sequence takes a slot when its last piece is in.
+  grows by a chunk's time / N); with nothing decoding the chunks run back to back. One prompt is prefilled at a
+  time, in arrival order; its sequence takes a slot when its last piece is in.
 * **Admission**: a free slot and no other prompt in prefill; else the request waits (first come, first served).
 * **Sampling**: the first token on the host from the prompt's last logits (the request's generator, as alone), the
   rest on the device per lane (:meth:`LanesStep.next_tokens`: the one-sequence device loop's rule and noise), so a
@@ -152,14 +152,13 @@ class SlotLanes:
         chunks = tuple(getattr(one, "prefill_chunks", ()) or ())
         if self.order and self.config.prefill_chunk is not None:
             chunks = tuple(c for c in chunks if c <= self.config.prefill_chunk)
-        rest = len(prompt) - pos
+        rest, w = len(prompt) - pos, max(one.buckets.widths)
         c = prefill_chunk_for(chunks, rest, pos, one.max_ctx) if chunks else None
         if c is not None:
             n = min(c, rest)
         elif chunks and rest < MIN_PREFILL_CHUNK:
             n = rest  # the tail: verify steps, as the one-sequence prefill runs it
         else:  # verify steps: at most VERIFY_STEPS_PER_PIECE, and within the cap beside decoding sequences
-            w = max(one.buckets.widths)
             steps = VERIFY_STEPS_PER_PIECE
             if self.order and self.config.prefill_chunk is not None:
                 steps = max(1, min(steps, self.config.prefill_chunk // w))
@@ -168,7 +167,6 @@ class SlotLanes:
         if chunks:
             logits = one.prefill(toks, pos, chunks=chunks)
         else:
-            w = max(one.buckets.widths)
             for s in range(0, n, w):
                 logits = one.verify(toks[s:s + w], pos + s)
             logits = logits[-1:]
@@ -200,4 +198,4 @@ class SlotLanes:
 
     def close(self) -> None:
         """Drop the prefix snapshots."""
-        self.prefix.clear()
+        self.clear_prefixes()

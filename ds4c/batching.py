@@ -8,7 +8,7 @@ A :class:`BatchEngine` owns a scheduler thread and a *lanes backend*, the way it
 * on the compiled step, :class:`~ds4c.batch_slots.SlotLanes`: decode lanes over sequence slots in one CUDA graph,
   prompts prefilled beside them one piece per step on the one-sequence step (its policy there).
 
-:func:`open_batch` picks the backend by the engine. Requests (:meth:`BatchEngine.submit`, from any thread) wait in
+:func:`lanes_backend` picks the backend by the engine. Requests (:meth:`BatchEngine.submit`, from any thread) wait in
 arrival order, are admitted between steps when the backend has room (a lane and its pages or slot), and leave the
 batch the step they end (their pages or slot free for the next admission then).
 
@@ -43,6 +43,7 @@ from ds4c.batch_paged import PagedLanes
 from ds4c.engine_protocol import NO_NEEDS, SamplingDrafter, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
+from ds4c.reference import MAX_WIDTH
 from ds4c.reference.model import Reference
 from ds4c.reference.primitives import sample
 from ds4c.sampling import check_sampling, check_seed, filter_logits
@@ -146,10 +147,9 @@ class BatchRequest:
         self.error: Ds4cError | None = None
         self._done = threading.Event()
         self._rng = torch.Generator().manual_seed(seed)
-        # speculative decoding (submit's draft): the drafter, its width policy, steps / drafts / accepted drafts
+        # speculative decoding (submit's draft): the drafter and its width policy
         self.draft: Any = None
         self.policy: Any = None
-        self.spec = [0, 0, 0]
         # engine-side bookkeeping
         self.seq: Any = None
         self.fed: list[int] = []
@@ -343,8 +343,8 @@ class BatchEngine:
         if drafter_needs(draft) != NO_NEEDS:
             raise StepError(f"draft: {drafter_name(draft)} reads the target's DSpark taps or final HC state, which a "
                             f"batch step does not record; the oracle (or a drafter that needs neither) runs in a batch")
-        if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= 5:
-            raise StepError(f"spec_width: expected an int in 1..5 (verify rows per step) in a batch, found "
+        if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH:
+            raise StepError(f"spec_width: expected an int in 1..{MAX_WIDTH} (verify rows per step) in a batch, found "
                             f"{spec_width!r}")
         return WidthPolicy(spec_width)
 

@@ -29,6 +29,7 @@ pages live; ds4c.batch_slots keeps prefixes as slot snapshots).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -192,8 +193,6 @@ class LanesStep:
         """Build, compile and capture the graph of every lane size at every context bucket (default: all of the
         step's) now, so no step compiles or captures later; every slot is reset afterwards (the captures' eager
         runs write them). Returns the seconds it took."""
-        import time
-
         t0 = time.perf_counter()
         with torch.cuda.device(self.dev):
             for c in contexts or self.step.buckets.contexts:
