@@ -135,6 +135,16 @@ def experts_prequant() -> bool:
     return os.environ.get("DS4C_XP_PREQUANT", "1") != "0"
 
 
+def experts_down_split() -> int:
+    """``ExpertsSpec.down_split`` of the decode experts (``$DS4C_XP_DOWN_SPLIT``; default 0: chosen by the lowering
+    from the rows, :func:`ds4c.runtime.families.experts.auto_down_split`; 1 = one block per 16 output dims).
+
+    Raises:
+        SettingsError: a value that is not an int >= 0.
+    """
+    return _int("DS4C_XP_DOWN_SPLIT", 0, 0)
+
+
 def prefill_attn_heads_per_block() -> int:
     """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
     Optimisation 7).

@@ -507,7 +507,8 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
                             c.expert_fmt((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
                             c.expert_fmt((sh_gate, sh_up)), bool(re_.attrs["emulate"]), re_.attrs["limit"],
                             down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)),
-                            shared_down_fmt=c.expert_fmt((sh_down,)), prequant=settings.experts_prequant())
+                            shared_down_fmt=c.expert_fmt((sh_down,)), prequant=settings.experts_prequant(),
+                            down_split=settings.experts_down_split() or _exp.auto_down_split(c.q, cfg.n_active_experts))
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     rows_h = c.q * (cfg.n_active_experts + 1)  # hbuf rows: per step row its k routed slots and the shared one
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * rows_h * cfg.moe_inter)
@@ -523,7 +524,9 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
          "xq": Arg("workspace", c.name(op, "experts_xq"), nbytes=2 * c.q * cfg.hidden_size),
          "xs": Arg("workspace", c.name(op, "experts_xs"), nbytes=4 * c.q * (cfg.hidden_size // 128)),
          "hq": Arg("workspace", c.name(op, "experts_hq"), nbytes=2 * rows_h * cfg.moe_inter),
-         "hs": Arg("workspace", c.name(op, "experts_hs"), nbytes=4 * rows_h * (cfg.moe_inter // 128))}
+         "hs": Arg("workspace", c.name(op, "experts_hs"), nbytes=4 * rows_h * (cfg.moe_inter // 128)),
+         # down_split > 1: every slot's y_e, summed by the call's last launch
+         "ybuf": Arg("workspace", c.name(op, "experts_y"), nbytes=2 * rows_h * cfg.hidden_size)}
     names = _exp.arg_names(spec, c.target)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
             for s, la in zip(srcs, _exp.launch_shapes(spec, c.target))]

@@ -395,6 +395,57 @@ def test_prequant_plan() -> None:
         X.ExpertsSpec(q=1, prequant=1)
 
 
+def test_down_split_plan() -> None:
+    """ExpertsSpec.down_split: the down phase's grid gets the job groups as y, writes ybuf instead of out, and a
+    ``sum`` launch (one thread per output element) reads ybuf and the ids and writes out; each kernel's parameter
+    count is its argument list's; a bad value is one RenderError naming the field."""
+    t = target("sm_90")
+    for sp, names in ((X.ExpertsSpec(q=8, prequant=True, down_split=4), ["actq_x", "up", "actq_h", "down", "sum"]),
+                      (X.ExpertsSpec(q=3, engine="simt", down_split=2), ["up", "down", "sum"])):
+        assert X.kernel_names(sp, t) == names
+        la = {x.kernel: x for x in X.launch_shapes(sp, t)}
+        assert la["down"].grid == (4096 // 16, sp.down_split, 1)
+        assert la["sum"].grid == (4096 // X.SUM_THREADS, sp.q, 1) and la["sum"].block == (X.SUM_THREADS, 1, 1)
+        args = X.arg_names(sp, t)
+        assert args["down"][-1] == "ybuf" and args["sum"] == ["ybuf", "ids", "out"]
+        for k, kn in zip(X.render_experts(sp, t), names):
+            sig = k.source[k.source.index(k.entry + "("):]
+            sig = sig[:sig.index(")")]
+            assert sig.count(",") + 1 == len(args[kn]), (kn, sig)
+        assert f"_ds{sp.down_split}" in sp.key()
+    assert X.arg_shapes(X.ExpertsSpec(q=8))["ybuf"] == ((8, 7, 4096), torch.bfloat16)
+    assert X.kernel_names(X.ExpertsSpec(q=8), t) == ["up", "down"] and "_ds" not in X.ExpertsSpec(q=8).key()
+    for bad in (0, X.MAX_SPLIT + 1, True, 2.0):
+        with pytest.raises(RenderError, match="down_split"):
+            X.ExpertsSpec(q=1, down_split=bad)
+
+
+# the split down phase: the ring (MXFP4 warps of 512 values) with prequant, more groups than jobs (empty groups
+# return at once); the register path (SIMT, tiny); K-quant rows that start at byte 2 of a u32 (Q6_K down)
+SPLIT_CASES = [(dict(q=5, hidden=1024, inter=1024, n_experts=8, k=4, engine="mma", prequant=True), (3, 32)),
+               (dict(q=3, engine="simt", **TINY), (2,)),
+               (dict(q=2, engine="mma", routed_fmt="q4_k", down_fmt="q6_k", **KQ), (3,))]
+
+
+@pytest.mark.parametrize("kw,splits", SPLIT_CASES, ids=["ring-prequant", "simt-tiny", "q6_k-down"])
+def test_down_split_emulated_equals_one_block(kw: dict, splits: tuple, tmp_path: Path) -> None:
+    """The split down phase and its sum launch, run on the CPU emulator, give the one-block down phase's output
+    bit for bit (the same y_e, added in the same order), on rows routed to distinct experts and on rows sharing
+    some; ybuf starts poisoned with NaN, so a y_e no group wrote shows in the output."""
+    E = experts_emu
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    for shared_rows in (False, True):
+        base_spec = X.ExpertsSpec(**kw)
+        inp = X.random_inputs(base_spec, torch.Generator().manual_seed(13), shared_rows=shared_rows)
+        base = E.run(base_spec, inp, tmp_path / f"one{shared_rows}")
+        assert E.rel_err(base["out"], X.reference(base_spec, **inp)) < EXPERTS_BOUND
+        for g in splits:
+            got = E.run(X.ExpertsSpec(**kw, down_split=g), inp, tmp_path / f"split{g}{shared_rows}")
+            assert torch.equal(got["out"], base["out"]), (g, shared_rows)
+
+
 @pytest.mark.parametrize("kw", [dict(q=2, hidden=2048, inter=2048, n_experts=8, k=4),  # the cp.async ring
                                 dict(q=5, hidden=512, inter=256, n_experts=8, k=4, routed_fmt="q4_k"),
                                 dict(q=3, **TINY)], ids=["ring", "q4_k", "tiny"])

@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=8, help="lanes of the exactness check (0: none)")
     ap.add_argument("--beside", type=int, default=4096, help="prompt prefilled beside 7 decoding lanes (0: none)")
     ap.add_argument("--chunk", type=int, default=64, help="its prefill chunk rows (one chunk per decode step)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per lane count, every launch of the lanes graph timed on its own, summed by family")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from lanes_compare import lanes_vs_alone
@@ -81,6 +83,8 @@ def main() -> None:
     single = (time.perf_counter() - t0) / a.steps
     print(f"one-sequence step: {single * 1e3:.3f} ms/token ({1 / single:.1f} tok/s)", flush=True)
     out["single_ms"] = single * 1e3
+    if a.profile:
+        out["profile_single"] = by_family(ex.time_launches([tok], ex.pos), "one-sequence step")
     base = None
     # every lane its own prompt: lanes decoding the same tokens route to the same experts and share their reads
     # (an earlier version timed that: 3.96x / 4.14x at 8 / 16 lanes on the H100, not what distinct requests get)
@@ -93,10 +97,36 @@ def main() -> None:
               f"{agg:.1f} tok/s = {agg / base:.2f}x one lane, {agg * single:.2f}x the one-sequence step", flush=True)
         out["rows"].append({"lanes": n, "step_ms": dt * 1e3, "agg_tok_s": agg, "vs_one_lane": agg / base,
                             "vs_single": agg * single, "itl_vs_single": dt / single})
+        if a.profile:
+            out["rows"][-1]["profile"] = profile_lanes(lanes, n)
     if a.beside:
         out["beside"] = beside(ex, lanes, prompts, a, g)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+def by_family(launches: list[dict], title: str) -> dict:
+    """Sum launch times by family (experts split by entry: up / down) and print one line."""
+    fam: dict[str, float] = {}
+    for la in launches:
+        key = la["family"] + ("." + la["entry"].rsplit("_", 1)[-1] if la["family"] == "experts" else "")
+        fam[key] = fam.get(key, 0.0) + la["us"]
+    total = sum(fam.values())
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(fam.items(), key=lambda kv: -kv[1]))
+    print(f"  profile {title}: {len(launches)} launches, {total:.0f} us eager: {parts}", flush=True)
+    return {"launches": len(launches), "total_us": total, "families": fam}
+
+
+def profile_lanes(lanes, n: int) -> dict:
+    """Every launch of the graph the last ``n``-lane step replayed, timed eagerly at the lanes' current positions
+    (the slots are left written: time them last)."""
+    from ds4c.runtime.step.timing import time_bound_launches
+
+    size = lanes.size_for(n)
+    sg = lanes.prepare(size, lanes.context_for(n))
+    lanes.scalars.upload(lanes.pos[:n] + [0] * (size - n), [0] * size)
+    with torch.cuda.device(lanes.dev):
+        return by_family(time_bound_launches(sg, 10), f"{n} lanes")
 
 
 def timed_lanes(ex, lanes, prompts, n: int, steps: int) -> tuple[float, list[int]]:

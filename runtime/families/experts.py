@@ -18,6 +18,10 @@ launch holds:
   first, then the distinct routed experts in ascending id, ``y_e = bf16(W2_e . qa(h_e))``; per row
   ``acc = sum of fp32(y_e)`` over its experts in ascending id, then ``out = bf16(acc + fp32(y_shared))``:
   exactly the order of :func:`ds4c.reference.blocks.routed_sum` and ``moe_sum``, with no atomics.
+* with ``down_split`` G > 1 (many distinct experts: decode lanes of several sequences), ``down`` has grid
+  ``(D/16, G)``: block ``(b, g)`` runs the g-th of G contiguous runs of those jobs and writes each ``y_e`` to
+  the workspace ``ybuf`` bf16 ``[q, k+1, D]``; a third launch ``sum`` (templates/experts/sum.cu.j2) adds each
+  row's ``y_e`` in ascending id, then the shared expert's: the same additions in the same order, bit for bit.
 
 Engines (``ExpertsSpec.engine``): ``mma`` (CUDA only, ``mma.sync`` m16n8k16). On sm_89+ with ``act_quant``:
 MXFP4 / Q8_0 weights as exact f16 (MXFP4 through e4m3 codes and ``cvt.f16x2.e4m3x2``, Q8_0 through the
@@ -65,6 +69,7 @@ from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "experts/experts.cu.j2"
+SUM_TEMPLATE = "experts/sum.cu.j2"
 FAMILY = "experts"
 #: llama.cpp's K-quants and IQ4_XS: super-blocks of 256 values (layouts in ds4c.quant and the template's
 #: ``ds4c_kq`` decoder, templates/prelude/kquant.h.j2)
@@ -87,6 +92,10 @@ PHASES = ("up", "down")
 ROWS_PER_BLOCK = 16
 MAX_WARPS = 4
 MAX_Q = 8
+#: most job groups of the down phase (ExpertsSpec.down_split)
+MAX_SPLIT = 64
+#: threads of a ``sum`` block (down_split > 1): one output element each
+SUM_THREADS = 128
 #: registers per thread the CUDA build may use (``__launch_bounds__`` min blocks = 64K / (threads * this));
 #: the prefetch buffers alone take ~72
 REG_BUDGET = 168
@@ -156,6 +165,14 @@ class ExpertsSpec:
             (CUDA's mma engine on sm_89+, MXFP4 / Q8_0 / K-quant weights, ``act_quant``); elsewhere it is off.
             False here; the lowering turns it on (runtime/lower_step.py, :func:`ds4c.settings.experts_prequant`: measured on the H200,
             experts q = 5 357 -> 160 us, q = 1 85 -> 77 us, docs/perf.md Optimisation 6).
+        down_split: job groups of the down phase. 1: each of its D/16 blocks runs the shared expert and every
+            distinct routed expert one after another (two launches, or four with ``prequant``). G > 1: grid
+            (D/16, G), block (b, g) runs the g-th of G contiguous runs of the jobs (the shared expert first, then
+            the routed ones in ascending id) and writes each ``y_e`` (bf16) to the workspace ``ybuf`` bf16
+            [q, k+1, D]; a third launch ``sum`` adds each row's ``y_e`` in ascending expert id, then the shared
+            expert's: the same operations in the same order as one block, bit for bit. For many distinct
+            experts (the decode lanes of several sequences: up to q k of them) one block per 16 output dims
+            walks every expert's 16 rows in turn; the groups spread them over the SMs.
 
     Raises:
         RenderError: a field out of range (the message names it).
@@ -175,6 +192,7 @@ class ExpertsSpec:
     shared_down_fmt: str | None = None
     stages: int | None = None
     prequant: bool = False
+    down_split: int = 1
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -207,6 +225,9 @@ class ExpertsSpec:
             bad.append(f"stages {self.stages!r} (expected None, 0 or 2..{MAX_STAGES})")
         if not isinstance(self.prequant, bool):
             bad.append(f"prequant {self.prequant!r} (expected a bool)")
+        if isinstance(self.down_split, bool) or not isinstance(self.down_split, int) or \
+                not 1 <= self.down_split <= MAX_SPLIT:
+            bad.append(f"down_split {self.down_split!r} (expected 1..{MAX_SPLIT})")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
         if not (isinstance(self.limit, (int, float)) and math.isfinite(self.limit) and self.limit > 0):
@@ -226,7 +247,8 @@ class ExpertsSpec:
         return (f"q{self.q}_d{self.hidden}_f{self.inter}_k{self.k}_e{self.n_experts}_{self.routed_fmt}_"
                 f"{self.shared_fmt}{down}{'' if self.act_quant else '_noaq'}"
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
-                + ("" if self.stages is None else f"_st{self.stages}") + ("_pq" if self.prequant else ""))
+                + ("" if self.stages is None else f"_st{self.stages}") + ("_pq" if self.prequant else "")
+                + ("" if self.down_split == 1 else f"_ds{self.down_split}"))
 
     def short(self) -> str:
         return (f"q={self.q} D={self.hidden} F={self.inter} E={self.n_experts} k={self.k} "
@@ -379,7 +401,7 @@ def _plan_with(spec: ExpertsSpec, target: Target, phase: str, engine: str, e4m3:
     if phase == "up":
         grid = (spec.inter // ROWS_PER_BLOCK, spec.slots + 1, 1)
     else:
-        grid = (spec.hidden // ROWS_PER_BLOCK, 1, 1)
+        grid = (spec.hidden // ROWS_PER_BLOCK, spec.down_split, 1)
     return PhasePlan(phase, kin, nout, nw, kw, geos, stages, nb, ast16, act_wb, tile_wb, off_extra, smem, grid,
                      (nw * 32, 1, 1))
 
@@ -391,7 +413,13 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
                 limit=_float_literal(spec.limit), nb=pl.nb, ast16=pl.ast16, act_wb=pl.act_wb,
                 tile_wb=pl.tile_wb, off_extra=pl.off_extra, smem=pl.smem,
                 geos=[asdict(g) for g in pl.geos], n_experts=spec.n_experts, stages=pl.stages,
-                min_blocks=_min_blocks(spec, phase, pl), prequant=uses_prequant(spec, target))
+                min_blocks=_min_blocks(spec, phase, pl), prequant=uses_prequant(spec, target), split=spec.down_split)
+
+
+def auto_down_split(q: int, k: int) -> int:
+    """The down phase's job groups the lowering gives a call of ``q`` rows and ``k`` routed experts per row
+    (``$DS4C_XP_DOWN_SPLIT`` overrides it)."""
+    return 1
 
 
 def uses_prequant(spec: ExpertsSpec, target: Target) -> bool:
@@ -425,8 +453,9 @@ def _actq_rows(spec: ExpertsSpec, kernel: str) -> int:
 
 def kernel_names(spec: ExpertsSpec, target: Target) -> list[str]:
     """The call's kernels in launch order: ``up``, ``down``; with :func:`uses_prequant` ``actq_x``, ``up``,
-    ``actq_h``, ``down``."""
-    return ["actq_x", "up", "actq_h", "down"] if uses_prequant(spec, target) else list(PHASES)
+    ``actq_h``, ``down``; then ``sum`` when ``down_split > 1``."""
+    names = ["actq_x", "up", "actq_h", "down"] if uses_prequant(spec, target) else list(PHASES)
+    return names + (["sum"] if spec.down_split > 1 else [])
 
 
 def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -> list[KernelSource]:
@@ -443,6 +472,9 @@ def render_experts(spec: ExpertsSpec, target: Target, name: str | None = None) -
         if kn.startswith("actq_"):
             k = spec.hidden if kn == "actq_x" else spec.inter
             out.append(render_actq(f"{name}_{kn}", FAMILY, target, k, _actq_rows(spec, kn)))
+        elif kn == "sum":
+            out.append(render(SUM_TEMPLATE, f"{name}_{kn}", FAMILY, target,
+                              dict(topk=spec.k, hidden=spec.hidden, threads=SUM_THREADS)))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, _params(spec, target, kn)))
     return out
@@ -459,6 +491,8 @@ def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
         if kn.startswith("actq_"):
             out.append(actq_launch(spec.hidden if kn == "actq_x" else spec.inter, _actq_rows(spec, kn), target,
                                    kernel=kn))
+        elif kn == "sum":
+            out.append(Launch((spec.hidden // SUM_THREADS, spec.q, 1), (SUM_THREADS, 1, 1), 0, kernel=kn))
         else:
             pl = plan(spec, target, kn)
             out.append(Launch(pl.grid, pl.block, pl.smem, kernel=kn))
@@ -468,13 +502,18 @@ def launch_shapes(spec: ExpertsSpec, target: Target) -> list[Launch]:
 def arg_names(spec: ExpertsSpec, target: Target | None = None) -> dict[str, list[str]]:
     """Kernel argument names in order, per kernel (with ``target``: of the kernels :func:`kernel_names` gives;
     without, as ``spec.prequant`` asks)."""
+    dst = "ybuf" if spec.down_split > 1 else "out"  # the split down phase writes each y_e, ``sum`` adds them
     if not (uses_prequant(spec, target) if target is not None else spec.prequant):
-        return {"up": ["x", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
-                "down": ["hbuf", "ids", "w2", "sh_w2", "out"]}
-    return {"actq_x": ["x", "xq", "xs"],
-            "up": ["xq", "xs", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
-            "actq_h": ["hbuf", "hq", "hs"],
-            "down": ["hq", "hs", "ids", "w2", "sh_w2", "out"]}
+        names = {"up": ["x", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
+                 "down": ["hbuf", "ids", "w2", "sh_w2", dst]}
+    else:
+        names = {"actq_x": ["x", "xq", "xs"],
+                 "up": ["xq", "xs", "ids", "weights", "w1", "w3", "sh_w1", "sh_w3", "hbuf"],
+                 "actq_h": ["hbuf", "hq", "hs"],
+                 "down": ["hq", "hs", "ids", "w2", "sh_w2", dst]}
+    if spec.down_split > 1:
+        names["sum"] = ["ybuf", "ids", "out"]
+    return names
 
 
 def weight_shape(fmt: str, rows: int, n_in: int, experts: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
@@ -496,7 +535,9 @@ def arg_shapes(spec: ExpertsSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
             "hbuf": ((q, k + 1, F), torch.bfloat16), "out": ((q, D), torch.bfloat16),
             # prequant's workspaces: the e4m3 values as f16 and the per-128 scales of x and h
             "xq": ((q, D), torch.float16), "xs": ((q, D // 128), torch.float32),
-            "hq": ((q, k + 1, F), torch.float16), "hs": ((q, k + 1, F // 128), torch.float32)}
+            "hq": ((q, k + 1, F), torch.float16), "hs": ((q, k + 1, F // 128), torch.float32),
+            # down_split > 1: each row's y_e per routed slot and the shared expert's, before ``sum``
+            "ybuf": ((q, k + 1, D), torch.bfloat16)}
 
 
 def expert_bytes(spec: ExpertsSpec, fmt: str | None = None) -> int:

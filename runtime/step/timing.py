@@ -29,17 +29,26 @@ def time_launches(driver: StepDriver, tokens: list[int], pos: int, repeats: int 
                             f"{len(tokens)} tokens at the next position {seq.pos}, found rows={rows} pos={pos}")
         sg = driver.begin_chunk(tokens, pos, rows)
     snap = seq.snapshot()
+    out = time_bound_launches(sg, repeats, lambda: seq.restore(snap))
+    seq.restore(snap)
+    return out
+
+
+def time_bound_launches(sg: Any, repeats: int = 20, before: Any = None) -> list[dict[str, Any]]:
+    """Median microseconds of every launch of a bound step graph ``sg`` (a ``StepGraph``: the one-sequence step's,
+    a chunk graph or a lanes graph) over ``repeats`` eager runs, calling ``before()`` ahead of each run (to restore
+    the state the launches write). One dict per launch: kernel, family, layer, entry, us."""
     pairs = [(k, la) for k in sg.kernels if k.name != ROLLBACK_KERNEL for la in k.launches]  # as sg.launches
     assert len(pairs) == len(sg.launches), (len(pairs), len(sg.launches))
     evs = [[torch.cuda.Event(enable_timing=True) for _ in range(len(pairs) + 1)] for _ in range(repeats)]
     for r in range(repeats):
-        seq.restore(snap)
+        if before is not None:
+            before()
         evs[r][0].record()
         for i, b in enumerate(sg.launches):
             b.kernel(b.grid, b.block, b.args, smem=b.smem)
             evs[r][i + 1].record()
     torch.cuda.synchronize()
-    seq.restore(snap)
     out = []
     for i, (k, la) in enumerate(pairs):
         ts = sorted(evs[r][i].elapsed_time(evs[r][i + 1]) * 1e3 for r in range(repeats))

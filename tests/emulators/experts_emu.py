@@ -336,7 +336,7 @@ def host_body(src: Any) -> str:
 _ARG_EXPR = {"x": "(const u16*)x.data()", "ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()",
              "w1": "w1.data()", "w3": "w3.data()", "w2": "w2.data()", "sh_w1": "s1.data()", "sh_w3": "s3.data()",
              "sh_w2": "s2.data()", "hbuf": "h.data()", "out": "out.data()", "xq": "xq.data()", "xs": "xs.data()",
-             "hq": "hq.data()", "hs": "hs.data()"}
+             "hq": "hq.data()", "hs": "hs.data()", "ybuf": "yb.data()"}
 
 
 def build(spec: X.ExpertsSpec, workdir: Path, arch: str = "sm_90") -> Path:
@@ -366,7 +366,8 @@ int main(int argc, char** argv) {{
   std::vector<u16> h({q} * ({k} + 1) * {F}, 0x7fc1), out({q} * {D}, 0x7fc1);
   std::vector<u16> xq({q} * {D}, 0x7e01), hq({q} * ({k} + 1) * {F}, 0x7e01);  // f16 NaN poison
   std::vector<float> xs({q} * ({D} / 128), NAN), hs({q} * ({k} + 1) * ({F} / 128), NAN);
-  (void)xq; (void)hq; (void)xs; (void)hs;
+  std::vector<u16> yb({q} * ({k} + 1) * {D}, 0x7fc1);  // down_split's y_e per slot
+  (void)xq; (void)hq; (void)xs; (void)hs; (void)yb;
 {"".join(calls)}  save(d, "hbuf", h.data(), h.size() * 2);
   save(d, "out", out.data(), out.size() * 2);
   save(d, "xq", xq.data(), xq.size() * 2);

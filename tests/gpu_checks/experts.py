@@ -59,6 +59,14 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     out += [(f"official mma  q={q} register path", dict(OFFICIAL, q=q, engine="mma", stages=0)) for q in (1, 5)]
     # x and h quantized once per call (ExpertsSpec.prequant: four launches), for the A/B in one run
     out += [(f"official mma  q={q} prequant", dict(OFFICIAL, q=q, engine="mma", prequant=True)) for q in (1, 3, 5)]
+    # the lanes step's shape (issue 30): 8 rows of distinct requests, every row its own 6 experts (up to 48 + the
+    # shared one streamed), as the engine's decode lanes route; each phase's time shows which one scales
+    out += [(f"official mma  q={q} prequant distinct", dict(OFFICIAL, q=q, engine="mma", prequant=True,
+                                                             distinct=True)) for q in (1, 8)]
+    # ... with the down phase's jobs split over G groups of blocks (ExpertsSpec.down_split; a third launch sums)
+    out += [(f"official mma  q={q} prequant distinct split {n}", dict(OFFICIAL, q=q, engine="mma", prequant=True,
+                                                                       distinct=True, down_split=n))
+            for q, ns in ((1, (2, 4)), (5, (2, 4, 8)), (8, (2, 4, 8, 16))) for n in ns]
     if os.environ.get("DS4C_XP_STAGES_SWEEP"):  # every ring depth at q = 1..5 (the stage choice's data)
         out += [(f"official mma  q={q} stages {n}", dict(OFFICIAL, q=q, engine="mma", stages=n))
                 for q in (1, 2, 3, 4, 5) for n in (2, 3, 4, 6)]
@@ -73,6 +81,11 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
     out += [(f"official {e:4s} q={q} routed {f}", dict(OFFICIAL, q=q, engine=e, routed_fmt=f))
             for f in X.KQUANTS for e in ("mma", "simt") for q in (1, 5)]
     return out
+
+
+def _spec_kw(kw: dict[str, Any]) -> dict[str, Any]:
+    """A case's ExpertsSpec fields (``distinct``: rows route to distinct experts, not a spec field)."""
+    return {k: v for k, v in kw.items() if k != "distinct"}
 
 
 def _compile(specs: dict[str, X.ExpertsSpec], tgt: Any) -> tuple[dict[str, Any], float]:
@@ -90,7 +103,7 @@ def _bufs(spec: X.ExpertsSpec, inp: dict[str, torch.Tensor], hbuf: torch.Tensor,
     """Every kernel argument by name: the inputs, the outputs, and prequant's workspaces (NaN-poisoned)."""
     dev = hbuf.device
     ws = {n: torch.full(shape, float("nan"), dtype=dt, device=dev)
-          for n, (shape, dt) in X.arg_shapes(spec).items() if n in ("xq", "xs", "hq", "hs")}
+          for n, (shape, dt) in X.arg_shapes(spec).items() if n in ("xq", "xs", "hq", "hs", "ybuf")}
     return {**inp, **ws, "hbuf": hbuf, "out": out}
 
 
@@ -135,7 +148,8 @@ def run(arch: str = "sm_90") -> list[dict]:
     pick = [c for c in os.environ.get("DS4C_XP_CASES", "").split(",") if c]  # substrings of case labels
     if pick:
         cases = [c for c in cases if any(p in c[0] + "$" for p in pick)]  # "$" marks the end
-    specs = {X.ExpertsSpec(**kw).key() + "_" + kw["engine"]: X.ExpertsSpec(**kw) for _, kw in cases}
+    specs = {X.ExpertsSpec(**_spec_kw(kw)).key() + "_" + kw["engine"]: X.ExpertsSpec(**_spec_kw(kw))
+             for _, kw in cases}
     built, wall = _compile(specs, tgt)
     print(f"[experts] compiled {2 * len(specs)} kernels in {wall:.1f} s", flush=True)
     dev = torch.device("cuda")
@@ -144,10 +158,10 @@ def run(arch: str = "sm_90") -> list[dict]:
     rows: list[dict] = []
     graph_done = False
     for label, kw in cases:
-        spec = X.ExpertsSpec(**kw)
+        spec = X.ExpertsSpec(**_spec_kw(kw))
         key = spec.key() + "_" + kw["engine"]
         fns, launches, use, csecs = built[key]
-        inp = X.random_inputs(spec, g, device=dev)
+        inp = X.random_inputs(spec, g, device=dev, shared_rows=not kw.get("distinct", False))
         hbuf = torch.empty(spec.q, spec.k + 1, spec.inter, dtype=torch.bfloat16, device=dev)
         out = torch.empty(spec.q, spec.hidden, dtype=torch.bfloat16, device=dev)
         _poison(hbuf, out)
@@ -161,7 +175,7 @@ def run(arch: str = "sm_90") -> list[dict]:
         us = _time([lambda: _launch(fns, launches, args)], flush)
         # each phase with its activation quant launch (a prequant call's actq_x / actq_h) timed alone
         ph = {"up": [i for i, la in enumerate(launches) if la.kernel in ("actq_x", "up")],
-              "down": [i for i, la in enumerate(launches) if la.kernel in ("actq_h", "down")]}
+              "down": [i for i, la in enumerate(launches) if la.kernel in ("actq_h", "down", "sum")]}
         us_up, us_dn = (_time([lambda sel=sel: _launch([fns[i] for i in sel], [launches[i] for i in sel],
                                                        [args[i] for i in sel])], flush) for sel in ph.values())
         nbytes = X.bytes_read(spec, inp["ids"])
