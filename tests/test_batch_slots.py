@@ -146,32 +146,32 @@ def alone(ref: Reference, prompt: list[int], n: int, temperature: float = 0.0, t
 
 
 def test_slots_equal_each_request_alone(ref):
-    """Three slots, five requests joining and leaving at different positions (window wraps, every flush, 80
+    """Three slots, five requests joining and leaving at different positions (window wraps, every flush, 64
     tokens for the longest), greedy and seeded sampling (top-k, top-p), a stop id, one cancelled in its prompt, one
     waiting for a slot, one chat turn from a finished request's snapshot: each request's tokens equal the same
     request alone (greedy ones also ``ds4c.generate``'s), sequences move when one leaves, a vacated slot is never
     read, and the step holds one decode row per running sequence."""
     a_p, b_p, c_p = ids(21, 10), ids(40, 11), ids(7, 12)
     kw_b, kw_c = dict(temperature=0.7, top_p=0.9, seed=1), dict(temperature=0.9, top_k=40, seed=3)
-    want_a = alone(ref, a_p, 80)
-    assert want_a[:24] == generate(ref, a_p, 24).tokens  # the rule alone is generate's for greedy
-    want_b = alone(ref, b_p, 60, **kw_b)
-    eos = want_b[45]
-    want_b = alone(ref, b_p, 60, **kw_b, stop_ids=(eos,))
-    want_c = alone(ref, c_p, 50, **kw_c)
+    want_a = alone(ref, a_p, 64)
+    assert want_a[:12] == generate(ref, a_p, 12).tokens  # the rule alone is generate's for greedy
+    want_b = alone(ref, b_p, 48, **kw_b)
+    eos = want_b[36]  # with it as a stop id, the same draws end at its first occurrence (alone's loop keeps it)
+    want_b = want_b[:want_b.index(eos) + 1]
+    want_c = alone(ref, c_p, 40, **kw_c)
     eng, lanes = engine(ref, 3, poison=True)
-    a = eng.submit(a_p, 80)
-    b = eng.submit(b_p, 60, stop_ids=(eos,), **kw_b)
+    a = eng.submit(a_p, 64)
+    b = eng.submit(b_p, 48, stop_ids=(eos,), **kw_b)
     halt = threading.Event()  # the third slot's prompt: cancelled after its first piece (of 40 tokens)
     doomed = eng.submit(ids(90, 14), 10, cancel=halt, on_prefill=lambda done, total: halt.set())
     for _ in range(5):
         next(a)
-    c = eng.submit(c_p, 50, **kw_c)
+    c = eng.submit(c_p, 40, **kw_c)
     rb = b.run()
     assert rb.tokens == want_b and rb.stop_reason == "eos"
     turn2 = b_p + rb.tokens + ids(6, 15)  # the next turn of b's chat: starts from b's snapshot
-    want_t2 = alone(ref, turn2, 30)
-    t2 = eng.submit(turn2, 30)
+    want_t2 = alone(ref, turn2, 16)
+    t2 = eng.submit(turn2, 16)
     assert a.run().tokens == want_a and c.run().tokens == want_c
     assert t2.run().tokens == want_t2 and t2.prefix_reused == len(b_p) + len(rb.tokens) - 1
     assert doomed.stop().stop_reason == "stop" and doomed.run().tokens == []
