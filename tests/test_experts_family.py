@@ -176,6 +176,11 @@ def test_compile_all(arch: str, tmp_path: Path) -> None:
              for k in X.render_experts(X.ExpertsSpec(q=5, engine=eng, routed_fmt=rf, shared_fmt=sf, **OFFICIAL), t)]
     if t.vendor == "cuda":  # prequant: the activation quant launches (actq form f16s) and the copying phases
         srcs += X.render_experts(X.ExpertsSpec(q=5, engine="mma", prequant=True, **OFFICIAL), t)
+    # the split down phase and its sum launch (ExpertsSpec.down_split), at the rows a lanes step gives it (CUDA 8;
+    # HIP's 64 KB of LDS hold the up phase's activations of 5)
+    qs = 8 if t.vendor == "cuda" else 5
+    srcs += [k for eng in engines for k in X.render_experts(X.ExpertsSpec(q=qs, engine=eng, down_split=4, **OFFICIAL), t)
+             if k.entry.endswith(("_down", "_sum"))]
     # longest first (official before tiny, q 5 before q 1; a q = 5 official compile takes ~5x a tiny one), so the
     # pool does not end on one long compile while the other workers idle
     srcs.sort(key=lambda k: ("_d4096_" not in k.entry, not k.entry.startswith("experts_q5_")))
