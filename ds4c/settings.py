@@ -145,6 +145,12 @@ def experts_down_split() -> int:
     return _int("DS4C_XP_DOWN_SPLIT", 0, 0)
 
 
+def lane_streams() -> bool:
+    """The decode lanes' per-lane launches run on a stream per lane (``StepGraphs.lane_streams``; a captured lanes
+    graph holds them as parallel branches); ``$DS4C_LANE_STREAMS=0`` runs every launch in order, for an A/B."""
+    return os.environ.get("DS4C_LANE_STREAMS", "1") != "0"
+
+
 def prefill_attn_heads_per_block() -> int:
     """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
     Optimisation 7).

@@ -215,3 +215,32 @@ def test_run_lanes_step_refuses_shared_states_floats_and_other_capacities(tiny_w
     with pytest.raises(StepError, match="max_ctx 256"):
         run_lanes_step(ip, [a.state, Reference(tiny_weights, max_ctx=128).state], [[1], [2]])
     assert a.state.pos == b.state.pos == 0
+
+
+def test_lane_launches_are_tagged_and_cut_into_parallel_runs() -> None:
+    """The compiled lanes step runs each lane's per-lane launches on a stream of its own (StepGraphs.lane_streams):
+    ``lane_of`` tags every launch binding one lane's state or scalars with that lane and leaves the row-wise ones
+    (GEMV, experts, HC, router, the grouped wo_a, the head) untagged; ``lane_segments`` cuts the launch list, in
+    order and covering it once, into runs where the parallel ones hold per-lane launches of several lanes and no
+    row-wise launch, each lane's launches keeping their order."""
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.runtime.step.binding import lane_of, lane_segments
+    from ds4c.runtime.targets import target
+
+    cfg, lanes = preset("tiny"), (1, 2, 1)
+    g = run_pipeline(build_step(cfg, sum(lanes), MAX_CTX, lanes=lanes), "default", context=MAX_CTX).graph
+    ks = lower_graph(g, cfg, target("sm_90"))
+    tags = [(k.family, lane_of(la.args)) for k in ks for la in k.launches]
+    per_lane = {f for f, j in tags if j is not None}
+    assert {"attention", "compressor", "indexer"} <= per_lane
+    assert not per_lane & {"gemv", "experts", "hc", "router", "grouped"}
+    for f in per_lane:  # every lane has its own launches of each per-lane family
+        assert {j for g_, j in tags if g_ == f} == set(range(len(lanes))), f
+    assert lane_of([]) is None
+    segs = lane_segments([j for _, j in tags])
+    assert [i for a, b, _ in segs for i in range(a, b)] == list(range(len(tags)))
+    par = [(a, b) for a, b, p in segs if p]
+    assert par and all(len({tags[i][1] for i in range(a, b)}) > 1 and None not in {tags[i][1] for i in range(a, b)}
+                       for a, b in par)
+    assert lane_segments([None, 0, 1, 0, None, 2, 2, None]) == [(0, 1, False), (1, 4, True), (4, 5, False),
+                                                               (5, 6, False), (6, 7, False), (7, 8, False)]

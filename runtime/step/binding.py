@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ class Bound:
     smem: int
     args: list[Any]
     programmatic: bool = False  # launched with programmatic stream serialization (KernelSource.programmatic_launch)
+    lane: int | None = None  # a lanes step's per-lane launch: the lane whose state it reads and writes (lane_of)
 
 
 @dataclass
@@ -49,6 +51,37 @@ class StepGraph:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     cuda_graph: Any = None
     capture_s: float = 0.0
+
+
+_LANE_NAME = re.compile(r"^lane(\d+)\.")
+
+
+def lane_of(args: Any) -> int | None:
+    """The lane a launch of a lanes step belongs to: the one lane ``j`` whose state buffers or step scalars
+    (``lane{j}.*``) its arguments name, or None (a row-wise launch over every lane, or any launch of another
+    step)."""
+    lanes = {int(m.group(1)) for a in args if a.kind in ("value", "step") for m in [_LANE_NAME.match(a.name)] if m}
+    return lanes.pop() if len(lanes) == 1 else None
+
+
+def lane_segments(lanes: list[int | None]) -> list[tuple[int, int, bool]]:
+    """The launch list of a step cut into ``(start, stop, parallel)`` runs, in order: a run of consecutive per-lane
+    launches touching at least two lanes is ``parallel`` (its lanes are independent: each reads the row-wise values
+    before the run and its own state and workspaces, and writes its own state and rows); every other launch is a
+    run of its own, in order."""
+    out: list[tuple[int, int, bool]] = []
+    i, n = 0, len(lanes)
+    while i < n:
+        j = i
+        while j < n and lanes[j] is not None:
+            j += 1
+        if j > i and len(set(lanes[i:j])) > 1:
+            out.append((i, j, True))
+            i = j
+            continue
+        out.append((i, i + 1, False))
+        i += 1
+    return out
 
 
 def arena_layout(g: Graph, kernels: list[LoweredKernel], external: set[str]

@@ -9,6 +9,7 @@ HC state rows have one buffer each (``hc_in`` / ``hc_out``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from ds4c.runtime.launch import CudaModule
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.lower_step import ROLLBACK_KERNEL
 from ds4c.runtime.lowered import Arg, LoweredKernel
-from ds4c.runtime.step.binding import Bound, StepGraph, arena_layout, resolve_arg
+from ds4c.runtime.step.binding import Bound, StepGraph, arena_layout, lane_of, lane_segments, resolve_arg
 from ds4c.runtime.step.scalars import StepScalars
 from ds4c.runtime.step.weights import StepWeights
 from ds4c.runtime.targets import Target
@@ -81,6 +82,12 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.binary_batches = 0
+        #: a lanes step's graphs (ds4c.runtime.step.lanes): each lane's per-lane launches (attention, compressor,
+        #: indexer, ring write) on a stream of its own, forked after and joined before the row-wise launches, so
+        #: the lanes' small kernels run side by side instead of one after another; 0 = every launch on the
+        #: current stream. Set before the first bind (per-lane launches then get per-lane workspaces).
+        self.lane_streams = 0
+        self._streams: list[torch.cuda.Stream] = []
 
     # ------------------------------------------------------------------------------------------ build
     def prepare(self, width: int, context: int) -> StepGraph:
@@ -162,8 +169,14 @@ class StepGraphs:
         pairs = [(k.name, la) for k in kernels for la in k.launches]
         for (kname, la), (mkey, image) in zip(pairs, binaries):
             fn = self.module(mkey, image).function(la.kernel.entry, la.smem)
+            lane = lane_of(la.args) if self.lane_streams else None
+            if lane is not None:  # lanes run side by side: a per-lane launch's scratch is its lane's own
+                la = dataclasses.replace(la, args=tuple(
+                    dataclasses.replace(a, name=f"{a.name}@lane{lane}") if a.kind == "workspace" else a
+                    for a in la.args))
             args = [self._resolve(a, sg, consts) for a in la.args]
-            bound = Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch)
+            bound = Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch,
+                          lane)
             if kname == ROLLBACK_KERNEL:
                 sg.rollback = bound
             else:
@@ -191,11 +204,39 @@ class StepGraphs:
         self.captures += 1
 
     def run(self, sg: StepGraph) -> None:
-        """Launch ``sg``'s kernels on the current stream (and the hand-over copy to the next shard on this device)."""
-        for b in sg.launches:
-            b.kernel(b.grid, b.block, b.args, smem=b.smem, programmatic=b.programmatic)
+        """Launch ``sg``'s kernels on the current stream (and the hand-over copy to the next shard on this device);
+        with :attr:`lane_streams`, each run of per-lane launches on the lanes' streams (forked from and joined back
+        into the current stream: a captured graph holds them as parallel branches)."""
+        if not self.lane_streams:
+            for b in sg.launches:
+                b.kernel(b.grid, b.block, b.args, smem=b.smem, programmatic=b.programmatic)
+        else:
+            self._run_lanes(sg)
         if self.handoff is not None:  # the next shard is on this device: its hc_in, copied inside the graph
             self.handoff[:sg.width].copy_(self.hc_out[:sg.width])
+
+    def _run_lanes(self, sg: StepGraph) -> None:
+        main = torch.cuda.current_stream(self.dev)
+        while len(self._streams) < self.lane_streams:
+            self._streams.append(torch.cuda.Stream(device=self.dev))
+        ls = sg.launches
+        for i, j, parallel in lane_segments([b.lane for b in ls]):
+            if not parallel:
+                b = ls[i]
+                b.kernel(b.grid, b.block, b.args, smem=b.smem, programmatic=b.programmatic)
+                continue
+            fork = torch.cuda.Event()
+            fork.record(main)
+            used = sorted({b.lane % self.lane_streams for b in ls[i:j]})
+            for k in used:
+                self._streams[k].wait_event(fork)
+            for b in ls[i:j]:
+                with torch.cuda.stream(self._streams[b.lane % self.lane_streams]):
+                    b.kernel(b.grid, b.block, b.args, smem=b.smem)  # no programmatic hand-over across streams
+            for k in used:
+                done = torch.cuda.Event()
+                done.record(self._streams[k])
+                main.wait_event(done)
 
     def capture_ms(self) -> dict[tuple[int, int], float]:
         """Milliseconds each captured (width, context) graph took to capture."""

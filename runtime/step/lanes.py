@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ds4c import settings
 from ds4c.errors import StepError
 from ds4c.ir import build_step
 from ds4c.ir.builder import MAX_LANE_ROWS, lane_state_name, state_inputs
@@ -116,6 +117,8 @@ class LanesStep:
                 prefill_chunks=(), types=g.types, target=g.target, cache=g.cache, manifest=None, artifact=None,
                 programmatic=g.programmatic, weights=step.weights, state=bound, scalars=self.scalars,
                 is_first=True, is_last=True, dev=self.dev)
+            # each lane's attention, compressor, indexer and ring write side by side (settings.lane_streams)
+            self.graphs.lane_streams = slots if settings.lane_streams() else 0
         self._chunk = argmax_chunk(self.cfg.vocab_size)
         self.temperature = [0.0] * slots  # per slot, host side: which lanes draw (> 0) and which take the argmax
 
