@@ -18,6 +18,11 @@ variable                       default                     what it does (reader)
 ``DS4C_XP_PREQUANT``           ``1``                       ``0``: the experts quantize their activations in every
                                                            block instead of once per launch (an A/B; other
                                                            kernels) (:func:`experts_prequant`)
+``DS4C_XP_DOWN_SPLIT``         ``0``                       job groups of the decode experts' down phase (0: the
+                                                           lowering's choice) (:func:`experts_down_split`)
+``DS4C_LANE_STREAMS``          ``1``                       ``0``: a compiled lanes step's per-lane launches one
+                                                           after another, not a stream per lane (an A/B)
+                                                           (:func:`lane_streams`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
                                                            (an int >= 1) (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
@@ -191,6 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("DS4C_PDL", "0", "1: programmatic dependent launch of the step kernels on sm_90+", pdl),
     Setting("DS4C_XP_PREQUANT", "1", "0: the experts quantize activations in every block (an A/B)",
             experts_prequant),
+    Setting("DS4C_XP_DOWN_SPLIT", "0", "job groups of the decode experts' down phase (0: the lowering's choice)",
+            experts_down_split),
+    Setting("DS4C_LANE_STREAMS", "1", "0: a lanes step's per-lane launches one after another (an A/B)", lane_streams),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
