@@ -440,8 +440,8 @@ def test_speculative_lanes_equal_each_request_alone(ref):
     pa, pb, pc, pd = ids(21, 70), ids(30, 71), ids(9, 72), ids(90, 73)
     kb = dict(temperature=0.8, top_p=0.9, seed=2)
     want_a = generate(ref, pa, 40, draft=oracle(5), spec_width=5).tokens
-    eos = want_a[25]
-    want_a = generate(ref, pa, 40, draft=oracle(5), spec_width=5, stop_ids=(eos,)).tokens
+    eos = want_a[25]  # generate's stop: the same steps, the tokens up to and with the stop id's first occurrence
+    want_a = want_a[:want_a.index(eos) + 1]
     want_b = generate(ref, pb, 30, draft=oracle(6), spec_width=3, **kb).tokens
     want_c, want_d = _alone(ref, pc, 24), _alone(ref, pd, 8)
     eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
