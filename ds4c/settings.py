@@ -20,8 +20,8 @@ variable                       default                     what it does (reader)
                                                            kernels) (:func:`experts_prequant`)
 ``DS4C_XP_DOWN_SPLIT``         ``0``                       job groups of the decode experts' down phase (0: the
                                                            lowering's choice) (:func:`experts_down_split`)
-``DS4C_LANE_STREAMS``          ``1``                       ``0``: a compiled lanes step's per-lane launches one
-                                                           after another, not a stream per lane (an A/B)
+``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
+                                                           stream per lane (not yet measured on a GPU: off)
                                                            (:func:`lane_streams`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
                                                            (an int >= 1) (:func:`prefill_attn_heads_per_block`)
@@ -151,9 +151,10 @@ def experts_down_split() -> int:
 
 
 def lane_streams() -> bool:
-    """The decode lanes' per-lane launches run on a stream per lane (``StepGraphs.lane_streams``; a captured lanes
-    graph holds them as parallel branches); ``$DS4C_LANE_STREAMS=0`` runs every launch in order, for an A/B."""
-    return os.environ.get("DS4C_LANE_STREAMS", "1") != "0"
+    """``$DS4C_LANE_STREAMS=1``: the decode lanes' per-lane launches run on a stream per lane
+    (``StepGraphs.lane_streams``; a captured lanes graph holds them as parallel branches). Off by default until
+    measured on a GPU (docs/perf.md, Optimisation 10)."""
+    return os.environ.get("DS4C_LANE_STREAMS", "0") == "1"
 
 
 def prefill_attn_heads_per_block() -> int:
@@ -198,7 +199,8 @@ SETTINGS: tuple[Setting, ...] = (
             experts_prequant),
     Setting("DS4C_XP_DOWN_SPLIT", "0", "job groups of the decode experts' down phase (0: the lowering's choice)",
             experts_down_split),
-    Setting("DS4C_LANE_STREAMS", "1", "0: a lanes step's per-lane launches one after another (an A/B)", lane_streams),
+    Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's per-lane launches on a stream per lane (not yet measured)",
+            lane_streams),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
