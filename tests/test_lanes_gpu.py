@@ -13,10 +13,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled lanes step)")]
 
 
-def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path):
+@pytest.mark.parametrize("streams", ["0", "1"], ids=["in-order", "lane-streams"])
+def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path, monkeypatch, streams):
     """Five lanes (prompts of 3..60 tokens; tiny: window 16, ratios 4 and 16, buckets 32..128), 40 decode steps:
     every row within the one-sequence step's noise floor of its alone run and the same argmax (measured: bit-equal,
-    docs/gpu-validation.md)."""
+    docs/gpu-validation.md); with the per-lane launches in order and on a stream per lane (DS4C_LANE_STREAMS)."""
+    monkeypatch.setenv("DS4C_LANE_STREAMS", streams)
     from ds4c.buckets import BucketSpec
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.step import CompiledStep, device_arch
@@ -27,6 +29,7 @@ def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path):
     buckets = BucketSpec.build(mf.config, (1,), 128, contexts=(32, 64, 128))
     ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path / "kc"))
     lanes = LanesStep(ex, slots=5)
+    assert lanes.graphs.lane_streams == (5 if streams == "1" else 0)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 15, 31, 47, 60)]
     feeds = [torch.randint(0, 512, (40,), generator=g).tolist() for _ in prompts]
