@@ -18,8 +18,8 @@ variable                       default                     what it does (reader)
 ``DS4C_XP_PREQUANT``           ``1``                       ``0``: the experts quantize their activations in every
                                                            block instead of once per launch (an A/B; other
                                                            kernels) (:func:`experts_prequant`)
-``DS4C_XP_DOWN_SPLIT``         ``0``                       job groups of the decode experts' down phase (0: the
-                                                           lowering's choice) (:func:`experts_down_split`)
+``DS4C_XP_DOWN_SPLIT``         ``1``                       job groups of the decode experts' down phase (an A/B
+                                                           knob) (:func:`experts_down_split`)
 ``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
                                                            stream per lane (not yet measured on a GPU: off)
                                                            (:func:`lane_streams`)
@@ -141,13 +141,14 @@ def experts_prequant() -> bool:
 
 
 def experts_down_split() -> int:
-    """``ExpertsSpec.down_split`` of the decode experts (``$DS4C_XP_DOWN_SPLIT``; default 0: chosen by the lowering
-    from the rows, :func:`ds4c.runtime.families.experts.auto_down_split`; 1 = one block per 16 output dims).
+    """``ExpertsSpec.down_split`` of the decode experts (``$DS4C_XP_DOWN_SPLIT``; default 1: one block per 16 output
+    dims runs every job; more groups measured no faster at 8 distinct rows on the H100, docs/perf.md Optimisation 9:
+    an A/B knob).
 
     Raises:
-        SettingsError: a value that is not an int >= 0.
+        SettingsError: a value that is not an int >= 1.
     """
-    return _int("DS4C_XP_DOWN_SPLIT", 0, 0)
+    return _int("DS4C_XP_DOWN_SPLIT", 1, 1)
 
 
 def lane_streams() -> bool:
@@ -197,7 +198,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("DS4C_PDL", "0", "1: programmatic dependent launch of the step kernels on sm_90+", pdl),
     Setting("DS4C_XP_PREQUANT", "1", "0: the experts quantize activations in every block (an A/B)",
             experts_prequant),
-    Setting("DS4C_XP_DOWN_SPLIT", "0", "job groups of the decode experts' down phase (0: the lowering's choice)",
+    Setting("DS4C_XP_DOWN_SPLIT", "1", "job groups of the decode experts' down phase (an A/B knob)",
             experts_down_split),
     Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's per-lane launches on a stream per lane (not yet measured)",
             lane_streams),

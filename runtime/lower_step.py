@@ -508,7 +508,7 @@ def _lower_experts(c: _Ctx, op: Op) -> list[Launch]:
                             c.expert_fmt((sh_gate, sh_up)), bool(re_.attrs["emulate"]), re_.attrs["limit"],
                             down_fmt=c.expert_fmt((p + "ffn_down_exps.weight",)),
                             shared_down_fmt=c.expert_fmt((sh_down,)), prequant=settings.experts_prequant(),
-                            down_split=settings.experts_down_split() or _exp.auto_down_split(c.q, cfg.n_active_experts))
+                            down_split=settings.experts_down_split())
     srcs = _exp.render_experts(spec, c.target, c.name(op, "experts"))
     rows_h = c.q * (cfg.n_active_experts + 1)  # hbuf rows: per step row its k routed slots and the shared one
     hbuf = Arg("workspace", c.name(op, "experts_h"), nbytes=2 * rows_h * cfg.moe_inter)

@@ -90,7 +90,7 @@ def main() -> None:
     # (an earlier version timed that: 3.96x / 4.14x at 8 / 16 lanes on the H100, not what distinct requests get)
     prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(max(counts + [8]))]
     for n in counts:
-        dt, _ = timed_lanes(ex, lanes, prompts, n, a.steps)
+        dt, toks = timed_lanes(ex, lanes, prompts, n, a.steps)
         agg = n / dt
         base = base or agg
         print(f"lanes {n:2d}: step {dt * 1e3:.3f} ms (ITL {dt / single:.2f}x the one-sequence step), aggregate "
@@ -98,7 +98,7 @@ def main() -> None:
         out["rows"].append({"lanes": n, "step_ms": dt * 1e3, "agg_tok_s": agg, "vs_one_lane": agg / base,
                             "vs_single": agg * single, "itl_vs_single": dt / single})
         if a.profile:
-            out["rows"][-1]["profile"] = profile_lanes(lanes, n)
+            out["rows"][-1]["profile"] = profile_lanes(lanes, toks)
     if a.beside:
         out["beside"] = beside(ex, lanes, prompts, a, g)
     if a.json:
@@ -117,14 +117,16 @@ def by_family(launches: list[dict], title: str) -> dict:
     return {"launches": len(launches), "total_us": total, "families": fam}
 
 
-def profile_lanes(lanes, n: int) -> dict:
-    """Every launch of the graph the last ``n``-lane step replayed, timed eagerly at the lanes' current positions
-    (the slots are left written: time them last)."""
+def profile_lanes(lanes, toks: list[int]) -> dict:
+    """Every launch of the graph of ``len(toks)`` lanes, timed eagerly at the lanes' current positions with their next
+    tokens ``toks`` (each lane its own: the hash-routed layers route by token id, so one token for all lanes would
+    share their experts); the slots are left written: time them last."""
     from ds4c.runtime.step.timing import time_bound_launches
 
+    n = len(toks)
     size = lanes.size_for(n)
     sg = lanes.prepare(size, lanes.context_for(n))
-    lanes.scalars.upload(lanes.pos[:n] + [0] * (size - n), [0] * size)
+    lanes.scalars.upload(lanes.pos[:n] + [0] * (size - n), list(toks) + [0] * (size - n))
     with torch.cuda.device(lanes.dev):
         return by_family(time_bound_launches(sg, 10), f"{n} lanes")
 

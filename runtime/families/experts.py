@@ -416,12 +416,6 @@ def _params(spec: ExpertsSpec, target: Target, phase: str) -> dict[str, Any]:
                 min_blocks=_min_blocks(spec, phase, pl), prequant=uses_prequant(spec, target), split=spec.down_split)
 
 
-def auto_down_split(q: int, k: int) -> int:
-    """The down phase's job groups the lowering gives a call of ``q`` rows and ``k`` routed experts per row
-    (``$DS4C_XP_DOWN_SPLIT`` overrides it)."""
-    return 1
-
-
 def uses_prequant(spec: ExpertsSpec, target: Target) -> bool:
     """Whether ``spec`` runs with its activations quantized once per launch on ``target``: ``spec.prequant`` and
     every phase's weights read the form-0 activation (the e4m3 values as f16 and per-128 scales)."""
