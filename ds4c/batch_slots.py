@@ -13,6 +13,13 @@ slots (:class:`~ds4c.runtime.step.lanes.LanesStep`), prompts prefilled on the on
   ``prefill_every`` N runs a piece only every N steps while sequences decode, so their mean inter-token latency
   grows by a chunk's time / N); with nothing decoding the chunks run back to back. One prompt is prefilled at a
   time, in arrival order; its sequence takes a slot when its last piece is in.
+* **Prompt rows in the lanes step** (``prefill_rows`` P > 0): while sequences decode, the prompt's rows run as one
+  more lane of P rows in the decode step itself (:meth:`LanesStep.decode_beside`, the prompt slot), so their next
+  token waits one slightly wider step, never a chunk: P of its tokens per step (``prefill_every`` does not apply),
+  its first ``rest % P`` tokens on the one-sequence step's verify steps so that every lane piece is whole. With
+  nothing decoding, or more decoding sequences than a prompt graph holds, the rest goes back to the chunks. The
+  prompt is then ingested by verify-width rows, not by the chunks it gets alone: its logits equal those within the
+  one-sequence step's noise floor, not bit for bit.
 * **Admission**: a free slot and no other prompt in prefill; else the request waits (first come, first served).
 * **Sampling**: the first token on the host from the prompt's last logits (the request's generator, as alone), the
   rest on the device per lane (:meth:`LanesStep.next_tokens`: the one-sequence device loop's rule and noise), so a
@@ -58,12 +65,13 @@ class SlotLanes:
         if lanes is None:
             from ds4c.runtime.step.lanes import LanesStep  # CUDA only: not on the CPU's import path
 
-            lanes = LanesStep(step, slots=config.max_lanes)
+            lanes = LanesStep(step, slots=config.max_lanes, prompt_rows=config.prefill_rows)
         if max_ctx > step.max_ctx:
             raise StepError(f"max_ctx {max_ctx} exceeds the compiled step's {step.max_ctx}")
         self.one, self.lanes, self.config, self.cfg = step, lanes, config, step.cfg
         self.order: list[Any] = []  # slot j -> its request
         self.prefilling: Any = None
+        self.in_lanes = False  # the prompt in prefill is in the lanes' prompt slot (not on the one-sequence step)
         self.prefix: OrderedDict[tuple[int, ...], dict[str, Any]] = OrderedDict()
         self.hits = self.hit_tokens = 0
         self._since_piece = 0  # steps since the last prefill piece
@@ -106,6 +114,10 @@ class SlotLanes:
         a prompt cut off in its prefill leaves the one-sequence step to the next admission."""
         if req is self.prefilling:
             self.prefilling = None
+            if self.in_lanes:
+                self.in_lanes = False
+                if self.config.poison:
+                    self.lanes.poison(self.lanes.prompt_slot)
             return
         if req not in self.order:
             return
@@ -132,24 +144,79 @@ class SlotLanes:
         """One decode row of every sequence in a slot, then one piece of the prompt in prefill (module
         docstring)."""
         out: list[LaneOut] = []
+        req = self.prefilling
+        rows = self._lane_rows(req)
         if self.order:
             reqs = list(self.order)
             for r in reqs:
                 r.fed.append(r.tokens[-1])
-            ids = self.lanes.next_tokens(self.lanes.decode([r.tokens[-1] for r in reqs]))
+            logits, last = self.lanes.decode_beside([r.tokens[-1] for r in reqs], rows)
+            ids = self.lanes.next_tokens(logits)
             out += [LaneOut(r, 1, token=t) for r, t in zip(reqs, ids)]
-        req = self.prefilling
-        if req is not None:
-            self._since_piece += 1
-            if not self.order or self._since_piece >= self.config.prefill_every:
-                self._since_piece = 0
-                out.append(self._piece(req))
+            if rows is not None:
+                out.append(self._lane_piece(req, rows, last))
+        if req is not None and rows is None:
+            if self.in_lanes:  # nothing decodes any more (or too many do): the rest on the one-sequence step
+                self.one.restore(self.lanes.save(self.lanes.prompt_slot))
+                self.in_lanes = False
+            rest = len(req.prompt) - self.one.pos
+            P = self.config.prefill_rows
+            if P and self.order and rest % P and self.lanes.prompt_size_for(len(self.order)) is not None:
+                out.append(self._piece(req, rest % P))  # the odd rows first: every lane piece is then whole
+            else:
+                self._since_piece += 1
+                if not self.order or self._since_piece >= self.config.prefill_every:
+                    self._since_piece = 0
+                    out.append(self._piece(req))
         return out
 
-    def _piece(self, req: Any) -> LaneOut:
+    def _lane_rows(self, req: Any) -> list[int] | None:
+        """The prompt rows the next lanes step carries (moving the prompt into the prompt slot first), or None: no
+        prompt lane this step (none in prefill, ``prefill_rows`` off, nothing decoding or more than a prompt graph
+        holds, or the rows left not a whole number of lane pieces yet)."""
+        P = self.config.prefill_rows
+        if req is None or not P or not self.order or self.lanes.prompt_size_for(len(self.order)) is None:
+            return None
+        if not self.in_lanes:
+            if (len(req.prompt) - self.one.pos) % P:
+                return None
+            self.lanes.install(self.lanes.prompt_slot)
+            self.in_lanes = True
+        pos = self.lanes.pos[self.lanes.prompt_slot]
+        return list(req.prompt[pos:pos + P])
+
+    def _lane_piece(self, req: Any, rows: list[int], last: Any) -> LaneOut:
+        """The prompt rows of this lanes step are in; the last piece hands the prompt slot to a decode slot."""
+        req.fed += rows
+        done = self.lanes.pos[self.lanes.prompt_slot]
+        if done < len(req.prompt):
+            return LaneOut(req, len(rows), done)
+        lg = last.float().cpu()
+        err = nonfinite(lg, done - 1, done)
+        if err is None:
+            self._install(req, self.lanes.prompt_slot)
+        if self.config.poison:
+            self.lanes.poison(self.lanes.prompt_slot)
+        self.prefilling, self.in_lanes = None, False
+        return LaneOut(req, len(rows), done, lg, None, err)
+
+    def _install(self, req: Any, src: int | None = None) -> None:
+        """``req``'s sequence (on the one-sequence step, or in slot ``src``) to the next decode slot, its next
+        tokens sampled on the device by its parameters."""
+        slot = len(self.order)
+        if src is None:
+            self.lanes.install(slot)
+        else:
+            self.lanes.move(src, slot)
+        self.lanes.configure(slot, req.temperature, req.top_k, req.top_p, req.seed)
+        self.order.append(req)
+        req.seq = slot
+
+    def _piece(self, req: Any, limit: int | None = None) -> LaneOut:
+        """The next piece of the prompt on the one-sequence step (at most ``limit`` rows: then as verify steps)."""
         one, prompt = self.one, req.prompt
         pos = one.pos
-        chunks = tuple(getattr(one, "prefill_chunks", ()) or ())
+        chunks = tuple(getattr(one, "prefill_chunks", ()) or ()) if limit is None else ()
         if self.order and self.config.prefill_chunk is not None:
             chunks = tuple(c for c in chunks if c <= self.config.prefill_chunk)
         rest, w = len(prompt) - pos, max(one.buckets.widths)
@@ -162,7 +229,7 @@ class SlotLanes:
             steps = VERIFY_STEPS_PER_PIECE
             if self.order and self.config.prefill_chunk is not None:
                 steps = max(1, min(steps, self.config.prefill_chunk // w))
-            n = min(rest, w * steps)
+            n = min(rest, w * steps, limit or rest)
         toks = prompt[pos:pos + n]
         if chunks:
             logits = one.prefill(toks, pos, chunks=chunks)
@@ -177,11 +244,7 @@ class SlotLanes:
         lg = logits[-1:].float().cpu()
         err = nonfinite(lg, done - 1, done)
         if err is None:  # the sequence to a slot; its next tokens sampled on the device by its parameters
-            slot = len(self.order)
-            self.lanes.install(slot)
-            self.lanes.configure(slot, req.temperature, req.top_k, req.top_p, req.seed)
-            self.order.append(req)
-            req.seq = slot
+            self._install(req)
         self.prefilling = None
         return LaneOut(req, n, done, lg, None, err)
 

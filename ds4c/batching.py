@@ -69,6 +69,10 @@ class BatchConfig:
             their next token waits; None: the prefill policy's own chunks, as a prompt alone is ingested).
         prefill_every: compiled step: a prefill piece every this many steps while sequences decode (1: every
             step; N: their mean inter-token latency grows by a chunk's time / N, the prompt's prefill takes longer).
+        prefill_rows: compiled step: P in 1..5 runs a prompt's rows as a lane of P rows in the decode step itself
+            while sequences decode (their next token never waits for a chunk; the prompt takes P tokens a step,
+            ingested within the one-sequence step's noise floor of alone, not bit for bit); 0: the chunks beside
+            (``prefill_chunk``, ``prefill_every``). ds4c/batch_slots.py states the policy.
         warm: compiled step: build and capture every lanes graph when the engine opens (nothing compiled later).
     """
 
@@ -80,6 +84,7 @@ class BatchConfig:
     poison: bool = False
     prefill_chunk: int | None = None
     prefill_every: int = 1
+    prefill_rows: int = 0
     warm: bool = True
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class BatchConfig:
             raise StepError(f"prefill_chunk must be an int >= 1 or None, found {self.prefill_chunk!r}")
         if not is_int(self.prefill_every) or self.prefill_every < 1:
             raise StepError(f"prefill_every must be an int >= 1, found {self.prefill_every!r}")
+        if not is_int(self.prefill_rows) or not 0 <= self.prefill_rows <= MAX_WIDTH:
+            raise StepError(f"prefill_rows must be an int in 0..{MAX_WIDTH}, found {self.prefill_rows!r}")
         for name in ("poison", "warm"):
             if not isinstance(getattr(self, name), bool):
                 raise StepError(f"{name} must be True or False, found {getattr(self, name)!r}")

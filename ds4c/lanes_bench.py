@@ -44,6 +44,7 @@ class LanesReport:
     open_s: float = 0.0
     prefill_chunk: int | None = None
     prefill_every: int = 1
+    prefill_rows: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,11 +60,12 @@ def _itl(reqs: list) -> float:
 
 def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_tokens: int = 64, prompt_len: int = 32,
                     long_prompt: int = 4096, threads: int | None = None, engine: str = "auto",
-                    prefill_chunk: int | None = None, prefill_every: int = 1,
+                    prefill_chunk: int | None = None, prefill_every: int = 1, prefill_rows: int = 0,
                     say: Callable[[str], Any] = lambda m: None) -> LanesReport:
-    """Measure (module docstring); ``prefill_chunk``, ``prefill_every``: :class:`~ds4c.batching.BatchConfig`'s (the
-    compiled step's largest prefill chunk beside decoding sequences, and how often one runs). Raises Ds4cError for lanes below 1 (above 16 on the compiled step) or lengths past the
-    model's context, and what :func:`~ds4c.engine.open_engine` raises."""
+    """Measure (module docstring); ``prefill_chunk``, ``prefill_every``, ``prefill_rows``:
+    :class:`~ds4c.batching.BatchConfig`'s (the compiled step's largest prefill chunk beside decoding sequences, how
+    often one runs, or a prompt's rows as a lane of the decode step). Raises Ds4cError for lanes below 1 (above 16
+    on the compiled step) or lengths past the model's context, and what :func:`~ds4c.engine.open_engine` raises."""
     from ds4c.engine import open_engine, resolve_engine  # start-up speed
 
     if not lanes or any(n < 1 for n in lanes):
@@ -75,8 +77,9 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
     top = max(lanes)
     max_ctx = max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)
     name = resolve_engine(device, engine)
-    if name == "reference" and (prefill_chunk is not None or prefill_every != 1):
-        raise Ds4cError("--lanes-prefill-chunk / --lanes-prefill-every: the compiled engine's policy; the reference "
+    if name == "reference" and (prefill_chunk is not None or prefill_every != 1 or prefill_rows):
+        raise Ds4cError("--lanes-prefill-chunk / --lanes-prefill-every / --lanes-prefill-rows: the compiled engine's "
+                        "policy; the reference "
                         "mixes prompt rows into its steps (drop them, or --device cuda)")
     limit = mf.config.max_position
     if max(prompt_len + 2 * new_tokens + 16, long_prompt + 8) > limit:
@@ -87,10 +90,11 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
     t0 = time.perf_counter()
     ref = open_engine(mf, device=device, engine=name, max_ctx=max_ctx, threads=threads)
     eng = BatchEngine(ref, ref.max_ctx, BatchConfig(max_lanes=top, max_rows=max(16, top),
-                                                    prefill_chunk=prefill_chunk, prefill_every=prefill_every))
+                                                    prefill_chunk=prefill_chunk, prefill_every=prefill_every,
+                                                    prefill_rows=prefill_rows))
     vocab = mf.config.vocab_size
     rep = LanesReport(str(mf.path), device, name, prompt_len, new_tokens, open_s=time.perf_counter() - t0,
-                      prefill_chunk=prefill_chunk, prefill_every=prefill_every)
+                      prefill_chunk=prefill_chunk, prefill_every=prefill_every, prefill_rows=prefill_rows)
     say(f"{name} engine opened in {rep.open_s:.1f} s (batch engine of {top} lanes)")
     try:
         _measure(eng, rep, lanes, new_tokens, prompt_len, long_prompt, vocab, say)
@@ -182,6 +186,7 @@ def format_lanes_report(rep: LanesReport) -> str:
 
     cap = "" if rep.prefill_chunk is None else f", prefill chunks <= {rep.prefill_chunk} beside decoding"
     cap += "" if rep.prefill_every == 1 else f", a prefill piece every {rep.prefill_every} steps"
+    cap += "" if not rep.prefill_rows else f", prompts as {rep.prefill_rows}-row lanes beside decoding"
     lines = [f"{rep.model} on {rep.device} ({rep.engine} engine, opened in {rep.open_s:.1f} s{cap}): "
              f"{rep.prompt_len}-token prompts, {rep.new_tokens} new tokens each",
              f"{'lanes':>5} {'agg tok/s':>10} {'vs 1':>6} {'ITL':>10} {'vs 1':>6} {'TTFT':>10} {'rows/step':>9}"]

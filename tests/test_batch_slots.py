@@ -44,6 +44,7 @@ class RefOne:
 
     def __init__(self, ref: Reference):
         self.ref, self.cfg, self.max_ctx = ref, ref.cfg, ref.max_ctx
+        self.restores = 0
 
     @property
     def pos(self) -> int:
@@ -53,6 +54,7 @@ class RefOne:
         self.ref.reset()
 
     def restore(self, snap) -> None:
+        self.restores += 1
         self.ref.restore(snap)
 
     def verify(self, tokens, pos):
@@ -63,13 +65,16 @@ class RefSlots:
     """A lanes runner with :class:`~ds4c.runtime.step.lanes.LanesStep`'s interface over the reference (module
     docstring)."""
 
-    def __init__(self, one: RefOne, slots: int):
+    def __init__(self, one: RefOne, slots: int, prompt_rows: int = 0, beside: int = 16):
         self.one, self.ref, self.slots = one, one.ref, slots
-        self.seqs: list = [None] * slots
-        self.pos = [0] * slots
+        self.prompt_rows, self.beside = prompt_rows, beside  # a prompt lane beside at most ``beside`` decode lanes
+        self.prompt_slot = slots if prompt_rows else None
+        self.seqs: list = [None] * (slots + bool(prompt_rows))
+        self.pos = [0] * len(self.seqs)
         self.samplers = [DeviceSampler(one.cfg.vocab_size, "cpu") for _ in range(slots)]
         self.temperature = [0.0] * slots
         self.decoded: list[int] = []  # lanes per decode step
+        self.prompt_steps: list[int] = []  # decode lanes beside each prompt lane
 
     def warm(self) -> float:
         return 0.0
@@ -83,11 +88,19 @@ class RefSlots:
         self.temperature[slot] = float(temperature)
 
     def move(self, src: int, dst: int) -> None:
+        assert dst != self.prompt_slot
         self.seqs[dst] = self.seqs[src]
+        self.pos[dst] = self.pos[src]
+        if src == self.prompt_slot:  # no sampler: SlotLanes configures the slot
+            self.seqs[src] = None  # as if poisoned: the prompt slot is read again only after an install
+            return
         a, b = self.samplers[src], self.samplers[dst]
         for k in ("temperature", "top_k", "top_p", "seed", "counter"):
             getattr(b, k).copy_(getattr(a, k))
-        self.pos[dst], self.temperature[dst] = self.pos[src], self.temperature[src]
+        self.temperature[dst] = self.temperature[src]
+
+    def prompt_size_for(self, lanes: int):
+        return lanes if self.prompt_rows and lanes <= self.beside and lanes < self.slots else None
 
     def poison(self, slot: int) -> None:
         self.seqs[slot] = None
@@ -96,12 +109,23 @@ class RefSlots:
         return self.seqs[slot].snapshot()
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
+        return self.decode_beside(tokens)[0]
+
+    def decode_beside(self, tokens: list[int], prompt=None):
         n = len(tokens)
         self.decoded.append(n)
-        rows = self.ref.step_lanes([(self.seqs[j], [t], self.pos[j]) for j, t in enumerate(tokens)])
+        lanes = [(self.seqs[j], [t], self.pos[j]) for j, t in enumerate(tokens)]
+        if prompt is not None:
+            assert len(prompt) == self.prompt_rows and self.prompt_size_for(n) is not None
+            self.prompt_steps.append(n)
+            lanes.append((self.seqs[self.prompt_slot], list(prompt), self.pos[self.prompt_slot]))
+        rows = self.ref.step_lanes(lanes)
         for j in range(n):
             self.pos[j] += 1
-        return torch.cat(rows)
+        if prompt is None:
+            return torch.cat(rows), None
+        self.pos[self.prompt_slot] += len(prompt)
+        return torch.cat(rows[:n]), rows[n][-1:]
 
     def next_tokens(self, logits: torch.Tensor) -> list[int]:
         ids = logits.argmax(dim=-1)
@@ -120,10 +144,10 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def engine(ref: Reference, slots: int, **kw) -> tuple[BatchEngine, RefSlots]:
+def engine(ref: Reference, slots: int, beside: int = 16, **kw) -> tuple[BatchEngine, RefSlots]:
     cfg = BatchConfig(max_lanes=slots, max_rows=16, **kw)
     one = RefOne(ref)
-    lanes = RefSlots(one, slots)
+    lanes = RefSlots(one, slots, cfg.prefill_rows, beside)
     return BatchEngine(ref, MAX_CTX, cfg, backend=SlotLanes(one, MAX_CTX, cfg, lanes)), lanes
 
 
@@ -234,3 +258,50 @@ def test_prefill_every_spaces_the_pieces_beside_decoding(ref):
     c.run()
     assert len(at) == 3 and all(y - x == 1 for x, y in zip(at, at[1:]))
     eng.close()
+
+
+def test_prompt_rows_in_the_lanes_step_equal_each_request_alone(ref):
+    """``prefill_rows=5``: a prompt arriving while sequences decode runs as a 5-row lane of their decode step (its
+    first ``rest % 5`` tokens on the one-sequence step first), then takes a decode slot; with nothing decoding, or
+    more decoding than a prompt graph holds (here 1), it goes back to the one-sequence step. Every request's tokens
+    equal the same request alone (greedy and sampled, a chat turn from a snapshot), and no decode step waits for a
+    prompt piece on the one-sequence step while a prompt lane fits."""
+    a_p, b_p, c_p = ids(12, 30), ids(47, 31), ids(33, 32)
+    kw_b = dict(temperature=0.8, top_k=50, seed=4)
+    want_a, want_b, want_c = alone(ref, a_p, 60), alone(ref, b_p, 30, **kw_b), alone(ref, c_p, 8)
+    eng, lanes = engine(ref, 3, beside=1, poison=True, prefill_rows=5)
+    a = eng.submit(a_p, 60)
+    next(a)  # a decodes alone: b's 47 tokens go 2 on the one-sequence step, then 9 lane pieces beside a
+    b = eng.submit(b_p, 30, **kw_b)
+    assert b.run().tokens == want_b
+    assert lanes.prompt_steps[:9] == [1] * 9 and len(lanes.prompt_steps) == 9
+    # c arrives beside a and b (2 decoding: more than a prompt graph holds here): its pieces on the one-sequence
+    # step; once b has ended and a decodes alone, a prompt lane again (33 tokens: 3 + 6 lane pieces at most)
+    c = eng.submit(c_p, 8)
+    assert c.run().tokens == want_c and a.run().tokens == want_a
+    turn2 = a_p + want_a + ids(9, 33)  # a chat's next turn from a's snapshot, nothing else decoding
+    assert eng.submit(turn2, 6).run().tokens == alone(ref, turn2, 6)
+    st = eng.stats()
+    assert st["running"] == 0 and st["prefix_hits"] == 1
+    assert lanes.seqs == [None] * 4  # every slot vacated and dropped, the prompt slot too
+    eng.close()
+
+
+def test_prompt_lane_goes_back_to_the_one_sequence_step_when_decoding_ends(ref):
+    """A prompt in the prompt lane whose only decoding neighbour ends mid-prompt: its state moves back to the
+    one-sequence step (a restore of the prompt slot) and the rest is prefilled there; its tokens equal alone."""
+    a_p, b_p = ids(9, 40), ids(80, 41)
+    want_b = alone(ref, b_p, 5)
+    eng, lanes = engine(ref, 2, prefill_rows=5)
+    a = eng.submit(a_p, 4)
+    next(a)
+    b = eng.submit(b_p, 5)
+    assert b.run().tokens == want_b and a.run().tokens == alone(ref, a_p, 4)
+    assert 1 <= len(lanes.prompt_steps) < 16 and eng.backend.one.restores == 1
+    eng.close()
+
+
+def test_prefill_rows_checked():
+    for bad in (-1, 6, 2.0, True):
+        with pytest.raises(StepError, match="prefill_rows"):
+            BatchConfig(prefill_rows=bad).check()

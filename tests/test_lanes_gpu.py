@@ -85,3 +85,73 @@ def test_model_lanes_on_cuda_runs_threads_together(tiny_path):
         got = list(pool.map(lambda k: m.generate(prompts[k], 24, temperature=0.8, seed=k).text, range(4)))
     assert got == want
     m.close()
+
+
+def test_prompt_lane_beside_decode_lanes_equals_each_sequence_alone(tiny_path, tmp_path):
+    """``LanesStep(prompt_rows=5)``: two decode lanes and a 45-token prompt fed 5 rows a step in the prompt lane of
+    the same graphs, then moved to a decode slot and decoded beside them: the decode rows, the prompt's last-row
+    logits per piece and its decode rows after the move each within the one-sequence step's noise floor of the
+    same sequence alone (the prompt alone: verify steps of 5 rows), with the logits buffer poisoned every step."""
+    from ds4c.buckets import BucketSpec
+    from ds4c.runtime.cache import KernelCache
+    from ds4c.runtime.step import CompiledStep, device_arch
+    from ds4c.runtime.step.lanes import LanesStep
+    from ds4c.sources import open_model
+
+    mf = open_model(tiny_path)
+    buckets = BucketSpec.build(mf.config, (1, 5), 128, contexts=(32, 64, 128))
+    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path / "kc"))
+    lanes = LanesStep(ex, slots=3, prompt_rows=5)
+    assert lanes.prompt_sizes == (1, 2) and lanes.prompt_slot == 3
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 29)]
+    feeds = [torch.randint(0, 512, (14,), generator=g).tolist() for _ in prompts]
+    newp = torch.randint(0, 512, (45,), generator=g).tolist()
+    after = torch.randint(0, 512, (5,), generator=g).tolist()
+
+    def row(logits):
+        return logits.float().cpu().clone()
+
+    alone = []
+    for p, f in zip(prompts, feeds):
+        ex.reset()
+        for t in p:
+            ex.step([t], ex.pos)
+        alone.append([row(ex.step([t], ex.pos)[0]) for t in f])
+    ex.reset()
+    alone_p = [row(ex.step(newp[s:s + 5], s)[-1]) for s in range(0, 45, 5)]
+    alone_p += [row(ex.step([t], ex.pos)[0]) for t in after]
+    for j, p in enumerate(prompts):
+        ex.reset()
+        for t in p:
+            ex.step([t], ex.pos)
+        lanes.install(j)
+    ex.reset()
+    lanes.install(lanes.prompt_slot)
+    errs, agree, n_rows = [], 0, 0
+
+    def check(got, want):
+        nonlocal agree, n_rows
+        errs.append(float((got - want).norm() / want.norm().clamp_min(1e-30)))
+        agree += int(int(got.argmax()) == int(want.argmax()))
+        n_rows += 1
+
+    for s in range(9):
+        lanes.graphs.logits.fill_(float("nan"))
+        dec, last = lanes.decode_beside([feeds[0][s], feeds[1][s]], newp[5 * s:5 * s + 5])
+        dec, last = row(dec), row(last[0])
+        check(dec[0], alone[0][s])
+        check(dec[1], alone[1][s])
+        check(last, alone_p[s])
+    lanes.move(lanes.prompt_slot, 2)
+    assert lanes.pos[2] == 45
+    for k in range(5):
+        s = 9 + k
+        lanes.graphs.logits.fill_(float("nan"))
+        got = row(lanes.decode([feeds[0][s], feeds[1][s], after[k]]))
+        check(got[0], alone[0][s])
+        check(got[1], alone[1][s])
+        check(got[2], alone_p[9 + k])
+    e = torch.tensor(errs)
+    assert torch.isfinite(e).all() and e.median() < 1e-3 and e.max() < 2e-2, e
+    assert agree == n_rows

@@ -147,7 +147,8 @@ def test_run_lanes_step_checks_its_arguments(tiny_weights) -> None:
         run_lanes_step(Interpreter(build_step(TINY, 1, MAX_CTX), tiny_weights), [refs[0].state], [[1]])
 
 
-@pytest.mark.parametrize("name,ctx,lanes", [("tiny", 128, (1, 2, 1)), ("flash-l4", 4096, (1,) * 8)])
+@pytest.mark.parametrize("name,ctx,lanes", [("tiny", 128, (1, 2, 1)), ("tiny", 128, (1, 1, 5)),
+                                           ("flash-l4", 4096, (1,) * 8)])
 @pytest.mark.parametrize("arch", ["sm_90", "gfx1151"])
 def test_lanes_step_lowers_with_lane_bindings(name, ctx, lanes, arch) -> None:
     """Every plan kernel of a lanes step lowers; each per-lane kernel binds its lane's state buffers, its rows of

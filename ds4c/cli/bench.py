@@ -56,6 +56,9 @@ from ds4c.errors import Ds4cError
                    "(default: the prefill policy's own chunks).")
 @click.option("--lanes-prefill-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --lanes on the compiled engine: a prefill piece every N steps while sequences decode.")
+@click.option("--lanes-prefill-rows", type=click.IntRange(min=0, max=5), default=0, show_default=True,
+              help="With --lanes on the compiled engine: a prompt's rows as a lane of this many rows in the decode "
+                   "step while sequences decode (0: prefill chunks beside them).")
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="With --lanes: new tokens per request.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True,
@@ -67,7 +70,8 @@ from ds4c.errors import Ds4cError
 def command(file: str | None, device: str, widths: str, contexts: str, repeats: int, ref_repeats: int,
             compile_modes: str, artifact: str | None, transformers: bool, llama_bench: str | None,
             reference: bool, end_to_end: bool, prefill: str | None, prefill_chunks: str, prefill_baseline: bool,
-            lanes: str | None, lanes_engine: str, lanes_prefill_chunk: int | None, lanes_prefill_every: int, new_tokens: int, prompt_len: int,
+            lanes: str | None, lanes_engine: str, lanes_prefill_chunk: int | None, lanes_prefill_every: int,
+            lanes_prefill_rows: int, new_tokens: int, prompt_len: int,
             long_prompt: int, devices: str | None, layer_split: str | None, json_out: str | None) -> None:
     """Time one decode/verify step: compiled (CUDA graph replay) vs the reference in torch eager, torch.compile
     of the reference, the transformers port when importable, and the HBM roofline; ratios printed last.
@@ -98,7 +102,9 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
     lanes_only = [o for o, p in (("--new-tokens", "new_tokens"), ("--prompt-len", "prompt_len"),
                                  ("--long-prompt", "long_prompt"), ("--lanes-engine", "lanes_engine"),
                                  ("--lanes-prefill-chunk", "lanes_prefill_chunk"),
-                                 ("--lanes-prefill-every", "lanes_prefill_every")) if src(p) is not click.core.ParameterSource.DEFAULT]
+                                 ("--lanes-prefill-every", "lanes_prefill_every"),
+                                 ("--lanes-prefill-rows", "lanes_prefill_rows"))
+                  if src(p) is not click.core.ParameterSource.DEFAULT]
     if lanes is None and lanes_only:
         raise Ds4cError(f"{', '.join(lanes_only)}: applies only with --lanes L,L,...")
     if lanes is not None and (prefill is not None or devices or layer_split or artifact):
@@ -110,7 +116,7 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
 
         lrep = run_lanes_bench(mf, device, tuple(parse_ints(lanes, "--lanes")), new_tokens, prompt_len, long_prompt,
                                engine=lanes_engine, prefill_chunk=lanes_prefill_chunk,
-                               prefill_every=lanes_prefill_every,
+                               prefill_every=lanes_prefill_every, prefill_rows=lanes_prefill_rows,
                                say=lambda m: click.echo(m, err=True))
         click.echo(format_lanes_report(lrep))
         if json_out:

@@ -133,10 +133,11 @@ class StepGraphs:
         return [[(compiled[la.kernel.digest()].key, compiled[la.kernel.digest()].binary)
                  for k in ks for la in k.launches] for _k, ks in graphs]
 
-    def layout(self, g: Graph, kernels: list[LoweredKernel]) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
-        """The activation arena layout of one graph (:func:`arena_layout`; state, constants, the logits and the
-        HC hand-over buffers live elsewhere)."""
-        return arena_layout(g, kernels, set(self.state) | {"logits", "hc_in", "hc_out"})
+    def layout(self, g: Graph, kernels: list[LoweredKernel], state: dict[str, torch.Tensor] | None = None
+               ) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
+        """The activation arena layout of one graph (:func:`arena_layout`; state (``state``, default the step's),
+        constants, the logits and the HC hand-over buffers live elsewhere)."""
+        return arena_layout(g, kernels, set(self.state if state is None else state) | {"logits", "hc_in", "hc_out"})
 
     def module(self, key: str, image: Any) -> CudaModule:
         """The loaded binary of kernel-cache ``key`` (``image()`` returns its bytes), loaded once per step and
@@ -148,13 +149,17 @@ class StepGraphs:
         return mod
 
     def bind(self, width: int, context: int, g: Graph, kernels: list[LoweredKernel],
-             binaries: list[tuple[str, Any]], layout: tuple[dict, int] | None = None) -> StepGraph:
+             binaries: list[tuple[str, Any]], layout: tuple[dict, int] | None = None, key: Any = None,
+             state: dict[str, torch.Tensor] | None = None) -> StepGraph:
         """Bind every launch of the graph (``binaries``: :meth:`binaries`' entry for it; ``layout``: its arena
-        layout, :meth:`layout` when None) and keep it under its key."""
+        layout, :meth:`layout` when None) and keep it under ``key`` (default ``(width, context)``). ``state``: the
+        state buffers by name (default the step's; a lanes graph with a prompt lane binds that lane to another
+        slot)."""
         sg = StepGraph(width, context, g, kernels)
+        state = self.state if state is None else state
         names = value_names(g)
         consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
-        slots, need = layout or self.layout(g, kernels)
+        slots, need = layout or self.layout(g, kernels, state)
         if self.arena is None or self.arena.numel() < need:
             # a graph prepared on its own after the others: a larger arena for it and later ones (earlier
             # graphs keep the buffer they were bound to)
@@ -174,18 +179,18 @@ class StepGraphs:
                 la = dataclasses.replace(la, args=tuple(
                     dataclasses.replace(a, name=f"{a.name}@lane{lane}") if a.kind == "workspace" else a
                     for a in la.args))
-            args = [self._resolve(a, sg, consts) for a in la.args]
+            args = [self._resolve(a, sg, consts, state) for a in la.args]
             bound = Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch,
                           lane)
             if kname == ROLLBACK_KERNEL:
                 sg.rollback = bound
             else:
                 sg.launches.append(bound)
-        self.by_key[(width, context)] = sg
+        self.by_key[(width, context) if key is None else key] = sg
         return sg
 
-    def _resolve(self, a: Arg, sg: StepGraph, consts: dict[str, torch.Tensor]) -> Any:
-        return resolve_arg(a, sg.values, consts, self.state, self.scalars.buffer, self.scalars.offsets,
+    def _resolve(self, a: Arg, sg: StepGraph, consts: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Any:
+        return resolve_arg(a, sg.values, consts, state, self.scalars.buffer, self.scalars.offsets,
                            self.workspaces, self.weights.get, self.dev)
 
     # ------------------------------------------------------------------------------------------ run

@@ -22,6 +22,12 @@ Sampling per lane on the device (:meth:`LanesStep.configure`, :meth:`LanesStep.n
 greedy lanes by one argmax over the rows; a lane's draws are those the one-sequence device loop
 (``CompiledStep.decode_tokens``) makes for the same request (same rule, same counter-based noise, same rows).
 
+A prompt beside the decode lanes (``prompt_rows`` P > 0; :meth:`LanesStep.decode_beside`): graphs with one more lane
+of P rows after the decode lanes, bound to a slot of its own (the *prompt slot*, index ``slots``), which the prompt
+being prefilled holds; P of its tokens per step, on the weights the decode rows read anyway, so the decoding
+sequences' next token waits one slightly wider step instead of a prefill chunk. :meth:`LanesStep.move` hands the
+finished prompt's state to a decode slot.
+
 Not yet: verify rows inside a lanes step (the IR and lowering take them, the runtime has no lanes rollback), page
 tables (a slot holds the sequence's whole capacity; the reference's paged pool, ds4c.reference.paged, is where the
 pages live; ds4c.batch_slots keeps prefixes as slot snapshots).
@@ -38,7 +44,7 @@ import torch
 from ds4c import settings
 from ds4c.errors import StepError
 from ds4c.ir import build_step
-from ds4c.ir.builder import MAX_LANE_ROWS, lane_state_name, state_inputs
+from ds4c.ir.builder import MAX_LANE_ROWS, MAX_WIDTH, lane_state_name, state_inputs
 from ds4c.passes.manager import run_pipeline
 from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.sampler import DeviceSampler, argmax_chunk, argmax_rows
@@ -47,14 +53,15 @@ from ds4c.runtime.step.graphs import StepGraphs
 
 
 class LaneScalars:
-    """The lanes step buffer: ``positions`` [slots], ``tokens`` [slots], ``lane{j}.live_r{r}`` per slot and
-    ratio; written through a pinned host copy and uploaded in one copy per step."""
+    """The lanes step buffer: ``positions`` [rows], ``tokens`` [rows] (a row per decode lane, then a prompt lane's
+    rows) and ``lane{j}.live_r{r}`` per lane and ratio; written through a pinned host copy and uploaded in one copy
+    per step."""
 
-    def __init__(self, cfg: Any, slots: int, dev: torch.device):
+    def __init__(self, cfg: Any, lanes: int, rows: int, dev: torch.device):
         self.ratios = sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r})
-        off = {"positions": 0, "tokens": slots}
-        k = 2 * slots
-        for j in range(slots):
+        off = {"positions": 0, "tokens": rows}
+        k = 2 * rows
+        for j in range(lanes):
             for r in self.ratios:
                 off[lane_state_name(j, f"live_r{r}")] = k
                 k += 1
@@ -64,8 +71,9 @@ class LaneScalars:
         self.buffer = torch.zeros(k, dtype=torch.int64, device=dev)
         self._done = torch.cuda.Event()
 
-    def upload(self, positions: list[int], tokens: list[int]) -> None:
-        """Lane j decodes ``tokens[j]`` at ``positions[j]`` (the lanes of the graph, padding included)."""
+    def upload(self, positions: list[int], tokens: list[int], prompt: tuple[int, list[int]] | None = None) -> None:
+        """Lane j decodes ``tokens[j]`` at ``positions[j]`` (the decode lanes of the graph, padding included);
+        ``prompt`` = (first position, tokens): the prompt lane after them, its rows at consecutive positions."""
         self._done.synchronize()  # the previous upload has left the pinned buffer
         a, off, n = self._np, self.offsets, len(positions)
         a[off["positions"]:off["positions"] + n] = positions
@@ -73,6 +81,13 @@ class LaneScalars:
         for j, p in enumerate(positions):
             for r in self.ratios:
                 a[off[lane_state_name(j, f"live_r{r}")]] = (p + 1) // r
+        if prompt is not None:
+            p0, toks = prompt
+            q = len(toks)
+            a[off["positions"] + n:off["positions"] + n + q] = range(p0, p0 + q)
+            a[off["tokens"] + n:off["tokens"] + n + q] = toks
+            for r in self.ratios:
+                a[off[lane_state_name(n, f"live_r{r}")]] = (p0 + q) // r
         self.buffer.copy_(self.host, non_blocking=True)
         self._done.record()
 
@@ -85,34 +100,48 @@ class LanesStep:
         step: the one-sequence compiled step (its prefill fills a sequence before :meth:`install`).
         slots: the most sequences decoding together (1..16: the lanes step's row budget).
         use_graphs: capture each (lanes, bucket) graph on its first step and replay it.
+        prompt_rows: P > 0: graphs with a prompt lane of P rows beside the decode lanes (module docstring), for
+            the decode lane counts whose padded size leaves P rows of the budget (:attr:`prompt_sizes`); 0: none.
 
     Raises:
-        StepError: a split step, a step with taps or final-HC recording, or slots outside 1..16.
+        StepError: a split step, a step with taps or final-HC recording, slots outside 1..16 or prompt_rows
+            outside 0..5.
     """
 
-    def __init__(self, step: Any, slots: int = 8, use_graphs: bool = True):
+    def __init__(self, step: Any, slots: int = 8, use_graphs: bool = True, prompt_rows: int = 0):
         if step.is_split or step.taps or step.record_hc:
             raise StepError("lanes run on an unsplit compiled step without taps or final-HC recording")
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_LANE_ROWS:
             raise StepError(f"slots must be in 1..{MAX_LANE_ROWS}, found {slots!r}")
+        if isinstance(prompt_rows, bool) or not isinstance(prompt_rows, int) or not 0 <= prompt_rows <= MAX_WIDTH:
+            raise StepError(f"prompt_rows must be in 0..{MAX_WIDTH}, found {prompt_rows!r}")
         self.step, self.cfg, self.slots, self.use_graphs = step, step.cfg, slots, use_graphs
         self.dev = step.dev
         self.sizes = tuple(sorted({1 << k for k in range(5) if 1 << k < slots} | {slots}))
+        self.prompt_rows = prompt_rows
+        #: the prompt slot (index ``slots``), None without a prompt lane
+        self.prompt_slot = slots if prompt_rows else None
+        #: decode lane count -> the padded size of a graph with the prompt lane (None: no such graph); while a
+        #: prompt is prefilled at most slots - 1 sequences decode
+        self._prompt_size = {n: self._fit_prompt(n) for n in range(1, slots)} if prompt_rows else {}
+        #: the decode sizes of the graphs with a prompt lane
+        self.prompt_sizes = tuple(sorted({s for s in self._prompt_size.values() if s is not None}))
+        rows = max([slots] + [s + prompt_rows for s in self.prompt_sizes])
         specs = state_inputs(self.cfg, step.capacity)
         with torch.cuda.device(self.dev):
             self.slot_state: list[dict[str, torch.Tensor]] = [
                 {k: torch.empty(tuple(t.shape), dtype=DTYPES[t.dtype], device=self.dev) for k, t in specs.items()}
-                for _ in range(slots)]
-            for j in range(slots):
+                for _ in range(slots + bool(prompt_rows))]
+            for j in range(len(self.slot_state)):
                 self.reset(j)
-            self.pos = [0] * slots
-            self.scalars = LaneScalars(self.cfg, slots, self.dev)
+            self.pos = [0] * len(self.slot_state)
+            self.scalars = LaneScalars(self.cfg, len(self.slot_state), rows, self.dev)
             self.samplers = [DeviceSampler(self.cfg.vocab_size, self.dev) for _ in range(slots)]
             self.tokens_host = torch.zeros(slots, dtype=torch.int64).pin_memory()
             bound = {lane_state_name(j, k): t for j, st in enumerate(self.slot_state) for k, t in st.items()}
             g = step.graphs
             self.graphs = StepGraphs(
-                cfg=self.cfg, buckets=SimpleNamespace(widths=(slots,), contexts=step.buckets.contexts),
+                cfg=self.cfg, buckets=SimpleNamespace(widths=(rows,), contexts=step.buckets.contexts),
                 capacity=step.capacity, layers=step.layers, split=False, shard=0, taps=(), record_hc=False,
                 prefill_chunks=(), types=g.types, target=g.target, cache=g.cache, manifest=None, artifact=None,
                 programmatic=g.programmatic, weights=step.weights, state=bound, scalars=self.scalars,
@@ -121,6 +150,18 @@ class LanesStep:
             self.graphs.lane_streams = slots if settings.lane_streams() else 0
         self._chunk = argmax_chunk(self.cfg.vocab_size)
         self.temperature = [0.0] * slots  # per slot, host side: which lanes draw (> 0) and which take the argmax
+
+    def _fit_prompt(self, n: int) -> int | None:
+        """The padded decode size of a step of ``n`` decode lanes and the prompt lane: the smallest lane size >= n
+        that leaves the prompt its rows, else ``n`` rounded up to the largest count that does (None: none)."""
+        room = MAX_LANE_ROWS - self.prompt_rows
+        size = next((s for s in self.sizes if s >= n and s <= room), None)
+        return size if size is not None else (min(room, self.slots) if n <= room else None)
+
+    def prompt_size_for(self, lanes: int) -> int | None:
+        """The decode size of the graph a step of ``lanes`` decode lanes and the prompt lane replays (None: no such
+        graph: the prompt lane is off or the lanes leave it no rows)."""
+        return self._prompt_size.get(lanes)
 
     # ------------------------------------------------------------------------------------------ slots
     def reset(self, slot: int) -> None:
@@ -146,17 +187,19 @@ class LanesStep:
         self.pos[slot] = self.step.pos
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s sequence into slot ``dst`` (compaction when a sequence leaves)."""
+        """Copy slot ``src``'s sequence into slot ``dst`` (compaction when a sequence leaves; the prompt slot's into a
+        decode slot when its prompt is in)."""
         self._check_slot(src)
-        self._check_slot(dst)
+        self._check_slot(dst, prompt=False)
         with torch.cuda.device(self.dev):
             for name, t in self.slot_state[dst].items():
                 t.copy_(self.slot_state[src][name])
-            a, b = self.samplers[src], self.samplers[dst]
-            for k in ("temperature", "top_k", "top_p", "seed", "counter"):
-                getattr(b, k).copy_(getattr(a, k))
+            if src != self.prompt_slot:  # the prompt slot has no sampler: :meth:`configure` sets the slot's
+                a, b = self.samplers[src], self.samplers[dst]
+                for k in ("temperature", "top_k", "top_p", "seed", "counter"):
+                    getattr(b, k).copy_(getattr(a, k))
+                self.temperature[dst] = self.temperature[src]
         self.pos[dst] = self.pos[src]
-        self.temperature[dst] = self.temperature[src]
 
     def save(self, slot: int) -> dict[str, Any]:
         """A device copy of slot ``slot``'s sequence, in the one-sequence step's snapshot form (``pos``,
@@ -169,19 +212,24 @@ class LanesStep:
     def configure(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """The sampling of slot ``slot``'s sequence from its next step on (its draw counter restarts at 0, as the
         one-sequence device loop's does after the first token)."""
-        self._check_slot(slot)
+        self._check_slot(slot, prompt=False)
         with torch.cuda.device(self.dev):
             self.samplers[slot].configure(temperature, top_k, top_p, seed)
         self.temperature[slot] = float(temperature)
 
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
-            raise StepError(f"slot must be in 0..{self.slots - 1}, found {slot!r}")
+    def _check_slot(self, slot: int, prompt: bool = True) -> None:
+        """A decode slot (0 .. slots-1), or with ``prompt`` also the prompt slot."""
+        n = self.slots + bool(prompt and self.prompt_slot is not None)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < n:
+            raise StepError(f"slot must be in 0..{n - 1}, found {slot!r}")
 
     # ------------------------------------------------------------------------------------------ graphs
-    def context_for(self, lanes: int) -> int:
-        """The context bucket a step of lanes ``0 .. lanes-1`` needs (their furthest position's)."""
+    def context_for(self, lanes: int, prompt: int = 0) -> int:
+        """The context bucket a step of lanes ``0 .. lanes-1`` (and ``prompt`` rows of the prompt slot) needs (their
+        furthest position's)."""
         end = max(self.pos[:lanes]) + 1
+        if prompt:
+            end = max(end, self.pos[self.prompt_slot] + prompt)
         for c in self.step.buckets.contexts:
             if end <= c:
                 return c
@@ -199,32 +247,39 @@ class LanesStep:
         t0 = time.perf_counter()
         with torch.cuda.device(self.dev):
             for c in contexts or self.step.buckets.contexts:
-                for n in self.sizes:
-                    sg = self.prepare(n, c)
+                for n, p in [(n, 0) for n in self.sizes] + [(n, self.prompt_rows) for n in self.prompt_sizes]:
+                    sg = self.prepare(n, c, p)
                     if self.use_graphs and sg.cuda_graph is None:
-                        self.scalars.upload([0] * n, [0] * n)
+                        self.scalars.upload([0] * n, [0] * n, (0, [0] * p) if p else None)
                         self.graphs.capture(sg)
             torch.cuda.synchronize()
-            for j in range(self.slots):
+            for j in range(len(self.slot_state)):
                 self.reset(j)
-        self.pos = [0] * self.slots
+        self.pos = [0] * len(self.slot_state)
         return time.perf_counter() - t0
 
-    def prepare(self, lanes: int, context: int) -> StepGraph:
-        """The graph of ``lanes`` decode lanes at ``context``, built, lowered, compiled (kernel cache) and bound
-        once."""
-        key = (lanes, context)
+    def prepare(self, lanes: int, context: int, prompt: int = 0) -> StepGraph:
+        """The graph of ``lanes`` decode lanes (and with ``prompt`` = :attr:`prompt_rows`, the prompt lane after
+        them, bound to the prompt slot) at ``context``, built, lowered, compiled (kernel cache) and bound once."""
+        key = (lanes, context, prompt) if prompt else (lanes, context)
         sg = self.graphs.by_key.get(key)
         if sg is not None:
             return sg
-        if not 1 <= lanes <= self.slots or context not in self.step.buckets.contexts:
-            raise StepError(f"no lanes graph for (lanes {lanes}, context {context}): lanes 1..{self.slots}, contexts "
-                            f"{list(self.step.buckets.contexts)}")
-        g = run_pipeline(build_step(self.cfg, lanes, self.step.capacity, lanes=(1,) * lanes), "default",
+        if not 1 <= lanes <= self.slots or context not in self.step.buckets.contexts \
+                or (prompt and (prompt != self.prompt_rows or lanes not in self.prompt_sizes)):
+            raise StepError(f"no lanes graph for (lanes {lanes}, context {context}, prompt rows {prompt}): lanes "
+                            f"1..{self.slots}, contexts {list(self.step.buckets.contexts)}, a prompt lane of "
+                            f"{self.prompt_rows} rows beside {list(self.prompt_sizes)} lanes")
+        shape = (1,) * lanes + ((prompt,) if prompt else ())
+        g = run_pipeline(build_step(self.cfg, sum(shape), self.step.capacity, lanes=shape), "default",
                          context=context).graph
         kernels = lower_graph(g, self.cfg, self.graphs.target, self.graphs.types)
         binaries = self.graphs.binaries([(key, kernels)], progress=False)[0]
-        return self.graphs.bind(lanes, context, g, kernels, binaries)
+        state = self.graphs.state
+        if prompt:  # lane ``lanes`` is the prompt slot's
+            state = dict(state)
+            state.update({lane_state_name(lanes, k): t for k, t in self.slot_state[self.prompt_slot].items()})
+        return self.graphs.bind(sum(shape), context, g, kernels, binaries, key=key, state=state)
 
     # ------------------------------------------------------------------------------------------ step
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -236,17 +291,39 @@ class LanesStep:
             StepError: no lanes or more than the slots, a token outside the vocabulary, a lane past the largest
                 bucket.
         """
+        return self.decode_beside(tokens)[0]
+
+    def decode_beside(self, tokens: list[int], prompt: list[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`decode`, and with ``prompt`` (:attr:`prompt_rows` token ids) the next rows of the sequence in the
+        prompt slot in the same step. Returns the decode lanes' logits ``[lanes, vocab]`` and the prompt's last
+        row's ``[1, vocab]`` (None without a prompt); both device tensors valid until the next step.
+
+        Raises:
+            StepError: as :meth:`decode`; a prompt of another row count than :attr:`prompt_rows`, or beside more
+                decode lanes than a prompt graph holds (:meth:`prompt_size_for`).
+        """
         n = len(tokens)
         if not 1 <= n <= self.slots:
             raise StepError(f"a lanes step takes 1..{self.slots} tokens (one per lane), found {n}")
-        bad = [t for t in tokens if isinstance(t, bool) or not 0 <= int(t) < self.cfg.vocab_size]
+        p = 0 if prompt is None else len(prompt)
+        bad = [t for t in list(tokens) + list(prompt or ())
+               if isinstance(t, bool) or not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
             raise StepError(f"token ids must be in 0..{self.cfg.vocab_size - 1}, found {bad}")
-        size = self.size_for(n)
+        tokens, prompt = [int(t) for t in tokens], None if prompt is None else [int(t) for t in prompt]
+        if prompt is not None:
+            size = self.prompt_size_for(n)
+            if not self.prompt_rows or p != self.prompt_rows or size is None:
+                raise StepError(f"a prompt lane takes {self.prompt_rows} rows beside at most "
+                                f"{max(self._prompt_size, default=0)} decode lanes; found {p} rows beside {n}")
+        else:
+            size = self.size_for(n)
         with torch.cuda.device(self.dev):
-            sg = self.prepare(size, self.context_for(n))
+            sg = self.prepare(size, self.context_for(n, p), p)
             pad = size - n  # padding lanes on free slots: position 0, token 0, rows never read
-            self.scalars.upload(self.pos[:n] + [0] * pad, [int(t) for t in tokens] + [0] * pad)
+            self.scalars.upload(self.pos[:n] + [0] * pad, list(tokens) + [0] * pad,
+                                (self.pos[self.prompt_slot], list(prompt)) if p else None)
             if not self.use_graphs:
                 self.graphs.run(sg)
             elif sg.cuda_graph is None:
@@ -255,7 +332,11 @@ class LanesStep:
                 sg.cuda_graph.replay()
         for j in range(n):
             self.pos[j] += 1
-        return sg.values["logits"][:n]
+        logits = sg.values["logits"]
+        if not p:
+            return logits[:n], None
+        self.pos[self.prompt_slot] += p
+        return logits[:n], logits[size + p - 1:size + p]
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Each lane's argmax token (ties to the lower id), on the device, read back in one copy."""
