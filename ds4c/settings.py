@@ -23,6 +23,9 @@ variable                       default                     what it does (reader)
 ``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
                                                            stream per lane (not yet measured on a GPU: off)
                                                            (:func:`lane_streams`)
+``DS4C_LANE_BATCH``            ``0``                       ``1``: a compiled lanes step's per-lane launches merged
+                                                           into one launch per kernel over the lanes (not yet
+                                                           measured on a GPU: off) (:func:`lane_batch`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
                                                            (an int >= 1) (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
@@ -158,6 +161,12 @@ def lane_streams() -> bool:
     return os.environ.get("DS4C_LANE_STREAMS", "0") == "1"
 
 
+def lane_batch() -> bool:
+    """``$DS4C_LANE_BATCH=1``: the decode lanes' per-lane launches merged into one launch per kernel over a grid of
+    lanes (runtime/step/lane_batch.py). Off by default until measured on a GPU (docs/perf.md, Optimisation 12)."""
+    return os.environ.get("DS4C_LANE_BATCH", "0") == "1"
+
+
 def prefill_attn_heads_per_block() -> int:
     """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
     Optimisation 7).
@@ -202,6 +211,8 @@ SETTINGS: tuple[Setting, ...] = (
             experts_down_split),
     Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's per-lane launches on a stream per lane (not yet measured)",
             lane_streams),
+    Setting("DS4C_LANE_BATCH", "0", "1: a lanes step's per-lane launches as one launch per kernel (not yet measured)",
+            lane_batch),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",

@@ -51,13 +51,16 @@ class Arg:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: ``kernel`` rendered for the target; ``grid``/``block`` 3-d; ``smem`` dynamic shared
-    memory bytes; ``args`` in kernel order."""
+    memory bytes; ``args`` in kernel order. ``lanes``: a lane-batched launch (runtime/step/lane_batch.py) over
+    ``grid[2]`` lanes: each lane's arguments (the first is ``args``), bound as the first lane's plus one stride per
+    pointer."""
 
     kernel: KernelSource
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int
     args: tuple[Arg, ...]
+    lanes: tuple[tuple[Arg, ...], ...] = ()
 
 
 @dataclass

@@ -96,7 +96,9 @@ def arena_layout(g: Graph, kernels: list[LoweredKernel], external: set[str]
     off = 0
     for k in kernels:
         for la in k.launches:
-            for a in la.args:
+            # a lane-batched launch: each argument's lanes in lane order, so per-lane values sit a constant stride apart
+            args = [lane[n] for n in range(len(la.args)) for lane in la.lanes] if la.lanes else la.args
+            for a in args:
                 if a.kind != "value" or a.name in external or a.name in consts or a.name in layout \
                         or a.name not in by_name:
                     continue

@@ -28,6 +28,7 @@ from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.lower_step import ROLLBACK_KERNEL
 from ds4c.runtime.lowered import Arg, LoweredKernel
 from ds4c.runtime.step.binding import Bound, StepGraph, arena_layout, lane_of, lane_segments, resolve_arg
+from ds4c.runtime.step.lane_batch import bind_lane_args
 from ds4c.runtime.step.scalars import StepScalars
 from ds4c.runtime.step.weights import StepWeights
 from ds4c.runtime.targets import Target
@@ -174,12 +175,16 @@ class StepGraphs:
         pairs = [(k.name, la) for k in kernels for la in k.launches]
         for (kname, la), (mkey, image) in zip(pairs, binaries):
             fn = self.module(mkey, image).function(la.kernel.entry, la.smem)
-            lane = lane_of(la.args) if self.lane_streams else None
+            lane = lane_of(la.args) if self.lane_streams and not la.lanes else None
             if lane is not None:  # lanes run side by side: a per-lane launch's scratch is its lane's own
                 la = dataclasses.replace(la, args=tuple(
                     dataclasses.replace(a, name=f"{a.name}@lane{lane}") if a.kind == "workspace" else a
                     for a in la.args))
-            args = [self._resolve(a, sg, consts, state) for a in la.args]
+            if la.lanes:  # one launch over the lanes (runtime/step/lane_batch.py)
+                args = bind_lane_args(la, lambda a, q, la=la: self._resolve_lane(a, sg, consts, state, q,
+                                                                                 len(la.lanes)))
+            else:
+                args = [self._resolve(a, sg, consts, state) for a in la.args]
             bound = Bound(fn, la.grid, la.block, la.smem, args, self.programmatic and la.kernel.programmatic_launch,
                           lane)
             if kname == ROLLBACK_KERNEL:
@@ -188,6 +193,17 @@ class StepGraphs:
                 sg.launches.append(bound)
         self.by_key[(width, context) if key is None else key] = sg
         return sg
+
+    def _resolve_lane(self, a: Arg, sg: StepGraph, consts: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                      lane: int, lanes: int) -> Any:
+        """One lane's argument of a lane-batched launch: a workspace is that lane's part of one buffer of ``lanes``
+        equal parts (so the lanes' scratch sits a constant stride apart); anything else as :meth:`_resolve`."""
+        if a.kind != "workspace":
+            return self._resolve(a, sg, consts, state)
+        part = (a.nbytes + 255) // 256 * 256
+        whole = self._resolve(dataclasses.replace(a, name=f"{a.name}@x{lanes}", nbytes=part * lanes), sg, consts,
+                              state)
+        return whole[lane * part:]
 
     def _resolve(self, a: Arg, sg: StepGraph, consts: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Any:
         return resolve_arg(a, sg.values, consts, state, self.scalars.buffer, self.scalars.offsets,

@@ -50,6 +50,7 @@ from ds4c.runtime.lower import lower_graph
 from ds4c.runtime.sampler import DeviceSampler, argmax_chunk, argmax_rows
 from ds4c.runtime.step.binding import DTYPES, StepGraph
 from ds4c.runtime.step.graphs import StepGraphs
+from ds4c.runtime.step.lane_batch import batch_lanes
 
 
 class LaneScalars:
@@ -128,10 +129,14 @@ class LanesStep:
         self.prompt_sizes = tuple(sorted({s for s in self._prompt_size.values() if s is not None}))
         rows = max([slots] + [s + prompt_rows for s in self.prompt_sizes])
         specs = state_inputs(self.cfg, step.capacity)
+        n_slots = slots + bool(prompt_rows)
         with torch.cuda.device(self.dev):
-            self.slot_state: list[dict[str, torch.Tensor]] = [
-                {k: torch.empty(tuple(t.shape), dtype=DTYPES[t.dtype], device=self.dev) for k, t in specs.items()}
-                for _ in range(slots + bool(prompt_rows))]
+            # each state buffer of every slot in one tensor [slots, ...]: slot j's is a view, so a lane's buffers
+            # sit a constant stride from the next lane's (lane batching binds them so)
+            stacked = {k: torch.empty((n_slots,) + tuple(t.shape), dtype=DTYPES[t.dtype], device=self.dev)
+                       for k, t in specs.items()}
+            self.slot_state: list[dict[str, torch.Tensor]] = [{k: v[j] for k, v in stacked.items()}
+                                                              for j in range(n_slots)]
             for j in range(len(self.slot_state)):
                 self.reset(j)
             self.pos = [0] * len(self.slot_state)
@@ -146,8 +151,10 @@ class LanesStep:
                 prefill_chunks=(), types=g.types, target=g.target, cache=g.cache, manifest=None, artifact=None,
                 programmatic=g.programmatic, weights=step.weights, state=bound, scalars=self.scalars,
                 is_first=True, is_last=True, dev=self.dev)
-            # each lane's attention, compressor, indexer and ring write side by side (settings.lane_streams)
+            # each lane's attention, compressor, indexer and ring write side by side (settings.lane_streams), or
+            # as one launch per kernel over the lanes (settings.lane_batch)
             self.graphs.lane_streams = slots if settings.lane_streams() else 0
+        self.lane_batch = settings.lane_batch()
         self._chunk = argmax_chunk(self.cfg.vocab_size)
         self.temperature = [0.0] * slots  # per slot, host side: which lanes draw (> 0) and which take the argmax
 
@@ -274,6 +281,8 @@ class LanesStep:
         g = run_pipeline(build_step(self.cfg, sum(shape), self.step.capacity, lanes=shape), "default",
                          context=context).graph
         kernels = lower_graph(g, self.cfg, self.graphs.target, self.graphs.types)
+        if self.lane_batch:
+            kernels = batch_lanes(kernels)
         binaries = self.graphs.binaries([(key, kernels)], progress=False)[0]
         state = self.graphs.state
         if prompt:  # lane ``lanes`` is the prompt slot's
