@@ -25,6 +25,11 @@
 #             needs .peers/{build_llama.sh,llama.cpp-src.tar.xz} (from ../shared/peers, git-ignored: name .peers
 #             in the device call's carry); the build (~5 min) and $FILE start in the background at once
 #             (setsid), so a later call on the same warm machine finds them
+#   lanes     tools/lanes_gpu.py --model $MODEL --lanes $LANES (default 1,8,16), once per word of LANE_ENVS
+#             (default "- DS4C_LANE_STREAMS=1 DS4C_LANE_BATCH=1": in order, a stream per lane, merged launches;
+#             "-" = no setting); the runs with a setting also check 8 lanes' rows against each alone
+#   lanebench ds4c bench $MODEL --device cuda --lanes $LANES $LANEBENCH_ARGS (end to end through the batch engine),
+#             once per word of LANE_ENVS
 #   profile   Nsight Compute on the official MXFP4 experts at q = 1 and 5 (throughput, occupancy, warp stall
 #             reasons), then the compiled DSpark drafter's per-step cost (tools/dspark_time.py)
 #
@@ -90,6 +95,30 @@ stage_soak() {
   timeout "${SOAK_S:-560}" python3 tests/gpu_soak.py ${SOAK_ARGS:---model tiny --artifact --time-budget 470} \
       --checkpoint "$OUTDIR/soak.pt" "${resume[@]}" > "$OUTDIR/soak.log" 2>&1
   check $? soak; tail -12 "$OUTDIR/soak.log"
+}
+
+lane_envs() { echo "${LANE_ENVS:-- DS4C_LANE_STREAMS=1 DS4C_LANE_BATCH=1}"; }
+
+stage_lanes() {
+  local e check_n
+  for e in $(lane_envs); do
+    check_n=8; [ "$e" = - ] && { e=; check_n=0; }
+    say lanes "${e:-in order}"
+    env $e timeout "${LANES_S:-150}" python3 tools/lanes_gpu.py --model "$MODEL" --lanes "${LANES:-1,8,16}" \
+        --check "$check_n" --beside 0 --steps 48 --json "$OUTDIR/lanes-${e:-inorder}.json" \
+        > "$OUTDIR/lanes-${e:-inorder}.log" 2>&1
+    check $? "lanes ${e:-in order}"; tail -8 "$OUTDIR/lanes-${e:-inorder}.log"
+  done
+}
+
+stage_lanebench() {
+  local e
+  for e in $(lane_envs); do
+    [ "$e" = - ] && e=
+    env $e timeout "${LANEBENCH_S:-280}" ds4c bench "$MODEL" --device cuda --lanes "${LANES:-1,8,16}" \
+        ${LANEBENCH_ARGS:-} --json "$OUTDIR/lanebench-${e:-inorder}.json" > "$OUTDIR/lanebench-${e:-inorder}.log" 2>&1
+    check $? "lanebench ${e:-in order}"; tail -9 "$OUTDIR/lanebench-${e:-inorder}.log"
+  done
 }
 
 stage_compile() {
@@ -212,9 +241,9 @@ stage_profile() {
 [[ ",$STAGES," == *,llama,* ]] && start_llama_build
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    tests|kernels|soak|compile|bench|generate|split|spec|prefill|llama|profile) "stage_$stage" ;;
+    tests|kernels|soak|compile|bench|generate|split|spec|prefill|llama|lanes|lanebench|profile) "stage_$stage" ;;
     *) echo "unknown stage '$stage' (stages: tests kernels soak compile bench generate split spec prefill llama"\
-" profile)"; FAILED=$((FAILED + 1)) ;;
+" lanes lanebench profile)"; FAILED=$((FAILED + 1)) ;;
   esac
 done
 say done "$FAILED stage(s) failed"
