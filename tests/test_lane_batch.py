@@ -1,8 +1,9 @@
 """Lane batching (runtime/step/lane_batch.py, issue 30): a lanes step's per-lane launches merged into one launch per
 kernel over a grid of lanes. On the CPU: which launches merge and in what order, the batched kernel source (its
 wrapper compiles for CUDA and HIP), the binding rule (one constant stride per pointer, equal integers) and the
-arena layout that gives per-lane values a constant stride. That the merged launches compute what the per-lane ones
-did is checked on a GPU (tests/test_lanes_gpu.py, lanes against each sequence alone with DS4C_LANE_BATCH=1)."""
+arena layout that gives per-lane values a constant stride; and, on the CPU emulator (tests/emulators/launch_emu.py),
+that one layer's merged launches leave every buffer as its per-lane launches do, bit for bit. On a GPU:
+tests/test_lanes_gpu.py (lanes against each sequence alone with DS4C_LANE_BATCH=1)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,118 @@ def test_arena_places_per_lane_values_a_constant_stride_apart():
             assert all(b - a == offs[1] - offs[0] for a, b in zip(offs, offs[1:])), names
             checked += 1
     assert checked
+
+
+# ------------------------------------------------------------------------------------------ emulated
+class _Ptr:
+    """A bound buffer address for :func:`bind_lane_args`: a buffer (its own 2^40-byte space) and a byte offset."""
+
+    def __init__(self, key: str, off: int, base: dict[str, int]):
+        self.key, self.off = key, off
+        self._p = base.setdefault(key, (len(base) + 1) << 40) + off
+
+    def data_ptr(self) -> int:
+        return self._p
+
+
+@pytest.mark.parametrize("layer", [0, 2, 3])
+def test_merged_lanes_emulated_equal_the_per_lane_launches(layer, tiny_path, tmp_path):
+    """Three decode lanes of tiny at positions 3, 19 and 47 (flushes of both ratios, a wrapped window), random
+    state and activations laid out as ``LanesStep`` lays them out (stacked slot state, the arena of the merged
+    graph, the lanes step buffer): one layer's per-lane launches run on CPU threads one lane after another, then
+    its merged launches (one per kernel, grid z = 3) on a copy of the same buffers: every state buffer and every
+    activation equal bit for bit, and the state changed. Layer 0: the window attention, layer 2: the CSA
+    compressor, indexer and attention, layer 3: the HCA ones, each with its ring write."""
+    from emulators import launch_emu
+
+    why = launch_emu.host_unavailable()
+    if why:
+        pytest.skip(why)
+    from ds4c.ir.builder import lane_state_name, state_inputs
+    from ds4c.ir.printer import value_names
+    from ds4c.runtime.step.binding import DTYPES
+    from ds4c.runtime.step.weights import StepWeights
+    from ds4c.sources import open_model
+
+    cfg, ctx, lanes, pos = preset("tiny"), 128, 3, [3, 19, 47]
+    g, ks = lowered((1,) * lanes, ctx=ctx)
+    merged = batch_lanes(ks)
+    per = [k for k in ks if k.layer == layer and len({lane_of(la.args) for la in k.launches} - {None}) == 1]
+    both = [k for k in merged if k.layer == layer and "@lanes" in k.name]
+    assert len(per) == lanes * len(both) and both
+    gen = torch.Generator().manual_seed(layer)
+
+    def rand(shape, dt):
+        if dt == torch.int64:
+            return torch.zeros(shape, dtype=dt)
+        return (torch.randn(shape, generator=gen) * 0.5).to(dt)
+
+    specs = state_inputs(cfg, ctx)
+    state = {k: rand((lanes,) + tuple(t.shape), DTYPES[t.dtype]) for k, t in specs.items()}
+    layout, need = arena_layout(g, merged, {lane_state_name(j, k) for j in range(lanes) for k in specs} |
+                                {"logits", "hc_in", "hc_out"})
+    arena = torch.zeros(need, dtype=torch.uint8)
+    for off, n, shape, dt in layout.values():
+        arena[off:off + n] = rand(shape, dt).contiguous().view(torch.uint8).reshape(-1)
+    ratios = sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r})
+    offsets = {"positions": 0, "tokens": lanes}
+    for j in range(lanes):
+        for r in ratios:
+            offsets[lane_state_name(j, f"live_r{r}")] = len(offsets) + lanes - 1
+    step = torch.zeros(len(offsets) + 2 * lanes - 2, dtype=torch.int64)
+    step[:lanes] = torch.tensor(pos)
+    for j, p in enumerate(pos):
+        for r in ratios:
+            step[offsets[lane_state_name(j, f"live_r{r}")]] = (p + 1) // r
+    names = value_names(g)
+    consts = {names[op.outputs[0]]: op.attrs["data"] for op in g.ops if op.kind == "const"}
+    weights = StepWeights(open_model(tiny_path), {}, torch.device("cpu"))
+    bufs: dict[str, torch.Tensor] = {"arena": arena, "step": step}
+    bufs.update({f"state.{k}": v for k, v in state.items()})
+    base: dict[str, int] = {}
+
+    def row_bytes(t: torch.Tensor) -> int:
+        return t[0].numel() * t.element_size() if t.dim() else 0
+
+    def bind(a, lane_q=None, m=None):
+        if a.kind == "int":
+            return a.value
+        if a.kind == "weight":
+            key = f"w.{a.name}.{a.form}"
+            bufs.setdefault(key, weights.convert(a.name, a.form or "f32").contiguous())
+            return _Ptr(key, 0, base)
+        if a.kind == "step":
+            return _Ptr("step", (offsets[a.name] + a.row) * 8, base)
+        if a.kind == "workspace":
+            part = (a.nbytes + 255) // 256 * 256
+            key = f"ws.{a.name}" + (f"@x{m}" if m else "")
+            bufs.setdefault(key, torch.zeros(part * (m or 1), dtype=torch.uint8))
+            return _Ptr(key, part * (lane_q or 0), base)
+        if a.name.startswith("lane") and a.name.split(".", 1)[1] in specs:
+            j, k = int(a.name[4:a.name.index(".")]), a.name.split(".", 1)[1]
+            t = state[k]
+            return _Ptr(f"state.{k}", j * row_bytes(t) + a.row * row_bytes(t[0]), base)
+        if a.name in consts:
+            t = consts[a.name].contiguous()
+            bufs.setdefault(f"const.{a.name}", t)
+            return _Ptr(f"const.{a.name}", a.row * row_bytes(t), base)
+        off, _n, shape, dt = layout[a.name]
+        return _Ptr("arena", off + a.row * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+                    * torch.empty(0, dtype=dt).element_size(), base)
+
+    def host(v):
+        return v if isinstance(v, (int, tuple)) and not isinstance(v, _Ptr) else (v.key, v.off)
+
+    seq_per = [(la.kernel, la.grid, la.block, [host(bind(a)) for a in la.args], la.smem)
+               for k in per for la in k.launches]
+    seq_both = []
+    for k in both:
+        for la in k.launches:
+            m = len(la.lanes)
+            bound = bind_lane_args(la, lambda a, q, m=m: bind(a, q, m))
+            seq_both.append((la.kernel, la.grid, la.block, [host(v) for v in bound], la.smem))
+    got_per = launch_emu.run(seq_per, {k: v.clone() for k, v in bufs.items()}, tmp_path / "per")
+    got_both = launch_emu.run(seq_both, {k: v.clone() for k, v in bufs.items()}, tmp_path / "both")
+    for k in [k for k in bufs if k.startswith("state.")] + ["arena"]:
+        assert torch.equal(got_per[k].view(torch.uint8), got_both[k].view(torch.uint8)), k
+    assert any(not torch.equal(got_per[k], bufs[k]) for k in bufs if k.startswith("state."))

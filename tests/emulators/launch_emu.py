@@ -34,6 +34,10 @@ static inline float __fadd_rn(float a, float b) { volatile float r = a + b; retu
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 """
 
+#: the block index a lane-batched kernel's entry reads (``blockIdx.z``); the family kernels read x / y through the
+#: prelude's accessors
+DIM3 = "struct EmuDim3 { int x, y, z; };\nstatic EmuDim3 blockIdx = {0, 0, 0};\n"
+
 
 def _param_types(src: Any) -> list[str]:
     """C types of the entry's parameters in order (``const u16*``, ``int``, ...)."""
@@ -51,34 +55,52 @@ def _param_types(src: Any) -> list[str]:
 _EXTERN_SHARED = re.compile(r"extern DS4C_SHARED (__attribute__\(\(aligned\(\d+\)\)\) )?(\w+) (\w+)\[\];")
 
 
+def _carg(a: Any, ctype: str, ident: dict[str, str]) -> str:
+    """One argument as a C expression: an int, ``("i64", v)``, a buffer name, or ``(name, byte offset)``."""
+    if isinstance(a, int):
+        return str(int(a))
+    if isinstance(a, tuple) and a[0] == "i64":
+        return f"(i64){int(a[1])}LL"
+    name, off = (a, 0) if isinstance(a, str) else a
+    return f"({ctype})({ident[name]}.data() + {int(off)})"
+
+
 def build(launches: Sequence[tuple], buffers: dict[str, int], workdir: Path) -> Path:
     """Compile a host program running ``launches`` (``(KernelSource, grid, block, args)`` or ``(..., args,
-    smem)``, args: buffer names or ints, in kernel order) over the buffers ``{name: nbytes}``. A kernel's dynamic
-    shared memory (``extern DS4C_SHARED T name[];``, e.g. the grouped experts GEMM's) becomes a static array of
-    ``smem + 64`` bytes, one for the running block's fibers.
+    smem)``, args: buffer names, ``(name, byte offset)``, ints or ``("i64", v)``, in kernel order) over the
+    buffers ``{name: nbytes}``. A 3-d grid runs its z planes one after another with ``blockIdx.z`` set (the lane
+    of a lane-batched kernel, runtime/step/lane_batch.py). A kernel's dynamic shared memory (``extern DS4C_SHARED T
+    name[];``, e.g. the grouped experts GEMM's) becomes a static array of ``smem + 64`` bytes, one for the running
+    block's fibers.
 
     Raises:
-        RuntimeError: a 3-d grid, an argument count that is not the signature's, or the host compile failed.
+        RuntimeError: an argument count that is not the signature's, or the host compile failed.
     """
     names = sorted(buffers)
     ident = {n: f"b{i}" for i, n in enumerate(names)}
     spaces, calls = [], []
+    spaced: dict[tuple[str, int], int] = {}  # (source digest, smem) -> its namespace: a kernel launched again reuses it
     for i, (src, grid, block, args, *rest) in enumerate(launches):
-        if len(grid) > 2 and grid[2] != 1:
-            raise RuntimeError("launch_emu: 3-d grids are not emulated")
         types = _param_types(src)
         if len(types) != len(args):
             raise RuntimeError(f"launch_emu: {src.entry} takes {len(types)} arguments, {len(args)} given")
-        body = host_body(src)
-        if _EXTERN_SHARED.search(body):
-            smem = int(rest[0]) if rest else 0
-            body = _EXTERN_SHARED.sub(lambda m: f"alignas(16) static {m.group(2)} {m.group(3)}[{smem} + 64];", body)
-        spaces.append(f"namespace k{i}_ns {{\n{SHARED_STATIC}{body}\n}}\n")
-        cargs = ", ".join(str(int(a)) if isinstance(a, int) else f"({t}){ident[a]}.data()" for a, t in zip(args, types))
-        calls.append(f"  run_grid({grid[0]}, {grid[1]}, {block[0]}, [&] {{ k{i}_ns::{src.entry}({cargs}); }});\n")
+        smem = int(rest[0]) if rest else 0
+        if (src.digest(), smem) in spaced:
+            i = spaced[src.digest(), smem]
+        else:
+            spaced[src.digest(), smem] = i
+            body = host_body(src)
+            if _EXTERN_SHARED.search(body):
+                body = _EXTERN_SHARED.sub(lambda m: f"alignas(16) static {m.group(2)} {m.group(3)}[{smem} + 64];",
+                                          body)
+            spaces.append(f"namespace k{i}_ns {{\n{SHARED_STATIC}{body}\n}}\n")
+        cargs = ", ".join(_carg(a, t, ident) for a, t in zip(args, types))
+        gz = grid[2] if len(grid) > 2 else 1
+        calls.append(f"  for (int z = 0; z < {gz}; ++z) {{ blockIdx.z = z; "
+                     f"run_grid({grid[0]}, {grid[1]}, {block[0]}, [&] {{ k{i}_ns::{src.entry}({cargs}); }}); }}\n")
     loads = "".join(f'  auto {ident[n]} = load(d, "{n}");\n' for n in names)
     saves = "".join(f'  save(d, "{n}", {ident[n]}.data(), {buffers[n]});\n' for n in names)
-    main = "#include <limits>\n" + SHIMS + "".join(spaces) + f"""
+    main = "#include <limits>\n" + SHIMS + DIM3 + "".join(spaces) + f"""
 int main(int argc, char** argv) {{
   const char* d = argv[1];
 {loads}{"".join(calls)}{saves}  return 0;
