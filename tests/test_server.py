@@ -594,12 +594,16 @@ def test_a_drain_timeout_ends_what_still_runs_with_an_error(tiny_path):
 
 def test_serve_command_errors_are_one_line(tiny_path):
     """The command's own refusals (before anything listens): an empty key, more sequences at once than the engine
-    runs, a bad speculative width, prefill chunks on the reference engine."""
+    runs, a bad speculative width, prefill chunks on the reference engine, the compiled batch's prompt policy without
+    --lanes or on the reference."""
     for args, want in ((["--api-key", " "], "api_key: expected a non-empty key"),
                        (["--max-concurrency", "4"], "max_concurrency 4: without --lanes the engine runs 1 sequence at a time"),
                        (["--spec-width", "9"], "--spec-width: expected 1..5"),
                        (["--prefill", "256"], "--prefill 256: prefill chunk graphs run on the compiled engine"),
-                       (["--request-timeout", "nan"], "request_timeout_s: expected a finite number of seconds")):
+                       (["--request-timeout", "nan"], "request_timeout_s: expected a finite number of seconds"),
+                       (["--lanes-prefill-rows", "5"], "--lanes-prefill-rows: applies only with --lanes N"),
+                       (["--lanes", "2", "--lanes-prefill-every", "4"],
+                        "prefill_chunk / prefill_every / prefill_rows: the compiled step's prompt policy")):
         r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", *args])
         last = r.output.splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("ds4c: error: ") and want in last, r.output

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import click
 
-from ds4c.cli.shell import (check_writable_json, device_of, model_path, parse_ints, prefill_chunks_option,
-                            split_options, write_json)
+from ds4c.cli.shell import (LANES_POLICY_OPTIONS, check_writable_json, device_of, lanes_policy_options, model_path,
+                            parse_ints, prefill_chunks_option, split_options, write_json)
 from ds4c.errors import Ds4cError
 
 
@@ -51,14 +51,7 @@ from ds4c.errors import Ds4cError
                    "compiled engine on cuda, the reference on cpu; --lanes-engine picks).")
 @click.option("--lanes-engine", type=click.Choice(["auto", "reference", "compiled"]), default="auto",
               show_default=True, help="With --lanes: the engine the batch runs on.")
-@click.option("--lanes-prefill-chunk", type=click.IntRange(min=1), default=None,
-              help="With --lanes on the compiled engine: the largest prefill chunk run beside decoding sequences "
-                   "(default: the prefill policy's own chunks).")
-@click.option("--lanes-prefill-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --lanes on the compiled engine: a prefill piece every N steps while sequences decode.")
-@click.option("--lanes-prefill-rows", type=click.IntRange(min=0, max=5), default=0, show_default=True,
-              help="With --lanes on the compiled engine: a prompt's rows as a lane of this many rows in the decode "
-                   "step while sequences decode (0: prefill chunks beside them).")
+@lanes_policy_options
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="With --lanes: new tokens per request.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True,
@@ -101,10 +94,7 @@ def command(file: str | None, device: str, widths: str, contexts: str, repeats: 
         chunks = prefill_chunks_option(prefill_chunks, "--prefill-chunks")
     lanes_only = [o for o, p in (("--new-tokens", "new_tokens"), ("--prompt-len", "prompt_len"),
                                  ("--long-prompt", "long_prompt"), ("--lanes-engine", "lanes_engine"),
-                                 ("--lanes-prefill-chunk", "lanes_prefill_chunk"),
-                                 ("--lanes-prefill-every", "lanes_prefill_every"),
-                                 ("--lanes-prefill-rows", "lanes_prefill_rows"))
-                  if src(p) is not click.core.ParameterSource.DEFAULT]
+                                 *LANES_POLICY_OPTIONS) if src(p) is not click.core.ParameterSource.DEFAULT]
     if lanes is None and lanes_only:
         raise Ds4cError(f"{', '.join(lanes_only)}: applies only with --lanes L,L,...")
     if lanes is not None and (prefill is not None or devices or layer_split or artifact):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import click
 
 from ds4c import settings
-from ds4c.cli.shell import device_of, model_path, prefill_chunks_option, spec_width_option, split_options
+from ds4c.cli.shell import (LANES_POLICY_OPTIONS, device_of, lanes_policy_options, model_path, prefill_chunks_option,
+                            spec_width_option, split_options)
+from ds4c.errors import Ds4cError
 
 #: The defaults of the scheduler's limits, as ds4c.server.scheduler.SchedulerConfig and ServerOptions have them
 #: (repeated here so that ``ds4c --help`` loads no FastAPI; tests/test_server.py checks they agree).
@@ -33,6 +35,7 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
                    "the reference's paged pool; prompts starting from cached prefixes; --draft oracle on the "
                    "reference only). Default: one at "
                    "a time.")
+@lanes_policy_options
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="Sequences run at once (default: --lanes, else 1; the rest queue).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=DEFAULTS["max_queue"], show_default=True,
@@ -68,7 +71,8 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
               show_default=True)
 @split_options
 def command(file: str | None, host: str, port: int, model_name: str | None, api_key: str | None,
-            lanes: int | None, max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
+            lanes: int | None, lanes_prefill_chunk: int | None, lanes_prefill_every: int, lanes_prefill_rows: int,
+            max_concurrency: int | None, max_queue: int, queue_timeout: float, request_timeout: float,
             drain_timeout: float, stream_buffer: int, max_body_bytes: int, max_ctx: int | None, device: str,
             engine: str, artifact: str | None, draft: str | None, spec_width: str, prefill: str | None,
             threads: int | None, dataflow: str, log_level: str, devices: str | None, layer_split: str | None) -> None:
@@ -77,6 +81,15 @@ def command(file: str | None, host: str, port: int, model_name: str | None, api_
     from ds4c.server import serve  # start-up speed: FastAPI and the model stack load only when the command runs
 
     chunks = prefill_chunks_option(prefill, "--prefill") if prefill is not None else None
+    src = click.get_current_context().get_parameter_source
+    policy = [o for o, p in LANES_POLICY_OPTIONS if src(p) is not click.core.ParameterSource.DEFAULT]
+    if policy and lanes is None:
+        raise Ds4cError(f"{', '.join(policy)}: applies only with --lanes N")
+    if policy:
+        from ds4c.batching import BatchConfig  # start-up speed: torch loads only when the command runs
+
+        lanes = BatchConfig(max_lanes=lanes, prefill_chunk=lanes_prefill_chunk, prefill_every=lanes_prefill_every,
+                            prefill_rows=lanes_prefill_rows)
     serve(model_path(file), host=host, port=port, max_concurrency=max_concurrency, lanes=lanes,
           api_key=api_key if api_key is not None else settings.api_key(), model_name=model_name,
           device=device_of(device, devices), engine=engine, artifact=artifact, max_ctx=max_ctx, threads=threads,

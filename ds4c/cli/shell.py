@@ -63,6 +63,26 @@ def split_options(fn):
     return fn
 
 
+def lanes_policy_options(fn):
+    """``--lanes-prefill-chunk`` / ``--lanes-prefill-every`` / ``--lanes-prefill-rows``: how the compiled step's
+    batch ingests a prompt beside decoding sequences (:class:`~ds4c.batching.BatchConfig`)."""
+    fn = click.option("--lanes-prefill-rows", type=click.IntRange(min=0, max=5), default=0, show_default=True,
+                      help="With --lanes on the compiled engine: a prompt's rows as a lane of this many rows in the "
+                           "decode step while sequences decode (0: prefill chunks beside them).")(fn)
+    fn = click.option("--lanes-prefill-every", type=click.IntRange(min=1), default=1, show_default=True,
+                      help="With --lanes on the compiled engine: a prefill piece every N steps while sequences "
+                           "decode.")(fn)
+    fn = click.option("--lanes-prefill-chunk", type=click.IntRange(min=1), default=None,
+                      help="With --lanes on the compiled engine: the largest prefill chunk run beside decoding "
+                           "sequences (default: the prefill policy's own chunks).")(fn)
+    return fn
+
+
+LANES_POLICY_OPTIONS = (("--lanes-prefill-chunk", "lanes_prefill_chunk"),
+                        ("--lanes-prefill-every", "lanes_prefill_every"), ("--lanes-prefill-rows", "lanes_prefill_rows"))
+"""The options :func:`lanes_policy_options` adds, with their parameter names."""
+
+
 def given_on_command_line(name: str) -> bool:
     """Whether the current command's parameter ``name`` was given on the command line (not defaulted)."""
     ctx = click.get_current_context(silent=True)

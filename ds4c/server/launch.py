@@ -173,7 +173,7 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
           max_ctx: int | None = None, threads: int | None = None, dataflow: str = "bf16",
           devices: str | Sequence[str] | None = None, layer_split: str | Sequence[int] | None = None,
           prefill_chunks: Any = None, draft: str | None = None, spec_width: int | str = 5,
-          lanes: int | None = None,
+          lanes: Any = None,
           max_queue: int = SchedulerConfig.max_queue, queue_timeout_s: float = SchedulerConfig.queue_timeout_s,
           request_timeout_s: float | None = SchedulerConfig.request_timeout_s,
           stream_buffer: int = SchedulerConfig.stream_buffer, max_body_bytes: int = ServerOptions.max_body_bytes,
@@ -192,8 +192,8 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
         spec_width: with ``draft``: verify rows per step, 1..5 or ``"auto"``.
         lanes: sequences stepped together (continuous batching with prefix reuse, :class:`ds4c.Model`'s ``lanes``:
             the compiled step's decode lanes on cuda, the reference's paged pool on cpu; a drafter on the reference
-            only, the oracle or one without needs); None: one at a
-            time.
+            only, the oracle or one without needs), or a :class:`~ds4c.batching.BatchConfig` (its prompt policy
+            beside decoding sequences too); None: one at a time.
         max_queue, queue_timeout_s, request_timeout_s, stream_buffer: the scheduler's limits
             (:class:`~ds4c.server.scheduler.SchedulerConfig`).
         max_body_bytes: larger request bodies get 413.
