@@ -13,9 +13,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled lanes step)")]
 
 
+@pytest.fixture(scope="module")
+def kcache(tmp_path_factory):
+    """One kernel cache for the module's steps (each distinct kernel compiled once)."""
+    return tmp_path_factory.mktemp("lanes-kc")
+
+
 @pytest.mark.parametrize("streams,batch", [("0", "0"), ("1", "0"), ("0", "1")],
                          ids=["in-order", "lane-streams", "lane-batch"])
-def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path, monkeypatch, streams, batch):
+def test_lanes_equal_each_sequence_alone(tiny_path, kcache, monkeypatch, streams, batch):
     """Five lanes (prompts of 3..60 tokens; tiny: window 16, ratios 4 and 16, buckets 32..128), 40 decode steps:
     every row within the one-sequence step's noise floor of its alone run and the same argmax (measured: bit-equal,
     docs/gpu-validation.md); with the per-lane launches in order, on a stream per lane (DS4C_LANE_STREAMS) and
@@ -30,7 +36,7 @@ def test_lanes_equal_each_sequence_alone(tiny_path, tmp_path, monkeypatch, strea
 
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1,), 128, contexts=(32, 64, 128))
-    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path / "kc"))
+    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(kcache))
     lanes = LanesStep(ex, slots=5)
     assert lanes.graphs.lane_streams == (5 if streams == "1" else 0) and lanes.lane_batch == (batch == "1")
     g = torch.Generator().manual_seed(5)
@@ -91,7 +97,7 @@ def test_model_lanes_on_cuda_runs_threads_together(tiny_path):
 
 
 @pytest.mark.parametrize("batch", ["0", "1"], ids=["in-order", "lane-batch"])
-def test_prompt_lane_beside_decode_lanes_equals_each_sequence_alone(tiny_path, tmp_path, monkeypatch, batch):
+def test_prompt_lane_beside_decode_lanes_equals_each_sequence_alone(tiny_path, kcache, monkeypatch, batch):
     """``LanesStep(prompt_rows=5)``: two decode lanes and a 45-token prompt fed 5 rows a step in the prompt lane of
     the same graphs, then moved to a decode slot and decoded beside them: the decode rows, the prompt's last-row
     logits per piece and its decode rows after the move each within the one-sequence step's noise floor of the
@@ -105,7 +111,7 @@ def test_prompt_lane_beside_decode_lanes_equals_each_sequence_alone(tiny_path, t
     monkeypatch.setenv("DS4C_LANE_BATCH", batch)
     mf = open_model(tiny_path)
     buckets = BucketSpec.build(mf.config, (1, 5), 128, contexts=(32, 64, 128))
-    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(tmp_path / "kc"))
+    ex = CompiledStep(mf, buckets, device_arch(), KernelCache(kcache))
     lanes = LanesStep(ex, slots=3, prompt_rows=5)
     assert lanes.prompt_sizes == (1, 2) and lanes.prompt_slot == 3
     g = torch.Generator().manual_seed(9)
