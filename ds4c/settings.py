@@ -21,11 +21,11 @@ variable                       default                     what it does (reader)
 ``DS4C_XP_DOWN_SPLIT``         ``1``                       job groups of the decode experts' down phase (an A/B
                                                            knob) (:func:`experts_down_split`)
 ``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
-                                                           stream per lane (not yet measured on a GPU: off)
-                                                           (:func:`lane_streams`)
-``DS4C_LANE_BATCH``            ``0``                       ``1``: a compiled lanes step's per-lane launches merged
-                                                           into one launch per kernel over the lanes (not yet
-                                                           measured on a GPU: off) (:func:`lane_batch`)
+                                                           stream per lane, where they are not merged (an A/B
+                                                           knob) (:func:`lane_streams`)
+``DS4C_LANE_BATCH``            ``1``                       ``0``: a compiled lanes step's per-lane launches one per
+                                                           lane instead of one per kernel over the lanes (an A/B
+                                                           knob) (:func:`lane_batch`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
                                                            (an int >= 1) (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
@@ -155,16 +155,17 @@ def experts_down_split() -> int:
 
 
 def lane_streams() -> bool:
-    """``$DS4C_LANE_STREAMS=1``: the decode lanes' per-lane launches run on a stream per lane
-    (``StepGraphs.lane_streams``; a captured lanes graph holds them as parallel branches). Off by default until
-    measured on a GPU (docs/perf.md, Optimisation 10)."""
+    """``$DS4C_LANE_STREAMS=1``: the decode lanes' per-lane launches that are not merged (:func:`lane_batch`) run on
+    a stream per lane (``StepGraphs.lane_streams``; a captured lanes graph holds them as parallel branches). Off:
+    merging the launches gains more (docs/perf.md, Optimisations 10 and 12)."""
     return os.environ.get("DS4C_LANE_STREAMS", "0") == "1"
 
 
 def lane_batch() -> bool:
-    """``$DS4C_LANE_BATCH=1``: the decode lanes' per-lane launches merged into one launch per kernel over a grid of
-    lanes (runtime/step/lane_batch.py). Off by default until measured on a GPU (docs/perf.md, Optimisation 12)."""
-    return os.environ.get("DS4C_LANE_BATCH", "0") == "1"
+    """The decode lanes' per-lane launches merged into one launch per kernel over a grid of lanes
+    (runtime/step/lane_batch.py): on by default (bit-equal rows, measured faster on the H100: docs/perf.md,
+    Optimisation 12); ``$DS4C_LANE_BATCH=0`` launches them one per lane."""
+    return os.environ.get("DS4C_LANE_BATCH", "1") != "0"
 
 
 def prefill_attn_heads_per_block() -> int:
@@ -209,9 +210,9 @@ SETTINGS: tuple[Setting, ...] = (
             experts_prequant),
     Setting("DS4C_XP_DOWN_SPLIT", "1", "job groups of the decode experts' down phase (an A/B knob)",
             experts_down_split),
-    Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's per-lane launches on a stream per lane (not yet measured)",
+    Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's unmerged per-lane launches on a stream per lane (A/B knob)",
             lane_streams),
-    Setting("DS4C_LANE_BATCH", "0", "1: a lanes step's per-lane launches as one launch per kernel (not yet measured)",
+    Setting("DS4C_LANE_BATCH", "1", "0: a lanes step's per-lane launches one per lane, not merged (A/B knob)",
             lane_batch),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
             prefill_attn_heads_per_block),

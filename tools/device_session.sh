@@ -26,8 +26,9 @@
 #             in the device call's carry); the build (~5 min) and $FILE start in the background at once
 #             (setsid), so a later call on the same warm machine finds them
 #   lanes     tools/lanes_gpu.py --model $MODEL --lanes $LANES (default 1,8,16), once per word of LANE_ENVS
-#             (default "- DS4C_LANE_STREAMS=1 DS4C_LANE_BATCH=1": in order, a stream per lane, merged launches;
-#             "-" = no setting); the runs with a setting also check 8 lanes' rows against each alone
+#             (default "- DS4C_LANE_BATCH=0 DS4C_LANE_BATCH=0,DS4C_LANE_STREAMS=1": the defaults (merged launches),
+#             in order, a stream per lane; "-" = no setting, commas join settings); the runs with a setting also
+#             check 8 lanes' rows against each alone
 #   lanebench ds4c bench $MODEL --device cuda --lanes $LANES $LANEBENCH_ARGS (end to end through the batch engine),
 #             once per word of LANE_ENVS
 #   profile   Nsight Compute on the official MXFP4 experts at q = 1 and 5 (throughput, occupancy, warp stall
@@ -97,27 +98,29 @@ stage_soak() {
   check $? soak; tail -12 "$OUTDIR/soak.log"
 }
 
-lane_envs() { echo "${LANE_ENVS:-- DS4C_LANE_STREAMS=1 DS4C_LANE_BATCH=1}"; }
+tag_of() { local t=${1:-default}; t=${t//=/-}; echo "${t//,/_}"; }  # a file name tag for a setting (the device tool returns no '=')
+lane_envs() { echo "${LANE_ENVS:-- DS4C_LANE_BATCH=0 DS4C_LANE_BATCH=0,DS4C_LANE_STREAMS=1}"; }
 
 stage_lanes() {
-  local e check_n
+  local e check_n tag
   for e in $(lane_envs); do
     check_n=8; [ "$e" = - ] && { e=; check_n=0; }
+    tag=$(tag_of "$e")
     say lanes "${e:-in order}"
-    env $e timeout "${LANES_S:-150}" python3 tools/lanes_gpu.py --model "$MODEL" --lanes "${LANES:-1,8,16}" \
-        --check "$check_n" --beside 0 --steps 48 --json "$OUTDIR/lanes-${e:-inorder}.json" \
-        > "$OUTDIR/lanes-${e:-inorder}.log" 2>&1
-    check $? "lanes ${e:-in order}"; tail -8 "$OUTDIR/lanes-${e:-inorder}.log"
+    env ${e//,/ } timeout "${LANES_S:-150}" python3 tools/lanes_gpu.py --model "$MODEL" --lanes "${LANES:-1,8,16}" \
+        --check "$check_n" --beside 0 --steps 48 --json "$OUTDIR/lanes-$tag.json" > "$OUTDIR/lanes-$tag.log" 2>&1
+    check $? "lanes ${e:-in order}"; tail -8 "$OUTDIR/lanes-$tag.log"
   done
 }
 
 stage_lanebench() {
-  local e
+  local e tag
   for e in $(lane_envs); do
     [ "$e" = - ] && e=
-    env $e timeout "${LANEBENCH_S:-280}" ds4c bench "$MODEL" --device cuda --lanes "${LANES:-1,8,16}" \
-        ${LANEBENCH_ARGS:-} --json "$OUTDIR/lanebench-${e:-inorder}.json" > "$OUTDIR/lanebench-${e:-inorder}.log" 2>&1
-    check $? "lanebench ${e:-in order}"; tail -9 "$OUTDIR/lanebench-${e:-inorder}.log"
+    tag=$(tag_of "$e")
+    env ${e//,/ } timeout "${LANEBENCH_S:-280}" ds4c bench "$MODEL" --device cuda --lanes "${LANES:-1,8,16}" \
+        ${LANEBENCH_ARGS:-} --json "$OUTDIR/lanebench-$tag.json" > "$OUTDIR/lanebench-$tag.log" 2>&1
+    check $? "lanebench ${e:-in order}"; tail -9 "$OUTDIR/lanebench-$tag.log"
   done
 }
 
