@@ -20,6 +20,9 @@ variable                       default                     what it does (reader)
                                                            kernels) (:func:`experts_prequant`)
 ``DS4C_XP_DOWN_SPLIT``         ``1``                       job groups of the decode experts' down phase (an A/B
                                                            knob) (:func:`experts_down_split`)
+``DS4C_GEMV_ROWS``             ``8``                       the most rows one multi-output GEMV launch takes (1..16;
+                                                           a lanes step's wider rows run in passes of this many)
+                                                           (:func:`gemv_rows`)
 ``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
                                                            stream per lane, where they are not merged (an A/B
                                                            knob) (:func:`lane_streams`)
@@ -154,6 +157,21 @@ def experts_down_split() -> int:
     return _int("DS4C_XP_DOWN_SPLIT", 1, 1)
 
 
+def gemv_rows() -> int:
+    """The most rows one multi-output GEMV launch takes (``$DS4C_GEMV_ROWS``, 1..16, default 8): a lanes step of more
+    rows runs its GEMVs in passes of at most this many (each pass reads the weights again); 16 reads them once for
+    every row of a 16-row step, with 1 block per SM instead of 2 (docs/perf.md, Optimisation 13: an A/B knob until
+    measured).
+
+    Raises:
+        SettingsError: a value that is not an int in 1..16.
+    """
+    n = _int("DS4C_GEMV_ROWS", 8, 1)
+    if n > 16:
+        raise SettingsError("DS4C_GEMV_ROWS", str(n), "an int in 1..16", 8)
+    return n
+
+
 def lane_streams() -> bool:
     """``$DS4C_LANE_STREAMS=1``: the decode lanes' per-lane launches that are not merged (:func:`lane_batch`) run on
     a stream per lane (``StepGraphs.lane_streams``; a captured lanes graph holds them as parallel branches). Off:
@@ -210,6 +228,7 @@ SETTINGS: tuple[Setting, ...] = (
             experts_prequant),
     Setting("DS4C_XP_DOWN_SPLIT", "1", "job groups of the decode experts' down phase (an A/B knob)",
             experts_down_split),
+    Setting("DS4C_GEMV_ROWS", "8", "the most rows one GEMV launch takes (1..16; more run in passes)", gemv_rows),
     Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's unmerged per-lane launches on a stream per lane (A/B knob)",
             lane_streams),
     Setting("DS4C_LANE_BATCH", "1", "0: a lanes step's per-lane launches one per lane, not merged (A/B knob)",

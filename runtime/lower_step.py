@@ -190,6 +190,8 @@ def _gemv(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bool, q: i
     fallback when the quantized activation does not fit in shared memory (HIP: 64 KiB, e.g. K = 8192 at q = 5).
     ``q``: the rows of ``x`` (default: the graph's width; a prefill chunk's 1-row head passes 1)."""
     qq = c.q if q is None else q
+    if qq > settings.gemv_rows():  # a lanes step's rows in passes (_lower_rows)
+        raise RenderError(f"{name}: {qq} rows, one GEMV launch takes at most {settings.gemv_rows()} (DS4C_GEMV_ROWS)")
     k = int(linears[0].inputs[0].type.shape[-1])
     outs = []
     for lin in linears:

@@ -594,6 +594,9 @@ EMU_SPECS = {
                                                   O(70, "bf16", "fp8act", "f32")], rows=2),
     "k384_q4_r8": G.GemvSpec(384, 4, [O(17, "q8_0", "fp8act", "f32"), O(13, "mxfp4", "fp8act", "f32"),
                                       O(11, "bf16", "bf16", "f32")], rows=8),
+    # a lanes step's 16 rows in one pass (DS4C_GEMV_ROWS=16)
+    "lanes_k512_q16": G.GemvSpec(512, 16, [O(21, "q8_0", "fp8act"), O(13, "mxfp4", "fp8act", "f32"),
+                                           O(11, "bf16", "bf16"), O(9, "q4_k", "fp8act")]),
 }
 # K-quants and IQ4_XS (one spec per format; both modes with the FP8 prologue and plain x, q 1 and 5; Q3_K / Q6_K
 # rows of 1 and 3 super-blocks (110 / 330, 210 / 630 bytes) are not 4-byte multiples; partial last tiles)

@@ -109,7 +109,7 @@ BLOCKS_PER_SM = 2
 #: (tests/gpu_checks/gemv_sweep.py, docs/perf.md): head 129280x4096 bf16 at q=1 from ~450 us (R=4, 2 blocks/SM)
 #: to 241 us (R=1, 8 blocks/SM), 4.39 TB/s. Launches with the prologue pay it once per block, so they keep 2.
 PLAIN_Q1_BLOCKS_PER_SM = 8
-MAX_Q = 8
+MAX_Q = 16  # a lanes step's rows (ds4c.ir.builder.MAX_LANE_ROWS); the lowering takes up to settings.gemv_rows()
 
 
 @dataclass(frozen=True)
