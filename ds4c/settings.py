@@ -20,7 +20,7 @@ variable                       default                     what it does (reader)
                                                            kernels) (:func:`experts_prequant`)
 ``DS4C_XP_DOWN_SPLIT``         ``1``                       job groups of the decode experts' down phase (an A/B
                                                            knob) (:func:`experts_down_split`)
-``DS4C_GEMV_ROWS``             ``8``                       the most rows one multi-output GEMV launch takes (1..16;
+``DS4C_GEMV_ROWS``             ``16``                      the most rows one multi-output GEMV launch takes (1..16;
                                                            a lanes step's wider rows run in passes of this many)
                                                            (:func:`gemv_rows`)
 ``DS4C_LANE_STREAMS``          ``0``                       ``1``: a compiled lanes step's per-lane launches on a
@@ -158,17 +158,18 @@ def experts_down_split() -> int:
 
 
 def gemv_rows() -> int:
-    """The most rows one multi-output GEMV launch takes (``$DS4C_GEMV_ROWS``, 1..16, default 8): a lanes step of more
-    rows runs its GEMVs in passes of at most this many (each pass reads the weights again); 16 reads them once for
-    every row of a 16-row step, with 1 block per SM instead of 2 (docs/perf.md, Optimisation 13: an A/B knob until
-    measured).
+    """The most rows one multi-output GEMV launch takes (``$DS4C_GEMV_ROWS``, 1..16, default 16): a lanes step of more
+    rows runs its GEMVs in passes of at most this many (each pass reads the weights again). 16 reads them once for
+    every row of a 16-row step (1 block per SM instead of 2): 16 lanes 5.29 -> 4.83 ms on the H100, rows bit-equal
+    (docs/perf.md, Optimisation 13); 8 is the A/B knob. HIP targets whose shared memory does not hold 16 rows of x
+    take fewer (the lowering's passes).
 
     Raises:
         SettingsError: a value that is not an int in 1..16.
     """
-    n = _int("DS4C_GEMV_ROWS", 8, 1)
+    n = _int("DS4C_GEMV_ROWS", 16, 1)
     if n > 16:
-        raise SettingsError("DS4C_GEMV_ROWS", str(n), "an int in 1..16", 8)
+        raise SettingsError("DS4C_GEMV_ROWS", str(n), "an int in 1..16", 16)
     return n
 
 
@@ -228,7 +229,7 @@ SETTINGS: tuple[Setting, ...] = (
             experts_prequant),
     Setting("DS4C_XP_DOWN_SPLIT", "1", "job groups of the decode experts' down phase (an A/B knob)",
             experts_down_split),
-    Setting("DS4C_GEMV_ROWS", "8", "the most rows one GEMV launch takes (1..16; more run in passes)", gemv_rows),
+    Setting("DS4C_GEMV_ROWS", "16", "the most rows one GEMV launch takes (1..16; more run in passes)", gemv_rows),
     Setting("DS4C_LANE_STREAMS", "0", "1: a lanes step's unmerged per-lane launches on a stream per lane (A/B knob)",
             lane_streams),
     Setting("DS4C_LANE_BATCH", "1", "0: a lanes step's per-lane launches one per lane, not merged (A/B knob)",

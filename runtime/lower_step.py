@@ -676,7 +676,8 @@ def lower_step(g: Graph, cfg: Ds4Config, target: Target,
 
 def _lower_rows(c: _Ctx, fn: Any, op: Op) -> list[Launch]:
     """A plan kernel of a lanes step: lowered at all its rows, or, when its family does not take that many at once
-    (the GEMV and experts kernels hold at most 8 rows, the grouped ``wo_a`` 5 of flash's K = 4096 in shared memory,
+    (the GEMV kernel holds at most ``settings.gemv_rows()`` rows, 16 by default, and fewer where x does not fit in
+    shared memory; the experts kernel 8; the grouped ``wo_a`` 5 of flash's K = 4096 in shared memory,
     HIP's experts fewer), over chunks of rows, the widest that lower, each launch bound at its chunk's first row:
     the chunk's weights are then read once per chunk."""
     try:
