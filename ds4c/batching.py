@@ -505,8 +505,9 @@ def lanes_backend(ref: Any, max_ctx: int, config: BatchConfig) -> Any:
     split, a step recording taps or the final HC state)."""
     if isinstance(ref, Reference):
         if config.prefill_chunk is not None or config.prefill_every != 1 or config.prefill_rows:
-            raise StepError("prefill_chunk / prefill_every / prefill_rows: the compiled step's prompt policy; the "
-                            "reference mixes prompt rows into its steps (drop them, or run on cuda)")
+            raise StepError("prefill_chunk / prefill_every / prefill_rows (--lanes-prefill-chunk / -every / -rows): "
+                            "the compiled step's prompt policy; the reference mixes prompt rows into its steps (drop "
+                            "them, or run the compiled engine on cuda)")
         return PagedLanes(ref, max_ctx, config)
     if getattr(ref, "is_split", True) or getattr(ref, "taps", ()) or getattr(ref, "record_hc", False):
         raise StepError("continuous batching runs on the whole model's reference engine or on an unsplit compiled "

@@ -76,6 +76,8 @@ def run_lanes_bench(mf: ModelFile, device: str, lanes: tuple[int, ...], new_toke
         raise Ds4cError(f"--long-prompt must be >= 32 (the first chat turn is it less 24 tokens), found {long_prompt}")
     top = max(lanes)
     max_ctx = max(prompt_len + 2 * new_tokens + 16, long_prompt + 8)
+    if engine == "compiled" and device != "cuda":  # said with this command's option (resolve_engine says --engine)
+        raise Ds4cError(f"--lanes-engine compiled runs on device 'cuda' only, found device {device!r}")
     name = resolve_engine(device, engine)
     if name == "reference" and (prefill_chunk is not None or prefill_every != 1 or prefill_rows):
         raise Ds4cError("--lanes-prefill-chunk / --lanes-prefill-every / --lanes-prefill-rows: the compiled engine's "

@@ -101,6 +101,34 @@ def _int(name: str, default: int, least: int) -> int:
     return n
 
 
+def _flag(name: str, default: bool) -> bool:
+    """An on/off setting: ``1`` or ``0`` (surrounding spaces ignored); unset: ``default``.
+
+    Raises:
+        SettingsError: any other value (``true``, ``off``, ``2``...: refused rather than read as one or the other).
+    """
+    value = raw(name)
+    if value is None:
+        return default
+    if value.strip() not in ("0", "1"):
+        raise SettingsError(name, value, "1 or 0", int(default))
+    return value.strip() == "1"
+
+
+def _int_in(name: str, default: int, least: int, most: int) -> int:
+    """An int setting in ``least .. most``; unset: ``default``. Raises SettingsError for anything else."""
+    value = raw(name)
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or not least <= n <= most:
+        raise SettingsError(name, value, f"an int in {least}..{most}", default)
+    return n
+
+
 def home() -> Path:
     """``$DS4C_HOME``, else ``~/.cache/ds4c``: the folder of the built-in default model (``models/``)."""
     return Path(raw("DS4C_HOME") or Path.home() / ".cache" / "ds4c")
@@ -136,14 +164,14 @@ def rocm_roots() -> list[str]:
 def pdl() -> bool:
     """``$DS4C_PDL=1``: programmatic dependent launch of the kernels that allow it (sm_90+). Off by default: on
     the H200 it gave nothing at q = 1 and cost 5% at q = 5 (docs/perf.md)."""
-    return raw("DS4C_PDL") == "1"
+    return _flag("DS4C_PDL", False)
 
 
 def experts_prequant() -> bool:
     """The experts quantize their activations once per launch (``ExpertsSpec.prequant``; docs/perf.md,
     Optimisation 6); ``$DS4C_XP_PREQUANT=0`` turns it off for an A/B (other kernels: the kernel cache and an
     artifact compiled with one setting do not mix with the other)."""
-    return os.environ.get("DS4C_XP_PREQUANT", "1") != "0"
+    return _flag("DS4C_XP_PREQUANT", True)
 
 
 def experts_down_split() -> int:
@@ -167,24 +195,21 @@ def gemv_rows() -> int:
     Raises:
         SettingsError: a value that is not an int in 1..16.
     """
-    n = _int("DS4C_GEMV_ROWS", 16, 1)
-    if n > 16:
-        raise SettingsError("DS4C_GEMV_ROWS", str(n), "an int in 1..16", 16)
-    return n
+    return _int_in("DS4C_GEMV_ROWS", 16, 1, 16)
 
 
 def lane_streams() -> bool:
     """``$DS4C_LANE_STREAMS=1``: the decode lanes' per-lane launches that are not merged (:func:`lane_batch`) run on
     a stream per lane (``StepGraphs.lane_streams``; a captured lanes graph holds them as parallel branches). Off:
     merging the launches gains more (docs/perf.md, Optimisations 10 and 12)."""
-    return os.environ.get("DS4C_LANE_STREAMS", "0") == "1"
+    return _flag("DS4C_LANE_STREAMS", False)
 
 
 def lane_batch() -> bool:
     """The decode lanes' per-lane launches merged into one launch per kernel over a grid of lanes
     (runtime/step/lane_batch.py): on by default (bit-equal rows, measured faster on the H100: docs/perf.md,
     Optimisation 12); ``$DS4C_LANE_BATCH=0`` launches them one per lane."""
-    return os.environ.get("DS4C_LANE_BATCH", "1") != "0"
+    return _flag("DS4C_LANE_BATCH", True)
 
 
 def prefill_attn_heads_per_block() -> int:

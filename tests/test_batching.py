@@ -373,7 +373,7 @@ def test_bench_lanes_reports_the_three_targets(tiny_path, tmp_path):
     assert "prefill beside decode: 1 decoding, a 40-token prompt" in r.output and "prefix reuse:" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--new-tokens", "4"])
     assert r.exit_code == 2 and "--new-tokens: applies only with --lanes" in r.output
-    for extra, want in ((["--long-prompt", "10"], "--long-prompt must be >= 32"),
+    for extra, want in ((["--long-prompt", "10"], "10 is not in the range x>=32"),
                         (["--lanes-prefill-every", "2"], "the compiled engine's policy"),
                         (["--long-prompt", "100000"], "the runs need 100008 positions, the model holds")):
         r = CliRunner().invoke(main, ["bench", str(tiny_path), "--device", "cpu", "--lanes", "1", *extra])

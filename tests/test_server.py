@@ -603,7 +603,7 @@ def test_serve_command_errors_are_one_line(tiny_path):
                        (["--request-timeout", "nan"], "request_timeout_s: expected a finite number of seconds"),
                        (["--lanes-prefill-rows", "5"], "--lanes-prefill-rows: applies only with --lanes N"),
                        (["--lanes", "2", "--lanes-prefill-every", "4"],
-                        "prefill_chunk / prefill_every / prefill_rows: the compiled step's prompt policy")):
+                        "(--lanes-prefill-chunk / -every / -rows): the compiled step's prompt policy")):
         r = CliRunner().invoke(main, ["serve", str(tiny_path), "--port", "0", *args])
         last = r.output.splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("ds4c: error: ") and want in last, r.output

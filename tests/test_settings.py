@@ -55,12 +55,18 @@ def test_settings_are_read_when_used(monkeypatch, tmp_path):
     assert settings.home() == Path.home() / ".cache" / "ds4c"
     monkeypatch.setenv("DS4C_CACHE", "~/k")
     assert settings.kernel_cache_root() == Path.home() / "k"
-    for value, on in (("1", True), ("0", False), ("", False), ("yes", False)):
+    for value, on in (("1", True), ("0", False), ("", False), (" 1", True)):
         monkeypatch.setenv("DS4C_PDL", value)
         assert settings.pdl() is on
     for value, on in (("0", False), ("1", True), ("", True)):
         monkeypatch.setenv("DS4C_XP_PREQUANT", value)
         assert settings.experts_prequant() is on
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("DS4C_LANE_BATCH", value)
+        assert settings.lane_batch() is on
+    for value, n in (("", 16), ("8", 8), ("16", 16)):
+        monkeypatch.setenv("DS4C_GEMV_ROWS", value)
+        assert settings.gemv_rows() == n
 
 
 @pytest.mark.parametrize("name, value", [("DS4C_PREFILL_ATTN_HPB", "x"), ("DS4C_PREFILL_ATTN_HPB", "0"),
@@ -122,3 +128,21 @@ def test_inspect_ir_dot_goes_through_the_atomic_writer(tmp_path):
     r = CliRunner().invoke(main, ["inspect-ir", "--preset", "tiny", "--max-ctx", "64", "--dot", str(dot)])
     assert r.exit_code == 0 and dot.read_text().startswith("digraph"), r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.dot"]
+
+
+@pytest.mark.parametrize("name, value", [("DS4C_PDL", "yes"), ("DS4C_LANE_BATCH", "off"), ("DS4C_LANE_STREAMS", "true"),
+                                         ("DS4C_XP_PREQUANT", "2")])
+def test_an_on_off_setting_takes_only_1_or_0(monkeypatch, name, value):
+    """An on/off setting is ``1`` or ``0``: anything else is refused in one line, not read as on or off (a
+    ``DS4C_LANE_BATCH=false`` A/B would otherwise measure the mode it meant to turn off)."""
+    monkeypatch.setenv(name, value)
+    read = next(s.read for s in settings.SETTINGS if s.name == name)
+    with pytest.raises(settings.SettingsError, match=rf"^\${name}: expected 1 or 0, found {value!r}"):
+        read()
+
+
+@pytest.mark.parametrize("value", ["0", "17", "abc"])
+def test_gemv_rows_is_an_int_in_1_to_16(monkeypatch, value):
+    monkeypatch.setenv("DS4C_GEMV_ROWS", value)
+    with pytest.raises(settings.SettingsError, match=rf"^\$DS4C_GEMV_ROWS: expected an int in 1\.\.16, found '{value}'"):
+        settings.gemv_rows()

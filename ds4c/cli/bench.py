@@ -56,7 +56,7 @@ from ds4c.errors import Ds4cError
               help="With --lanes: new tokens per request.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True,
               help="With --lanes: prompt length of the decoding requests.")
-@click.option("--long-prompt", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--long-prompt", type=click.IntRange(min=32), default=4096, show_default=True,
               help="With --lanes: the prompt that arrives beside decoding sequences, and the first chat turn's.")
 @split_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the record here.")

@@ -20,8 +20,8 @@ such set into one launch:
   state, rows, step scalars and per-lane workspaces so: :class:`~ds4c.runtime.step.lanes.LanesStep`); anything else
   is a StepError, never a silent mis-bind.
 
-Off by default (``DS4C_LANE_BATCH``, docs/settings.md) until a GPU run measures it against lanes in order and on
-streams.
+On by default (``DS4C_LANE_BATCH``, docs/settings.md): on the H100 its rows are bit-equal to the per-lane launches'
+and an 8-lane step takes 2.83 ms against 3.23 in order and 2.89 on streams (docs/perf.md, Optimisation 12).
 """
 
 from __future__ import annotations
