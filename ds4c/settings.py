@@ -88,7 +88,9 @@ def raw(name: str) -> str | None:
     return value if value else None
 
 
-def _int(name: str, default: int, least: int) -> int:
+def _int(name: str, default: int, least: int, most: int | None = None) -> int:
+    """An int setting of at least ``least`` (and at most ``most``); unset: ``default``. Raises SettingsError for
+    anything else."""
     value = raw(name)
     if value is None:
         return default
@@ -96,8 +98,9 @@ def _int(name: str, default: int, least: int) -> int:
         n = int(value)
     except ValueError:
         n = None
-    if n is None or n < least:
-        raise SettingsError(name, value, f"an int >= {least}", default)
+    if n is None or n < least or (most is not None and n > most):
+        raise SettingsError(name, value, f"an int >= {least}" if most is None else f"an int in {least}..{most}",
+                            default)
     return n
 
 
@@ -113,20 +116,6 @@ def _flag(name: str, default: bool) -> bool:
     if value.strip() not in ("0", "1"):
         raise SettingsError(name, value, "1 or 0", int(default))
     return value.strip() == "1"
-
-
-def _int_in(name: str, default: int, least: int, most: int) -> int:
-    """An int setting in ``least .. most``; unset: ``default``. Raises SettingsError for anything else."""
-    value = raw(name)
-    if value is None:
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        n = None
-    if n is None or not least <= n <= most:
-        raise SettingsError(name, value, f"an int in {least}..{most}", default)
-    return n
 
 
 def home() -> Path:
@@ -195,7 +184,7 @@ def gemv_rows() -> int:
     Raises:
         SettingsError: a value that is not an int in 1..16.
     """
-    return _int_in("DS4C_GEMV_ROWS", 16, 1, 16)
+    return _int("DS4C_GEMV_ROWS", 16, 1, 16)
 
 
 def lane_streams() -> bool:
