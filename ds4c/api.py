@@ -36,7 +36,7 @@ from typing import Any
 from ds4c.chat import render_chat
 from ds4c.default_model import default_model_path
 from ds4c.engine import open_engine, resolve_engine, resolve_needs
-from ds4c.engine_protocol import NO_NEEDS, CompiledEngine, drafter_name, drafter_needs
+from ds4c.engine_protocol import CompiledEngine, drafter_name, drafter_needs
 from ds4c.errors import Ds4cError, GenerationInterrupted
 from ds4c.batching import BatchConfig, BatchEngine, BatchRequest
 from ds4c.generate import GenerationResult, TokenStream, check_sampling
@@ -275,7 +275,7 @@ class Model:
             threads then run at once, each request's tokens equal to the same request run alone; prompts that
             begin with a prefix an earlier request left start from it (the reference's page pool; the compiled step's
             slot snapshots). Either engine, on one device; a ``draft`` on the reference only (speculative rows in
-            the batch; the oracle, or a drafter that needs neither taps nor the final HC state); on the compiled
+            the batch; the oracle or the MTP block, not DSpark, whose taps a batch step does not record); on the compiled
             step decode lanes run
             as one CUDA graph and prompts are prefilled beside them (:mod:`ds4c.batch_slots`). None (the default):
             one generation at a time.
@@ -345,10 +345,10 @@ class Model:
                                 f"{self.engine} step's batch decodes one row per sequence (open the Model without "
                                 f"draft, or with engine='reference')")
             drafter = self._drafter(self.draft, 0)
-            if drafter_needs(drafter) != NO_NEEDS:
-                raise Ds4cError(f"lanes: draft {self.draft!r} reads the target's DSpark taps or final HC state, which a "
-                                f"batch step does not record; the oracle (or a drafter that needs neither) runs in "
-                                f"a batch")
+            if drafter_needs(drafter).taps:
+                raise Ds4cError(f"lanes: draft {self.draft!r} reads the target's DSpark taps, which a batch step does "
+                                f"not record; the oracle, the MTP block or a drafter that needs neither runs in a "
+                                f"batch")
         if self._split:
             raise Ds4cError("lanes: continuous batching runs on one device (not with devices / layer_split)")
         return BatchEngine(self.stepper, self.max_ctx, cfg)

@@ -17,6 +17,11 @@ needs); the drafts are accepted on its own logits rows by the one-sequence loop'
 rejection rule with the request's generator) and the lane's state rolled back to the kept rows, so its tokens equal
 the same request run alone with the same drafter. Decode rows (speculative ones included) always run; the prompts
 get what is left of ``max_rows``, at least one row.
+
+A drafter that reads the target's final HC state (the MTP block, spec 7.5's ``X_main``) is prepared on the request's
+own :class:`SequenceTarget`: its sequence records every row's final HC state in a ring of its own
+(``SequenceState.final_hc_rows``, written by ``step_lanes``), so the drafter sees what it sees alone. Such a request
+starts from no cached prefix (the cache keeps no final HC rows). DSpark's tap rows are not recorded in a batch.
 """
 
 from __future__ import annotations
@@ -27,13 +32,47 @@ from typing import Any
 import torch
 
 from ds4c.batch_lane import LaneOut, nonfinite
-from ds4c.engine_protocol import ReportsConfidence
+from ds4c.config import MAX_WIDTH
+from ds4c.engine_protocol import ReportsConfidence, drafter_needs
 from ds4c.errors import StepError
 from ds4c.sampling import accept, accept_greedy
 from ds4c.speculative import call_propose
 from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
-from ds4c.reference.model import Reference
+from ds4c.reference import primitives as P
+from ds4c.reference.model import Reference, final_hc_rows_of
 from ds4c.reference.paged import StatePool
+
+
+class SequenceTarget:
+    """One batch sequence as the target a drafter reads (``FinalHCReader``, engine_protocol): the reference's
+    weights and config, the sequence's position, and its own final HC ring (module docstring)."""
+
+    records_final_hc = True
+
+    def __init__(self, ref: Reference, seq: Any):
+        self.ref, self.seq = ref, seq
+        self.cfg, self.w = ref.cfg, ref.w
+
+    @property
+    def pos(self) -> int:
+        return self.seq.pos
+
+    @property
+    def final_hc_rows(self) -> torch.Tensor | None:
+        return self.seq.final_hc_rows
+
+    def record_final_hc(self, on: bool = True) -> None:
+        """Record the sequence's final HC states from now on (``on``; a ring of ``window + MAX_WIDTH`` rows) or not."""
+        cfg = self.cfg
+        self.seq.final_hc_rows = None if not on else torch.zeros(
+            cfg.window + MAX_WIDTH, cfg.hc_mult, cfg.hidden_size, dtype=P.DATAFLOWS[self.ref.dataflow],
+            device=self.ref.device)
+
+    def final_hc(self, start: int, stop: int) -> torch.Tensor:
+        """As ``Reference.final_hc``, of this sequence."""
+        if self.seq.final_hc_rows is None:
+            raise StepError("final_hc: this sequence records no final HC state (record_final_hc(True) first)")
+        return final_hc_rows_of(self.seq.final_hc_rows, self.seq.pos, self.cfg.window, start, stop)
 
 
 def _check_fits(cfg: Any, pages: int, page_tokens: int, lanes: int, device: torch.device) -> None:
@@ -64,6 +103,7 @@ class PagedLanes:
 
     name = "reference"
     speculates = True
+    records_final_hc = True  # a request's drafter may read its sequence's final HC state (SequenceTarget)
 
     def __init__(self, ref: Reference, max_ctx: int, config: Any):
         if not isinstance(ref, Reference) or not ref.is_whole:
@@ -88,7 +128,9 @@ class PagedLanes:
         """Reserve ``req``'s pages (its prefix reused); False: not enough pages now (it waits)."""
         pool = self.pool
         n = len(req.prompt) + req.max_new_tokens
-        reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse else []
+        # a drafter reading the final HC state needs the rows of the whole prompt: no cached prefix for it
+        hc = req.draft is not None and drafter_needs(req.draft).final_hc
+        reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse and not hc else []
         for node in reuse:  # held while pages are made room for: eviction must not take them
             pool.alloc.incref(node.page)
         try:
@@ -101,6 +143,10 @@ class PagedLanes:
         req.reused = req.seq.pos
         req.fed = list(req.prompt[:req.seq.pos])
         return True
+
+    def draft_target(self, req: Any) -> SequenceTarget:
+        """The target ``req``'s drafter is prepared on: its own sequence (module docstring)."""
+        return SequenceTarget(self.ref, req.seq)
 
     def run(self, active: list[Any]) -> list[LaneOut]:
         """One step of every admitted request, by the policy (module docstring)."""

@@ -455,12 +455,46 @@ def test_speculative_lanes_equal_each_request_alone(ref):
     st = eng.stats()
     assert st["spec_steps"] > 0 and 0 < st["accepted"] <= st["drafts"]
     needy = SimpleNamespace(prepare=lambda *a: None, propose=lambda ctx, k: ([1] * k, None),
-                            needs=EngineNeeds(final_hc=True))
-    for kw, want in ((dict(draft=needy), "reads the target's DSpark taps or final HC state"),
+                            needs=EngineNeeds(taps=(1,)))
+    for kw, want in ((dict(draft=needy), "reads the target's DSpark taps, which a batch step does not record"),
                      (dict(draft=3), "expected a drafter"), (dict(draft=oracle(1), spec_width="auto"),
                                                              "spec_width: expected an int in 1..5")):
         with pytest.raises(StepError, match=want):
             eng.submit(pa, 4, **kw)
+    eng.close()
+
+
+def test_mtp_lanes_equal_each_request_alone(ref, tmp_path):
+    """The MTP drafter (it reads the target's final HC state) inside the batch: each request's drafter is prepared
+    on its own sequence, whose final HC rows the batch step records; two MTP requests (greedy at width 4, seeded
+    sampling at width 3, a prompt longer than the window) beside a plain one and a prompt being prefilled: each
+    request's tokens equal the same request alone on the reference with the same drafter, bit for bit, and drafts
+    were accepted in the batch. A repeated prompt with an MTP drafter starts from no cached prefix (the cache keeps
+    no final HC rows) and still equals alone."""
+    from ds4c.drafters.mtp import MTPDrafter
+    from ds4c.drafters.mtp_synth import make_mtp
+
+    mtp = make_mtp(ref.cfg, tmp_path / "tiny-mtp.gguf", seed=0)
+    pa, pb, pc, pd = ids(26, 80), ids(11, 81), ids(9, 82), ids(20, 83)
+    kb = dict(temperature=0.7, top_k=50, seed=4)
+
+    def alone(prompt, n, width, **kw):
+        solo = Reference(ref.w, max_ctx=MAX_CTX)
+        return generate(solo, prompt, n, draft=MTPDrafter(mtp, seed=1), spec_width=width, **kw).tokens
+
+    want_a, want_b = alone(pa, 20, 4), alone(pb, 16, 3, **kb)
+    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
+    a = eng.submit(pa, 20, draft=MTPDrafter(mtp, seed=1), spec_width=4)
+    b = eng.submit(pb, 16, draft=MTPDrafter(mtp, seed=1), spec_width=3, **kb)
+    c = eng.submit(pc, 12)
+    next(c)
+    d = eng.submit(pd, 6)
+    assert a.run().tokens == want_a and b.run().tokens == want_b
+    assert c.run().tokens == _alone(ref, pc, 12) and d.run().tokens == _alone(ref, pd, 6)
+    st = eng.stats()
+    assert st["spec_steps"] > 0 and 0 < st["accepted"] <= st["drafts"]
+    again = eng.submit(pa, 8, draft=MTPDrafter(mtp, seed=1), spec_width=4)
+    assert again.run().tokens == want_a[:8] and again.prefix_reused == 0
     eng.close()
 
 

@@ -37,6 +37,17 @@ class Lane:
     pos: int
 
 
+
+def final_hc_rows_of(rows: torch.Tensor, pos: int, window: int, start: int, stop: int) -> torch.Tensor:
+    """Positions ``start .. stop - 1`` of a final HC ring (``window + MAX_WIDTH`` rows, row ``t mod`` its rows) of a
+    sequence at ``pos``: a copy. StepError unless the range is inside the newest ``window`` committed positions."""
+    lo = max(0, pos - window)
+    if not lo <= start <= stop <= pos:
+        raise StepError(f"final_hc: expected positions inside the newest committed {lo}..{pos - 1}, found "
+                        f"{start}..{stop - 1}")
+    idx = torch.arange(start, stop, device=rows.device) % rows.shape[0]
+    return rows[idx]
+
 class Reference:
     """Reference decode/verify for one sequence at a time.
 
@@ -317,16 +328,9 @@ class Reference:
             StepError: recording is off, or the range is not inside the newest ``window`` committed positions
                 ``max(0, pos - window) .. pos - 1``.
         """
-        rows = self.final_hc_rows
-        if rows is None:
+        if self.final_hc_rows is None:
             raise StepError("final_hc: this reference records no final HC state (record_final_hc(True) first)")
-        pos = self.state.pos
-        lo = max(0, pos - self.cfg.window)
-        if not lo <= start <= stop <= pos:
-            raise StepError(f"final_hc: expected positions inside the newest committed {lo}..{pos - 1}, found "
-                            f"{start}..{stop - 1}")
-        idx = torch.arange(start, stop, device=rows.device) % rows.shape[0]
-        return rows[idx]
+        return final_hc_rows_of(self.final_hc_rows, self.state.pos, self.cfg.window, start, stop)
 
     def rollback(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the last verify step; undo the state writes of the rest."""
@@ -408,6 +412,13 @@ class Reference:
             n = self.final_hc_rows.shape[0]
             for r in range(q):
                 self.final_hc_rows[(lanes[0].pos + r) % n] = x[r]
+        row = 0
+        for ln in lanes:  # a batch's sequences that record it (SequenceState.final_hc_rows)
+            ring = ln.state.final_hc_rows
+            if ring is not None:
+                for r in range(len(ln.tokens)):
+                    ring[(ln.pos + r) % ring.shape[0]] = x[row + r]
+            row += len(ln.tokens)
         y = P.hc_head(x, *w.hc_head, cfg.hc_eps, cfg.norm_eps)  # 5.4
         y = P.rms_norm(y, w.out_norm, cfg.norm_eps)
         logits = P.linear_f32(y, w.head)

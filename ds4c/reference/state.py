@@ -78,6 +78,9 @@ class SequenceState:
     first: int = 0
     _journal: list[list[tuple[torch.Tensor, Any, torch.Tensor]]] | None = field(default=None, repr=False)
     _journal_pos: int = 0
+    #: this sequence's final HC ring in a batch (``Reference.step_lanes`` records every row of its lane there, as
+    #: ``Reference.record_final_hc`` does for the reference's own sequence): None unless a drafter asked for it
+    final_hc_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def new(cls, cfg: Ds4Config, max_ctx: int, device: str | torch.device = "cpu",
