@@ -301,6 +301,30 @@ def test_prompt_lane_goes_back_to_the_one_sequence_step_when_decoding_ends(ref):
     eng.close()
 
 
+def test_a_prompt_cancelled_in_the_prompt_lane_leaves_its_slot_poisoned(ref):
+    """A prompt cancelled while its rows run in the prompt lane: it ends with no tokens, its prompt slot is dropped
+    (poisoned), the decoding neighbour is untouched (equal to alone) and the next prompt beside it runs in the
+    prompt lane from a fresh install and equals alone."""
+    a_p, b_p, c_p = ids(9, 50), ids(60, 51), ids(23, 52)
+    eng, lanes = engine(ref, 3, poison=True, prefill_rows=5)
+    a = eng.submit(a_p, 40)
+    next(a)
+    halt = threading.Event()
+    pieces = []
+
+    def on_prefill(done, total):
+        pieces.append(done)
+        if len(pieces) == 3:  # a few lane pieces in
+            halt.set()
+
+    b = eng.submit(b_p, 5, cancel=halt, on_prefill=on_prefill)
+    assert b.run().tokens == [] and b.result.stop_reason == "stop"
+    assert lanes.seqs[lanes.prompt_slot] is None and len(lanes.prompt_steps) >= 2
+    c = eng.submit(c_p, 6)
+    assert c.run().tokens == alone(ref, c_p, 6) and a.run().tokens == alone(ref, a_p, 40)
+    eng.close()
+
+
 def test_prefill_rows_checked():
     for bad in (-1, 6, 2.0, True):
         with pytest.raises(StepError, match="prefill_rows"):
