@@ -21,6 +21,7 @@ from typing import Any
 
 from ds4c.buckets import BucketSpec
 from ds4c.gguf_file import ModelFile
+from ds4c.ir.builder import MAX_LANE_ROWS
 from ds4c.pages import default_page_tokens, lane_state_bytes, page_bytes
 from ds4c.shard_plan import MemoryModel, ShardPlan, ShardPlanError
 
@@ -207,7 +208,9 @@ class MemoryPlan:
     layer's compressed rows and indexer keys), ``lane_bytes`` (what a sequence holds beside its pages: rings and the
     compressors' partial state), ``sequence_bytes`` (one sequence of ``max_ctx``), and, on one device whose free
     memory is known, ``sequences``: how many sequences of ``max_ctx`` fit (the one the plan holds, plus what the
-    memory left takes)."""
+    memory left takes). The compiled step's batch keeps each sequence in a slot of the whole state at ``max_ctx``
+    (no pages, docs/batching.md): ``slot_bytes``, and with known free memory ``slots``: how many fit, up to the
+    16 a lanes step holds."""
 
     @property
     def need(self) -> int:
@@ -246,6 +249,10 @@ class MemoryPlan:
             lines.append(f"  paged pool (lanes): pages of {pl['page_tokens']} tokens, {g(pl['page_bytes'])} each, "
                          f"+ {g(pl['lane_bytes'])} per sequence: a {self.max_ctx}-token sequence "
                          f"{g(pl['sequence_bytes'])}{fit}")
+            if "slot_bytes" in pl:
+                slots = f"; {pl['slots']} fit (a lanes step holds at most {MAX_LANE_ROWS})" if "slots" in pl else ""
+                lines.append(f"  compiled lanes (--lanes on cuda): a slot of {g(pl['slot_bytes'])} per sequence (its "
+                             f"whole {self.max_ctx} positions){slots}")
         for k, s in enumerate(self.shards):
             have = "free unknown" if s.free is None else (
                 f"free {_gib(s.free)}, usable {_gib(s.usable)} ({s.headroom:.0%} headroom): "
@@ -327,15 +334,19 @@ def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = Non
     return MemoryPlan(str(mf.path), buckets.max_ctx, tuple(buckets.contexts), total,
                       {c: sum(v) for c, v in p.state.items()}, tuple(shards),
                       synthetic=bool(getattr(mf, "generates_on_device", False)),
-                      hints={"smaller_formats": _smaller_formats(mf)}, pool=_pool(cfg, buckets.max_ctx, shards))
+                      hints={"smaller_formats": _smaller_formats(mf)},
+                      pool=_pool(cfg, buckets.max_ctx, shards, p.state[buckets.contexts[-1]]))
 
 
-def _pool(cfg: Any, max_ctx: int, shards: list[ShardNeed]) -> dict[str, int]:
-    """:attr:`MemoryPlan.pool` (the sequence count only for one shard whose device's free memory is known)."""
+def _pool(cfg: Any, max_ctx: int, shards: list[ShardNeed], state: list[int]) -> dict[str, int]:
+    """:attr:`MemoryPlan.pool` (the sequence and slot counts only for one shard whose device's free memory is
+    known). ``state``: the whole model's state per layer at the largest bucket (a compiled lanes slot)."""
     pt = default_page_tokens(cfg)
     pb, lane = page_bytes(cfg, pt), lane_state_bytes(cfg)
     seq = -(-max_ctx // pt) * pb + lane
-    out = {"page_tokens": pt, "page_bytes": pb, "lane_bytes": lane, "sequence_bytes": seq}
+    out = {"page_tokens": pt, "page_bytes": pb, "lane_bytes": lane, "sequence_bytes": seq, "slot_bytes": sum(state)}
     if len(shards) == 1 and shards[0].usable is not None and not shards[0].short:
-        out["sequences"] = 1 + (shards[0].usable - shards[0].need) // seq
+        left = shards[0].usable - shards[0].need
+        out["sequences"] = 1 + left // seq
+        out["slots"] = min(MAX_LANE_ROWS, left // max(out["slot_bytes"], 1))
     return out

@@ -86,7 +86,8 @@ def test_page_size_rules(ref):
 
 def test_pool_sizes_are_the_flat_states(ref):
     """A sequence's pages plus its lane state hold exactly what the one-sequence step's state buffers hold (the IR's
-    state inputs) at a context that is a whole number of pages; ``ds4c info --plan`` prints the pool line."""
+    state inputs) at a context that is a whole number of pages; ``ds4c info --plan`` prints the pool line and the
+    compiled batch's slot line (a slot is the flat state)."""
     from click.testing import CliRunner
 
     from ds4c.cli import main
@@ -102,6 +103,8 @@ def test_pool_sizes_are_the_flat_states(ref):
     assert r.exit_code == 0, r.output
     assert ("paged pool (lanes): pages of 128 tokens, 0.8 MiB each, + 17.0 MiB per sequence: a 65536-token sequence "
             "447.0 MiB; 84 such sequences fit") in r.output
+    assert ("compiled lanes (--lanes on cuda): a slot of 447.0 MiB per sequence (its whole 65536 positions); 16 fit "
+            "(a lanes step holds at most 16)") in r.output
 
 
 def test_a_write_into_a_shared_page_copies_it_first(ref):
