@@ -275,7 +275,7 @@ class Model:
             threads then run at once, each request's tokens equal to the same request run alone; prompts that
             begin with a prefix an earlier request left start from it (the reference's page pool; the compiled step's
             slot snapshots). Either engine, on one device; a ``draft`` on the reference only (speculative rows in
-            the batch; the oracle or the MTP block, not DSpark, whose taps a batch step does not record); on the compiled
+            the batch: the oracle, the MTP block or DSpark); on the compiled
             step decode lanes run
             as one CUDA graph and prompts are prefilled beside them (:mod:`ds4c.batch_slots`). None (the default):
             one generation at a time.
@@ -344,11 +344,7 @@ class Model:
                 raise Ds4cError(f"lanes: speculative rows inside the batch run on the reference engine; the "
                                 f"{self.engine} step's batch decodes one row per sequence (open the Model without "
                                 f"draft, or with engine='reference')")
-            drafter = self._drafter(self.draft, 0)
-            if drafter_needs(drafter).taps:
-                raise Ds4cError(f"lanes: draft {self.draft!r} reads the target's DSpark taps, which a batch step does "
-                                f"not record; the oracle, the MTP block or a drafter that needs neither runs in a "
-                                f"batch")
+            self._drafter(self.draft, 0)  # a spelling the batch cannot serve fails here, before the model opens it
         if self._split:
             raise Ds4cError("lanes: continuous batching runs on one device (not with devices / layer_split)")
         return BatchEngine(self.stepper, self.max_ctx, cfg)

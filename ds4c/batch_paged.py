@@ -18,10 +18,11 @@ rejection rule with the request's generator) and the lane's state rolled back to
 the same request run alone with the same drafter. Decode rows (speculative ones included) always run; the prompts
 get what is left of ``max_rows``, at least one row.
 
-A drafter that reads the target's final HC state (the MTP block, spec 7.5's ``X_main``) is prepared on the request's
-own :class:`SequenceTarget`: its sequence records every row's final HC state in a ring of its own
-(``SequenceState.final_hc_rows``, written by ``step_lanes``), so the drafter sees what it sees alone. Such a request
-starts from no cached prefix (the cache keeps no final HC rows). DSpark's tap rows are not recorded in a batch.
+A drafter that reads the target's final HC state (the MTP block, spec 7.5's ``X_main``) or its DSpark taps (spec
+5.2(q)) is prepared on the request's own :class:`SequenceTarget`: its sequence records every row's final HC state in
+a ring of its own (``SequenceState.final_hc_rows``) and its tap rows (``SequenceState.tap_rows``), both written by
+``step_lanes``, so the drafter sees what it sees alone. Such a request starts from no cached prefix (the cache keeps
+neither).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ from ds4c.reference.paged import StatePool
 
 
 class SequenceTarget:
-    """One batch sequence as the target a drafter reads (``FinalHCReader``, engine_protocol): the reference's
-    weights and config, the sequence's position, and its own final HC ring (module docstring)."""
+    """One batch sequence as the target a drafter reads (``FinalHCReader`` and ``TapsOnRequest``, engine_protocol):
+    the reference's weights and config, the sequence's position, its own final HC ring and DSpark tap rows (module
+    docstring)."""
 
     records_final_hc = True
+    records_taps = True
 
     def __init__(self, ref: Reference, seq: Any):
         self.ref, self.seq = ref, seq
@@ -67,6 +70,29 @@ class SequenceTarget:
         self.seq.final_hc_rows = None if not on else torch.zeros(
             cfg.window + MAX_WIDTH, cfg.hc_mult, cfg.hidden_size, dtype=P.DATAFLOWS[self.ref.dataflow],
             device=self.ref.device)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.seq.tap_layers
+
+    def set_taps(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Record the DSpark taps of ``layers`` for this sequence from now on (as ``Reference.set_taps``)."""
+        layers = tuple(int(l) for l in layers)
+        if any(not 0 <= l < self.cfg.n_layers for l in layers) or len(set(layers)) != len(layers):
+            raise StepError(f"taps: expected distinct layer ids in 0..{self.cfg.n_layers - 1}, found {list(layers)}")
+        self.seq.tap_layers = layers
+        self.seq.tap_rows = None if not layers else torch.zeros(
+            self.seq.max_ctx, len(layers), self.cfg.hidden_size, dtype=P.DATAFLOWS[self.ref.dataflow],
+            device=self.ref.device)
+
+    def main_hidden(self, start: int, stop: int) -> torch.Tensor:
+        """As ``Reference.main_hidden``, of this sequence."""
+        if self.seq.tap_rows is None:
+            raise StepError("main_hidden: this sequence records no taps (set_taps first)")
+        if not 0 <= start <= stop <= self.seq.pos:
+            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
+                            f"position {self.seq.pos})")
+        return self.seq.tap_rows[start:stop].flatten(1)
 
     def final_hc(self, start: int, stop: int) -> torch.Tensor:
         """As ``Reference.final_hc``, of this sequence."""
@@ -103,7 +129,8 @@ class PagedLanes:
 
     name = "reference"
     speculates = True
-    records_final_hc = True  # a request's drafter may read its sequence's final HC state (SequenceTarget)
+    records_final_hc = True  # a request's drafter may read its sequence's final HC state and taps (SequenceTarget)
+    records_taps = True
 
     def __init__(self, ref: Reference, max_ctx: int, config: Any):
         if not isinstance(ref, Reference) or not ref.is_whole:
@@ -128,9 +155,10 @@ class PagedLanes:
         """Reserve ``req``'s pages (its prefix reused); False: not enough pages now (it waits)."""
         pool = self.pool
         n = len(req.prompt) + req.max_new_tokens
-        # a drafter reading the final HC state needs the rows of the whole prompt: no cached prefix for it
-        hc = req.draft is not None and drafter_needs(req.draft).final_hc
-        reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse and not hc else []
+        # a drafter reading the final HC state or taps needs the rows of the whole prompt: no cached prefix for it
+        needs = drafter_needs(req.draft) if req.draft is not None else None
+        recorded = needs is not None and (needs.final_hc or bool(needs.taps))
+        reuse = pool.prefix.match(req.prompt) if pool.prefix_reuse and not recorded else []
         for node in reuse:  # held while pages are made room for: eviction must not take them
             pool.alloc.incref(node.page)
         try:

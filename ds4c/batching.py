@@ -40,7 +40,7 @@ import torch
 
 from ds4c.batch_lane import LaneOut
 from ds4c.batch_paged import PagedLanes
-from ds4c.engine_protocol import SamplingDrafter, drafter_name, drafter_needs
+from ds4c.engine_protocol import SamplingDrafter, drafter_needs
 from ds4c.errors import Ds4cError, StepError
 from ds4c.generate import GenerationResult
 from ds4c.reference import MAX_WIDTH
@@ -347,11 +347,6 @@ class BatchEngine:
                             f"{self.backend.name} step's batch decodes one row per sequence")
         if not callable(getattr(draft, "propose", None)) or not callable(getattr(draft, "prepare", None)):
             raise StepError(f"draft: expected a drafter (prepare, propose), found {type(draft).__name__}")
-        needs = drafter_needs(draft)
-        if needs.taps or (needs.final_hc and not getattr(self.backend, "records_final_hc", False)):
-            raise StepError(f"draft: {drafter_name(draft)} reads the target's DSpark taps, which a batch step does not "
-                            f"record; the oracle, the MTP block (final HC state) or a drafter that needs neither runs "
-                            f"in a batch")
         if isinstance(spec_width, bool) or not isinstance(spec_width, int) or not 1 <= spec_width <= MAX_WIDTH:
             raise StepError(f"spec_width: expected an int in 1..{MAX_WIDTH} (verify rows per step) in a batch, found "
                             f"{spec_width!r}")
@@ -455,8 +450,9 @@ class BatchEngine:
             req.t_admit = time.perf_counter()
             self._active.append(req)
             if req.draft is not None and req.max_new_tokens > 1:  # as alone: before the target's prefill
-                try:  # a drafter reading the final HC state: on the request's own sequence (its ring)
-                    target = self.backend.draft_target(req) if drafter_needs(req.draft).final_hc else self.ref
+                try:  # a drafter reading the final HC state or taps: on the request's own sequence (its rows)
+                    needs = drafter_needs(req.draft)
+                    target = self.backend.draft_target(req) if needs.final_hc or needs.taps else self.ref
                     req.draft.prepare(target, req.prompt, req.max_new_tokens)
                 except Exception as e:  # the request's drafter fails its own request only
                     err = e if isinstance(e, Ds4cError) else StepError(f"draft: {type(e).__name__}: {e}")

@@ -431,11 +431,8 @@ def test_speculative_lanes_equal_each_request_alone(ref):
     """Speculative rows inside the batch: two requests with oracle drafters (greedy at width 5, seeded sampling at
     width 3, one ending at a stop id among accepted drafts) beside a plain request and a prompt being prefilled:
     each request's tokens equal the same request alone with the same drafter (``ds4c.generate``), bit for bit;
-    drafts were verified and accepted in the batch; a drafter the batch cannot serve is refused in one line."""
-    from types import SimpleNamespace
-
+    drafts were verified and accepted in the batch; a drafter or width the batch cannot take is refused in one line."""
     from ds4c.drafters.oracle import OracleDrafter
-    from ds4c.engine_protocol import EngineNeeds
 
     def oracle(seed):
         return OracleDrafter(0.8, ref.cfg.vocab_size, seed=seed)
@@ -457,27 +454,27 @@ def test_speculative_lanes_equal_each_request_alone(ref):
     assert b.run().tokens == want_b and c.run().tokens == want_c and d.run().tokens == want_d
     st = eng.stats()
     assert st["spec_steps"] > 0 and 0 < st["accepted"] <= st["drafts"]
-    needy = SimpleNamespace(prepare=lambda *a: None, propose=lambda ctx, k: ([1] * k, None),
-                            needs=EngineNeeds(taps=(1,)))
-    for kw, want in ((dict(draft=needy), "reads the target's DSpark taps, which a batch step does not record"),
-                     (dict(draft=3), "expected a drafter"), (dict(draft=oracle(1), spec_width="auto"),
+    for kw, want in ((dict(draft=3), "expected a drafter"), (dict(draft=oracle(1), spec_width="auto"),
                                                              "spec_width: expected an int in 1..5")):
         with pytest.raises(StepError, match=want):
             eng.submit(pa, 4, **kw)
     eng.close()
 
 
-def test_mtp_lanes_equal_each_request_alone(ref, tmp_path):
-    """The MTP drafter (it reads the target's final HC state) inside the batch: each request's drafter is prepared
-    on its own sequence, whose final HC rows the batch step records; two MTP requests (greedy at width 4, seeded
-    sampling at width 3, a prompt longer than the window) beside a plain one and a prompt being prefilled: each
-    request's tokens equal the same request alone on the reference with the same drafter, bit for bit, and drafts
-    were accepted in the batch. A repeated prompt with an MTP drafter starts from no cached prefix (the cache keeps
-    no final HC rows) and still equals alone."""
+def test_mtp_and_dspark_lanes_equal_each_request_alone(ref, tiny_path, tmp_path):
+    """The MTP drafter (it reads the target's final HC state) and the DSpark drafter (its taps) inside the batch:
+    each request's drafter is prepared on its own sequence, whose final HC rows and tap rows the batch step records;
+    two MTP requests (greedy at width 4, seeded sampling at width 3, a prompt longer than the window) and a DSpark
+    one beside a plain one and a prompt being prefilled: each request's tokens equal the same request alone on the
+    reference with the same drafter, bit for bit, and drafts were accepted in the batch. A repeated prompt with an
+    MTP drafter starts from no cached prefix (the cache keeps no final HC rows) and still equals alone."""
+    from ds4c.drafters.dspark import DSparkDrafter
+    from ds4c.drafters.dspark_synth import make_dspark
     from ds4c.drafters.mtp import MTPDrafter
     from ds4c.drafters.mtp_synth import make_mtp
 
     mtp = make_mtp(ref.cfg, tmp_path / "tiny-mtp.gguf", seed=0)
+    dsp = make_dspark(tiny_path, tmp_path / "tiny-dspark.gguf", seed=3, block_size=4)
     pa, pb, pc, pd = ids(26, 80), ids(11, 81), ids(9, 82), ids(20, 83)
     kb = dict(temperature=0.7, top_k=50, seed=4)
 
@@ -486,13 +483,16 @@ def test_mtp_lanes_equal_each_request_alone(ref, tmp_path):
         return generate(solo, prompt, n, draft=MTPDrafter(mtp, seed=1), spec_width=width, **kw).tokens
 
     want_a, want_b = alone(pa, 20, 4), alone(pb, 16, 3, **kb)
-    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
+    solo = Reference(ref.w, max_ctx=MAX_CTX)
+    want_e = generate(solo, pc, 14, draft=DSparkDrafter(dsp), spec_width=4).tokens
+    eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=5, max_rows=16, poison=True))
     a = eng.submit(pa, 20, draft=MTPDrafter(mtp, seed=1), spec_width=4)
     b = eng.submit(pb, 16, draft=MTPDrafter(mtp, seed=1), spec_width=3, **kb)
+    e = eng.submit(pc, 14, draft=DSparkDrafter(dsp), spec_width=4)
     c = eng.submit(pc, 12)
     next(c)
     d = eng.submit(pd, 6)
-    assert a.run().tokens == want_a and b.run().tokens == want_b
+    assert a.run().tokens == want_a and b.run().tokens == want_b and e.run().tokens == want_e
     assert c.run().tokens == _alone(ref, pc, 12) and d.run().tokens == _alone(ref, pd, 6)
     st = eng.stats()
     assert st["spec_steps"] > 0 and 0 < st["accepted"] <= st["drafts"]

@@ -32,7 +32,7 @@ DEFAULTS = {"max_queue": 256, "queue_timeout_s": 60.0, "request_timeout_s": 600.
                    "keeps the key out of the process list; none when unset).")
 @click.option("--lanes", type=click.IntRange(min=1), default=None,
               help="Sequences stepped together (continuous batching: on cuda the compiled step's decode lanes, on cpu "
-                   "the reference's paged pool; prompts starting from cached prefixes; --draft oracle or mtp on the "
+                   "the reference's paged pool; prompts starting from cached prefixes; --draft on the "
                    "reference only). Default: one at a time.")
 @lanes_policy_options
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,

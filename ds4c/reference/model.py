@@ -404,6 +404,12 @@ class Reference:
             if i in self._tap_of:  # 5.2(q): the bf16 mean over the HC streams, per row (one lane: see step_lanes)
                 p0 = lanes[0].pos
                 self.tap_rows[p0:p0 + q, self._tap_of[i]] = x.mean(dim=-2)
+            row = 0
+            for ln in lanes:  # a batch's sequences that record taps (SequenceState.tap_rows)
+                n = len(ln.tokens)
+                if ln.state.tap_rows is not None and i in ln.state.tap_layers:
+                    ln.state.tap_rows[ln.pos:ln.pos + n, ln.state.tap_layers.index(i)] = x[row:row + n].mean(dim=-2)
+                row += n
         if not self.is_last:  # the boundary of a layer split: the HC state of the step's rows
             for ln in lanes:
                 ln.state.pos = ln.pos + len(ln.tokens)

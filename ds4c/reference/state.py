@@ -81,6 +81,11 @@ class SequenceState:
     #: this sequence's final HC ring in a batch (``Reference.step_lanes`` records every row of its lane there, as
     #: ``Reference.record_final_hc`` does for the reference's own sequence): None unless a drafter asked for it
     final_hc_rows: torch.Tensor | None = field(default=None, repr=False)
+    #: this sequence's DSpark tap rows in a batch (act dtype ``[max_ctx, len(tap_layers), hidden]``, row ``pos``:
+    #: spec 5.2(q)'s mean over the HC streams after each layer of ``tap_layers``; ``Reference.step_lanes`` writes
+    #: them as ``Reference.set_taps`` does for the reference's own sequence): None unless a drafter asked for them
+    tap_rows: torch.Tensor | None = field(default=None, repr=False)
+    tap_layers: tuple[int, ...] = field(default=(), repr=False)
 
     @classmethod
     def new(cls, cfg: Ds4Config, max_ctx: int, device: str | torch.device = "cpu",

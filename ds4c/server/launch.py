@@ -192,7 +192,7 @@ def serve(model_path: str | os.PathLike[str] | None = None, *, host: str = "127.
         spec_width: with ``draft``: verify rows per step, 1..5 or ``"auto"``.
         lanes: sequences stepped together (continuous batching with prefix reuse, :class:`ds4c.Model`'s ``lanes``:
             the compiled step's decode lanes on cuda, the reference's paged pool on cpu; a drafter on the reference
-            only, the oracle or the MTP block), or a :class:`~ds4c.batching.BatchConfig` (its prompt policy
+            only: the oracle, the MTP block or DSpark), or a :class:`~ds4c.batching.BatchConfig` (its prompt policy
             beside decoding sequences too); None: one at a time.
         max_queue, queue_timeout_s, request_timeout_s, stream_buffer: the scheduler's limits
             (:class:`~ds4c.server.scheduler.SchedulerConfig`).
