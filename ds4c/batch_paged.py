@@ -40,7 +40,7 @@ from ds4c.sampling import accept, accept_greedy
 from ds4c.speculative import call_propose
 from ds4c.pages import check_page_tokens, default_page_tokens, lane_state_bytes, page_bytes
 from ds4c.reference import primitives as P
-from ds4c.reference.model import Reference, final_hc_rows_of
+from ds4c.reference.model import Reference, check_tap_layers, final_hc_rows_of, tap_rows_of
 from ds4c.reference.paged import StatePool
 
 
@@ -77,10 +77,7 @@ class SequenceTarget:
 
     def set_taps(self, layers: tuple[int, ...] | list[int]) -> None:
         """Record the DSpark taps of ``layers`` for this sequence from now on (as ``Reference.set_taps``)."""
-        layers = tuple(int(l) for l in layers)
-        if any(not 0 <= l < self.cfg.n_layers for l in layers) or len(set(layers)) != len(layers):
-            raise StepError(f"taps: expected distinct layer ids in 0..{self.cfg.n_layers - 1}, found {list(layers)}")
-        self.seq.tap_layers = layers
+        self.seq.tap_layers = layers = check_tap_layers(layers, 0, self.cfg.n_layers)
         self.seq.tap_rows = None if not layers else torch.zeros(
             self.seq.max_ctx, len(layers), self.cfg.hidden_size, dtype=P.DATAFLOWS[self.ref.dataflow],
             device=self.ref.device)
@@ -89,10 +86,7 @@ class SequenceTarget:
         """As ``Reference.main_hidden``, of this sequence."""
         if self.seq.tap_rows is None:
             raise StepError("main_hidden: this sequence records no taps (set_taps first)")
-        if not 0 <= start <= stop <= self.seq.pos:
-            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
-                            f"position {self.seq.pos})")
-        return self.seq.tap_rows[start:stop].flatten(1)
+        return tap_rows_of(self.seq.tap_rows, self.seq.pos, start, stop)
 
     def final_hc(self, start: int, stop: int) -> torch.Tensor:
         """As ``Reference.final_hc``, of this sequence."""

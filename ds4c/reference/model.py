@@ -13,6 +13,7 @@ new rows are written to the ring after all rows attended (the side-buffer scheme
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,24 @@ def final_hc_rows_of(rows: torch.Tensor, pos: int, window: int, start: int, stop
                         f"{start}..{stop - 1}")
     idx = torch.arange(start, stop, device=rows.device) % rows.shape[0]
     return rows[idx]
+
+
+def check_tap_layers(layers: Any, start: int, stop: int) -> tuple[int, ...]:
+    """DSpark tap layers as a tuple of ints; StepError unless distinct layer ids in ``start .. stop - 1``."""
+    layers = tuple(layers)
+    if any(isinstance(l, bool) or not isinstance(l, (int, np.integer)) or not start <= l < stop for l in layers) \
+            or len(set(layers)) != len(layers):
+        raise StepError(f"taps: expected distinct layer ids in {start}..{stop - 1}, found {list(layers)}")
+    return tuple(int(l) for l in layers)
+
+
+def tap_rows_of(rows: torch.Tensor, pos: int, start: int, stop: int) -> torch.Tensor:
+    """``main_hidden`` of positions ``start .. stop - 1`` from tap rows ``[max_ctx, taps, hidden]`` of a sequence at
+    ``pos`` (a view). StepError unless the positions are committed."""
+    if not 0 <= start <= stop <= pos:
+        raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
+                        f"position {pos})")
+    return rows[start:stop].flatten(1)
 
 class Reference:
     """Reference decode/verify for one sequence at a time.
@@ -274,12 +293,7 @@ class Reference:
         Raises:
             StepError: a layer that is not an int of this reference's layer range, or a repeated one.
         """
-        layers = tuple(layers)
-        a, b = self.layer_range
-        if any(isinstance(l, bool) or not isinstance(l, (int, np.integer)) or not a <= l < b for l in layers) \
-                or len(set(layers)) != len(layers):
-            raise StepError(f"taps: expected distinct layer ids in {a}..{b - 1}, found {list(layers)}")
-        self.taps = tuple(int(l) for l in layers)
+        self.taps = layers = check_tap_layers(layers, *self.layer_range)
         self._tap_of = {l: j for j, l in enumerate(self.taps)}
         self.tap_rows = None if not layers else torch.zeros(
             self.max_ctx, len(layers), self.cfg.hidden_size, dtype=P.DATAFLOWS[self.dataflow], device=self.device)
@@ -293,10 +307,7 @@ class Reference:
         """
         if self.tap_rows is None:
             raise StepError("main_hidden: this reference records no taps (Reference(..., taps=...) or set_taps)")
-        if not 0 <= start <= stop <= self.state.pos:
-            raise StepError(f"main_hidden: positions {start}..{stop - 1} are not all committed (the sequence is at "
-                            f"position {self.state.pos})")
-        return self.tap_rows[start:stop].flatten(1)
+        return tap_rows_of(self.tap_rows, self.state.pos, start, stop)
 
     def record_final_hc(self, on: bool = True) -> None:
         """Record from now on (``on``) or not the final HC state ``X`` of every step row: the 4 streams after the
