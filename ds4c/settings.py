@@ -29,8 +29,12 @@ variable                       default                     what it does (reader)
 ``DS4C_LANE_BATCH``            ``1``                       ``0``: a compiled lanes step's per-lane launches one per
                                                            lane instead of one per kernel over the lanes (an A/B
                                                            knob) (:func:`lane_batch`)
-``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention
-                                                           (an int >= 1) (:func:`prefill_attn_heads_per_block`)
+``DS4C_PREFILL_ATTN_MMA``      ``1``                       ``0``: the prefill chunks' attention on CUDA cores (the
+                                                           decode kernel at C rows) instead of tensor cores (an
+                                                           A/B knob) (:func:`prefill_attn_mma`)
+``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention on
+                                                           CUDA cores (an int >= 1)
+                                                           (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
                                                            (0: automatic) (:func:`prefill_attn_threads`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
@@ -201,6 +205,13 @@ def lane_batch() -> bool:
     return _flag("DS4C_LANE_BATCH", True)
 
 
+def prefill_attn_mma() -> bool:
+    """The prefill chunks' attention on tensor cores (runtime/families/chunk_attention.py) where the target has them:
+    on by default; ``$DS4C_PREFILL_ATTN_MMA=0`` keeps the decode SIMT kernel at C rows (docs/perf.md, Optimisation
+    14)."""
+    return _flag("DS4C_PREFILL_ATTN_MMA", True)
+
+
 def prefill_attn_heads_per_block() -> int:
     """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
     Optimisation 7).
@@ -248,7 +259,9 @@ SETTINGS: tuple[Setting, ...] = (
             lane_streams),
     Setting("DS4C_LANE_BATCH", "1", "0: a lanes step's per-lane launches one per lane, not merged (A/B knob)",
             lane_batch),
-    Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention",
+    Setting("DS4C_PREFILL_ATTN_MMA", "1", "0: the prefill chunks' attention on CUDA cores, not tensor cores (A/B knob)",
+            prefill_attn_mma),
+    Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention on CUDA cores",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
             prefill_attn_threads),

@@ -26,9 +26,12 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
   rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
   the chunk crosses happens in place; no undo.
-* ``indexer_topk``, ``sparse_attention``, ``route``: the decode kernels at ``q = C`` unchanged (one block per
-  row, or per (head, row); per-row positions and causal limits; the window rule ``t < pos``: ring slot, else
-  this chunk's kv row, holds for C > window; splits = 1, so no q-sized workspace).
+* ``sparse_attention``: the tensor-core chunk attention (:mod:`ds4c.runtime.families.chunk_attention`: one block
+  per (64 heads, row), scores and value product by ``mma.sync``) on CUDA; the decode SIMT kernel at ``q = C`` on
+  HIP or with ``DS4C_PREFILL_ATTN_MMA=0``. Both keep the decode kernel's lists (per-row positions and causal
+  limits; the window rule ``t < pos``: ring slot, else this chunk's kv row, holds for C > window; no split).
+* ``indexer_topk``, ``route``: the decode kernels at ``q = C`` unchanged (one block per row, or per (head, row);
+  per-row positions and causal limits).
 * ``grouped_linear`` (wo_a + its fused ring write): :func:`_lower_grouped`: a valid-gated ring-write row chain
   (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
   (``GemmSpec.groups``).
@@ -53,6 +56,8 @@ from ds4c.config import Ds4Config
 from ds4c.ir.graph import Graph, Op, Value
 from ds4c.quant import GGMLType
 from ds4c.runtime import lower_step as L
+from ds4c.runtime.families import attention as _att
+from ds4c.runtime.families import chunk_attention as _ca
 from ds4c.runtime.families import compressor as _cmp
 from ds4c.runtime.families import gemm as _gm
 from ds4c.runtime.families import hc as _hc
@@ -221,6 +226,23 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
     la = _cmp.launch_shape(specs)
     return [_launch(src, la.grid, la.block, la.smem, binding)]
+
+
+def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
+    """The chunk's attention on tensor cores (:mod:`ds4c.runtime.families.chunk_attention`) where the target and
+    the shapes allow it and ``DS4C_PREFILL_ATTN_MMA`` is on; else the decode SIMT kernel at q = C (HIP, or the
+    setting off). Both take the same arguments."""
+    if not c.attn_mma:
+        return L._lower_attention(c, op)
+    sa, spec = L.attention_spec(c, op)
+    try:
+        _ca.check(spec, c.target)
+    except _RenderError:
+        return L._lower_attention(c, op)
+    src = _ca.render_chunk_attention(spec, c.target, c.name(op, f"attn_mma_{spec.kind}"))
+    la = _ca.launch_shape(spec, c.target)
+    b = L.attention_bindings(c, op, sa, spec)
+    return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _att.arg_names(spec)["main"]])]
 
 
 def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
@@ -432,7 +454,7 @@ _PATTERNS = {
     "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
     "hc_post_out": _lower_hc,
     "multi_gemv": _lower_linears, "linear": _lower_linears,
-    "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": L._lower_attention,
+    "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": _lower_attention,
     "route": L._lower_route, "moe_experts": lower_routed_experts,
     "grouped_linear": _lower_grouped,
     "dspark_tap": _lower_tap, "record_hc": _lower_tap,
@@ -468,6 +490,9 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # environment settings (DS4C_PREFILL_ATTN_HPB / _THREADS, ds4c.settings).
     c.attn_heads_per_block = settings.prefill_attn_heads_per_block()
     c.attn_threads = settings.prefill_attn_threads()
+    # the tensor-core chunk attention (DS4C_PREFILL_ATTN_MMA, on by default; the two settings above are the SIMT
+    # kernel's, which HIP and the setting off keep)
+    c.attn_mma = settings.prefill_attn_mma()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

@@ -88,6 +88,8 @@ class _Ctx:
         self.attn_heads_per_block = 1
         #: AttentionSpec.threads of the attention kernels (0: the family's automatic block size)
         self.attn_threads = 0
+        #: the prefill chunks' attention on tensor cores (runtime/lower_prefill.py; decode keeps the SIMT kernel)
+        self.attn_mma = False
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
         self.linears = _gemv
 
@@ -399,7 +401,9 @@ def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
             for s, la in zip(srcs, _idx.launch_shapes(spec))]
 
 
-def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
+def attention_spec(c: _Ctx, op: Op) -> tuple[Op, _att.AttentionSpec]:
+    """The ``sparse_attention`` op of plan kernel ``op`` and its :class:`AttentionSpec` (rows, heads, lists, scale;
+    the SIMT kernel's heads per block and threads from the context)."""
     sa = next(b for b in (op.body or [op]) if b.kind == "sparse_attention")
     a = sa.attrs
     kind = a["kind"]
@@ -419,7 +423,12 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
             pass  # a block size this head_dim cannot take: the automatic one
     if spec.smem_bytes() > _att.STATIC_SMEM_LIMIT and hpb > 1:
         spec = dataclasses.replace(spec, heads_per_block=1, threads=0)
-    srcs = _att.render_attention(spec, c.target, c.name(op, f"attn_{kind}"))
+    return sa, spec
+
+
+def attention_bindings(c: _Ctx, op: Op, sa: Op, spec: _att.AttentionSpec) -> dict[str, Arg]:
+    """The argument of every name in :func:`ds4c.runtime.families.attention.arg_names` for ``sa``."""
+    kind = spec.kind
     b = {"q": c.arg(sa.inputs[0]), "ring": c.arg(sa.inputs[1]), "kv_new": c.arg(sa.inputs[2]),
          "sink": c.arg(sa.inputs[4]), "out": c.arg(sa.outputs[0]), "pos": c.pos_arg(sa.inputs[3]),
          "ws": Arg("workspace", c.name(op, "attn_ws"), nbytes=4 * max(_att.workspace_floats(spec), 1))}
@@ -429,6 +438,13 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
         b["sel"] = c.arg(sa.inputs[6])
     if kind == "hca":
         b["live"] = c.arg(c.prod[sa.inputs[6]].inputs[2])  # span_mask(span, positions, live)
+    return b
+
+
+def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
+    sa, spec = attention_spec(c, op)
+    srcs = _att.render_attention(spec, c.target, c.name(op, f"attn_{spec.kind}"))
+    b = attention_bindings(c, op, sa, spec)
     names = _att.arg_names(spec)
     return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
             for s, la in zip(srcs, _att.launch_shapes(spec))]

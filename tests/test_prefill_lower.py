@@ -251,8 +251,10 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 
 
 # ------------------------------------------------------------------------------- emulated plan kernels (CPU)
-def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None, **graph_kw):
-    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer``."""
+def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None,
+               attn_mma: bool = False, **graph_kw):
+    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` (``attn_mma``: the
+    tensor-core chunk attention, as ``lower_prefill`` chooses by default on CUDA)."""
     import ds4c.runtime.lower_prefill as LP
     from ds4c.runtime.lower_step import _Ctx
     from ds4c.tensors import storage_types
@@ -262,6 +264,7 @@ def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block:
     cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
+    cx.attn_mma = attn_mma
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
     return cfg, g, cx, op, LP._PATTERNS[pattern](cx, op)
 
@@ -291,10 +294,14 @@ def _ir_body(op, env: dict) -> dict:
 def _random_inputs(cx, op, pos: int, n_valid: int, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     env = {}
+    sel = {b.inputs[6] for b in op.body if b.kind == "sparse_attention" and b.attrs["kind"] == "csa"}
     for v in _external(op):
         p = cx.prod.get(v)
         shape, dt = tuple(int(d) for d in v.type.shape), v.type.dtype
-        if p is not None and p.kind == "row_positions":
+        if v in sel:  # the indexer's picks: compressed row ids, -1 = none
+            cap = next(int(b.inputs[5].type.shape[0]) for b in op.body if b.kind == "sparse_attention")
+            env[v] = torch.randint(-1, cap, shape, generator=gen)
+        elif p is not None and p.kind == "row_positions":
             env[v] = torch.arange(pos, pos + shape[0], dtype=torch.int64)
         elif cx.inputs.get(v) == "tokens":
             env[v] = torch.randint(0, cx.cfg.vocab_size, shape, generator=gen)
@@ -434,16 +441,19 @@ def test_take_row_head_emulated(tmp_path):
     assert y.shape == want.shape and torch.allclose(y, want, rtol=2 * BF16_ULP, atol=1e-3)
 
 
-@pytest.mark.parametrize("layer,kind", [(0, "swa"), (3, "hca")])
-def test_attention_at_chunk_rows_emulated(layer, kind, tmp_path):
-    """The decode attention kernel at q = C = 64 rows of a tiny chunk (window 16, so every row's window mixes ring
-    slots of positions before the chunk and this chunk's kv rows, and most rows see only chunk rows), on CPU
-    threads, against the IR sparse_attention: every valid row within bf16 tolerance (hca: the compressed rows
-    capped per row by (p+1)//16 and by live = (pos + n_valid)//16)."""
+@pytest.mark.parametrize("mma", [False, True], ids=["simt", "mma"])
+@pytest.mark.parametrize("layer,kind", [(0, "swa"), (2, "csa"), (3, "hca")])
+def test_attention_at_chunk_rows_emulated(layer, kind, mma, tmp_path):
+    """The chunk's attention at C = 64 rows of a tiny chunk (window 16, so every row's window mixes ring slots of
+    positions before the chunk and this chunk's kv rows, and most rows see only chunk rows), on CPU threads, against
+    the IR sparse_attention: every valid row within bf16 tolerance (hca: the compressed rows capped per row by
+    (p+1)//16 and by live = (pos + n_valid)//16; csa: random picks with -1 among them). Both kernels: the decode
+    SIMT kernel at q = C and the tensor-core chunk kernel (one block per 64 heads and row, 4 of them used)."""
     _skip_without_host()
     pos, nv = 40, 50
-    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer)
-    assert launches[0].kernel.entry == f"ds4c_attn_{kind}" and launches[0].grid[1] == 64
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer, attn_mma=mma)
+    entry = f"ds4c_attn_mma_{kind}" if mma else f"ds4c_attn_{kind}"
+    assert len(launches) == 1 and launches[0].kernel.entry == entry and launches[0].grid[1] == 64
     env = _random_inputs(cx, op, pos, nv, seed=layer)
     want = _ir_body(op, env)
     bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)
@@ -454,6 +464,24 @@ def test_attention_at_chunk_rows_emulated(layer, kind, tmp_path):
     w = want[sa.outputs[0]].float()[:nv]
     # probabilities rounded to bf16 per block and the output's rounding: 2 bf16 ulps (2^-6 relative)
     assert torch.allclose(y, w, rtol=2 * BF16_ULP, atol=2e-3), (y - w).abs().max()
+
+
+def test_prefill_attention_kernel_follows_the_target_and_setting(monkeypatch):
+    """lower_prefill picks the tensor-core chunk attention on CUDA by default, the SIMT kernel with
+    DS4C_PREFILL_ATTN_MMA=0 and on HIP (no matrix body there)."""
+    from ds4c.runtime.lower_prefill import lower_prefill
+
+    cfg = preset("tiny")
+    g = _graph("tiny", 64, 128)
+
+    def attn_entries(arch):
+        ks = lower_prefill(g, cfg, target(arch), pending=[])
+        return sorted({la.kernel.entry for k in ks if k.family == "attention" for la in k.launches})
+
+    assert all("attn_mma_" in e for e in attn_entries("sm_90"))
+    assert all("attn_mma_" not in e for e in attn_entries("gfx1151"))
+    monkeypatch.setenv("DS4C_PREFILL_ATTN_MMA", "0")
+    assert all("attn_mma_" not in e for e in attn_entries("sm_90"))
 
 
 def test_indexer_at_chunk_rows_emulated(tmp_path):

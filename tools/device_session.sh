@@ -20,7 +20,10 @@
 #   split     ds4c bench $FILE --layer-split 2,2 (the boundary's cost), then generate unsplit / 2,2 / 1,3: the
 #             same greedy tokens and the tokens/s of each
 #   spec      tools/spec_table.py $MODEL: tokens/s against ALPHA, fixed widths and auto, host-accept A/B
-#   prefill   ds4c bench $MODEL --prefill $LENGTHS (chunk graphs vs verify steps, TTFT, the compute roofline)
+#   prefill   ds4c bench $MODEL --prefill $LENGTHS $PREFILL_ARGS (chunk graphs vs verify steps, TTFT, the compute
+#             roofline), once per word of PREFILL_ENVS (as LANE_ENVS; e.g. "DS4C_PREFILL_ATTN_MMA=0 -": an A/B)
+#   chunkprof tools/gpu_step_profile.py --prefill $CHUNK (2048) at pos 2048: every launch of one chunk timed alone,
+#             by family, once per word of PREFILL_ENVS
 #   llama     ds4c bench $FILE --prefill $LLAMA_LENGTHS --llama-bench: llama.cpp's pp on the same file and GPU;
 #             needs .peers/{build_llama.sh,llama.cpp-src.tar.xz} (from ../shared/peers, git-ignored: name .peers
 #             in the device call's carry); the build (~5 min) and $FILE start in the background at once
@@ -187,10 +190,27 @@ stage_spec() {
   check $? spec; tail -16 "$OUTDIR/spec-table.log"
 }
 
-stage_prefill() {
-  timeout "${PREFILL_S:-300}" ds4c bench "$MODEL" --device cuda --prefill "${LENGTHS:-4096}" \
-      --json "$OUTDIR/prefill-bench.json" > "$OUTDIR/prefill-bench.log" 2>&1
-  check $? prefill; tail -8 "$OUTDIR/prefill-bench.log"
+stage_prefill() {  # PREFILL_ENVS: settings per run, as LANE_ENVS ("-" = none)
+  local e tag
+  for e in ${PREFILL_ENVS:--}; do
+    [ "$e" = - ] && e=
+    tag=$(tag_of "$e")
+    env ${e//,/ } timeout "${PREFILL_S:-300}" ds4c bench "$MODEL" --device cuda --prefill "${LENGTHS:-4096}" \
+        ${PREFILL_ARGS:-} --json "$OUTDIR/prefill-bench-$tag.json" > "$OUTDIR/prefill-bench-$tag.log" 2>&1
+    check $? "prefill ${e:-defaults}"; tail -8 "$OUTDIR/prefill-bench-$tag.log"
+  done
+}
+
+stage_chunkprof() {  # every launch of one 2048-row chunk at pos 2048 timed alone, per PREFILL_ENVS
+  local e tag
+  for e in ${PREFILL_ENVS:--}; do
+    [ "$e" = - ] && e=
+    tag=$(tag_of "$e")
+    env ${e//,/ } timeout "${CHUNKPROF_S:-300}" python3 tools/gpu_step_profile.py --model flash-l4 --gguf "$MODEL" \
+        --widths 5 --pos 2048 --prefill "${CHUNK:-2048}" > "$OUTDIR/chunkprof-$tag.log" 2>&1
+    check $? "chunk profile ${e:-defaults}"; grep -iE "family|attention|moe_gemm|gemm|compressor|sum|total" \
+        "$OUTDIR/chunkprof-$tag.log" | tail -14
+  done
 }
 
 start_llama_build() {  # llama.cpp and the model file in the background: they outlive a call on a warm machine
@@ -244,9 +264,9 @@ stage_profile() {
 [[ ",$STAGES," == *,llama,* ]] && start_llama_build
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    tests|kernels|soak|compile|bench|generate|split|spec|prefill|llama|lanes|lanebench|profile) "stage_$stage" ;;
+    tests|kernels|soak|compile|bench|generate|split|spec|prefill|chunkprof|llama|lanes|lanebench|profile) "stage_$stage" ;;
     *) echo "unknown stage '$stage' (stages: tests kernels soak compile bench generate split spec prefill llama"\
-" lanes lanebench profile)"; FAILED=$((FAILED + 1)) ;;
+" chunkprof lanes lanebench profile)"; FAILED=$((FAILED + 1)) ;;
   esac
 done
 say done "$FAILED stage(s) failed"

@@ -141,6 +141,7 @@ struct EmuBlock {
   EmuBarrier* wbar[32];
   float fx[1024];
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
+  const u8* px[1024];                     // ldmatrix: every lane's row address
 };
 static EmuBlock* g_blk;
 static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
@@ -274,6 +275,32 @@ DS4C_DEVICE void xp_mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 
                              float c2, float c3) {
   emu_mma16<emu_bf16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
 }
+
+// ldmatrix .x4 (.trans): lane l gives the address of row l % 8 of matrix l / 8 (8 rows of 8 16-bit elements);
+// register j of lane l holds matrix j's elements (row l/4, columns 2(l%4), 2(l%4)+1), transposed: (rows 2(l%4),
+// 2(l%4)+1, column l/4)
+template <bool TRANS>
+static inline void emu_ldsm_x4(u32 (&r)[4], const void* p) {
+  const int lane = t_tid & 31, w0 = t_tid & ~31;
+  g_blk->px[t_tid] = (const u8*)p;
+  __syncwarp();
+  u32 v[4];
+  for (int j = 0; j < 4; ++j) {
+    u16 lo, hi;
+    if (TRANS) {
+      std::memcpy(&lo, g_blk->px[w0 + 8 * j + 2 * (lane & 3)] + 2 * (lane >> 2), 2);
+      std::memcpy(&hi, g_blk->px[w0 + 8 * j + 2 * (lane & 3) + 1] + 2 * (lane >> 2), 2);
+    } else {
+      std::memcpy(&lo, g_blk->px[w0 + 8 * j + (lane >> 2)] + 4 * (lane & 3), 2);
+      std::memcpy(&hi, g_blk->px[w0 + 8 * j + (lane >> 2)] + 4 * (lane & 3) + 2, 2);
+    }
+    v[j] = (u32)lo | ((u32)hi << 16);
+  }
+  __syncwarp();
+  for (int j = 0; j < 4; ++j) r[j] = v[j];
+}
+DS4C_DEVICE void xp_ldsm_x4(u32 (&r)[4], const void* p) { emu_ldsm_x4<false>(r, p); }
+DS4C_DEVICE void xp_ldsm_x4_t(u32 (&r)[4], const void* p) { emu_ldsm_x4<true>(r, p); }
 
 template <class K>
 static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's blocks one after another

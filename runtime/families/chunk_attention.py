@@ -1,0 +1,104 @@
+"""The sparse attention of a prefill chunk on tensor cores: the ``sparse_attention`` IR op at ``C`` rows (docs/model.md
+P9, 5.2(e),(i)), kinds ``swa`` / ``csa`` / ``hca``, as one CUDA kernel that computes each row's scores and value
+product with ``mma.sync`` bf16. Template: ``templates/attention/chunk_mma.cu.j2`` (its header has the block layout).
+
+Why a second attention kernel: K = V = one bf16 row per list entry, shared by all H heads (MQA), so for one query
+row the H = 64 heads form the M side of a dense product against the row's list (window, then the selected or all
+compressed rows): ``S = Q . K^T`` [64, 64 entries] per chunk and ``acc += bf16(P) . V`` [64, head_dim]. The SIMT
+kernel of :mod:`ds4c.runtime.families.attention` (written for the 1..5 rows of a decode or verify step) computes
+the same on CUDA cores: at ``C`` rows it took ~38% of a 2048-row chunk (docs/perf.md, Optimisation 7). This one
+keeps its lists, chunks of 64, online softmax, masking and argument list, so the lowering binds either the same
+way (:func:`ds4c.runtime.lower_prefill._lower_attention`; ``DS4C_PREFILL_ATTN_MMA=0`` keeps the SIMT kernel).
+
+One launch: grid ``(ceil(H / 64), C)``, 256 threads, :func:`smem_bytes` of dynamic shared memory (the query rows
+of 64 heads and one or two stages of 64 KV rows, padded so every ``ldmatrix`` row lands on its own banks). Two
+stages (the next chunk's rows copied with ``cp.async`` while this one is computed) where shared memory holds
+them (sm_90: 227 KiB), else one (sm_80: 163 KiB).
+
+Supported: CUDA sm_80 / sm_90 / sm_90a / sm_100a, ``head_dim`` a multiple of 16 whose shared memory fits. HIP
+has no matrix body yet (:func:`check` raises, the lowering keeps the SIMT kernel there).
+
+Numerics: the SIMT kernel's, with the fp32 sums of the dot products and of the value product in the MMA's order;
+both within bf16 tolerance of :func:`ds4c.runtime.families.attention.reference` (tests/test_chunk_attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds4c.runtime.families import Launch
+from ds4c.runtime.families.attention import AttentionSpec
+from ds4c.runtime.render import KernelSource, RenderError, render
+from ds4c.runtime.targets import Target
+
+TEMPLATE = "attention/chunk_mma.cu.j2"
+FAMILY = "attention"
+KINDS = ("swa", "csa", "hca")
+HEADS_PER_BLOCK = 64   # the MMA's M side: 4 tiles of 16 heads
+THREADS = 256          # 8 warps
+CHUNK = 64             # list entries per chunk (P9)
+#: the most dynamic shared memory one block may have, per CUDA arch
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+
+
+def smem_bytes(spec: AttentionSpec, stages: int) -> int:
+    """Dynamic shared memory of the kernel (the template's layout): query rows [64][hd + 8] bf16, KV rows
+    [stages][64][hd + 8] bf16, bf16(p) [64][72], 11 x 64 floats, codes [2][64] and ``sel`` [topk] ints."""
+    ld = spec.head_dim + 8
+    return (HEADS_PER_BLOCK * ld * 2 + stages * CHUNK * ld * 2 + HEADS_PER_BLOCK * (CHUNK + 8) * 2
+            + 11 * HEADS_PER_BLOCK * 4 + (2 * CHUNK + max(spec.topk if spec.kind == "csa" else 0, 1)) * 4)
+
+
+def stages(spec: AttentionSpec, target: Target) -> int:
+    """KV stages: 2 where they fit the target's shared memory, else 1.
+
+    Raises:
+        RenderError: the target or the spec is not supported (:func:`check`)."""
+    check(spec, target)
+    return 2 if smem_bytes(spec, 2) <= SMEM_LIMIT[target.arch] else 1
+
+
+def check(spec: AttentionSpec, target: Target) -> None:
+    """Raises RenderError (one line) for what the kernel does not build: HIP, a kind other than swa / csa / hca, split
+    K, a head_dim not a multiple of 16, or one stage that does not fit the target's shared memory."""
+    if target.vendor != "cuda" or target.arch not in SMEM_LIMIT:
+        raise RenderError(f"chunk attention: {target.slug} is not supported (mma.sync bf16 on CUDA "
+                          f"{'/'.join(SMEM_LIMIT)}; HIP has no matrix body yet)")
+    if spec.kind not in KINDS:
+        raise RenderError(f"chunk attention: kind {spec.kind!r} is not built (expected one of {', '.join(KINDS)})")
+    if spec.splits != 1:
+        raise RenderError(f"chunk attention: splits {spec.splits} (a chunk has enough rows; expected 1)")
+    if spec.head_dim % 16:
+        raise RenderError(f"chunk attention: head_dim {spec.head_dim} is not a multiple of 16")
+    need = smem_bytes(spec, 1)
+    if need > SMEM_LIMIT[target.arch]:
+        raise RenderError(f"chunk attention: {need} bytes of shared memory for head_dim {spec.head_dim}, "
+                          f"{target.arch} has {SMEM_LIMIT[target.arch]}")
+
+
+def render_chunk_attention(spec: AttentionSpec, target: Target, name: str, n_stages: int | None = None) -> KernelSource:
+    """The kernel of ``spec`` (its ``q`` is the chunk's C rows) for ``target``, named ``name``; ``n_stages`` forces 1
+    or 2 KV stages (default :func:`stages`; the tests run both).
+
+    Raises:
+        RenderError: see :func:`check`; forced stages that do not fit.
+    """
+    st = stages(spec, target) if n_stages is None else _forced(spec, target, n_stages)
+    params = {k: v for k, v in spec.params().items()
+              if k in ("kind", "rows", "heads", "head_dim", "window", "topk", "cap", "ratio", "scale")}
+    return render(TEMPLATE, name, FAMILY, target, {**params, "stages": st, "smem": smem_bytes(spec, st)})
+
+
+def _forced(spec: AttentionSpec, target: Target, n: int) -> int:
+    check(spec, target)
+    if n not in (1, 2) or smem_bytes(spec, n) > SMEM_LIMIT[target.arch]:
+        raise RenderError(f"chunk attention: {n} KV stages do not fit {target.arch} (expected 1 or 2 within "
+                          f"{SMEM_LIMIT[target.arch]} bytes)")
+    return n
+
+
+def launch_shape(spec: AttentionSpec, target: Target, n_stages: int | None = None) -> Launch:
+    """The one launch: grid (ceil(H / 64), C), 256 threads, the dynamic shared memory of its stages."""
+    st = stages(spec, target) if n_stages is None else _forced(spec, target, n_stages)
+    return Launch((-(-spec.heads // HEADS_PER_BLOCK), spec.q, 1), (THREADS, 1, 1), smem_bytes(spec, st),
+                  kernel="main")

@@ -1,0 +1,128 @@
+"""The tensor-core chunk attention (runtime/families/chunk_attention.py, templates/attention/chunk_mma.cu.j2):
+its rendering and refusals, and its kernel run on the CPU emulator (every thread a fiber; ``mma.sync``,
+``ldmatrix`` and ``cp.async`` emulated from their PTX definitions) against the reference's attention rows on
+fresh random data, with the output poisoned so unwritten elements show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4c.runtime.families import attention as A
+from ds4c.runtime.families import chunk_attention as CA
+from ds4c.runtime.render import RenderError
+from ds4c.runtime.targets import target
+from emulators import launch_emu
+from kernel_compile import assert_no_spills, compile_kernel
+from numerics import BF16_ULP
+
+
+def _spec(kind: str, rows: int, heads: int, hd: int, window: int, cap: int = 0, topk: int = 0, ratio: int = 0):
+    return A.AttentionSpec(kind, rows, heads, hd, window, cap, topk, ratio)
+
+
+def _inputs(spec: A.AttentionSpec, pos: int, live: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    x = {"q": torch.randn(spec.q, spec.heads, spec.head_dim, generator=g).to(bf),
+         "ring": torch.randn(spec.window, spec.head_dim, generator=g).to(bf),
+         "kv_new": torch.randn(spec.q, spec.head_dim, generator=g).to(bf),
+         "sink": torch.randn(spec.heads, generator=g),
+         "pos": torch.tensor([pos], dtype=torch.int64)}
+    if spec.kind in ("csa", "hca"):
+        x["comp"] = torch.randn(spec.cap, spec.head_dim, generator=g).to(bf)
+    if spec.kind == "csa":
+        sel = torch.randint(0, spec.cap, (spec.q, spec.topk), generator=g)
+        sel[torch.rand(spec.q, spec.topk, generator=g) < 0.2] = -1  # masked picks
+        sel[:, 64 - spec.window % 64:128 - spec.window % 64] = -1    # one whole chunk of the list masked: skipped
+        x["sel"] = sel
+    if spec.kind == "hca":
+        x["live"] = torch.tensor([live], dtype=torch.int64)
+    return x
+
+
+def _emulate(spec, x, tmp_path, n_stages=None) -> torch.Tensor:
+    tgt = target("sm_90")
+    src = CA.render_chunk_attention(spec, tgt, "ca", n_stages)
+    la = CA.launch_shape(spec, tgt, n_stages)
+    bufs = dict(x)
+    bufs["out"] = torch.full((spec.q, spec.heads, spec.head_dim), float("nan")).to(torch.bfloat16)
+    args = A.arg_names(spec)["main"]
+    got = launch_emu.run([(src, la.grid, la.block, args, la.smem)], bufs, tmp_path)
+    return got["out"]
+
+
+def _check(spec, x, got, pos, live):
+    want = A.reference(spec, x["q"], x["ring"], x["kv_new"], x.get("comp"), x.get("sel"), x["sink"], pos, live)
+    assert not got.isnan().any(), "unwritten output elements"
+    # bf16(p) per chunk and the output's rounding, fp32 sums in the MMA's order: 2 bf16 ulps (2^-6 relative)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert torch.allclose(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2e-3), (got.float() - want.float()).abs().max()
+    assert err < BF16_ULP, err
+
+
+def _skip_without_host():
+    why = launch_emu.host_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+CASES = {
+    # window 64, 192-dim heads (pairs 12: warps own 2 or 1), 80 heads (a second head block, 16 of 64 used);
+    # rows 5..10 see ring slots and this chunk's rows; the sel list spans 3 chunks, one of them all masked
+    "csa": (_spec("csa", 6, 80, 192, 64, cap=200, topk=160), 97, 0),
+    # the compressed rows capped per row by (p+1)//4 and by live; 2 chunks
+    "hca": (_spec("hca", 5, 64, 128, 64, cap=48, ratio=4), 150, 37),
+    # the window at the start of the sequence (p + 1 < W: masked padding), one head block of 16
+    "swa": (_spec("swa", 7, 16, 64, 128), 60, 0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_chunk_attention_emulated_matches_reference(kind, tmp_path):
+    _skip_without_host()
+    spec, pos, live = CASES[kind]
+    x = _inputs(spec, pos, live, seed=len(kind))
+    _check(spec, x, _emulate(spec, x, tmp_path), pos, live)
+
+
+def test_one_stage_equals_two_stages(tmp_path):
+    """sm_80's one-stage loop (copies after every chunk) gives the bits of the two-stage pipeline."""
+    _skip_without_host()
+    spec, pos, live = CASES["csa"]
+    x = _inputs(spec, pos, live, seed=11)
+    one = _emulate(spec, x, tmp_path / "one", n_stages=1)
+    two = _emulate(spec, x, tmp_path / "two", n_stages=2)
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+    _check(spec, x, one, pos, live)
+
+
+def test_official_shapes_render_and_fit():
+    """Official flash widths (64 heads of 512, window 128, 512 selected rows): two stages on sm_90 (within 227 KiB),
+    one on sm_80 (163 KiB); HIP and split-K refused in one line."""
+    spec = _spec("csa", 2048, 64, 512, 128, cap=1024, topk=512)
+    assert CA.stages(spec, target("sm_90")) == 2 and CA.stages(spec, target("sm_80")) == 1
+    assert CA.smem_bytes(spec, 2) <= CA.SMEM_LIMIT["sm_90"]
+    la = CA.launch_shape(spec, target("sm_90"))
+    assert la.grid == (1, 2048, 1) and la.block == (256, 1, 1) and la.smem == CA.smem_bytes(spec, 2)
+    src = CA.render_chunk_attention(spec, target("sm_90"), "ds4c_attn_csa")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src.source and "ldmatrix" in src.source
+    with pytest.raises(RenderError, match="gfx942 is not supported"):
+        CA.check(spec, target("gfx942"))
+    with pytest.raises(RenderError, match="splits 4"):
+        CA.check(A.AttentionSpec("csa", 8, 64, 512, 128, 1024, 512, splits=4), target("sm_90"))
+    with pytest.raises(RenderError, match="multiple of 16"):
+        CA.check(_spec("swa", 8, 64, 72, 128), target("sm_90"))
+    with pytest.raises(RenderError, match="do not fit"):
+        CA.render_chunk_attention(spec, target("sm_80"), "x", n_stages=2)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kind", ["csa", "swa"])
+def test_chunk_attention_compiles_without_spills(arch, kind, tmp_path):
+    """nvcc builds the official kernel for the arch with no spills and no stack frame (the 128 fp32 accumulators of
+    a thread's value product live in registers)."""
+    spec = _spec(kind, 2048, 64, 512, 128, cap=1024, topk=512 if kind == "csa" else 0)
+    src = CA.render_chunk_attention(spec, target(arch), f"ds4c_attn_{kind}")
+    c = compile_kernel(src, tmp_path)
+    assert_no_spills(c.usage, src, c.log)
