@@ -32,6 +32,9 @@ variable                       default                     what it does (reader)
 ``DS4C_PREFILL_ATTN_MMA``      ``1``                       ``0``: the prefill chunks' attention on CUDA cores (the
                                                            decode kernel at C rows) instead of tensor cores (an
                                                            A/B knob) (:func:`prefill_attn_mma`)
+``DS4C_PREFILL_CMP_PARALLEL``  ``1``                       ``0``: the prefill chunks' compressors walk the rows in
+                                                           one block per compressor instead of one block per flush
+                                                           (an A/B knob; the same bits) (:func:`prefill_cmp_parallel`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention on
                                                            CUDA cores (an int >= 1)
                                                            (:func:`prefill_attn_heads_per_block`)
@@ -212,6 +215,13 @@ def prefill_attn_mma() -> bool:
     return _flag("DS4C_PREFILL_ATTN_MMA", True)
 
 
+def prefill_cmp_parallel() -> bool:
+    """The prefill chunks' compressors parallel over the chunk's flushes (templates/compressor/compress_chunk.cu.j2):
+    on by default; ``$DS4C_PREFILL_CMP_PARALLEL=0`` keeps the row-serial kernel (the same bits; docs/perf.md,
+    Optimisation 15)."""
+    return _flag("DS4C_PREFILL_CMP_PARALLEL", True)
+
+
 def prefill_attn_heads_per_block() -> int:
     """``AttentionSpec.heads_per_block`` at C rows (``$DS4C_PREFILL_ATTN_HPB``, default 4; docs/perf.md,
     Optimisation 7).
@@ -261,6 +271,9 @@ SETTINGS: tuple[Setting, ...] = (
             lane_batch),
     Setting("DS4C_PREFILL_ATTN_MMA", "1", "0: the prefill chunks' attention on CUDA cores, not tensor cores (A/B knob)",
             prefill_attn_mma),
+    Setting("DS4C_PREFILL_CMP_PARALLEL", "1",
+            "0: the prefill chunks' compressors walk the rows serially, not one block per flush (A/B knob)",
+            prefill_cmp_parallel),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention on CUDA cores",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",

@@ -24,8 +24,9 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   first.
   An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
-  rows ``>= n_valid`` write no state, flush or row); rows in order by one block per compressor, so every flush
-  the chunk crosses happens in place; no undo.
+  rows ``>= n_valid`` write no state, flush or row); no undo. By default parallel over the chunk's flushes (one
+  block per flush reading its slots from the chunk's rows or the state the chunk found, then one launch setting
+  the state); ``DS4C_PREFILL_CMP_PARALLEL=0``: the serial kernel, rows in order by one block per compressor.
 * ``sparse_attention``: the tensor-core chunk attention (:mod:`ds4c.runtime.families.chunk_attention`: one block
   per (64 heads, row), scores and value product by ``mma.sync``) on CUDA; the decode SIMT kernel at ``q = C`` on
   HIP or with ``DS4C_PREFILL_ATTN_MMA=0``. Both keep the decode kernel's lists (per-row positions and causal
@@ -212,8 +213,10 @@ def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
-    """The compressor family over C rows with the device-side ``n_valid`` (``CompressorSpec.valid``), no undo:
-    rows processed in order by one block per compressor, so every flush inside the chunk happens in place."""
+    """The compressor family over C rows with the device-side ``n_valid`` (``CompressorSpec.valid``), no undo: by
+    default two launches parallel over the chunk's flushes (``render_compressor_chunk``: one block per flush, then
+    the state as the rows leave it); with ``DS4C_PREFILL_CMP_PARALLEL=0`` the row-serial kernel (one block per
+    compressor walks the rows in order, every flush in place). Both leave the same bits."""
     comps = [b for b in (op.body or [op]) if b.kind == "compress"]
     specs, binding = [], [Arg("step", "pos"), Arg("step", "n_valid")]
     for b in comps:
@@ -223,6 +226,10 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
         specs.append(_cmp.CompressorSpec(a["ratio"], a["d"], a["indexer"], a["emulate"], a["nope"], c.cfg.rope_dim,
                                          c.q, a["eps"], valid=True))
         binding += [c.arg(b.inputs[i]) for i in (0, 1, 2, 3, 4, 5, 6, 8)]
+    if c.cmp_parallel:
+        return [_launch(src, la.grid, la.block, la.smem, binding) for src, la in
+                zip(_cmp.render_compressor_chunk(specs, c.target, c.name(op, "compressor")),
+                    _cmp.chunk_launch_shapes(specs))]
     src = _cmp.render_compressor(specs, c.target, c.name(op, "compressor"))
     la = _cmp.launch_shape(specs)
     return [_launch(src, la.grid, la.block, la.smem, binding)]
@@ -493,6 +500,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # the tensor-core chunk attention (DS4C_PREFILL_ATTN_MMA, on by default; the two settings above are the SIMT
     # kernel's, which HIP and the setting off keep)
     c.attn_mma = settings.prefill_attn_mma()
+    # the chunk's compressors parallel over its flushes (DS4C_PREFILL_CMP_PARALLEL, on by default)
+    c.cmp_parallel = settings.prefill_cmp_parallel()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

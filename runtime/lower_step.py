@@ -90,6 +90,8 @@ class _Ctx:
         self.attn_threads = 0
         #: the prefill chunks' attention on tensor cores (runtime/lower_prefill.py; decode keeps the SIMT kernel)
         self.attn_mma = False
+        #: the prefill chunks' compressors parallel over the flushes (runtime/lower_prefill.py)
+        self.cmp_parallel = False
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
         self.linears = _gemv
 

@@ -252,7 +252,7 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 
 # ------------------------------------------------------------------------------- emulated plan kernels (CPU)
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None,
-               attn_mma: bool = False, **graph_kw):
+               attn_mma: bool = False, cmp_parallel: bool = False, **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` (``attn_mma``: the
     tensor-core chunk attention, as ``lower_prefill`` chooses by default on CUDA)."""
     import ds4c.runtime.lower_prefill as LP
@@ -265,6 +265,7 @@ def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block:
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
     cx.attn_mma = attn_mma
+    cx.cmp_parallel = cmp_parallel
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
     return cfg, g, cx, op, LP._PATTERNS[pattern](cx, op)
 
@@ -361,14 +362,17 @@ def _skip_without_host():
         pytest.skip(why)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "flushes"])
 @pytest.mark.parametrize("layer,pos,nv", [(2, 5, 37), (3, 9, 64), (3, 0, 20)])
-def test_compressor_with_n_valid_emulated(layer, pos, nv, tmp_path):
+def test_compressor_with_n_valid_emulated(layer, pos, nv, parallel, tmp_path):
     """The lowered compressor launch of a tiny C=64 chunk (layer 2: the CSA main + indexer compressors; layer 3:
     HCA ratio 16), run on CPU threads, against the IR compress ops with n_valid: the kv / score state bit for
     bit (every flush the chunk crosses; padded rows leave their slots alone), every compressed row within one
-    bf16 rounding and the rows no valid row flushes untouched."""
+    bf16 rounding and the rows no valid row flushes untouched. Both lowerings: the row-serial kernel and the
+    kernels parallel over the flushes (DS4C_PREFILL_CMP_PARALLEL)."""
     _skip_without_host()
-    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "compressor", layer)
+    cfg, g, cx, op, launches = _plan_case("tiny", 64, 128, "compressor", layer, cmp_parallel=parallel)
+    assert len(launches) == (2 if parallel else 1)
     env = _random_inputs(cx, op, pos, nv, seed=layer * 100 + nv)
     want = _ir_body(op, env)
     bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)

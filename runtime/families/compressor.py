@@ -244,6 +244,42 @@ def render_compressor(specs: Sequence[CompressorSpec] | CompressorSpec, target: 
 
 
 
+CHUNK_TEMPLATE = "compressor/compress_chunk.cu.j2"
+CHUNK_KERNELS = ("flush", "state")
+
+
+def max_flushes(spec: CompressorSpec) -> int:
+    """The most flushes ``q`` consecutive rows can hold: ``ceil(q / ratio)``."""
+    return -(-spec.q // spec.ratio)
+
+
+def render_compressor_chunk(specs: Sequence[CompressorSpec], target: Target, name: str,
+                            threads: int = 0) -> list[KernelSource]:
+    """The two kernels of a prefill chunk's compressors parallel over the chunk's flushes
+    (templates/compressor/compress_chunk.cu.j2): ``flush`` (one block per (flush, compressor)) then ``state`` (one
+    block per compressor), named ``name + "_flush"`` / ``"_state"``. Every spec must have ``valid``; they take the
+    serial kernel's arguments (:func:`arg_names`) and leave its state and rows bit for bit.
+
+    Raises:
+        RenderError: a spec without ``valid`` (or with ``undo``), or what :func:`render_compressor` refuses.
+    """
+    specs = list(specs)
+    if not specs or not all(s.valid and not s.undo for s in specs):
+        raise RenderError(f"compressor {name}: the chunk kernels need valid specs without undo (a prefill chunk)")
+    render_compressor(specs, target, name, threads)  # the same limits (wave, indexer width, shared memory)
+    prm = params(specs, threads)
+    return [render(CHUNK_TEMPLATE, f"{name}_{k}", FAMILY, target, {**prm, "part": k}) for k in CHUNK_KERNELS]
+
+
+def chunk_launch_shapes(specs: Sequence[CompressorSpec], threads: int = 0) -> list[Launch]:
+    """``flush``: grid (the most flushes of any spec, compressors); ``state``: grid (compressors); both with the
+    serial kernel's block size and static shared memory only."""
+    specs = list(specs)
+    nt = block_threads(specs, threads)
+    return [Launch((max(max_flushes(s) for s in specs), len(specs), 1), (nt, 1, 1), 0, kernel="flush"),
+            Launch((len(specs), 1, 1), (nt, 1, 1), 0, kernel="state")]
+
+
 def launch_shape(specs: Sequence[CompressorSpec] | CompressorSpec, threads: int = 0) -> Launch:
     """Grid (len(specs), 1, 1), block (:func:`block_threads`, 1, 1), no dynamic shared memory."""
     if isinstance(specs, CompressorSpec):
