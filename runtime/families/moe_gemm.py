@@ -89,9 +89,12 @@ from ds4c.runtime.targets import Target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
 FAMILY = "moe_gemm"
-FORMATS = ("mxfp4", "q8_0")
-FMT_ID = {"mxfp4": 0, "q8_0": 1}
-BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34}
+FORMATS = ("mxfp4", "q8_0", "q3_k")
+FMT_ID = {"mxfp4": 0, "q8_0": 1, "q3_k": 2}
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34}  # per block of 32 values (q3_k: SUPER_BYTES per 256)
+SUPER_BYTES = {"q3_k": 110}
+#: q3_k: bytes of a row staged per K step: the whole 110-byte super-block from the 4-aligned word at or before it
+Q3K_SEGMENT = 112
 TM = 64            # pairs per tile (the MMA tile's pair side)
 KSTEP = 128
 XST = 272
@@ -105,6 +108,8 @@ KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 
 def row_bytes(fmt: str, n_in: int) -> int:
     """Bytes of one stored weight row of ``n_in`` values."""
+    if fmt in SUPER_BYTES:
+        return n_in // 256 * SUPER_BYTES[fmt]
     return n_in // 32 * BLOCK_BYTES[fmt]
 
 
@@ -174,6 +179,10 @@ class MoeGemmSpec:
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
+        for nm, fmt, kin in (("hidden", self.fmt, self.hidden), ("inter", self.down_fmt, self.inter)):
+            if fmt == "q3_k" and isinstance(kin, int) and kin % 512:
+                bad.append(f"{nm} {kin} with {fmt} (expected a multiple of 512: an even number of 256-value "
+                           f"super-blocks per row, so a K step's staged words stay inside the row)")
         if bad:
             raise RenderError("MoeGemmSpec: bad " + "; ".join(bad))
 
@@ -235,8 +244,8 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     if phase not in ("up", "down"):
         raise RenderError(f"moe_gemm: unknown GEMM phase {phase!r} (expected 'up' or 'down')")
     kin, nout, fmt = (spec.hidden, spec.inter, spec.fmt) if phase == "up" else (spec.inter, spec.hidden, spec.down_fmt)
-    sb, rs = 4 * BLOCK_BYTES[fmt], row_bytes(fmt, kin)
-    v = max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
+    sb, rs = (Q3K_SEGMENT if fmt == "q3_k" else 4 * BLOCK_BYTES[fmt]), row_bytes(fmt, kin)
+    v = 4 if fmt == "q3_k" else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
     while (rbp // 4) % 8 != 4:  # the 8 rows g of a fragment read on distinct banks
         rbp += 16
@@ -278,7 +287,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
         elif kn in ("up", "down"):
             pl = plan(spec, target, kn)
             params = dict(_common(spec), kernel=kn, kin=pl.kin, nout=pl.nout, fmt_id=FMT_ID[pl.fmt],
-                          bb=BLOCK_BYTES[pl.fmt], rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
+                          bb=BLOCK_BYTES.get(pl.fmt, 0), rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
                           stage_bytes=pl.stage_bytes, limit=_float_literal(spec.limit),
                           min_blocks=max(1, 65536 // (GEMM_THREADS * REG_BUDGET)))
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))

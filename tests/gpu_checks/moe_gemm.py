@@ -64,7 +64,9 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_skew_c2048", MG.MoeGemmSpec(2048), "skew"),
             ("flash_q8down_c512", MG.MoeGemmSpec(512, down_fmt="q8_0"), "uniform"),
             ("flash_shexp_dense_c2048", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True), "dense"),
-            ("flash_shared_c2048", MG.MoeGemmSpec(2048, shared=True), "uniform")]
+            ("flash_shared_c2048", MG.MoeGemmSpec(2048, shared=True), "uniform"),
+            ("q3k_c77", MG.MoeGemmSpec(77, fmt="q3_k", hidden=512, inter=512, k=3, n_experts=16), "uneven"),
+            ("flash_q3k_c2048", MG.MoeGemmSpec(2048, fmt="q3_k"), "uniform")]
 
 
 def _uneven_ids(C: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
