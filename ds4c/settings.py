@@ -50,9 +50,9 @@ variable                       default                     what it does (reader)
 The CUDA and ROCm toolkit folders are searched as their own tools do: ``$CUDA_HOME``, ``$CUDA_PATH``, then
 ``/usr/local/cuda`` (:func:`cuda_roots`); ``$ROCM_PATH``, then ``/opt/rocm`` (:func:`rocm_roots`).
 
-Tests and tools read three more for development only (not ds4c's behaviour): ``DS4C_DS4RUN`` (llama.cpp's
+Tests and tools read four more for development only (not ds4c's behaviour): ``DS4C_DS4RUN`` (llama.cpp's
 ``ds4run`` for ``pytest -m interop``), ``DS4C_XP_CASES`` and ``DS4C_XP_STAGES_SWEEP`` (the experts GPU check's
-case filter and stage sweep).
+case filter and stage sweep) and ``DS4C_MG_CASES`` (the grouped-experts GPU check's case filter).
 
 An empty value counts as unset. A value that cannot be read (``DS4C_PREFILL_ATTN_HPB=x``) raises
 :class:`SettingsError`, one line naming the variable, when the setting is first used.
