@@ -107,7 +107,9 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     # the compressor reads n_valid; the HC stage mix runs over C / row_block row blocks; the head stays a GEMV
     comps = [la for k in ks if k.family == "compressor" for la in k.launches]
     assert comps and all(la.args[1] == la.args[1].__class__("step", "n_valid") for la in comps)
-    assert all("if (i >= nv) break;" in la.kernel.source for la in comps)
+    # the default: parallel over the chunk's flushes (a flush launch, then the state launch), n_valid bounded by C
+    assert [la.kernel.entry.rsplit("_", 1)[-1] for la in comps] == ["flush", "state"] * (len(comps) // 2)
+    assert all("nv = nv < CMP_Q ? nv : CMP_Q;" in la.kernel.source for la in comps)
     mixes = [la for k in ks if k.family == "hc" and k.name != "hc_post_head" for la in k.launches
              if la.kernel.entry.endswith("_mix")]
     assert mixes and all(la.grid[1] == c // 4 and "ds4c_bid_y() * NQ" in la.kernel.source for la in mixes)
