@@ -104,28 +104,30 @@ stage_soak() {
 tag_of() { local t=${1:-default}; t=${t//=/-}; echo "${t//,/_}"; }  # a file name tag for a setting (the device tool returns no '=')
 lane_envs() { echo "${LANE_ENVS:-- DS4C_LANE_BATCH=0 DS4C_LANE_BATCH=0,DS4C_LANE_STREAMS=1}"; }
 
-stage_lanes() {
-  local e check_n tag
-  for e in $(lane_envs); do
-    check_n=8; [ "$e" = - ] && { e=; check_n=0; }
-    tag=$(tag_of "$e")
-    say lanes "${e:-in order}"
-    env ${e//,/ } timeout "${LANES_S:-150}" python3 tools/lanes_gpu.py --model "$MODEL" --lanes "${LANES:-1,8,16}" \
-        --check "$check_n" --beside 0 --steps 48 --json "$OUTDIR/lanes-$tag.json" > "$OUTDIR/lanes-$tag.log" 2>&1
-    check $? "lanes ${e:-in order}"; tail -8 "$OUTDIR/lanes-$tag.log"
+each_env() {  # each_env "WORDS" FN: FN SETTING TAG once per word ("-" = no setting, commas join settings)
+  local e
+  for e in $1; do
+    [ "$e" = - ] && e=
+    "$2" "$e" "$(tag_of "$e")"
   done
 }
 
-stage_lanebench() {
-  local e tag
-  for e in $(lane_envs); do
-    [ "$e" = - ] && e=
-    tag=$(tag_of "$e")
-    env ${e//,/ } timeout "${LANEBENCH_S:-280}" ds4c bench "$MODEL" --device cuda --lanes "${LANES:-1,8,16}" \
-        ${LANEBENCH_ARGS:-} --json "$OUTDIR/lanebench-$tag.json" > "$OUTDIR/lanebench-$tag.log" 2>&1
-    check $? "lanebench ${e:-in order}"; tail -9 "$OUTDIR/lanebench-$tag.log"
-  done
+lanes_one() {
+  local check_n=8
+  [ -z "$1" ] && check_n=0
+  say lanes "${1:-in order}"
+  env ${1//,/ } timeout "${LANES_S:-150}" python3 tools/lanes_gpu.py --model "$MODEL" --lanes "${LANES:-1,8,16}" \
+      --check "$check_n" --beside 0 --steps 48 --json "$OUTDIR/lanes-$2.json" > "$OUTDIR/lanes-$2.log" 2>&1
+  check $? "lanes ${1:-in order}"; tail -8 "$OUTDIR/lanes-$2.log"
 }
+stage_lanes() { each_env "$(lane_envs)" lanes_one; }
+
+lanebench_one() {
+  env ${1//,/ } timeout "${LANEBENCH_S:-280}" ds4c bench "$MODEL" --device cuda --lanes "${LANES:-1,8,16}" \
+      ${LANEBENCH_ARGS:-} --json "$OUTDIR/lanebench-$2.json" > "$OUTDIR/lanebench-$2.log" 2>&1
+  check $? "lanebench ${1:-in order}"; tail -9 "$OUTDIR/lanebench-$2.log"
+}
+stage_lanebench() { each_env "$(lane_envs)" lanebench_one; }
 
 stage_compile() {
   local max_ctx
@@ -190,28 +192,20 @@ stage_spec() {
   check $? spec; tail -16 "$OUTDIR/spec-table.log"
 }
 
-stage_prefill() {  # PREFILL_ENVS: settings per run, as LANE_ENVS ("-" = none)
-  local e tag
-  for e in ${PREFILL_ENVS:--}; do
-    [ "$e" = - ] && e=
-    tag=$(tag_of "$e")
-    env ${e//,/ } timeout "${PREFILL_S:-300}" ds4c bench "$MODEL" --device cuda --prefill "${LENGTHS:-4096}" \
-        ${PREFILL_ARGS:-} --json "$OUTDIR/prefill-bench-$tag.json" > "$OUTDIR/prefill-bench-$tag.log" 2>&1
-    check $? "prefill ${e:-defaults}"; tail -8 "$OUTDIR/prefill-bench-$tag.log"
-  done
+prefill_one() {
+  env ${1//,/ } timeout "${PREFILL_S:-300}" ds4c bench "$MODEL" --device cuda --prefill "${LENGTHS:-4096}" \
+      ${PREFILL_ARGS:-} --json "$OUTDIR/prefill-bench-$2.json" > "$OUTDIR/prefill-bench-$2.log" 2>&1
+  check $? "prefill ${1:-defaults}"; tail -8 "$OUTDIR/prefill-bench-$2.log"
 }
+stage_prefill() { each_env "${PREFILL_ENVS:--}" prefill_one; }  # PREFILL_ENVS: settings per run, as LANE_ENVS
 
-stage_chunkprof() {  # every launch of one 2048-row chunk at pos 2048 timed alone, per PREFILL_ENVS
-  local e tag
-  for e in ${PREFILL_ENVS:--}; do
-    [ "$e" = - ] && e=
-    tag=$(tag_of "$e")
-    env ${e//,/ } timeout "${CHUNKPROF_S:-300}" python3 tools/gpu_step_profile.py --model flash-l4 --gguf "$MODEL" \
-        --widths 5 --pos 2048 --prefill "${CHUNK:-2048}" > "$OUTDIR/chunkprof-$tag.log" 2>&1
-    check $? "chunk profile ${e:-defaults}"; grep -iE "family|attention|moe_gemm|gemm|compressor|sum|total" \
-        "$OUTDIR/chunkprof-$tag.log" | tail -14
-  done
+chunkprof_one() {  # every launch of one 2048-row chunk at pos 2048 timed alone
+  env ${1//,/ } timeout "${CHUNKPROF_S:-300}" python3 tools/gpu_step_profile.py --model flash-l4 --gguf "$MODEL" \
+      --widths 5 --pos 2048 --prefill "${CHUNK:-2048}" > "$OUTDIR/chunkprof-$2.log" 2>&1
+  check $? "chunk profile ${1:-defaults}"; grep -iE "family|attention|moe_gemm|gemm|compressor|sum|total" \
+      "$OUTDIR/chunkprof-$2.log" | tail -14
 }
+stage_chunkprof() { each_env "${PREFILL_ENVS:--}" chunkprof_one; }
 
 start_llama_build() {  # llama.cpp and the model file in the background: they outlive a call on a warm machine
   if [ ! -x $LB ] && [ ! -f /tmp/llama-build.started ]; then
