@@ -52,9 +52,16 @@ computed from the other shared-memory stage (two stages: 45.5 KB MXFP4, 52.5 KB 
 up phase are gathered (``perm[p] / k``), of the down phase contiguous. Rows of a tile past its count are zeros
 (scale 0) and are not stored.
 
-Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4`` or ``q8_0`` (w1 and w3 in one
-format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``). Anything else
-(HIP, sm_80, bf16 or K-quant weights, ``emulate=False``) raises :class:`RenderError` with a one-line message.
+Q3_K weights (``q3_k``, the 43-layer model's routed experts; the reduction a multiple of 512): a K step of 128 is
+half a 256-value super-block; each weight row stages the super-block's 110 bytes from the 4-aligned word at or
+before it (112 bytes, so a step's words never leave the row); per 16-value sub-block ``j`` one MMA on the codes
+``q`` in -4..3 (exact f16 through the int8 path), its fp32 result times ``d * sc_j`` (exact in fp32: the
+reference's value is ``(d * sc_j) * q``), then the activation scale as for the other formats.
+
+Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4``, ``q8_0`` or ``q3_k`` (w1 and w3 in
+one format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``). Anything else
+(HIP, sm_80, bf16 or other K-quant weights, ``emulate=False``) raises :class:`RenderError` with a one-line
+message.
 
 Arguments (:func:`arg_names`, shapes :func:`arg_shapes`): ``ids`` int64 [C, k] (distinct per row, in [0, E);
 an id outside is skipped by ``route`` and leaves that (row, slot)'s ybuf unwritten, so ``combine`` reads
