@@ -125,14 +125,13 @@ def _h_flip_bound(spec: MG.MoeGemmSpec, inp: dict, diff: torch.Tensor, hr: torch
 SMALL = dict(hidden=384, inter=256, k=2, n_experts=8)  # two K steps in the down phase, three in up
 #: Q3_K rows are whole pairs of 256-value super-blocks: 4 K steps each way, both halves of both super-blocks, the
 #: second super-block's bytes 2 past a word boundary
-Q3 = dict(hidden=512, inter=512, k=3, n_experts=16)
+Q3 = dict(hidden=512, inter=512, k=3, n_experts=16)  # (the tile logic is the other cases'; this one is the decode)
 EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
     (77, "mxfp4", "mxfp4", "uneven", TINY),
     (77, "q8_0", "q8_0", "uneven", TINY),
     (37, "mxfp4", "q8_0", "skew", TINY),
     (70, "q8_0", "mxfp4", "skew", SMALL),
-    (77, "q3_k", "q3_k", "uneven", Q3),
-    (33, "q3_k", "q8_0", "skew", Q3),
+    (33, "q3_k", "q3_k", "skew", Q3),
 ]
 
 
