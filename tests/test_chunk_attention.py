@@ -125,3 +125,14 @@ def test_chunk_attention_compiles_without_spills(arch, tmp_path):
     src = CA.render_chunk_attention(spec, target(arch), "ds4c_attn_csa")
     c = compile_kernel(src, tmp_path)
     assert_no_spills(c.usage, src, c.log)
+
+
+def test_small_head_dim_renders(tmp_path):
+    """head_dim 16 (one MMA k step, one value-product column pair) passes the checks and renders: the chunk kernel
+    does not need the SIMT kernel's block geometry, which has no block size for it; on the emulator it matches the
+    reference with one head and a one-entry window."""
+    _skip_without_host()
+    spec = _spec("swa", 3, 1, 16, 1)
+    CA.check(spec, target("sm_90"))
+    x = _inputs(spec, 5, 0, seed=16)
+    _check(spec, x, _emulate(spec, x, tmp_path), 5, 0)

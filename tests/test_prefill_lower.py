@@ -254,7 +254,8 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None,
                attn_mma: bool = False, cmp_parallel: bool = False, **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` (``attn_mma``: the
-    tensor-core chunk attention, as ``lower_prefill`` chooses by default on CUDA)."""
+    tensor-core chunk attention, as ``lower_prefill`` chooses with DS4C_PREFILL_ATTN_MMA=1 on CUDA; ``cmp_parallel``:
+    the compressors parallel over the flushes, DS4C_PREFILL_CMP_PARALLEL=1)."""
     import ds4c.runtime.lower_prefill as LP
     from ds4c.runtime.lower_step import _Ctx
     from ds4c.tensors import storage_types

@@ -21,7 +21,7 @@
 #             same greedy tokens and the tokens/s of each
 #   spec      tools/spec_table.py $MODEL: tokens/s against ALPHA, fixed widths and auto, host-accept A/B
 #   prefill   ds4c bench $MODEL --prefill $LENGTHS $PREFILL_ARGS (chunk graphs vs verify steps, TTFT, the compute
-#             roofline), once per word of PREFILL_ENVS (as LANE_ENVS; e.g. "DS4C_PREFILL_ATTN_MMA=0 -": an A/B)
+#             roofline), once per word of PREFILL_ENVS (as LANE_ENVS; e.g. "DS4C_PREFILL_ATTN_MMA=1 -": an A/B)
 #   chunkprof tools/gpu_step_profile.py --prefill $CHUNK (2048) at pos 2048: every launch of one chunk timed alone,
 #             by family, once per word of PREFILL_ENVS
 #   llama     ds4c bench $FILE --prefill $LLAMA_LENGTHS --llama-bench: llama.cpp's pp on the same file and GPU;

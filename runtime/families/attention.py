@@ -170,14 +170,17 @@ class AttentionSpec:
         return (2 * CHUNK * (1 + 2 * hpb) + max(self.groups() - 1, 1) * hpb * self.head_dim
                 + (self.topk if self.kind == "csa" else 0)) * 4
 
-    def params(self) -> dict[str, Any]:
-        """Render parameters (without ``part``)."""
+    def list_params(self) -> dict[str, Any]:
+        """The render parameters of the lists and the scale (shared with the tensor-core chunk kernel)."""
         return {"kind": self.kind, "rows": self.q, "heads": self.heads, "head_dim": self.head_dim,
                 "window": self.window, "topk": self.topk if self.kind == "csa" else 0,
                 "cap": self.cap if self.kind in ("csa", "hca") else 0, "ratio": self.ratio if self.kind == "hca" else 1,
-                "splits": self.splits, "heads_per_block": self.heads_per_block, "threads": self.block_threads(),
-                "combine_threads": self.combine_threads(),
                 "scale": _float_literal(self.scale_value)}
+
+    def params(self) -> dict[str, Any]:
+        """Render parameters (without ``part``): the lists and the SIMT kernel's block geometry."""
+        return {**self.list_params(), "splits": self.splits, "heads_per_block": self.heads_per_block,
+                "threads": self.block_threads(), "combine_threads": self.combine_threads()}
 
 
 def _float_literal(x: float) -> str:

@@ -8,7 +8,8 @@ compressed rows): ``S = Q . K^T`` [64, 64 entries] per chunk and ``acc += bf16(P
 kernel of :mod:`ds4c.runtime.families.attention` (written for the 1..5 rows of a decode or verify step) computes
 the same on CUDA cores: at ``C`` rows it took ~38% of a 2048-row chunk (docs/perf.md, Optimisation 7). This one
 keeps its lists, chunks of 64, online softmax, masking and argument list, so the lowering binds either the same
-way (:func:`ds4c.runtime.lower_prefill._lower_attention`; ``DS4C_PREFILL_ATTN_MMA=0`` keeps the SIMT kernel).
+way (:func:`ds4c.runtime.lower_prefill._lower_attention`; ``DS4C_PREFILL_ATTN_MMA=1`` selects this kernel, the
+default keeps the SIMT one until a GPU run checks this one).
 
 One launch: grid ``(ceil(H / 64), C)``, 256 threads, :func:`smem_bytes` of dynamic shared memory (the query rows
 of 64 heads and one or two stages of 64 KV rows, padded so every ``ldmatrix`` row lands on its own banks). Two
@@ -23,8 +24,6 @@ both within bf16 tolerance of :func:`ds4c.runtime.families.attention.reference` 
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.attention import AttentionSpec
@@ -84,8 +83,7 @@ def render_chunk_attention(spec: AttentionSpec, target: Target, name: str, n_sta
         RenderError: see :func:`check`; forced stages that do not fit.
     """
     st = stages(spec, target) if n_stages is None else _forced(spec, target, n_stages)
-    params = {k: v for k, v in spec.params().items()
-              if k in ("kind", "rows", "heads", "head_dim", "window", "topk", "cap", "ratio", "scale")}
+    params = spec.list_params()  # the lists and scale only: the SIMT kernel's block geometry is not this kernel's
     return render(TEMPLATE, name, FAMILY, target, {**params, "stages": st, "smem": smem_bytes(spec, st)})
 
 
