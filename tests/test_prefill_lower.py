@@ -777,3 +777,25 @@ def test_every_valid_row_writing_is_caught_by_the_reversed_block_order(kind, tmp
     fwd, want, _ = _run_tap(cx, op, [la], 77, 40, tmp_path / "f")
     rev, want2, _ = _run_tap(cx, op, [la], 77, 40, tmp_path / "r", reverse=True)
     assert torch.equal(_bits(fwd), _bits(want)) and not torch.equal(_bits(rev), _bits(want2))
+
+
+@pytest.mark.parametrize("fmt,pending", [("q3_k", False), ("q4_k", True)])
+def test_kquant_experts_lower_or_refuse_in_one_line(fmt, pending):
+    """flash-l4 with its routed experts stored as a K-quant (``make-model --formats q3_k``, the 43-layer model's
+    storage): Q3_K lowers every chunk plan kernel on sm_90, the routed call reading ``q3_k`` (the shared expert stays
+    Q8_0); a K-quant the grouped GEMM has no decoder for stays pending with a one-line reason naming the formats."""
+    from ds4c.tensors import storage_types
+
+    cfg = preset("flash-l4")
+    g = _graph("flash-l4", 64, 4096)
+    pend: list = []
+    ks = lower_graph(g, cfg, target("sm_90"), storage_types(cfg, fmt), pending=pend)
+    moe = [p for p in pend if p.pattern == "moe_experts"]
+    if pending:
+        assert len(moe) == cfg.n_layers and all("\n" not in p.message and "q3_k" in p.message and fmt in p.message
+                                                for p in moe), moe[0].message
+        return
+    assert not pend
+    ups = [la for k in ks if k.family == "moe_gemm" for la in k.launches if la.kernel.entry.endswith("_up")]
+    assert len(ups) == 2 * cfg.n_layers  # the routed and the shared expert's up phase per layer
+    assert sum("#define MG_FMT 2" in la.kernel.source for la in ups) == cfg.n_layers
