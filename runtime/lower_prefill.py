@@ -242,12 +242,11 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
     if not c.attn_mma:
         return L._lower_attention(c, op)
     sa, spec = L.attention_spec(c, op)
-    try:
-        _ca.check(spec, c.target)
+    try:  # both check the target and shapes (chunk_attention.check)
+        src = _ca.render_chunk_attention(spec, c.target, c.name(op, f"attn_mma_{spec.kind}"))
+        la = _ca.launch_shape(spec, c.target)
     except _RenderError:
         return L._lower_attention(c, op)
-    src = _ca.render_chunk_attention(spec, c.target, c.name(op, f"attn_mma_{spec.kind}"))
-    la = _ca.launch_shape(spec, c.target)
     b = L.attention_bindings(c, op, sa, spec)
     return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _att.arg_names(spec)["main"]])]
 

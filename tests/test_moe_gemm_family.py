@@ -103,14 +103,16 @@ def _h_flip_bound(spec: MG.MoeGemmSpec, inp: dict, diff: torch.Tensor, hr: torch
 
     perm, _ = MG.routing_tables(spec, inp["ids"])
     flat, wts = inp["ids"].reshape(-1), inp["weights"].reshape(-1)
-    K, out = spec.hidden, []
+    K, out, ws = spec.hidden, [], {}
     for (p, col), h in zip(diff.nonzero().tolist(), hr[diff].tolist()):
         pair = int(perm[p])
         e, row = int(flat[pair]), pair // spec.k
         x = inp["x"][row:row + 1].to(torch.bfloat16)
+        if e not in ws:
+            ws[e] = [dequantize_weight(spec.fmt, w, spec.inter, spec.hidden, e) for w in (inp["w1"], inp["w3"])]
         gu = []
-        for w in (inp["w1"], inp["w3"]):
-            wr = dequantize_weight(spec.fmt, w, spec.inter, spec.hidden, e)[col]
+        for wm in ws[e]:
+            wr = wm[col]
             v = float(P.linear_q(x, wr[None], spec.act_quant)[0, 0])
             gu.append((v, 2.0 ** -7 * abs(v) + K * 2.0 ** -24 * float((wr * x[0].float()).abs().sum()) * 2))
         (g, dg), (u, du) = gu

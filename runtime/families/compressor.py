@@ -227,7 +227,11 @@ def render_compressor(specs: Sequence[CompressorSpec] | CompressorSpec, target: 
     """
     if isinstance(specs, CompressorSpec):
         specs = [specs]
-    specs = list(specs)
+    return render(TEMPLATE, name, FAMILY, target, _checked_params(list(specs), target, name, threads))
+
+
+def _checked_params(specs: list[CompressorSpec], target: Target, name: str, threads: int) -> dict[str, Any]:
+    """:func:`params` of a launch after the target's limits: raises RenderError (see :func:`render_compressor`)."""
     prm = params(specs, threads)
     nt = prm["threads"]
     if nt % target.wave:
@@ -239,7 +243,7 @@ def render_compressor(specs: Sequence[CompressorSpec] | CompressorSpec, target: 
     sm = smem_bytes(specs, nt, target.wave)
     if sm > STATIC_SMEM_LIMIT:
         raise RenderError(f"compressor {name}: {sm} bytes of shared memory exceed {STATIC_SMEM_LIMIT}")
-    return render(TEMPLATE, name, FAMILY, target, prm)
+    return prm
 
 
 
@@ -266,8 +270,7 @@ def render_compressor_chunk(specs: Sequence[CompressorSpec], target: Target, nam
     specs = list(specs)
     if not specs or not all(s.valid and not s.undo for s in specs):
         raise RenderError(f"compressor {name}: the chunk kernels need valid specs without undo (a prefill chunk)")
-    render_compressor(specs, target, name, threads)  # the same limits (wave, indexer width, shared memory)
-    prm = params(specs, threads)
+    prm = _checked_params(specs, target, name, threads)  # the serial kernel's limits (wave, indexer width, smem)
     return [render(CHUNK_TEMPLATE, f"{name}_{k}", FAMILY, target, {**prm, "part": k}) for k in CHUNK_KERNELS]
 
 
