@@ -247,6 +247,50 @@ def default_prefill_tries(max_ctx: int) -> list[tuple[int, ...]]:
     return [fit[:n] for n in range(len(fit), 0, -1)] + [()]
 
 
+def fit_prefill_chunks(mf: ModelFile, device: str, devices: Any, layer_split: Any, buckets: BucketSpec, arch: str,
+                       tries: list[tuple[int, ...]], progress: bool = True) -> tuple[tuple[int, ...], Any, Any, Any]:
+    """The first chunk set of ``tries`` (:func:`default_prefill_tries`, or one explicit set) whose chunk graphs lower
+    for ``arch`` and whose memory plan fits: ``(chunks, parts, shard plan, memory plan)``. With several tries (the
+    defaults), chunk graphs with a plan kernel no family lowers for this file and target (e.g. expert weights the
+    grouped GEMM has no decoder for, or a target it does not build) are dropped with one stderr line and prompts run
+    as verify steps; the last try prints its memory plan.
+
+    Raises:
+        LoweringError: an explicit chunk set (a single try) whose chunk graphs do not lower.
+        ShardPlanError: the last try does not fit.
+    """
+    from ds4c.runtime.lowered import LoweringError
+    from ds4c.runtime.memory_plan import plan_parts
+
+    i, refused = 0, False
+    while True:
+        chunks, last = tries[i], i == len(tries) - 1
+        try:
+            parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
+        except LoweringError as e:
+            if last or not chunks:
+                raise
+            if progress:
+                print(f"prefill chunks {list(chunks)}: not built for {arch} ({e}); prompts run as verify steps",
+                      file=sys.stderr)
+            i, refused = len(tries) - 1, True  # the same weights and target refuse every size: straight to none
+            continue
+        plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
+        try:
+            mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress and last)
+        except ShardPlanError:
+            if last:
+                raise
+            i += 1
+            continue
+        if progress and not last:
+            print(mplan.describe(), file=sys.stderr)
+        if progress and i and not refused:
+            print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
+                  "plan", file=sys.stderr)
+        return chunks, parts, plan, mplan
+
+
 def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifact: str | os.PathLike | None = None,
                 max_ctx: int | None = 4096, quant_emulation: bool = True, threads: int | None = None,
                 dataflow: str = "bf16", prepare: bool = True, progress: bool = True,
@@ -365,21 +409,8 @@ def open_engine(mf: ModelFile, device: str = "cpu", engine: str = "auto", artifa
         tries = [chunks]
         if prefill_chunks is None and artifact is None and devices is None and layer_split is None:
             tries = default_prefill_tries(buckets.max_ctx)
-        for i, chunks in enumerate(tries):  # the last try prints its plan, and raises when it does not fit
-            last = i == len(tries) - 1
-            parts = plan_parts(mf, buckets, arch, prefill_chunks=chunks)
-            plan = shard_plan(mf, device, devices, layer_split, buckets, parts=parts)
-            try:
-                mplan = check_memory(mf, buckets, plan, arch, parts=parts, progress=progress and last)
-                break
-            except ShardPlanError:
-                if last:
-                    raise
-        if progress and not last:
-            print(mplan.describe(), file=sys.stderr)
-        if progress and i:
-            print(f"prefill chunks {list(chunks) or 'none'}: the default {list(tries[0])} do not fit the memory "
-                  "plan", file=sys.stderr)
+        chunks, parts, plan, mplan = fit_prefill_chunks(mf, device, devices, layer_split, buckets, arch, tries,
+                                                        progress)
         if plan is not None and plan.is_split:
             from ds4c.runtime.sharded import ShardedStep
 
