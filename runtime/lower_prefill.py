@@ -343,11 +343,11 @@ def _lower_tap(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _experts_fmt(c: _Ctx, names: tuple[str, ...], what: str) -> str:
-    """The one moe_gemm storage format (``mxfp4`` | ``q8_0`` | ``q3_k``) of the weights ``names``.
+    """The one moe_gemm storage format (``mxfp4`` | ``q8_0`` | a K-quant | ``iq4_xs``) of the weights ``names``.
 
     Raises:
-        PendingLowering: a weight stored otherwise (BF16, the other K-quants, IQ4_XS: moe_gemm has no decoder for
-            them), or the names in different formats."""
+        PendingLowering: a weight stored otherwise (BF16 or F32: moe_gemm has no decoder for them), or the names
+            in different formats."""
     fmts = {c.fmt(n) for n in names}
     if len(fmts) != 1 or next(iter(fmts)) not in _mg.FORMATS:
         raise PendingLowering(f"moe_experts at {c.q} rows: the {what} weights are stored as {sorted(fmts)}; the "
@@ -384,7 +384,7 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
 
     Raises:
         PendingLowering: a target moe_gemm does not build (HIP, sm_80: no e4m3 cvt), expert weights not
-            MXFP4 / Q8_0 / Q3_K, or the FP8 activation quant off (``emulate`` / ``act_quant`` False).
+            MXFP4 / Q8_0 / a K-quant / IQ4_XS, or the FP8 activation quant off (``emulate`` / ``act_quant`` False).
         LoweringError: a body that is not routed_experts + the SwiGLU shared expert + moe_sum, a shared weight
             that is not a model tensor, or sizes the family refuses.
     """

@@ -125,15 +125,19 @@ def _h_flip_bound(spec: MG.MoeGemmSpec, inp: dict, diff: torch.Tensor, hr: torch
 
 # ----------------------------------------------------------------------------------------------- emulation
 SMALL = dict(hidden=384, inter=256, k=2, n_experts=8)  # two K steps in the down phase, three in up
-#: Q3_K rows are whole pairs of 256-value super-blocks: 4 K steps each way, both halves of both super-blocks, the
-#: second super-block's bytes 2 past a word boundary
-Q3 = dict(hidden=512, inter=512, k=3, n_experts=16)  # (the tile logic is the other cases'; this one is the decode)
+#: K-quant rows are whole pairs of 256-value super-blocks: 4 K steps each way, both halves of both super-blocks (Q3_K
+#: / Q6_K: the second super-block's bytes 2 past a word boundary)
+KQ = dict(hidden=512, inter=512, k=3, n_experts=16)  # (the tile logic is the other cases'; these are the decodes)
 EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
     (77, "mxfp4", "mxfp4", "uneven", TINY),
     (77, "q8_0", "q8_0", "uneven", TINY),
     (37, "mxfp4", "q8_0", "skew", TINY),
     (70, "q8_0", "mxfp4", "skew", SMALL),
-    (33, "q3_k", "q3_k", "skew", Q3),
+    # every K-quant and IQ4_XS, each once: with a min term per 16 (Q2_K) or per 32 values (Q4_K, Q5_K), without
+    # (Q3_K, Q6_K, IQ4_XS); the 4-byte staged ones (Q2_K, Q3_K, Q6_K) through cp.async
+    (33, "q4_k", "q2_k", "skew", KQ),
+    (33, "q5_k", "q6_k", "skew", KQ),
+    (33, "iq4_xs", "q3_k", "skew", KQ),
 ]
 
 
@@ -276,20 +280,25 @@ def test_dense_and_shared_options_render_nothing_when_off() -> None:
 # ------------------------------------------------------------------------------------------ device compile
 def test_device_compile_sm90(tmp_path: Path) -> None:
     """Flash-sized kernels (C 2048, D 4096, I 2048, E 256, k 6; MXFP4, Q8_0 down, all Q8_0; the combine with
-    ``shared``; the dense Q8_0 shared-expert call) compile for sm_90 with no spills and no stack frame."""
+    ``shared``; the dense Q8_0 shared-expert call; the up / down phases of every K-quant and IQ4_XS) compile for
+    sm_90 with no spills and no stack frame."""
     why = compiler_missing("sm_90")
     if why:
         pytest.skip(f"no compiler for sm_90: {why}")
     tgt = target("sm_90")
     dense = MG.MoeGemmSpec(rows=2048, k=1, n_experts=1, fmt="q8_0", dense=True)  # flash's shared expert
     for spec in (MG.MoeGemmSpec(rows=2048), MG.MoeGemmSpec(rows=512, down_fmt="q8_0"), MG.MoeGemmSpec(rows=64, fmt="q8_0"),
-                 MG.MoeGemmSpec(rows=2048, shared=True), dense, MG.MoeGemmSpec(rows=2048, fmt="q3_k")):
+                 MG.MoeGemmSpec(rows=2048, shared=True), dense, MG.MoeGemmSpec(rows=2048, fmt="q3_k"),
+                 MG.MoeGemmSpec(rows=2048, fmt="q4_k", down_fmt="q6_k"),
+                 MG.MoeGemmSpec(rows=2048, fmt="q5_k", down_fmt="q2_k"), MG.MoeGemmSpec(rows=2048, fmt="iq4_xs")):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
         assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == (
             ["x", "up", "h", "down"] if spec.dense else ["combine"] if spec.shared
             else ["route", "x", "up", "h", "down", "combine"])
+        if spec.fmt in MG.KQUANTS:  # only the GEMM phases read the weights
+            srcs = [s for s in srcs if s.entry.endswith(("_up", "_down"))]
         for s in srcs:
             d = tmp_path / s.entry
             d.mkdir()

@@ -140,6 +140,44 @@ def test_default_chunks_fit_the_context_and_fall_back(max_ctx, want):
     assert default_prefill_tries(max_ctx) == want
 
 
+def _open_faked_cuda(monkeypatch, model: str, arch: str, **kw):
+    """open_engine on a faked CUDA device of ``arch`` (no GPU: the CompiledStep records its chunk sizes)."""
+    import ds4c.runtime.sharded as sh
+    import ds4c.runtime.step as st
+    from ds4c.engine import open_engine
+    from ds4c.sources import open_model
+
+    built: list[tuple[int, ...]] = []
+
+    class Recorded:
+        def __init__(self, mf, buckets, arch, artifact=None, plan=None, taps=(), record_hc=False, prefill_chunks=()):
+            built.append(tuple(prefill_chunks))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(st, "device_arch", lambda: arch)
+    monkeypatch.setattr(st, "CompiledStep", Recorded)
+    monkeypatch.setattr(sh, "free_memory", lambda devices: [64 << 30] * len(devices))
+    open_engine(open_model(model), device="cuda", max_ctx=512, prepare=False, **kw)
+    return built
+
+
+def test_default_chunks_that_do_not_lower_fall_back_to_verify_steps(monkeypatch, capsys):
+    """The default chunk graphs are kept only where they lower: routed experts in a K-quant the grouped GEMM reads
+    (Q4_K) get the 256-row chunk graph on sm_90; on a target the grouped GEMM does not build (sm_80) the engine
+    says why in one stderr line and prefills with verify steps instead of failing to open; an explicit ``--prefill``
+    that does not lower is a one-line error."""
+    from ds4c.runtime.lowered import LoweringError
+
+    assert _open_faked_cuda(monkeypatch, "synthetic:tiny:q4_k", "sm_90") == [(256,)]
+    capsys.readouterr()
+    assert _open_faked_cuda(monkeypatch, "synthetic:tiny:q4_k", "sm_80") == [()]
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prefill chunks")]
+    assert len(err) == 1 and "not built for sm_80" in err[0] and "verify steps" in err[0], err
+    with pytest.raises(LoweringError) as ei:
+        _open_faked_cuda(monkeypatch, "synthetic:tiny:q4_k", "sm_80", prefill_chunks=(256,))
+    assert "\n" not in str(ei.value) and "moe_experts" in str(ei.value)
+
+
 @pytest.mark.parametrize("value", ["none", "NONE", ""])
 def test_cli_prefill_none_means_verify_steps(value):
     assert check_prefill_request(value, "cpu") == ()

@@ -779,11 +779,12 @@ def test_every_valid_row_writing_is_caught_by_the_reversed_block_order(kind, tmp
     assert torch.equal(_bits(fwd), _bits(want)) and not torch.equal(_bits(rev), _bits(want2))
 
 
-@pytest.mark.parametrize("fmt,pending", [("q3_k", False), ("q4_k", True)])
+@pytest.mark.parametrize("fmt,pending", [("q3_k", False), ("q4_k", False), ("bf16", True)])
 def test_kquant_experts_lower_or_refuse_in_one_line(fmt, pending):
     """flash-l4 with its routed experts stored as a K-quant (``make-model --formats q3_k``, the 43-layer model's
-    storage): Q3_K lowers every chunk plan kernel on sm_90, the routed call reading ``q3_k`` (the shared expert stays
-    Q8_0); a K-quant the grouped GEMM has no decoder for stays pending with a one-line reason naming the formats."""
+    storage; Q4_K, a Q4_K_M file's): every chunk plan kernel lowers on sm_90, the routed call reading the K-quant
+    (the shared expert stays Q8_0); experts the grouped GEMM has no decoder for (BF16) stay pending with a one-line
+    reason naming the formats."""
     from ds4c.tensors import storage_types
 
     cfg = preset("flash-l4")

@@ -52,16 +52,21 @@ computed from the other shared-memory stage (two stages: 45.5 KB MXFP4, 52.5 KB 
 up phase are gathered (``perm[p] / k``), of the down phase contiguous. Rows of a tile past its count are zeros
 (scale 0) and are not stored.
 
-Q3_K weights (``q3_k``, the 43-layer model's routed experts; the reduction a multiple of 512): a K step of 128 is
-half a 256-value super-block; each weight row stages the super-block's 110 bytes from the 4-aligned word at or
-before it (112 bytes, so a step's words never leave the row); per 16-value sub-block ``j`` one MMA on the codes
-``q`` in -4..3 (exact f16 through the int8 path), its fp32 result times ``d * sc_j`` (exact in fp32: the
-reference's value is ``(d * sc_j) * q``), then the activation scale as for the other formats.
+K-quant / IQ4_XS weights (``q2_k`` .. ``q6_k``, ``iq4_xs``: the 43-layer model's Q3_K routed experts, a Q4_K_M
+file's Q4_K / Q6_K ones; the reduction a multiple of 256, of 512 for Q3_K / Q6_K, whose 110 / 210-byte super-blocks
+are not whole words): a K step of 128 is half a 256-value super-block; each weight row stages the super-block's
+bytes from the 4-aligned word at or before it (Q3_K 112, Q6_K 212 bytes, so a step's words never leave the row).
+Per 32-block the shared decoder (``templates/prelude/kquant.h.j2``, the experts' and GEMV's) gives each lane's int8
+codes and each 16-value half's scale ``sc = d * sub-scale`` and min ``mn = dmin * sub-min``; one MMA per half on
+the codes (exact f16 through the int8 path; Q4_K / Q5_K / IQ4_XS, one scale per 32 values, chain the two), its
+fp32 result times ``sc`` (exact in fp32: the reference's value is ``sc * q - mn``), minus ``mn`` times the half's
+activation sum, which an MMA of a ones matrix on the same B fragments gives (Q2_K, Q4_K, Q5_K); then the
+activation scale as for the other formats. The formats staged in 4-byte units (Q2_K, Q3_K, Q6_K) copy their
+weights by 4-byte ``cp.async`` straight into shared memory instead of through registers (``PhasePlan.w_async``).
 
-Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4``, ``q8_0`` or ``q3_k`` (w1 and w3 in
-one format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``). Anything else
-(HIP, sm_80, bf16 or other K-quant weights, ``emulate=False``) raises :class:`RenderError` with a one-line
-message.
+Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4``, ``q8_0``, the K-quants or ``iq4_xs``
+(w1 and w3 in one format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``).
+Anything else (HIP, sm_80, bf16 weights, ``emulate=False``) raises :class:`RenderError` with a one-line message.
 
 Arguments (:func:`arg_names`, shapes :func:`arg_shapes`): ``ids`` int64 [C, k] (distinct per row, in [0, E);
 an id outside is skipped by ``route`` and leaves that (row, slot)'s ybuf unwritten, so ``combine`` reads
@@ -90,18 +95,29 @@ import torch
 
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
-from ds4c.runtime.families.experts import E4M3_ARCHS, _float_literal, dequantize_weight
+from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
+from ds4c.runtime.families.experts import _float_literal, dequantize_weight
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
 FAMILY = "moe_gemm"
-FORMATS = ("mxfp4", "q8_0", "q3_k")
-FMT_ID = {"mxfp4": 0, "q8_0": 1, "q3_k": 2}
-BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34}  # per block of 32 values (q3_k: SUPER_BYTES per 256)
-SUPER_BYTES = {"q3_k": 110}
-#: q3_k: bytes of a row staged per K step: the whole 110-byte super-block from the 4-aligned word at or before it
-Q3K_SEGMENT = 112
+FORMATS = ("mxfp4", "q8_0") + KQUANTS
+#: the template's MG_FMT: 0 MXFP4, 1 Q8_0, 2 a K-quant / IQ4_XS super-block (which one: MG_KQ, the shared decoder's
+#: format id, :data:`ds4c.runtime.families.experts.FMT_ID`)
+FMT_ID = {"mxfp4": 0, "q8_0": 1, **{f: 2 for f in KQUANTS}}
+BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34}  # per block of 32 values (K-quants: SUPER_BYTES per 256)
+SUPER_BYTES = {f: _XP_BYTES[f] for f in KQUANTS}
+#: K-quants whose super-block is not a whole number of words (Q3_K 110, Q6_K 210 bytes): a row must hold an even
+#: number of super-blocks, so every row starts on a word and a K step's staged words stay inside the row
+UNALIGNED_KQ = tuple(f for f in KQUANTS if SUPER_BYTES[f] % 4)
+
+
+def kq_segment(fmt: str) -> int:
+    """Bytes of a K-quant row staged per K step (half a super-block of values): the whole super-block from the
+    4-aligned word at or before it (Q3_K 112, Q6_K 212; the aligned formats their super-block)."""
+    bb = SUPER_BYTES[fmt]
+    return bb + (2 if bb % 4 else 0)
 TM = 64            # pairs per tile (the MMA tile's pair side)
 KSTEP = 128
 XST = 272
@@ -134,7 +150,7 @@ class MoeGemmSpec:
         inter: I, the expert intermediate width (2048 flash; a multiple of 128).
         k: routed experts per row (6 flash; 1..16).
         n_experts: E (256 flash; 1..512: the route kernel's static shared memory, 76 E bytes).
-        fmt: storage of w1 / w3: ``mxfp4`` (official) | ``q8_0``.
+        fmt: storage of w1 / w3: ``mxfp4`` (official) | ``q8_0`` | a K-quant (``q2_k`` .. ``q6_k``) | ``iq4_xs``.
         down_fmt: storage of w2; None = ``fmt``.
         limit: the SwiGLU clamp L (P11; 10.0).
         act_quant: FP8 activation quant of x and h (the reference's ``emulate``); only True is supported.
@@ -187,9 +203,11 @@ class MoeGemmSpec:
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
         for nm, fmt, kin in (("hidden", self.fmt, self.hidden), ("inter", self.down_fmt, self.inter)):
-            if fmt == "q3_k" and isinstance(kin, int) and kin % 512:
+            if fmt in UNALIGNED_KQ and isinstance(kin, int) and kin % 512:
                 bad.append(f"{nm} {kin} with {fmt} (expected a multiple of 512: an even number of 256-value "
                            f"super-blocks per row, so a K step's staged words stay inside the row)")
+            elif fmt in KQUANTS and isinstance(kin, int) and kin % 256:
+                bad.append(f"{nm} {kin} with {fmt} (expected a multiple of 256: whole super-blocks per row)")
         if bad:
             raise RenderError("MoeGemmSpec: bad " + "; ".join(bad))
 
@@ -228,7 +246,10 @@ def check_target(target: Target) -> None:
 class PhasePlan:
     """Geometry of the ``up`` / ``down`` GEMM: reduction ``kin``, output width ``nout``, weight ``fmt``, row bytes
     ``rs``, vector load bytes ``v``, padded shared row stride ``rbp``, ``stage_bytes`` (two stages), ``smem``,
-    ``grid``, ``block``."""
+    ``grid``, ``block``, ``nb``: the 4-byte words a thread loads of one K step's weights, and ``w_async``: they
+    are copied by 4-byte cp.async straight into shared memory instead of through registers (the K-quants staged in
+    4-byte units, Q2_K / Q3_K / Q6_K: 11-27 registers otherwise, and sm_90 spills Q3_K's up and Q6_K's down
+    phase at 255 registers)."""
 
     kin: int
     nout: int
@@ -240,6 +261,8 @@ class PhasePlan:
     smem: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    nb: int
+    w_async: bool
 
 
 def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
@@ -251,8 +274,8 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     if phase not in ("up", "down"):
         raise RenderError(f"moe_gemm: unknown GEMM phase {phase!r} (expected 'up' or 'down')")
     kin, nout, fmt = (spec.hidden, spec.inter, spec.fmt) if phase == "up" else (spec.inter, spec.hidden, spec.down_fmt)
-    sb, rs = (Q3K_SEGMENT if fmt == "q3_k" else 4 * BLOCK_BYTES[fmt]), row_bytes(fmt, kin)
-    v = 4 if fmt == "q3_k" else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
+    sb, rs = (kq_segment(fmt) if fmt in KQUANTS else 4 * BLOCK_BYTES[fmt]), row_bytes(fmt, kin)
+    v = 4 if fmt in UNALIGNED_KQ else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
     while (rbp // 4) % 8 != 4:  # the 8 rows g of a fragment read on distinct banks
         rbp += 16
@@ -262,7 +285,9 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
                           f"{SMEM_LIMIT}")
     ny = spec.inter // 32 if phase == "up" else spec.hidden // 64
-    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (GEMM_THREADS, 1, 1))
+    nb = -(-64 * (sb // v) // GEMM_THREADS) * v // 4  # MG_NJ loads of v bytes: MG_NB words
+    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (GEMM_THREADS, 1, 1), nb,
+                     fmt in KQUANTS and v == 4)
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
@@ -294,8 +319,10 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
         elif kn in ("up", "down"):
             pl = plan(spec, target, kn)
             params = dict(_common(spec), kernel=kn, kin=pl.kin, nout=pl.nout, fmt_id=FMT_ID[pl.fmt],
-                          bb=BLOCK_BYTES.get(pl.fmt, 0), rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
-                          stage_bytes=pl.stage_bytes, limit=_float_literal(spec.limit),
+                          kq_id=_XP_FMT_ID[pl.fmt], bb=BLOCK_BYTES.get(pl.fmt, SUPER_BYTES.get(pl.fmt, 0)),
+                          sb=kq_segment(pl.fmt) if pl.fmt in KQUANTS else 0, rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
+                          stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
+                          limit=_float_literal(spec.limit),
                           min_blocks=max(1, 65536 // (GEMM_THREADS * REG_BUDGET)))
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
         else:

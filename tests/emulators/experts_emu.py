@@ -149,11 +149,14 @@ static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
 
 // ---- cp.async: a copy waits in its thread's queue until a wait_group completes its group, so a tile read before
 // its wait sees the old bytes (as it may on the GPU); a block that ends with copies never waited for aborts
-struct EmuCp { u8* dst; const u8* src; unsigned long long group; };
+struct EmuCp { u8* dst; const u8* src; unsigned long long group; int n; };
 static std::vector<EmuCp> emu_cpq[1024];
 static unsigned long long emu_cp_groups[1024];
 DS4C_DEVICE void xp_cp16(void* dst, const void* src) {
-  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid]});
+  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 16});
+}
+DS4C_DEVICE void xp_cp4(void* dst, const void* src) {
+  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 4});
 }
 DS4C_DEVICE void xp_cp_commit() { ++emu_cp_groups[t_tid]; }
 template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N most recent commits complete
@@ -161,7 +164,7 @@ template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N mos
   const unsigned long long n = emu_cp_groups[t_tid], done = n >= (unsigned long long)N ? n - N : 0ull;
   size_t k = 0;
   for (size_t i = 0; i < qv.size(); ++i) {
-    if (qv[i].group < done) std::memcpy(qv[i].dst, qv[i].src, 16);
+    if (qv[i].group < done) std::memcpy(qv[i].dst, qv[i].src, qv[i].n);
     else qv[k++] = qv[i];
   }
   qv.resize(k);

@@ -67,7 +67,12 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_shexp_dense_c2048", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True), "dense"),
             ("flash_shared_c2048", MG.MoeGemmSpec(2048, shared=True), "uniform"),
             ("q3k_c77", MG.MoeGemmSpec(77, fmt="q3_k", hidden=512, inter=512, k=3, n_experts=16), "uneven"),
-            ("flash_q3k_c2048", MG.MoeGemmSpec(2048, fmt="q3_k"), "uniform")]
+            ("flash_q3k_c2048", MG.MoeGemmSpec(2048, fmt="q3_k"), "uniform"),
+            # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
+            ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
+            ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
+             "uneven"),
+            ("iq4xs_c77", MG.MoeGemmSpec(77, fmt="iq4_xs", hidden=512, inter=512, k=3, n_experts=16), "uneven")]
 
 
 def _uneven_ids(C: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
