@@ -36,6 +36,11 @@
 #             once per word of LANE_ENVS
 #   profile   Nsight Compute on the official MXFP4 experts at q = 1 and 5 (throughput, occupancy, warp stall
 #             reasons), then the compiled DSpark drafter's per-step cost (tools/dspark_time.py)
+#   ncu       Nsight Compute (throughput, occupancy, stall reasons) on tests/gpu_checks kernels, per word of NCU_SETS
+#             (default "prefill kquant"): prefill = the grouped experts' up and down (case NCU_MG, default
+#             flash_c2048), the chunk attention on tensor cores (CSA), the GEMM launches matching NCU_GEMM (default
+#             wq_a and expert_w1 at 4096 rows); kquant = the decode GEMV wq_b in Q3_K and Q8_0 at q = 1 and the Q3_K
+#             experts at q = 1 (issue 32: instruction- or latency-bound?)
 #
 # Settings (environment): MODEL (default synthetic:flash-l4), FILE (/tmp/fl4.gguf), ARCH (sm_90), ART
 # (/tmp/ds4c-session-art), CTXS (4096), WIDTHS (1,5), DS4C_CACHE (/tmp/ds4c-kcache: one kernel cache for the
@@ -234,19 +239,26 @@ stage_llama() {
   fi
 }
 
+ncu_run() {  # ncu_run LOG KERNEL_REGEX LAUNCHES CMD...: Nsight Compute's throughput, occupancy and stall reasons
+  timeout "${NCU_S:-150}" ncu --clock-control none -k regex:"$2" --launch-count "$3" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section LaunchStats \
+      --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' "${@:4}" >> "$1" 2>&1
+}
+ncu_summary() {  # per kernel of an ncu log: its name, then the headline rows and the stall reasons above 0.3
+  grep -E "^  [A-Za-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved \
+Occupancy|Registers Per|Issued Ipc|issue_stalled" "$1" | awk '!/issue_stalled/ || $NF+0 > 0.3' | cut -c1-120 | head -${2:-80}
+}
+
 stage_profile() {
   local q
   if command -v ncu > /dev/null; then
     for q in 1 5; do  # the first two launches of a case are its correctness launches (up, down)
-      DS4C_XP_CASES="official mma  q=$q\$" timeout "${NCU_S:-150}" ncu --clock-control none \
-          -k regex:"xp_q${q}_d4096_f2048_k6_e256_mxfp4_q8_0_mma" --launch-count 2 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-          --section SchedulerStats --section LaunchStats \
-          --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-          python3 tests/gpu_checks/experts.py --arch "$ARCH" >> "$OUTDIR/ncu-experts.log" 2>&1
+      DS4C_XP_CASES="official mma  q=$q\$" ncu_run "$OUTDIR/ncu-experts.log" "xp_q${q}_d4096_f2048_k6_e256_mxfp4_q8_0_mma" 2 \
+          python3 tests/gpu_checks/experts.py --arch "$ARCH"
       check $? "ncu q=$q"
     done
-    grep -E "xp_q|issue_stalled" "$OUTDIR/ncu-experts.log" | awk '$NF+0 > 0.3 || /xp_q/' | cut -c1-120 | head -60
+    ncu_summary "$OUTDIR/ncu-experts.log" 60
   else
     echo "no ncu on this machine"
   fi
@@ -255,12 +267,37 @@ stage_profile() {
   check $? dspark_time; tail -25 "$OUTDIR/dspark-time.log"
 }
 
+ncu_prefill() {  # the prefill chunk's big kernels: grouped experts (up, down), chunk attention (MMA, CSA), GEMMs
+  DS4C_MG_CASES=${NCU_MG:-flash_c2048} ncu_run "$1" "mg_.*_(up|down)" 2 \
+      python3 tests/gpu_checks --arch "$ARCH" --only moe_gemm
+  check $? "ncu moe_gemm"
+  ncu_run "$1" "ca_prefill.*csa.*" 1 python3 tests/gpu_checks --arch "$ARCH" --only attention
+  check $? "ncu chunk attention"
+  ncu_run "$1" "${NCU_GEMM:-gemm_(wq_a|expert_w1)_c4096$}" 2 python3 tests/gpu_checks --arch "$ARCH" --only gemm
+  check $? "ncu gemm"
+}
+ncu_kquant() {  # the decode step's K-quant kernels (issue 32): GEMV wq_b in Q3_K against Q8_0, Q3_K experts at q = 1
+  ncu_run "$1" "gemv_wq_b(_q3_k)?_q1$" 2 python3 tests/gpu_checks --arch "$ARCH" --only gemv
+  check $? "ncu gemv"
+  DS4C_XP_CASES="official mma  q=1 routed q3_k" ncu_run "$1" "xp_q1_.*q3_k.*mma" 2 \
+      python3 tests/gpu_checks/experts.py --arch "$ARCH"
+  check $? "ncu experts q3_k"
+}
+stage_ncu() {  # once per word of NCU_SETS (default "prefill kquant")
+  command -v ncu > /dev/null || { echo "no ncu on this machine"; check 1 ncu; return; }
+  local set
+  for set in ${NCU_SETS:-prefill kquant}; do
+    "ncu_$set" "$OUTDIR/ncu-$set.log"
+    ncu_summary "$OUTDIR/ncu-$set.log" 100
+  done
+}
+
 [[ ",$STAGES," == *,llama,* ]] && start_llama_build
 for stage in ${STAGES//,/ }; do
   case "$stage" in
-    tests|kernels|soak|compile|bench|generate|split|spec|prefill|chunkprof|llama|lanes|lanebench|profile) "stage_$stage" ;;
+    tests|kernels|soak|compile|bench|generate|split|spec|prefill|chunkprof|llama|lanes|lanebench|profile|ncu) "stage_$stage" ;;
     *) echo "unknown stage '$stage' (stages: tests kernels soak compile bench generate split spec prefill llama"\
-" chunkprof lanes lanebench profile)"; FAILED=$((FAILED + 1)) ;;
+" chunkprof lanes lanebench profile ncu)"; FAILED=$((FAILED + 1)) ;;
   esac
 done
 say done "$FAILED stage(s) failed"
