@@ -108,8 +108,10 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
     fp32 ``[rows, N]``). Fewer than :data:`GEMM_MIN_ROWS` rows: the GEMV lowering (``q = rows``).
 
     Raises:
-        LoweringError: a weight that is not a model tensor or whose storage the GEMM family does not read
-            (K-quants, F32), or ``K`` not a multiple of 128.
+        LoweringError: a weight that is not a model tensor or whose storage the GEMM family does not read (F32),
+            or ``K`` not a multiple of 128.
+        PendingLowering: K-quant / IQ4_XS weights on a target or mode without the f16 MMA path (HIP, sm_80,
+            act_quant off).
     """
     rows, k = (int(d) for d in x.type.shape)
     if rows < GEMM_MIN_ROWS:
@@ -128,6 +130,11 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
         spec = _gm.GemmSpec(rows, int(lin.outputs[0].type.shape[-1]), k, fmt, mode,
                             act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
                             out_dtype=lin.outputs[0].type.dtype, prequant=True)
+        if fmt in _gm.KQUANTS:  # only the f16 MMA path (CUDA sm_89+, fp8act) decodes them: pending elsewhere
+            try:
+                _gm.plan(spec, c.target)
+            except _RenderError as e:
+                raise PendingLowering(f"{name}: weight {w}: {e}") from None
         srcs = _gm.render_call(spec, c.target, f"{gname}{j}")
         names = _gm.arg_names(spec, c.target)
         ws = _gm.workspaces(spec, c.target)

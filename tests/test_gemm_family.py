@@ -86,8 +86,11 @@ def _assert_matches_reference(y: torch.Tensor, want: torch.Tensor, k: int, what:
 
 
 # ------------------------------------------------------------------------------------------------ reference
+BLOCK_FORMATS = ("mxfp4", "q8_0", "bf16")  # decoded by hand here (the K-quants' dequantizers: test_quant.py)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "c{}-n{}-k{}".format(*s))
-@pytest.mark.parametrize("fmt", GM.FORMATS)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_reference_is_linear_q(fmt: str, shape: tuple) -> None:
     """reference() on the raw bytes == primitives.linear_q on the hand-decoded weight, bit for bit."""
     spec = GM.GemmSpec(*shape, fmt=fmt)
@@ -101,7 +104,7 @@ def test_reference_is_linear_q(fmt: str, shape: tuple) -> None:
     assert torch.isfinite(y.float()).all() and y.float().abs().max() > 0
 
 
-@pytest.mark.parametrize("fmt", GM.FORMATS)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_reference_modes(fmt: str) -> None:
     """The other modes / output dtypes are the primitives they name (spec 2.3, the GEMV family's modes)."""
     kw = dict(rows=33, n=64, k=256, fmt=fmt)
@@ -128,7 +131,7 @@ def test_prequantized_activation_is_idempotent() -> None:
 
 # ------------------------------------------------------------------------------------------------- render
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80", "gfx942"])
-@pytest.mark.parametrize("fmt", GM.FORMATS)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_render(fmt: str, arch: str) -> None:
     spec, t = GM.GemmSpec(100, 200, 512, fmt), target(arch)
     src = GM.render_gemm(spec, t)
@@ -179,6 +182,14 @@ EMU_CASES = [
     # 128-row weight tiles (256 threads, 4 x 2 warps), N a partial tile
     ("mma", "sm_90", dict(rows=70, n=200, k=256, fmt="mxfp4", bn=128)),
     ("simt", "sm_90", dict(rows=30, n=128, k=256, fmt="q8_0", bn=128, x_prequant=False)),
+    # every K-quant and IQ4_XS (form 0 only): prequant and in-tile quant, bn 64 and 128, fp32 out, N partial; Q3_K
+    # / Q6_K rows of two super-blocks (the second 2 bytes past a word); Q2_K / Q3_K / Q6_K weights by cp.async
+    ("mma", "sm_90", dict(rows=77, n=96, k=512, fmt="q4_k", prequant=True)),
+    ("mma", "sm_90", dict(rows=33, n=72, k=512, fmt="q6_k", out_dtype="f32")),
+    ("mma", "sm_90", dict(rows=70, n=200, k=512, fmt="q2_k", bn=128, prequant=True)),
+    ("mma", "sm_90", dict(rows=20, n=64, k=512, fmt="q3_k", prequant=True)),
+    ("mma", "sm_90", dict(rows=40, n=64, k=256, fmt="q5_k")),
+    ("mma", "sm_90", dict(rows=64, n=64, k=256, fmt="iq4_xs", prequant=True)),
 ]
 
 
@@ -428,6 +439,10 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", bn=128, prequant=True))
     if t.vendor == "cuda":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
+        # K-quants (form 0 only): with a min term and chained halves (Q4_K), per-16 mins and cp.async weights
+        # (Q2_K), neither (Q6_K, the in-tile quant: the most registers)
+        specs += [GM.GemmSpec(4096, 4096, 4096, "q4_k", prequant=True), GM.GemmSpec(4096, 4096, 4096, "q2_k", bn=128,
+                  prequant=True), GM.GemmSpec(4096, 4096, 4096, "q6_k")]
     why = compiler_missing(arch)
     if why:
         pytest.skip(f"no compiler for {arch}: {why}")
@@ -457,8 +472,9 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kw,needle", [
     (dict(rows=64, n=64, k=200), "k 200 (expected a positive multiple of 128"),
     (dict(rows=64, n=64, k=64), "k 64 (expected a positive multiple of 128"),
-    (dict(rows=64, n=64, k=256, fmt="q4_k"), "fmt 'q4_k' (K-quants are not supported"),
-    (dict(rows=64, n=64, k=256, fmt="f32"), "fmt 'f32' (expected one of ('mxfp4', 'q8_0', 'bf16'))"),
+    (dict(rows=64, n=64, k=128, fmt="q4_k"), "k 128 with q4_k (expected a multiple of 256: whole super-blocks"),
+    (dict(rows=64, n=64, k=256, fmt="q3_k"), "k 256 with q3_k (expected a multiple of 512"),
+    (dict(rows=64, n=64, k=256, fmt="f32"), "fmt 'f32' (expected one of ('mxfp4', 'q8_0', 'bf16', 'q2_k'"),
     (dict(rows=0, n=64, k=256), "rows 0 (expected an int in 1.."),
     (dict(rows=64, n=64, k=256, mode="fp4"), "mode 'fp4' (expected one of"),
     (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
@@ -472,6 +488,18 @@ def test_bad_spec(kw: dict, needle: str) -> None:
         GM.GemmSpec(**kw)
     msg = str(ei.value)
     assert needle in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("arch,kw", [("sm_80", {}), ("gfx942", {}), ("sm_90", dict(engine="simt")),
+                                     ("sm_90", dict(mode="bf16")), ("sm_90", dict(act_quant=False))])
+def test_kquants_refuse_off_the_f16_mma_path(arch: str, kw: dict) -> None:
+    """K-quant weights run only on form 0 (the f16 MMA on e4m3 activations, CUDA sm_89+): elsewhere render and
+    launch_shape refuse in one line (a lowering then keeps the chunk graph pending or refuses it)."""
+    spec = GM.GemmSpec(64, 64, 512, "q4_k", **kw)
+    for fn in (GM.render_gemm, GM.launch_shape):
+        with pytest.raises(RenderError, match="K-quant weights run only on the f16 MMA") as ei:
+            fn(spec, target(arch))
+        assert "\n" not in str(ei.value)
 
 
 def test_bad_engine_and_reference_input() -> None:

@@ -779,6 +779,28 @@ def test_every_valid_row_writing_is_caught_by_the_reversed_block_order(kind, tmp
     assert torch.equal(_bits(fwd), _bits(want)) and not torch.equal(_bits(rev), _bits(want2))
 
 
+def test_a_kquant_mix_lowers_every_chunk_kernel():
+    """A llama-quantize Q4_K_M-like file (every projection and expert in K-quants: the official FP8 and FP4 roles
+    as Q4_K) lowers every chunk plan kernel on sm_90, the projections' GEMMs reading the K-quant; on sm_80 (no
+    f16 MMA on e4m3 activations) those GEMMs and the experts stay pending with one-line reasons, never a
+    refusal, so the engine prefills with verify steps there (test_prefill_exec)."""
+    from ds4c.quant import GGMLType
+    from ds4c.tensors import _OFFICIAL, ROLE_FP4, ROLE_FP8, storage_types
+
+    cfg = preset("flash-l4")
+    types = storage_types(cfg, {**_OFFICIAL, ROLE_FP8: GGMLType.Q4_K, ROLE_FP4: GGMLType.Q4_K})
+    g = _graph("flash-l4", 64, 4096)
+    pend: list = []
+    ks = lower_graph(g, cfg, target("sm_90"), types, pending=pend)
+    assert not pend
+    gemms = [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches if "#define GM_FMT" in la.kernel.source]
+    assert sum("#define GM_FMT 3" in src for src in gemms) >= 4 * cfg.n_layers
+    pend = []
+    lower_graph(g, cfg, target("sm_80"), types, pending=pend)
+    pats = {p.pattern for p in pend}
+    assert "moe_experts" in pats and len(pats) > 1 and all("\n" not in p.message for p in pend), pats
+
+
 @pytest.mark.parametrize("fmt,pending", [("q3_k", False), ("q4_k", False), ("bf16", True)])
 def test_kquant_experts_lower_or_refuse_in_one_line(fmt, pending):
     """flash-l4 with its routed experts stored as a K-quant (``make-model --formats q3_k``, the 43-layer model's

@@ -9,7 +9,12 @@ grouped call, ``GemmSpec.groups``).
 
 Weights (``GemmSpec.fmt``; layouts docs/gguf-layout.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
-``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``. K-quants and f32 weights raise :class:`RenderError`.
+``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``; the K-quants ``q2_k`` .. ``q6_k`` and ``iq4_xs``
+uint8 ``[N, K/256*bytes]`` (a llama-quantize Q4_K_M / Q3_K_M file's projections), on form 0 only (below): per K
+step half a super-block, the grouped experts GEMM's decode and numerics (``templates/prelude/kq_mma.h.j2``,
+:mod:`ds4c.runtime.families.moe_gemm`); the formats staged in 4-byte units (Q2_K, Q3_K, Q6_K) copy their weights
+by 4-byte ``cp.async`` (``GemmPlan.w_async``). Elsewhere (sm_80, HIP, act_quant off) and for f32 weights
+:class:`RenderError`.
 
 Activation: ``x`` is bf16 ``[C, K]``. With mode ``fp8act`` and ``act_quant`` the kernel quantizes it per
 (row, 128-block) while storing each X tile to shared memory (:func:`ds4c.quant.act_quant_fp8`: amax over
@@ -97,19 +102,24 @@ import torch
 
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
-from ds4c.runtime.families.experts import E4M3_ARCHS, KQUANTS
+from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
 from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
 from ds4c.runtime.targets import Target
 
 TEMPLATE = "gemm/gemm.cu.j2"
 FAMILY = "gemm"
-FORMATS = ("mxfp4", "q8_0", "bf16")
-FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2}
+FORMATS = ("mxfp4", "q8_0", "bf16") + KQUANTS
+#: the template's GM_FMT: 3 = a K-quant / IQ4_XS super-block (which one: GM_KQ, the shared decoder's format id)
+FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2, **{f: 3 for f in KQUANTS}}
 MODES = ("fp8act", "bf16", "f32")
 OUT_DTYPES = ("bf16", "f32")
 ENGINES = ("auto", "mma", "simt")
-#: bytes of one stored block of 32 values
+#: bytes of one stored block of 32 values (K-quants / IQ4_XS: :data:`SUPER_BYTES` per 256)
 BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
+SUPER_BYTES = {f: _XP_BYTES[f] for f in KQUANTS}
+#: K-quants whose super-block is not a whole number of words (Q3_K 110, Q6_K 210 bytes): K a multiple of 512, so
+#: every row starts on a word and a K step's staged words stay inside the row
+UNALIGNED_KQ = tuple(f for f in KQUANTS if SUPER_BYTES[f] % 4)
 BM = 64   # X rows per CTA
 BN = 64   # weight rows (output columns) per CTA by default (GemmSpec.bn: 64 or 128; threads = 2 * bn)
 BNS = (64, 128)
@@ -128,7 +138,16 @@ def _round16(n: int) -> int:
 
 def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one stored weight row of ``k`` values."""
+    if fmt in SUPER_BYTES:
+        return k // 256 * SUPER_BYTES[fmt]
     return k // 32 * BLOCK_BYTES[fmt]
+
+
+def kq_segment(fmt: str) -> int:
+    """Bytes of a K-quant row staged per K step (half a super-block of values): the whole super-block from the
+    4-aligned word at or before it (Q3_K 112, Q6_K 212; the aligned formats their super-block)."""
+    bb = SUPER_BYTES[fmt]
+    return bb + (2 if bb % 4 else 0)
 
 
 @dataclass(frozen=True)
@@ -139,7 +158,9 @@ class GemmSpec:
         rows: C, the rows of X and Y (the prefill chunk; >= 1).
         n: N, the output width (weight rows; >= 1).
         k: K, the input width (a positive multiple of 128).
-        fmt: weight storage: ``mxfp4`` | ``q8_0`` | ``bf16``.
+        fmt: weight storage: ``mxfp4`` | ``q8_0`` | ``bf16`` | a K-quant (``q2_k`` .. ``q6_k``) | ``iq4_xs``
+            (K-quants: only on the f16 MMA path, form 0 of :func:`plan`; ``k`` a multiple of 256, of 512 for
+            Q3_K / Q6_K).
         mode: ``fp8act`` (spec 2.3: e4m3 activation quant when ``act_quant``) | ``bf16`` | ``f32`` (plain x).
         act_quant: quantize the activation of an ``fp8act`` GEMM (False = the reference's ``emulate=False``).
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
@@ -195,10 +216,12 @@ class GemmSpec:
         if not (isinstance(self.k, int) and self.k >= KSTEP and self.k % KSTEP == 0):
             bad.append(f"k {self.k!r} (expected a positive multiple of {KSTEP}: one activation-quant block per "
                        f"K step)")
-        if self.fmt in KQUANTS:
-            bad.append(f"fmt {self.fmt!r} (K-quants are not supported by the GEMM family; expected one of "
-                       f"{FORMATS})")
-        elif self.fmt not in FORMATS:
+        if self.fmt in KQUANTS and isinstance(self.k, int) and self.k % (512 if self.fmt in UNALIGNED_KQ else 256):
+            bad.append(f"k {self.k} with {self.fmt} (expected a multiple of "
+                       f"{512 if self.fmt in UNALIGNED_KQ else 256}: whole super-blocks per row"
+                       + (", an even number of them so every row starts on a word)" if self.fmt in UNALIGNED_KQ
+                          else ")"))
+        if self.fmt not in FORMATS:
             bad.append(f"fmt {self.fmt!r} (expected one of {FORMATS})")
         if self.mode not in MODES:
             bad.append(f"mode {self.mode!r} (expected one of {MODES})")
@@ -274,6 +297,9 @@ class GemmPlan:
     smem: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    w_async: bool = False
+    """The weights are copied by 4-byte cp.async straight into shared memory instead of through registers (the
+    K-quants staged in 4-byte units: Q2_K, Q3_K, Q6_K, as in the grouped experts GEMM)."""
 
 
 def plan(spec: GemmSpec, target: Target) -> GemmPlan:
@@ -284,9 +310,13 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     """
     engine = resolve_engine(spec, target)
     form = 0 if (engine == "mma" and target.arch in E4M3_ARCHS and spec.quant and spec.fmt != "bf16") else 1
-    sb = 4 * BLOCK_BYTES[spec.fmt]
+    kq = spec.fmt in KQUANTS
+    if kq and form != 0:
+        raise RenderError(f"gemm {spec.short()} on {target.slug}: K-quant weights run only on the f16 MMA over e4m3 "
+                          f"activations (CUDA {'/'.join(E4M3_ARCHS)}, mode fp8act with act_quant)")
+    sb = kq_segment(spec.fmt) if kq else 4 * BLOCK_BYTES[spec.fmt]
     rs = row_bytes(spec.fmt, spec.k)
-    v = max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
+    v = 4 if spec.fmt in UNALIGNED_KQ else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
     # padded row stride: a 16-byte multiple whose u32 stride puts the 8 rows g = 0..7 of a fragment read on
     # distinct banks (4-byte reads: stride % 8 words == 4; bf16's 8-byte reads: % 16 == 8)
     want = (16, 8) if spec.fmt == "bf16" else (8, 4)
@@ -303,7 +333,7 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
         raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
                           f"is {lim}")
     grid = (-(-spec.rows // BM), spec.groups * -(-spec.n // bn), 1)
-    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1))
+    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4)
 
 
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
@@ -321,7 +351,8 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
         quant=spec.quant, x_prequant=spec.x_prequant, prequant=uses_prequant(spec, target),
         hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
-        out_f32=spec.out_dtype == "f32", bb=BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
+        kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
         smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)),
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
@@ -470,7 +501,8 @@ def dequantize_weight(spec: GemmSpec, raw: torch.Tensor) -> torch.Tensor:
     :func:`ds4c.quant.dequantize` (bit-identical to gguf's dequantizers)."""
     from ds4c.quant import dequantize
 
-    return dequantize(raw.detach().contiguous(), _GGML[spec.fmt], (spec.n, spec.k), torch.float32)
+    return dequantize(raw.detach().contiguous(), _GGML.get(spec.fmt, spec.fmt.upper()), (spec.n, spec.k),
+                      torch.float32)
 
 
 def reference(spec: GemmSpec, x: torch.Tensor, w_raw: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ DS4C_DEVICE u32 gm_e4m3_f16x2(float lo, float hi) {
 }
 DS4C_DEVICE void gm_e4m3x4_f16(u32 v, u32& lo, u32& hi) { xp_e4m3x4_f16(v, lo, hi); }
 DS4C_DEVICE void gm_cp16(void* dst, const void* src) { xp_cp16(dst, src); }
+DS4C_DEVICE void gm_cp4(void* dst, const void* src) { xp_cp4(dst, src); }
 DS4C_DEVICE void gm_cp_commit() { xp_cp_commit(); }
 DS4C_DEVICE void gm_cp_wait_all() { xp_cp_wait<0>(); }
 DS4C_DEVICE void gm_i8x4_f16(u32 w, u32& lo, u32& hi) { xp_i8x4_f16(w, lo, hi); }

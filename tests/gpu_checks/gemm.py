@@ -24,13 +24,16 @@ below 1e-2 for bf16 and 1e-4 for fp32 outputs, a second launch bit-identical, an
 timings (``common.median_us``). Reported: TFLOP/s (2*C*N*K) and GB/s (weight + x + y bytes; at C >= 64 the
 kernel is compute bound, so no L2-cold weight rotation as in the GEMV check).
 
-Usage: ``python tests/gpu_checks/gemm.py [--arch sm_90]`` or ``python tests/gpu_checks --only gemm``.
+Usage: ``python tests/gpu_checks/gemm.py [--arch sm_90]`` or ``python tests/gpu_checks --only gemm``;
+``DS4C_GM_CASES=kq_,wq_a_c512`` keeps the cases whose name contains one of the comma-separated substrings (and the
+twin rows of pairs both kept).
 Needs a CUDA GPU, torch, cuda-python and nvcc (or NVRTC); compiles and loads through
 tests/gpu_checks/common.py. :func:`cases` and :func:`case_buffers` also run on the CPU (tests build them).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -75,6 +78,10 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("simt_q8_c512", GM.GemmSpec(512, 1024, 4096, "q8_0", engine="simt")),
             ("simt_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", engine="simt")),
             ("simt_bf16_c64", GM.GemmSpec(64, 4096, 4096, "bf16", "bf16", engine="simt")),
+            # K-quants / IQ4_XS (a Q4_K_M / Q3_K_M file's projections): wq_a in each format with prequant, a
+            # partial tile in fp32 out with the in-tile quant
+            *[(f"kq_wq_a_{f}_c2048", GM.GemmSpec(2048, 1024, 4096, f, prequant=True)) for f in GM.KQUANTS],
+            ("kq_partial_q6_k_c77", GM.GemmSpec(77, 1000, 2048, "q6_k", out_dtype="f32")),
             # x_prequant: x is actq's output (case_buffers quantizes it), the kernel skips the rounding
             ("xpre_wq_a_c4096", GM.GemmSpec(4096, 1024, 4096, "q8_0", x_prequant=True)),
             ("xpre_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", x_prequant=True)),
@@ -195,7 +202,8 @@ def run(arch: str = "sm_90") -> list[dict]:
     torch.backends.cudnn.allow_tf32 = False
     tgt = make_target(arch)
     tmp = Path(tempfile.mkdtemp(prefix="ds4c-gemm-"))
-    specs = dict(cases())
+    pick = [c for c in os.environ.get("DS4C_GM_CASES", "").split(",") if c]  # substrings of case names
+    specs = {n: s for n, s in cases() if not pick or any(c in n for c in pick)}
     # every case's kernels in launch order (a prequant call: actq, then the GEMM)
     srcs = {n: GM.render_call(s, tgt, f"gemm_{n}") for n, s in specs.items()}
 
@@ -233,7 +241,7 @@ def run(arch: str = "sm_90") -> list[dict]:
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
                          "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
         torch.cuda.empty_cache()
-    for sw, hw in TWINS + PQ_TWINS:
+    for sw, hw in [tw for tw in TWINS + PQ_TWINS if tw[0] in specs and tw[1] in specs]:
         what = ("software vs cvt e4m3 rounding" if (sw, hw) in TWINS else "prequant vs in-tile quant") + \
             ", bit for bit"
         try:
