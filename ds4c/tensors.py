@@ -59,6 +59,9 @@ FORMATS: dict[str, dict[str, GGMLType]] = {
             ROLE_NORM: GGMLType.F32, ROLE_F32: GGMLType.F32, ROLE_I32: GGMLType.I32},
     # official, with the routed experts in a K-quant / IQ4_XS type: "q2_k", ..., "q6_k", "iq4_xs"
     **{name: {**_OFFICIAL, ROLE_FP4: t} for name, t in SUPER_BLOCK_NAMES.items()},
+    # every FP8 and FP4 weight (projections, shared and routed experts) in that type: "q2_k_all", ..., the shape of
+    # a llama-quantize K-quant mix (Q4_K_M, Q3_K_M, ...), whose projections are K-quants too
+    **{f"{name}_all": {**_OFFICIAL, ROLE_FP8: t, ROLE_FP4: t} for name, t in SUPER_BLOCK_NAMES.items()},
 }
 
 KQUANT_FALLBACK = GGMLType.Q8_0

@@ -82,6 +82,21 @@ def test_make_model_seed_and_formats(tmp_path, home):
     assert mf.config == TINY
 
 
+def test_make_model_kquant_mix(tmp_path, home):
+    """``--formats q4_k_all``: every FP8 and FP4 weight in Q4_K (a llama-quantize K-quant mix's shape; Q8_0 where a
+    row is not a multiple of 256 values); the CLI's format list is ds4c.tensors.FORMATS."""
+    from ds4c.cli.make_model import FORMAT_NAMES
+    from ds4c.tensors import FORMATS
+
+    assert FORMAT_NAMES == list(FORMATS)
+    out = tmp_path / "k.gguf"
+    r = run(home, "make-model", "--preset", "tiny", "--formats", "q4_k_all", "-o", out)
+    assert r.exit_code == 0, r.output
+    mf = open_model(out)
+    assert mf.metadata["ds4c.formats"] == "q4_k_all"
+    assert mf.ggml_type("blk.0.attn_q_a.weight").name == "Q4_K" and mf.ggml_type("blk.0.ffn_up_exps.weight").name == "Q4_K"
+
+
 def test_make_model_bad_options(tmp_path, home):
     assert_usage_error(run(home, "make-model", "--preset", "huge", "-o", tmp_path / "x.gguf"), "huge")
     assert_usage_error(run(home, "make-model", "--formats", "fp8", "-o", tmp_path / "x.gguf"), "fp8")

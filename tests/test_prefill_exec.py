@@ -199,13 +199,23 @@ LENGTHS = (1, 15, 16, 17, 40, 64, 100, 129, 320)  # 320 = 20x the tiny window; 1
 
 @pytest.fixture(scope="module")
 def gpu_env(tiny_path, tmp_path_factory):
+    return _env(tiny_path, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpu_env_kquant(tmp_path_factory):
+    """tiny with every FP8 / FP4 weight in Q4_K (a K-quant mix: the chunk GEMMs and grouped experts decode it)."""
+    return _env("synthetic:tiny:q4_k_all", tmp_path_factory)
+
+
+def _env(model, tmp_path_factory):
     from ds4c.buckets import BucketSpec
     from ds4c.sources import open_model
     from ds4c.reference import Reference, ReferenceWeights
     from ds4c.runtime.cache import KernelCache
     from ds4c.runtime.step import CompiledStep, device_arch
 
-    mf = open_model(tiny_path)
+    mf = open_model(model)
     buckets = BucketSpec.build(mf.config, (1, 2, 3, 4, 5), 512, contexts=(64, 128, 256, 512))
     cache = KernelCache(tmp_path_factory.mktemp("kcache"))
     chunked = CompiledStep(mf, buckets, device_arch(), cache, prefill_chunks=(16, 64))
@@ -270,7 +280,20 @@ def test_chunked_prefill_equals_token_wise_decoding(gpu_env, n):
     same argmax unless the reference's top two are within 1e-2, the sequence at position n; then 8 greedy decode
     steps from the prefilled state, both from the reference's next token, give the tokens the token-wise
     compiled step gives (up to a near-tie, reported with its margin)."""
-    chunked, plain, ref, floor = gpu_env
+    _check_chunked_prefill(gpu_env, n)
+
+
+@pytest.mark.parametrize("n", (40, 129))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled step)")
+def test_chunked_prefill_of_a_kquant_mix(gpu_env_kquant, n):
+    """The same check on tiny with its projections and experts in Q4_K (``q4_k_all``): the K-quant chunk GEMMs and
+    grouped experts against the reference's token-wise decoding, within the token-wise compiled step's floor."""
+    _check_chunked_prefill(gpu_env_kquant, n)
+
+
+def _check_chunked_prefill(env, n):
+    chunked, plain, ref, floor = env
     prompt = _prompt(n, chunked.cfg.vocab_size)
     ref.reset()
     for i, t in enumerate(prompt):

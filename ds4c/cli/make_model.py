@@ -7,17 +7,22 @@ import click
 
 from ds4c.config import PRESETS
 
+_KQ = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
+#: ds4c.tensors.FORMATS' names, spelled here so the CLI starts without importing torch (tests check they agree)
+FORMAT_NAMES = ["official", "bf16", "f32"] + _KQ + [f"{k}_all" for k in _KQ]
+
 
 @click.command("make-model")
 @click.option("--preset", "preset_name", type=click.Choice(list(PRESETS)), default="tiny",
               show_default=True, help="Model dimensions.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Random seed of the weights.")
-@click.option("--formats", type=click.Choice(["official", "bf16", "f32", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-                                             "iq4_xs"]), default="official", show_default=True,
+@click.option("--formats", type=click.Choice(FORMAT_NAMES), default="official", show_default=True,
               help="official: Q8_0 for FP8 weights, MXFP4 experts, BF16/F32 elsewhere; bf16: all BF16/F32; f32: all "
                    "F32 (the same model, for exact comparisons with other engines, docs/interop.md); q2_k .. iq4_xs: "
-                   "official with the routed experts in that llama.cpp type (Q8_0 for rows not a multiple of 256).")
+                   "official with the routed experts in that llama.cpp type; q2_k_all .. iq4_xs_all: every FP8 and "
+                   "FP4 weight in it, the shape of a llama-quantize K-quant mix (Q8_0 for rows not a multiple of "
+                   "256).")
 @click.option("--drafter", type=click.Choice(["dspark", "mtp"]), default=None,
               help="Write instead a synthetic drafter of the model this preset and seed make: dspark, the DSpark "
                    "drafter (spec section 7, llama.cpp's dflash layout; generate --draft FILE), or mtp, its MTP block "
