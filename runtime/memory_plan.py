@@ -271,7 +271,8 @@ class MemoryPlan:
         where = f"{s.device}" if len(self.shards) == 1 else f"shard {self.shards.index(s)} (layers " \
                                                            f"[{s.layers[0]},{s.layers[1]})) on {s.device}"
         tries = []
-        smaller = self.hints.get("smaller_formats")
+        # synthetic models: the same preset in formats whose weights are smaller by at least the shortfall
+        smaller = " or ".join(spec for spec, saved in self.hints.get("smaller_formats") or () if saved >= s.short)
         if smaller:
             tries.append(f"a smaller format ({smaller})")
         per = max(x.usable or 0 for x in self.shards)
@@ -284,10 +285,11 @@ class MemoryPlan:
                              + (f"; try {' or '.join(tries)}" if tries else ""))
 
 
-def _smaller_formats(mf: ModelFile) -> str | None:
-    """For a synthetic model, the specs of the same preset in formats whose weights are fewer bytes."""
+def _smaller_formats(mf: ModelFile) -> list[tuple[str, int]]:
+    """For a synthetic model, ``(spec, bytes saved)`` of the same preset in each format whose weights are fewer
+    bytes, smallest first (:meth:`MemoryPlan.check` names those that save at least the shortfall)."""
     if not getattr(mf, "generates_on_device", False):
-        return None
+        return []
     from ds4c.quant import nbytes
     from ds4c.tensors import FORMATS, storage_type
 
@@ -295,9 +297,8 @@ def _smaller_formats(mf: ModelFile) -> str | None:
         return sum(nbytes(storage_type(s, types), s.shape) for s in mf.specs.values())
 
     mine = sum(nbytes(mf.ggml_type(n), s.shape) for n, s in mf.specs.items())
-    out = [f"synthetic:{mf.preset}:{f}" for f, types in sorted(FORMATS.items(), key=lambda kv: total(kv[1]))
-           if total(types) < mine]
-    return " or ".join(out) or None
+    sizes = sorted((total(types), f) for f, types in FORMATS.items())
+    return [(f"synthetic:{mf.preset}:{f}", mine - n) for n, f in sizes if n < mine]
 
 
 def memory_plan(mf: ModelFile, buckets: BucketSpec, plan: ShardPlan | None = None,

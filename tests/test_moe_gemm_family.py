@@ -127,7 +127,7 @@ def _h_flip_bound(spec: MG.MoeGemmSpec, inp: dict, diff: torch.Tensor, hr: torch
 SMALL = dict(hidden=384, inter=256, k=2, n_experts=8)  # two K steps in the down phase, three in up
 #: K-quant rows are whole pairs of 256-value super-blocks: 4 K steps each way, both halves of both super-blocks (Q3_K
 #: / Q6_K: the second super-block's bytes 2 past a word boundary)
-KQ = dict(hidden=512, inter=512, k=3, n_experts=16)  # (the tile logic is the other cases'; these are the decodes)
+KQ = dict(hidden=512, inter=512, k=2, n_experts=4)  # (the tile logic is the other cases'; these are the decodes)
 EMU_CASES = [  # (C, fmt, down_fmt, routing, sizes)
     (77, "mxfp4", "mxfp4", "uneven", TINY),
     (77, "q8_0", "q8_0", "uneven", TINY),
