@@ -154,6 +154,7 @@ def test_greedy_speculative_through_make_drafter_equals_the_file(files, tiny_wei
     ("dspark:synthetic:tiny:official:x", "seed 'x' is not an integer"),
     ("dspark:synthetic:tiny:official:1:2", "expected synthetic:PRESET"),
     ("dspark:synthetic:tiny:q2_k", "a drafter has no routed experts, so q2_k would be the official drafter"),
+    ("dspark:synthetic:tiny:q4_k_all", "a synthetic DSpark drafter is written in official, bf16 or f32 formats only"),
 ])
 def test_bad_spellings_are_one_line(spec, msg):
     with pytest.raises(ModelFileError, match=msg) as ei:

@@ -28,7 +28,7 @@ from ds4c.sources import open_model
 from ds4c.quant import GGMLType
 from ds4c.quant import is_super_block
 from ds4c.synth import _as_stored, _normal, matrix_rows, n_rows, piece_rows, stored_pieces, sub_key, tensor_key
-from ds4c.tensors import FORMATS, ROLE_FP4, TensorSpec
+from ds4c.tensors import FORMATS, ROLE_FP4, ROLE_FP8, TensorSpec
 
 
 def drafter_seed(seed: int) -> int:
@@ -88,9 +88,12 @@ def dspark_options(cfg: Ds4Config, formats: str = "official", taps: tuple[int, .
     """
     if formats not in FORMATS:
         raise ConfigError(f"unknown formats {formats!r}: expected one of {sorted(FORMATS)}")
-    if is_super_block(FORMATS[formats][ROLE_FP4]):
-        raise ConfigError(f"DSpark drafter --formats {formats}: a drafter has no routed experts, so {formats} would "
-                          f"be the official drafter; give --formats official (it drafts for a {formats} target too)")
+    if any(is_super_block(t) for t in FORMATS[formats].values()):
+        why = (f"a drafter has no routed experts, so {formats} would be the official drafter"
+               if not is_super_block(FORMATS[formats][ROLE_FP8]) else
+               "a synthetic DSpark drafter is written in official, bf16 or f32 formats only")
+        raise ConfigError(f"DSpark drafter --formats {formats}: {why}; give --formats official (it drafts for a "
+                          f"{formats} target too)")
     taps = default_taps(cfg) if taps is None else tuple(taps)
     if not taps or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.n_layers for t in taps) \
             or len(set(taps)) != len(taps):
