@@ -29,13 +29,13 @@ variable                       default                     what it does (reader)
 ``DS4C_LANE_BATCH``            ``1``                       ``0``: a compiled lanes step's per-lane launches one per
                                                            lane instead of one per kernel over the lanes (an A/B
                                                            knob) (:func:`lane_batch`)
-``DS4C_PREFILL_ATTN_MMA``      ``0``                       ``1``: the prefill chunks' attention on tensor cores
-                                                           instead of CUDA cores (the decode kernel at C rows);
-                                                           opt-in until a GPU run checks it
+``DS4C_PREFILL_ATTN_MMA``      ``1``                       ``0``: the prefill chunks' attention on CUDA cores
+                                                           (the decode kernel at C rows) instead of tensor cores
+                                                           (an A/B knob; HIP always takes the CUDA-core kernel)
                                                            (:func:`prefill_attn_mma`)
-``DS4C_PREFILL_CMP_PARALLEL``  ``0``                       ``1``: the prefill chunks' compressors one block per
-                                                           flush instead of one block per compressor walking the
-                                                           rows (the same bits); opt-in until a GPU run checks it
+``DS4C_PREFILL_CMP_PARALLEL``  ``1``                       ``0``: the prefill chunks' compressors one block per
+                                                           compressor walking the rows instead of one block per
+                                                           flush (the same bits; an A/B knob)
                                                            (:func:`prefill_cmp_parallel`)
 ``DS4C_PREFILL_ATTN_HPB``      ``4``                       heads per block of the prefill chunks' attention on
                                                            CUDA cores (an int >= 1)
@@ -212,16 +212,16 @@ def lane_batch() -> bool:
 
 def prefill_attn_mma() -> bool:
     """The prefill chunks' attention on tensor cores (runtime/families/chunk_attention.py) where the target has them
-    (``$DS4C_PREFILL_ATTN_MMA=1``); off by default, so the decode SIMT kernel at C rows runs, until a GPU run checks
-    the new kernel (emulated and compiled only so far: docs/perf.md, Optimisation 14; docs/gpu-validation.md)."""
-    return _flag("DS4C_PREFILL_ATTN_MMA", False)
+    (``$DS4C_PREFILL_ATTN_MMA``, on by default since its GPU check and measurement: docs/perf.md, Optimisation 14;
+    ``0`` runs the decode SIMT kernel at C rows, an A/B knob)."""
+    return _flag("DS4C_PREFILL_ATTN_MMA", True)
 
 
 def prefill_cmp_parallel() -> bool:
     """The prefill chunks' compressors parallel over the chunk's flushes (templates/compressor/compress_chunk.cu.j2;
-    ``$DS4C_PREFILL_CMP_PARALLEL=1``); off by default, so the row-serial kernel runs (the same bits on the emulator),
-    until a GPU run checks the new kernels (docs/perf.md, Optimisation 15; docs/gpu-validation.md)."""
-    return _flag("DS4C_PREFILL_CMP_PARALLEL", False)
+    ``$DS4C_PREFILL_CMP_PARALLEL``, on by default since its GPU check and measurement: docs/perf.md, Optimisation
+    15; ``0`` runs the row-serial kernel, the same bits, an A/B knob)."""
+    return _flag("DS4C_PREFILL_CMP_PARALLEL", True)
 
 
 def prefill_attn_heads_per_block() -> int:
@@ -271,10 +271,11 @@ SETTINGS: tuple[Setting, ...] = (
             lane_streams),
     Setting("DS4C_LANE_BATCH", "1", "0: a lanes step's per-lane launches one per lane, not merged (A/B knob)",
             lane_batch),
-    Setting("DS4C_PREFILL_ATTN_MMA", "0", "1: the prefill chunks' attention on tensor cores (opt-in until GPU-checked)",
+    Setting("DS4C_PREFILL_ATTN_MMA", "1", "0: the prefill chunks' attention on CUDA cores, not tensor cores (A/B knob)",
             prefill_attn_mma),
-    Setting("DS4C_PREFILL_CMP_PARALLEL", "0",
-            "1: the prefill chunks' compressors one block per flush (opt-in until GPU-checked)", prefill_cmp_parallel),
+    Setting("DS4C_PREFILL_CMP_PARALLEL", "1",
+            "0: the prefill chunks' compressors one block walking the rows, not one per flush (A/B knob)",
+            prefill_cmp_parallel),
     Setting("DS4C_PREFILL_ATTN_HPB", "4", "heads per block of the prefill chunks' attention on CUDA cores",
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",

@@ -24,12 +24,12 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   first.
   An ``all_logits`` graph's head lowers like ``hc_post_pre`` at C rows (row blocks, GEMM logits).
 * ``compressor``: the compressor family with ``CompressorSpec.valid`` (a device-side ``n_valid`` after ``pos``:
-  rows ``>= n_valid`` write no state, flush or row); no undo. By default the serial kernel, rows in order by one
-  block per compressor; ``DS4C_PREFILL_CMP_PARALLEL=1``: parallel over the chunk's flushes (one block per flush
-  reading its slots from the chunk's rows or the state the chunk found, then one launch setting the state).
-* ``sparse_attention``: the decode SIMT kernel at ``q = C``; with ``DS4C_PREFILL_ATTN_MMA=1`` on CUDA the
+  rows ``>= n_valid`` write no state, flush or row); no undo. By default parallel over the chunk's flushes (one
+  block per flush reading its slots from the chunk's rows or the state the chunk found, then one launch setting the
+  state); ``DS4C_PREFILL_CMP_PARALLEL=0``: the serial kernel, rows in order by one block per compressor.
+* ``sparse_attention``: on CUDA (unless ``DS4C_PREFILL_ATTN_MMA=0``) the
   tensor-core chunk attention (:mod:`ds4c.runtime.families.chunk_attention`: one block per (64 heads, row), scores
-  and value product by ``mma.sync``). Both keep the decode kernel's lists (per-row positions and causal
+  and value product by ``mma.sync``); on HIP the decode SIMT kernel at ``q = C``. Both keep the decode kernel's lists (per-row positions and causal
   limits; the window rule ``t < pos``: ring slot, else this chunk's kv row, holds for C > window; no split).
 * ``indexer_topk``, ``route``: the decode kernels at ``q = C`` unchanged (one block per row, or per (head, row);
   per-row positions and causal limits).
@@ -221,9 +221,9 @@ def _lower_head(c: _Ctx, op: Op) -> list[Launch]:
 
 def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     """The compressor family over C rows with the device-side ``n_valid`` (``CompressorSpec.valid``), no undo: by
-    default the row-serial kernel (one block per compressor walks the rows in order, every flush in place); with
-    ``DS4C_PREFILL_CMP_PARALLEL=1`` two launches parallel over the chunk's flushes (``render_compressor_chunk``: one
-    block per flush, then the state as the rows leave it). Both leave the same bits on the emulator."""
+    default two launches parallel over the chunk's flushes (``render_compressor_chunk``: one block per flush, then
+    the state as the rows leave it); with ``DS4C_PREFILL_CMP_PARALLEL=0`` the row-serial kernel (one block per
+    compressor walks the rows in order, every flush in place). Both leave the same bits."""
     comps = [b for b in (op.body or [op]) if b.kind == "compress"]
     specs, binding = [], [Arg("step", "pos"), Arg("step", "n_valid")]
     for b in comps:
@@ -243,9 +243,9 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
-    """The chunk's attention on tensor cores (:mod:`ds4c.runtime.families.chunk_attention`) where
-    ``DS4C_PREFILL_ATTN_MMA=1`` and the target and shapes allow it; else (the default, HIP) the decode SIMT kernel
-    at q = C. Both take the same arguments."""
+    """The chunk's attention on tensor cores (:mod:`ds4c.runtime.families.chunk_attention`) where the
+    target and shapes allow it (the default; ``DS4C_PREFILL_ATTN_MMA=0`` turns it off); else (HIP) the decode SIMT
+    kernel at q = C. Both take the same arguments."""
     if not c.attn_mma:
         return L._lower_attention(c, op)
     sa, spec = L.attention_spec(c, op)
@@ -503,10 +503,10 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # environment settings (DS4C_PREFILL_ATTN_HPB / _THREADS, ds4c.settings).
     c.attn_heads_per_block = settings.prefill_attn_heads_per_block()
     c.attn_threads = settings.prefill_attn_threads()
-    # the tensor-core chunk attention (DS4C_PREFILL_ATTN_MMA=1; opt-in until a GPU run checks it; the two settings
-    # above are the SIMT kernel's, which HIP and the default keep)
+    # the tensor-core chunk attention (the default on CUDA; DS4C_PREFILL_ATTN_MMA=0 and HIP keep the SIMT kernel,
+    # whose settings the two above are)
     c.attn_mma = settings.prefill_attn_mma()
-    # the chunk's compressors parallel over its flushes (DS4C_PREFILL_CMP_PARALLEL=1; opt-in until a GPU run checks it)
+    # the chunk's compressors parallel over its flushes (the default; DS4C_PREFILL_CMP_PARALLEL=0: row-serial)
     c.cmp_parallel = settings.prefill_cmp_parallel()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []

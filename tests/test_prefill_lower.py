@@ -107,7 +107,9 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
     # the compressor reads n_valid; the HC stage mix runs over C / row_block row blocks; the head stays a GEMV
     comps = [la for k in ks if k.family == "compressor" for la in k.launches]
     assert comps and all(la.args[1] == la.args[1].__class__("step", "n_valid") for la in comps)
-    assert all("if (i >= nv) break;" in la.kernel.source for la in comps)  # the default: the row-serial kernel
+    # the default: per compressor op a flush launch (a block per flush) then a state launch, both bounded by n_valid
+    assert [la.kernel.entry.rsplit("_", 1)[-1] for la in comps] == ["flush", "state"] * (len(comps) // 2)
+    assert all("int nv = (int)n_valid[0];" in la.kernel.source for la in comps)
     mixes = [la for k in ks if k.family == "hc" and k.name != "hc_post_head" for la in k.launches
              if la.kernel.entry.endswith("_mix")]
     assert mixes and all(la.grid[1] == c // 4 and "ds4c_bid_y() * NQ" in la.kernel.source for la in mixes)
@@ -472,9 +474,9 @@ def test_attention_at_chunk_rows_emulated(layer, kind, mma, tmp_path):
 
 
 def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
-    """lower_prefill keeps the SIMT attention and the row-serial compressor by default; DS4C_PREFILL_ATTN_MMA=1 picks
-    the tensor-core chunk attention on CUDA (not on HIP: no matrix body there), DS4C_PREFILL_CMP_PARALLEL=1 the
-    flush / state pair."""
+    """lower_prefill picks the tensor-core chunk attention on CUDA by default (not on HIP: no matrix body there) and
+    the flush / state compressor pair; DS4C_PREFILL_ATTN_MMA=0 keeps the SIMT attention, DS4C_PREFILL_CMP_PARALLEL=0
+    the row-serial compressor."""
     from ds4c.runtime.lower_prefill import lower_prefill
 
     cfg = preset("tiny")
@@ -488,13 +490,15 @@ def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
         ks = lower_prefill(g, cfg, target(arch), pending=[])
         return [la.kernel.entry.rsplit("_", 1)[-1] for k in ks if k.family == "compressor" for la in k.launches]
 
+    monkeypatch.delenv("DS4C_PREFILL_ATTN_MMA", raising=False)
+    monkeypatch.delenv("DS4C_PREFILL_CMP_PARALLEL", raising=False)
+    assert attn_entries("sm_90") and all("attn_mma_" in e for e in attn_entries("sm_90"))
+    assert attn_entries("gfx1151") and all("attn_mma_" not in e for e in attn_entries("gfx1151"))
+    assert comp_entries("sm_90") and comp_entries("sm_90") == ["flush", "state"] * (len(comp_entries("sm_90")) // 2)
+    monkeypatch.setenv("DS4C_PREFILL_ATTN_MMA", "0")
+    monkeypatch.setenv("DS4C_PREFILL_CMP_PARALLEL", "0")
     assert attn_entries("sm_90") and all("attn_mma_" not in e for e in attn_entries("sm_90"))
     assert set(comp_entries("sm_90")) == {"compressor"}
-    monkeypatch.setenv("DS4C_PREFILL_ATTN_MMA", "1")
-    monkeypatch.setenv("DS4C_PREFILL_CMP_PARALLEL", "1")
-    assert all("attn_mma_" in e for e in attn_entries("sm_90"))
-    assert all("attn_mma_" not in e for e in attn_entries("gfx1151"))
-    assert comp_entries("sm_90") == ["flush", "state"] * (len(comp_entries("sm_90")) // 2)
 
 
 def test_indexer_at_chunk_rows_emulated(tmp_path):
