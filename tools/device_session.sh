@@ -252,15 +252,13 @@ Occupancy|Registers Per|Issued Ipc|issue_stalled" "$1" | awk '!/issue_stalled/ |
 
 stage_profile() {
   local q
-  if command -v ncu > /dev/null; then
+  if has_counters; then
     for q in 1 5; do  # the first two launches of a case are its correctness launches (up, down)
       DS4C_XP_CASES="official mma  q=$q\$" ncu_run "$OUTDIR/ncu-experts.log" "xp_q${q}_d4096_f2048_k6_e256_mxfp4_q8_0_mma" 2 \
           python3 tests/gpu_checks/experts.py --arch "$ARCH"
       check $? "ncu q=$q"
     done
     ncu_summary "$OUTDIR/ncu-experts.log" 60
-  else
-    echo "no ncu on this machine"
   fi
   timeout "${DSPARK_S:-200}" python3 tools/dspark_time.py --gguf "$MODEL" --drafter "dspark:$MODEL" --arch "$ARCH" \
       > "$OUTDIR/dspark-time.log" 2>&1
@@ -283,8 +281,14 @@ ncu_kquant() {  # the decode step's K-quant kernels (issue 32): GEMV wq_b in Q3_
       python3 tests/gpu_checks/experts.py --arch "$ARCH"
   check $? "ncu experts q3_k"
 }
+has_counters() {  # Nsight Compute reads hardware counters on the Firecracker runtime only (device KINDS.md: on gVisor,
+  # kernel 4.4.0, it fails; seen as a segfault and "No kernels were profiled" on an H100 on 2026-12-07)
+  command -v ncu > /dev/null || { echo "no ncu on this machine"; return 1; }
+  uname -r | grep -q -- '-fc-' || { echo "ncu: no hardware counters on this runtime (kernel $(uname -r), not Firecracker)"; return 1; }
+  echo "ncu on kernel $(uname -r)"
+}
 stage_ncu() {  # once per word of NCU_SETS (default "prefill kquant")
-  command -v ncu > /dev/null || { echo "no ncu on this machine"; check 1 ncu; return; }
+  has_counters || { check 1 ncu; return; }
   local set
   for set in ${NCU_SETS:-prefill kquant}; do
     "ncu_$set" "$OUTDIR/ncu-$set.log"
