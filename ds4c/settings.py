@@ -42,6 +42,11 @@ variable                       default                     what it does (reader)
                                                            (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
                                                            (0: automatic) (:func:`prefill_attn_threads`)
+``DS4C_PREFILL_GEMM_BN``       ``64``                      weight rows per CTA of the prefill chunks' projection
+                                                           GEMMs, 64 or 128 (an A/B knob) (:func:`prefill_gemm_bn`)
+``DS4C_PREFILL_MOE_BN``        ``64``                      weight rows per CTA of the prefill chunks' grouped
+                                                           experts GEMM, 64 or 128 (an A/B knob)
+                                                           (:func:`prefill_moe_bn`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
 ``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
@@ -243,6 +248,36 @@ def prefill_attn_threads() -> int:
     return _int("DS4C_PREFILL_ATTN_THREADS", 0, 0)
 
 
+def _tile_width(name: str) -> int:
+    value = raw(name)
+    if value is None:
+        return 64
+    if value.strip() not in ("64", "128"):
+        raise SettingsError(name, value, "64 or 128", 64)
+    return int(value)
+
+
+def prefill_gemm_bn() -> int:
+    """``GemmSpec.bn`` of the prefill chunks' projection GEMMs (``$DS4C_PREFILL_GEMM_BN``, 64 or 128; default 64):
+    128 weight rows per CTA stage each X tile once for twice the outputs, with half the CTAs (docs/perf.md, the
+    prefill GEMM family; an A/B knob until a GPU run picks per shape).
+
+    Raises:
+        SettingsError: any value but 64 or 128.
+    """
+    return _tile_width("DS4C_PREFILL_GEMM_BN")
+
+
+def prefill_moe_bn() -> int:
+    """``MoeGemmSpec.bn`` of the prefill chunks' grouped experts GEMM (``$DS4C_PREFILL_MOE_BN``, 64 or 128; default
+    64): weight rows per CTA of the up and down phases (an A/B knob until a GPU run picks).
+
+    Raises:
+        SettingsError: any value but 64 or 128.
+    """
+    return _tile_width("DS4C_PREFILL_MOE_BN")
+
+
 def debug() -> bool:
     """``$DS4C_DEBUG`` set (any value): a torch.compile mode of the reference that fails (``ds4c bench``'s
     torch.compile column) prints its traceback, not only its first line."""
@@ -280,6 +315,10 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
             prefill_attn_threads),
+    Setting("DS4C_PREFILL_GEMM_BN", "64", "weight rows per CTA of the prefill chunks' projection GEMMs (64 or 128)",
+            prefill_gemm_bn),
+    Setting("DS4C_PREFILL_MOE_BN", "64", "weight rows per CTA of the prefill chunks' grouped experts GEMM (64 or 128)",
+            prefill_moe_bn),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),
     Setting("DS4C_API_KEY", "(unset)", "the bearer token ds4c serve requires (when --api-key is not given)",

@@ -129,7 +129,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
         mode = lin.attrs["mode"]
         spec = _gm.GemmSpec(rows, int(lin.outputs[0].type.shape[-1]), k, fmt, mode,
                             act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
-                            out_dtype=lin.outputs[0].type.dtype, prequant=True)
+                            out_dtype=lin.outputs[0].type.dtype, prequant=True, bn=c.gemm_bn)
         if fmt in _gm.KQUANTS:  # only the f16 MMA path (CUDA sm_89+, fp8act) decodes them: pending elsewhere
             try:
                 _gm.plan(spec, c.target)
@@ -308,7 +308,7 @@ def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
         raise LoweringError(f"grouped_linear (layer {op.layer}): its weight is not a model tensor")
     k = heads // groups * hd
     spec = _gm.GemmSpec(rows, int(gl.outputs[0].type.shape[-1]), k, "bf16", "bf16",
-                        out_dtype=gl.outputs[0].type.dtype, groups=groups)
+                        out_dtype=gl.outputs[0].type.dtype, groups=groups, bn=c.gemm_bn)
     b = {"x": x, "w": Arg("weight", w, form="bf16"), "y": Arg("value", c.names[gl.outputs[0]])}
     names = _gm.arg_names(spec, c.target)
     for src, la in zip(_gm.render_call(spec, c.target, c.name(op, "wo_a_gemm")), _gm.launch_shapes(spec, c.target)):
@@ -508,6 +508,10 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     c.attn_mma = settings.prefill_attn_mma()
     # the chunk's compressors parallel over its flushes (the default; DS4C_PREFILL_CMP_PARALLEL=0: row-serial)
     c.cmp_parallel = settings.prefill_cmp_parallel()
+    # weight rows per CTA of the projection GEMMs and of the grouped experts (DS4C_PREFILL_GEMM_BN / _MOE_BN: A/B
+    # knobs, 64 by default)
+    c.gemm_bn = settings.prefill_gemm_bn()
+    c.moe_bn = settings.prefill_moe_bn()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

@@ -267,6 +267,7 @@ def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block:
     cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
+    cx.gemm_bn = cx.moe_bn = 64
     cx.attn_mma = attn_mma
     cx.cmp_parallel = cmp_parallel
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
@@ -499,6 +500,32 @@ def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
     monkeypatch.setenv("DS4C_PREFILL_CMP_PARALLEL", "0")
     assert attn_entries("sm_90") and all("attn_mma_" not in e for e in attn_entries("sm_90"))
     assert set(comp_entries("sm_90")) == {"compressor"}
+
+
+def test_prefill_gemm_tile_width_follows_its_setting(monkeypatch):
+    """DS4C_PREFILL_GEMM_BN picks the projection GEMMs' weight rows per CTA (64 by default, 128: 256 threads and half
+    the CTA columns); any other value is a one-line SettingsError naming the variable."""
+    from ds4c.runtime.lower_prefill import lower_prefill
+    from ds4c.settings import SettingsError
+
+    cfg = preset("tiny")
+    g = _graph("tiny", 64, 128)
+
+    def gemms():
+        ks = lower_prefill(g, cfg, target("sm_90"), pending=[])
+        return [la for k in ks for la in k.launches if la.kernel.family == "gemm" and "actq" not in la.kernel.entry]
+
+    monkeypatch.delenv("DS4C_PREFILL_GEMM_BN", raising=False)
+    base = gemms()
+    assert base and {la.block for la in base} == {(128, 1, 1)}
+    monkeypatch.setenv("DS4C_PREFILL_GEMM_BN", "128")
+    wide = gemms()
+    assert len(wide) == len(base) and {la.block for la in wide} == {(256, 1, 1)}
+    assert all(w.grid[0] == b.grid[0] and w.grid[1] <= b.grid[1] for w, b in zip(wide, base))
+    assert sum(w.grid[1] for w in wide) < sum(b.grid[1] for b in base)  # fewer CTA columns of wider tiles
+    monkeypatch.setenv("DS4C_PREFILL_GEMM_BN", "96")
+    with pytest.raises(SettingsError, match=r"DS4C_PREFILL_GEMM_BN: expected 64 or 128, found '96'"):
+        gemms()
 
 
 def test_indexer_at_chunk_rows_emulated(tmp_path):
