@@ -102,6 +102,11 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("pq_wq_b_c4096", GM.GemmSpec(4096, 32768, 1024, "q8_0", prequant=True)),
             ("pq_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", prequant=True)),
             ("pq_bn128_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", bn=128, prequant=True)),
+            # the prefill chunk's size (2048 rows) at both tile widths (DS4C_PREFILL_GEMM_BN's A/B, perf.md Optimisation 17)
+            ("pq_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", prequant=True)),
+            ("pq_bn128_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", bn=128, prequant=True)),
+            ("pq_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", prequant=True)),
+            ("pq_bn128_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", bn=128, prequant=True)),
             ("pq_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", prequant=True)),
             ("pq_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True))]
     return out
