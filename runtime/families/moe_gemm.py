@@ -19,15 +19,17 @@ Launches, in order on one stream (:func:`kernel_names`, :func:`launch_shapes`); 
   scans by one thread, the rank of a pair = earlier groups' counts + the popcount of its expert's mask below
   its row.
 * ``actq_x`` (runtime/families/actq.py: the ``warp`` layout from 64 rows on): x bf16 [C, D] -> ``xq`` f16 [C, D] (the e4m3 values) + ``xs`` fp32 [C, D/128].
-* ``up``: grid (T, I/32), 128 threads. CTA = one tile of <= 64 pairs x 32 intermediate columns: a 64 x 64 MMA
-  tile of the gathered x rows against 32 rows of W1_e then the same 32 rows of W3_e; epilogue ``g = bf16(.)``,
-  ``u = bf16(.)``, ``h = silu(min(g, L)) * clamp(u, -L, L)`` (fp32), ``h *= weight[row, slot]`` (fp32),
-  ``hbuf[pair position] = bf16(h)``: bf16 [C*k, I], rows in ``perm`` order (a tile's rows are contiguous).
+* ``up``: grid (T, I/32), 128 threads (``bn`` 128: grid (T, I/64), 256 threads, 64 columns; below). CTA = one
+  tile of <= 64 pairs x 32 intermediate columns: a 64 x 64 MMA tile of the gathered x rows against 32 rows of
+  W1_e then the same 32 rows of W3_e; epilogue ``g = bf16(.)``, ``u = bf16(.)``, ``h = silu(min(g, L)) *
+  clamp(u, -L, L)`` (fp32), ``h *= weight[row, slot]`` (fp32), ``hbuf[pair position] = bf16(h)``: bf16 [C*k,
+  I], rows in ``perm`` order (a tile's rows are contiguous).
 * ``actq_h`` (over the C*k pair rows): hbuf -> ``hq`` f16 [C*k, I] + ``hs`` fp32 [C*k, I/128] (linear_q's FP8
   quant of h per (pair, 128-block)).
-* ``down``: grid (T, D/64), 128 threads: ``y = bf16(W2_e . qa(h))`` -> ``ybuf`` bf16 [C, k, D] at (row, slot).
-  bf16, not fp32: the reference rounds every expert's output to bf16 (``linear_q``) before its fp32 sum, so
-  bf16 holds it exactly at half the bytes (C = 4096: 200 MB instead of 400).
+* ``down``: grid (T, D/64), 128 threads (``bn`` 128: grid (T, D/128), 256 threads): ``y = bf16(W2_e . qa(h))``
+  -> ``ybuf`` bf16 [C, k, D] at (row, slot). bf16, not fp32: the reference rounds every expert's output to bf16
+  (``linear_q``) before its fp32 sum, so bf16 holds it exactly at half the bytes (C = 4096: 200 MB instead of
+  400).
 * ``combine``: grid (D/128, C), 128 threads: ``out[row] = sum_j fp32(ybuf[row, slot_j])`` over the row's slots
   in ascending expert id, from 0.0 (the order of :func:`ds4c.reference.blocks.routed_sum`), no atomics. With
   ``MoeGemmSpec.shared``: an input ``shared`` bf16 [C, D] after ``ybuf`` and ``out`` bf16 [C, D] =
@@ -51,6 +53,19 @@ MMA tiles), K steps of 128, weights and activations of step k+1 prefetched into 
 computed from the other shared-memory stage (two stages: 45.5 KB MXFP4, 52.5 KB Q8_0). Activation rows of the
 up phase are gathered (``perm[p] / k``), of the down phase contiguous. Rows of a tile past its count are zeros
 (scale 0) and are not stored.
+
+The wide tile, ``MoeGemmSpec.bn = 128`` (the prefill setting ``DS4C_PREFILL_MOE_BN``; the gemm family's
+``GemmSpec.bn``): 128 weight rows per CTA, 256 threads = 8 warps (4 weight-row groups x 2 pair groups, each warp
+still 32 x 32 = 2 x 4 MMA tiles, so its per-warp code is the 64-wide kernel's); up = 64 rows of W1 then the same
+64 rows of W3 (grid (T, I/64)), down = 128 rows of W2 (grid (T, D/128)). Each staged activation tile (64
+gathered rows, 16 KB per K step) feeds twice the outputs, the grid has half the CTA columns, and the X prefetch
+takes 4 instead of 8 16-byte registers per thread (256 threads share the 64 x 128 f16 tile); the weight tile per
+stage doubles (two stages: MXFP4 54.5 KB, Q8_0 70.5 KB, K-quants / IQ4_XS 62.5-94.5 KB; all under sm_90's 227
+KB). ``__launch_bounds__(256, 1)`` (255 registers a thread at most: one CTA of 8 warps per SM, the warps of the
+64-wide kernel's two CTAs). Every output element is the same MMAs on the same operands in the same order, then
+the same epilogue, so the two widths' outputs are bit-identical; ``bn`` 0 / 64 render the 64-wide sources byte
+for byte. I and D are multiples of 128 (the spec's check), so both widths tile them exactly: there is no partial
+CTA column to refuse or mask.
 
 K-quant / IQ4_XS weights (``q2_k`` .. ``q6_k``, ``iq4_xs``: the 43-layer model's Q3_K routed experts, a Q4_K_M
 file's Q4_K / Q6_K ones; the reduction a multiple of 256, of 512 for Q3_K / Q6_K, whose 110 / 210-byte super-blocks
@@ -122,8 +137,10 @@ TM = 64            # pairs per tile (the MMA tile's pair side)
 KSTEP = 128
 XST = 272
 ROUTE_THREADS = 256
-GEMM_THREADS = 128
-#: registers per thread the GEMM kernels may use: __launch_bounds__(128, 65536 // (128 * this))
+GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGemmSpec.bn 64); 2 * bn in general
+BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
+BNS = (64, 128)
+#: registers per thread the GEMM kernels may use: __launch_bounds__(2 * bn, 65536 // (2 * bn * this))
 REG_BUDGET = 255
 SMEM_LIMIT = 227 * 1024
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
@@ -161,6 +178,9 @@ class MoeGemmSpec:
             bf16 [C, D] (the FFN's bf16 output, ``linear_q``'s rounding).
         shared: ``moe_sum`` fused into the combine: the extra input ``shared`` bf16 [C, D] and ``out`` bf16
             [C, D] = ``bf16(routed fp32 sum + fp32(shared))`` (the IR op ``moe_sum``); not with ``dense``.
+        bn: weight rows per CTA of the up / down phases: 0 (the default, 64) | 64 | 128 (the wide tile: 256
+            threads, up = 64 rows of W1 then the same 64 of W3, down = 128 rows of W2; module docstring). Both
+            widths give bit-identical outputs; route / actq / combine do not depend on it.
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -177,6 +197,7 @@ class MoeGemmSpec:
     act_quant: bool = True
     dense: bool = False
     shared: bool = False
+    bn: int = 0
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -199,6 +220,8 @@ class MoeGemmSpec:
             bad.append(f"limit {self.limit!r} (expected a positive finite float)")
         if self.act_quant is not True:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
+        if self.bn not in (0,) + BNS:
+            bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -220,11 +243,13 @@ class MoeGemmSpec:
         return (f"c{self.rows}_d{self.hidden}_i{self.inter}_k{self.k}_e{self.n_experts}_{self.fmt}"
                 + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
-                + ("_dense" if self.dense else "") + ("_sh" if self.shared else ""))
+                + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
+                + ("_bn128" if self.bn == 128 else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
-                f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else ""))
+                f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
+                + (" bn128" if self.bn == 128 else ""))
 
 
 def tile_slots(spec: MoeGemmSpec) -> int:
@@ -246,7 +271,8 @@ def check_target(target: Target) -> None:
 class PhasePlan:
     """Geometry of the ``up`` / ``down`` GEMM: reduction ``kin``, output width ``nout``, weight ``fmt``, row bytes
     ``rs``, vector load bytes ``v``, padded shared row stride ``rbp``, ``stage_bytes`` (two stages), ``smem``,
-    ``grid``, ``block``, ``nb``: the 4-byte words a thread loads of one K step's weights, and ``w_async``: they
+    ``grid``, ``block`` (``2 * bn`` threads), ``nb``: the 4-byte words a thread loads of one K step's weights,
+    ``bn``: the weight rows of a CTA (64 or 128), and ``w_async``: they
     are copied by 4-byte cp.async straight into shared memory instead of through registers (the K-quants staged in
     4-byte units, Q2_K / Q3_K / Q6_K: 11-27 registers otherwise, and sm_90 spills Q3_K's up and Q6_K's down
     phase at 255 registers)."""
@@ -263,6 +289,7 @@ class PhasePlan:
     block: tuple[int, int, int]
     nb: int
     w_async: bool
+    bn: int = BN
 
 
 def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
@@ -279,15 +306,19 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
     while (rbp // 4) % 8 != 4:  # the 8 rows g of a fragment read on distinct banks
         rbp += 16
-    stage = _round16(TM * XST + TM * 4 + 64 * rbp)
-    smem = max(2 * stage, TM * (64 + 4) * 4)
+    bn = spec.bn or BN
+    threads = 2 * bn
+    stage = _round16(TM * XST + TM * 4 + bn * rbp)
+    smem = max(2 * stage, TM * (bn + 4) * 4)
     if smem > SMEM_LIMIT:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
                           f"{SMEM_LIMIT}")
-    ny = spec.inter // 32 if phase == "up" else spec.hidden // 64
-    nb = -(-64 * (sb // v) // GEMM_THREADS) * v // 4  # MG_NJ loads of v bytes: MG_NB words
-    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (GEMM_THREADS, 1, 1), nb,
-                     fmt in KQUANTS and v == 4)
+    # up: bn / 2 intermediate columns per CTA (bn / 2 rows of W1, the same of W3); down: bn columns. I and D are
+    # multiples of 128 (MoeGemmSpec), so both widths divide them: no partial CTA column
+    ny = spec.inter // (bn // 2) if phase == "up" else spec.hidden // bn
+    nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
+    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (threads, 1, 1), nb,
+                     fmt in KQUANTS and v == 4, bn)
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
@@ -300,6 +331,17 @@ def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
 def _common(spec: MoeGemmSpec) -> dict[str, Any]:
     return dict(rows=spec.rows, k=spec.k, n_experts=spec.n_experts, hidden=spec.hidden, inter=spec.inter, tm=TM,
                 tiles=tile_slots(spec), dense=spec.dense, shared=spec.shared)
+
+
+def _width(pl: PhasePlan) -> dict[str, int]:
+    """The template's width parameters of an up / down phase: ``bn`` weight rows, ``threads`` (``2 * bn``),
+    ``half`` (``bn / 2``: the W1 / W3 rows of an up CTA, its output columns), the X staging ``rstep`` (rows per pass,
+    16 threads a row) and ``xi`` (passes: 16-byte registers per thread), the warp split ``wshift`` (log2 of the
+    ``bn / 32`` warps along the weight rows) and the epilogue's shifts ``hshift`` / ``bshift`` (log2 of half, bn)."""
+    bn = pl.bn
+    threads = 2 * bn
+    return dict(bn=bn, threads=threads, half=bn // 2, rstep=threads // 16, xi=TM * 16 // threads,
+                wshift=(bn // 32).bit_length() - 1, hshift=(bn // 2).bit_length() - 1, bshift=bn.bit_length() - 1)
 
 
 def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
@@ -323,7 +365,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           sb=kq_segment(pl.fmt) if pl.fmt in KQUANTS else 0, rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
-                          min_blocks=max(1, 65536 // (GEMM_THREADS * REG_BUDGET)))
+                          min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)), **_width(pl))
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, dict(_common(spec), kernel=kn)))

@@ -10,6 +10,11 @@ with Q8_0 down weights, and the two options the prefill lowering uses (runtime/l
 ``lower_routed_experts``): the shared expert as a ``dense`` call at flash shapes (C = 2048, D = 4096, I = 2048,
 E = 1, k = 1, Q8_0: four launches, no routing; ``out`` bf16 against ``expert_ffn`` per row) and the routed call
 with ``shared`` (moe_sum fused into the combine: ``out`` bf16 = bf16(routed sum + fp32(shared)), C = 2048).
+The 128-wide tile (``MoeGemmSpec.bn = 128``, 256 threads; ``DS4C_PREFILL_MOE_BN=128``) at C = 2048 for MXFP4, Q3_K
+and the dense Q8_0 shared expert (cases ``*_bn128``, next to their 64-wide twins, so one run times both widths on
+the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings). Every case draws
+its inputs from a generator seeded by its name less ``_bn128``, so a wide case has its twin's inputs; when the
+twin ran first, the wide ``out`` must equal the twin's bit for bit (``bn64_equal``, part of ``ok``).
 
 Per case: fresh random inputs (``moe_gemm.random_inputs``), every workspace and the output poisoned with NaN
 (``perm`` / ``tiles`` with 0x7f7f7f7f), the six launches in order, then: the routing tables equal the torch
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,12 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_shared_c2048", MG.MoeGemmSpec(2048, shared=True), "uniform"),
             ("q3k_c77", MG.MoeGemmSpec(77, fmt="q3_k", hidden=512, inter=512, k=3, n_experts=16), "uneven"),
             ("flash_q3k_c2048", MG.MoeGemmSpec(2048, fmt="q3_k"), "uniform"),
+            # the 128-wide tile (bn 128: 256 threads, up 64 W1 + 64 W3 rows, down 128 W2 rows per CTA) next to the
+            # 64-wide twins above (the case name without _bn128): the same inputs, bit-identical outputs expected
+            ("flash_c2048_bn128", MG.MoeGemmSpec(2048, bn=128), "uniform"),
+            ("flash_q3k_c2048_bn128", MG.MoeGemmSpec(2048, fmt="q3_k", bn=128), "uniform"),
+            ("flash_shexp_dense_c2048_bn128", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True, bn=128),
+             "dense"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -106,8 +118,16 @@ def _median_us(fn: Any) -> float:
     return median_us(fn, ITERS, WARMUP)
 
 
+def _seed(name: str) -> int:
+    """The input seed of case ``name``: a 128-wide case (``_bn128``) draws the inputs of its 64-wide twin."""
+    return zlib.crc32(name.removesuffix("_bn128").encode())
+
+
 def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict, g: torch.Generator,
-          tgt: Any) -> dict:
+          tgt: Any, outs: dict[str, torch.Tensor] | None = None) -> dict:
+    """One case (module docstring). ``outs`` (None: no twin check): the ``out`` (CPU) of the 64-wide twins run so
+    far, by name: a ``_bn128`` case is compared with its twin's when present (``bn64_equal``; None without one),
+    another case adds its own."""
     launches = MG.launch_shapes(spec, tgt)
     names = MG.arg_names(spec)
     b = case_buffers(spec, g, "cuda", routing)
@@ -138,7 +158,14 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
     call(b2)
     torch.cuda.synchronize()
     same = torch.equal(b["out"].view(torch.uint8), b2["out"].view(torch.uint8))
-    ok = tables and written and same and e < TOL
+    twin = None
+    if outs is not None:
+        base = name.removesuffix("_bn128")
+        if base == name:
+            outs[name] = b["out"].cpu()
+        elif base in outs:
+            twin = torch.equal(b["out"].cpu().view(torch.uint8), outs[base].view(torch.uint8))
+    ok = tables and written and same and e < TOL and twin is not False
     per = {}
     for k, ln in zip(kerns, launches):
         args = [b[n] for n in names[ln.kernel]]
@@ -148,7 +175,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
     return {"spec": f"{name:18s}", "detail": spec.short() + f" {routing}", "ok": ok, "tables_ok": tables,
             "all_written": written, "deterministic": same, "rel_err": e, "us": us, "per_us": per,
             "TFLOPs": fl / (us * 1e-6) / 1e12, "TFLOPs_gemm": fl / ((per["up"] + per["down"]) * 1e-6) / 1e12,
-            "tiles_used": int((tiles[:, 2] > 0).sum()), "tile_slots": tiles.shape[0],
+            "tiles_used": int((tiles[:, 2] > 0).sum()), "tile_slots": tiles.shape[0], "bn64_equal": twin,
             "regs": {kn: u.get("registers") for kn, u in use.items()},
             "spills": any(u.get("spills") for u in use.values())}
 
@@ -179,9 +206,11 @@ def run(arch: str = "sm_90") -> list[dict]:
     with ThreadPoolExecutor(8) as ex:
         built = dict(ex.map(job, jobs))
     compile_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(1234)
     rows: list[dict] = []
+    outs: dict[str, torch.Tensor] = {}  # the 64-wide twins' out, for their _bn128 cases
+    twins = {n for n in specs if n + "_bn128" in specs}
     for n, (spec, routing) in specs.items():
+        g = torch.Generator().manual_seed(_seed(n))
         try:
             kerns, use = [], {}
             for i, (src, ln) in enumerate(zip(srcs[n], MG.launch_shapes(spec, tgt))):
@@ -190,7 +219,8 @@ def run(arch: str = "sm_90") -> list[dict]:
                     raise bb
                 kerns.append(load(bb[0]).function(src.entry, ln.smem))
                 use[ln.kernel] = bb[1]
-            rows.append(_case(n, spec, routing, kerns, use, g, tgt))
+            rows.append(_case(n, spec, routing, kerns, use, g, tgt,
+                              outs if n in twins or n.endswith("_bn128") else None))
         except Exception as ex:
             traceback.print_exc()
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
@@ -214,7 +244,8 @@ def print_table(rows: list[dict]) -> None:
               + (f"  ERROR {r['error']}" if "error" in r else "")
               + ("" if r.get("tables_ok", True) else "  (routing tables differ)")
               + ("" if r.get("all_written", True) else "  (unwritten outputs)")
-              + ("" if r.get("deterministic", True) else "  (not deterministic)"))
+              + ("" if r.get("deterministic", True) else "  (not deterministic)")
+              + ("" if r.get("bn64_equal") is not False else "  (differs from the 64-wide twin)"))
 
 
 def main() -> int:
