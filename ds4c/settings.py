@@ -42,8 +42,9 @@ variable                       default                     what it does (reader)
                                                            (:func:`prefill_attn_heads_per_block`)
 ``DS4C_PREFILL_ATTN_THREADS``  ``0``                       threads per block of the prefill chunks' attention
                                                            (0: automatic) (:func:`prefill_attn_threads`)
-``DS4C_PREFILL_GEMM_BN``       ``64``                      weight rows per CTA of the prefill chunks' projection
-                                                           GEMMs, 64 or 128 (an A/B knob) (:func:`prefill_gemm_bn`)
+``DS4C_PREFILL_GEMM_BN``       ``64``                      weight rows per CTA of the prefill chunks' GEMMs
+                                                           (projections, grouped wo_a, FFN router, an all-logits
+                                                           head), 64 or 128 (an A/B knob) (:func:`prefill_gemm_bn`)
 ``DS4C_PREFILL_MOE_BN``        ``64``                      weight rows per CTA of the prefill chunks' grouped
                                                            experts GEMM, 64 or 128 (an A/B knob)
                                                            (:func:`prefill_moe_bn`)
@@ -258,7 +259,8 @@ def _tile_width(name: str) -> int:
 
 
 def prefill_gemm_bn() -> int:
-    """``GemmSpec.bn`` of the prefill chunks' projection GEMMs (``$DS4C_PREFILL_GEMM_BN``, 64 or 128; default 64):
+    """``GemmSpec.bn`` of every GEMM of a prefill chunk: the projections, the grouped wo_a, the FFN router and an
+    all-logits head (``$DS4C_PREFILL_GEMM_BN``, 64 or 128; default 64):
     128 weight rows per CTA stage each X tile once for twice the outputs, with half the CTAs (docs/perf.md, the
     prefill GEMM family; an A/B knob until a GPU run picks per shape).
 
@@ -315,7 +317,7 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_attn_heads_per_block),
     Setting("DS4C_PREFILL_ATTN_THREADS", "0", "threads per block of the prefill chunks' attention (0: automatic)",
             prefill_attn_threads),
-    Setting("DS4C_PREFILL_GEMM_BN", "64", "weight rows per CTA of the prefill chunks' projection GEMMs (64 or 128)",
+    Setting("DS4C_PREFILL_GEMM_BN", "64", "weight rows per CTA of the prefill chunks' GEMMs (64 or 128)",
             prefill_gemm_bn),
     Setting("DS4C_PREFILL_MOE_BN", "64", "weight rows per CTA of the prefill chunks' grouped experts GEMM (64 or 128)",
             prefill_moe_bn),

@@ -147,6 +147,10 @@ def _check_launch_formats(args: list, rec: dict[str, Any], rel: str, types: dict
                         f"rebuild it with `ds4c compile` from this model file")
 
 
+_REBUILD = ("built by another ds4c, or with other kernel settings such as DS4C_PREFILL_ATTN_MMA or "
+            "DS4C_PREFILL_GEMM_BN: `ds4c info --env` lists them; compile again with this ds4c and these settings")
+
+
 def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str, width: int, context: int,
                     kernels: list, weight_types: dict, shard: int | None = None,
                     prefill: bool = False) -> list[Path]:
@@ -162,7 +166,9 @@ def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str,
     Raises:
         ArtifactError: the artifact has no binaries for ``arch``, no graph for (width, context) — the message
             names the missing key — or its launches do not match the lowering (built by another ds4c or for
-            another model), or a binary was rendered for other weight formats (naming the tensor).
+            another model), or a binary was rendered for other weight formats (naming the tensor), or was compiled
+            from another source than the lowering renders (a kernel setting such as a tile width differs from the
+            compile's: the lowering's grid and block would run another kernel's body).
     """
     types = {k: getattr(v, "name", str(v)) for k, v in weight_types.items()}
     slug = find_target(man, arch)
@@ -177,11 +183,18 @@ def launch_binaries(man: dict[str, Any], artifact: str | os.PathLike, arch: str,
         raise ArtifactError(f"artifact graph {key} for {slug} lists other plan kernels than this model's lowering; "
                             f"rebuild it with `ds4c compile` for this model")
     out = []
+    binaries = man["targets"][slug]["binaries"]
     for k, rec in zip(kernels, listed):
         if [l["entry"] for l in rec["launches"]] != [la.kernel.entry for la in k.launches]:
-            raise ArtifactError(f"artifact kernel {k.name} ({key}, {slug}) has other launches than the lowering")
+            raise ArtifactError(f"artifact kernel {k.name} ({key}, {slug}) has other launches than the lowering "
+                                f"({_REBUILD})")
         for l, la in zip(rec["launches"], k.launches):
-            _check_launch_formats(la.args, man["targets"][slug]["binaries"][l["binary"]], l["binary"], types,
-                                  f"artifact {artifact} does not serve this model")
+            b = binaries[l["binary"]]
+            _check_launch_formats(la.args, b, l["binary"], types, f"artifact {artifact} does not serve this model")
+            # the launch's grid, block and shared memory come from this lowering: its binary must be of the same
+            # source (a setting that shapes kernels, e.g. a tile width, can change a source but not its entry name)
+            if b["source_sha256"] != la.kernel.digest():
+                raise ArtifactError(f"artifact kernel {k.name} ({key}, {slug}): binary {l['binary']} was compiled "
+                                    f"from another source than this lowering renders ({_REBUILD})")
         out += [Path(artifact) / l["binary"] for l in rec["launches"]]
     return out

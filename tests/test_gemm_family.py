@@ -480,6 +480,7 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     (dict(rows=64, n=64, k=256, out_dtype="f16"), "out_dtype 'f16' (expected one of"),
     (dict(rows=64, n=64, k=256, mode="bf16", x_prequant=True), "x_prequant with mode 'bf16' and act_quant True"),
     (dict(rows=64, n=64, k=256, bn=96), "bn 96 (expected 0 or one of (64, 128))"),
+    (dict(rows=64, n=64, k=256, bn=128.0), "bn 128.0 (expected 0 or one of (64, 128))"),
     (dict(rows=64, n=64, k=256, prequant=1), "prequant 1 (expected a bool)"),
     (dict(rows=64, n=64, k=256, prequant=True, x_prequant=True), "prequant with x_prequant (expected at most one"),
 ])

@@ -322,6 +322,15 @@ def test_real_prefill_compile_with_stubbed_experts(tmp_path, cache_env, monkeypa
         len(k["launches"]) for k in t["graphs"]["q1_c64"]["kernels"])
     r = run("inspect", out, "--model", tiny_path)
     assert r.exit_code == 0 and "serves" in r.stdout, r.output
+    # a setting that changes a kernel's source but not its entry (the GEMMs' tile width): the artifact's binary would
+    # run under this lowering's grid and block, so the pairing refuses it in one line naming the kernel
+    monkeypatch.setenv("DS4C_PREFILL_GEMM_BN", "128")
+    wide = lower_mod.lower_graph(g, TINY, target(SM90))
+    assert [[la.kernel.entry for la in k.launches] for k in wide] == [[la.kernel.entry for la in k.launches] for k in ks]
+    with pytest.raises(ArtifactError, match=r"^artifact kernel l\d+\.\w+ \(p16_c64, cuda-sm_90\): binary .* compiled from "
+                                            r"another source .*DS4C_PREFILL_GEMM_BN") as e:
+        launch_binaries(man, out, SM90, 16, 64, wide, OFFICIAL, prefill=True)
+    assert "\n" not in str(e.value)
 
 
 @needs_nvcc

@@ -267,7 +267,6 @@ def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block:
     cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
-    cx.gemm_bn = cx.moe_bn = 64
     cx.attn_mma = attn_mma
     cx.cmp_parallel = cmp_parallel
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)

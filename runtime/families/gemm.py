@@ -229,7 +229,7 @@ class GemmSpec:
             bad.append(f"out_dtype {self.out_dtype!r} (expected one of {OUT_DTYPES})")
         if self.engine not in ENGINES:
             bad.append(f"engine {self.engine!r} (expected one of {ENGINES})")
-        if self.bn not in (0,) + BNS:
+        if type(self.bn) is not int or self.bn not in (0,) + BNS:  # noqa: E721 (128.0, True are not widths)
             bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
         if self.x_prequant and not (self.mode == "fp8act" and self.act_quant):
             bad.append(f"x_prequant with mode {self.mode!r} and act_quant {self.act_quant} (expected only with "

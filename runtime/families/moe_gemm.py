@@ -50,7 +50,7 @@ docstring is the design): A = the weight codes as exact f16 (MXFP4 through e4m3 
 activation's e4m3 values (exact f16); per 32-block the fp32 MMA result times the weight block scale (fp32),
 summed over the 128-block, then times the activation's per-128 scale. 4 warps (2 x 2, each 32 x 32 = 2 x 4
 MMA tiles), K steps of 128, weights and activations of step k+1 prefetched into registers while step k is
-computed from the other shared-memory stage (two stages: 45.5 KB MXFP4, 52.5 KB Q8_0). Activation rows of the
+computed from the other shared-memory stage (two stages: 44.5 KB MXFP4, 52.5 KB Q8_0). Activation rows of the
 up phase are gathered (``perm[p] / k``), of the down phase contiguous. Rows of a tile past its count are zeros
 (scale 0) and are not stored.
 
@@ -220,7 +220,7 @@ class MoeGemmSpec:
             bad.append(f"limit {self.limit!r} (expected a positive finite float)")
         if self.act_quant is not True:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
-        if self.bn not in (0,) + BNS:
+        if type(self.bn) is not int or self.bn not in (0,) + BNS:  # noqa: E721 (128.0, True are not widths)
             bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
