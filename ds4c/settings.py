@@ -250,6 +250,7 @@ def prefill_attn_threads() -> int:
 
 
 def _tile_width(name: str) -> int:
+    """A GEMM tile-width setting: 64 or 128 (surrounding spaces ignored); unset: 64. Raises SettingsError else."""
     value = raw(name)
     if value is None:
         return 64

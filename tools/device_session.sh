@@ -36,11 +36,11 @@
 #             once per word of LANE_ENVS
 #   profile   Nsight Compute on the official MXFP4 experts at q = 1 and 5 (throughput, occupancy, warp stall
 #             reasons), then the compiled DSpark drafter's per-step cost (tools/dspark_time.py)
-#   ncu       Nsight Compute (throughput, occupancy, stall reasons) on tests/gpu_checks kernels, per word of NCU_SETS,
-#             after a probe that it reads this machine's counters (else skipped; so is profile's ncu part)
-#             (default "prefill kquant"): prefill = the grouped experts' up and down (cases NCU_MG, default
-#             flash_c2048: the 64-wide case then its 128-wide twin, both profiled), the chunk attention on tensor cores (CSA), the GEMM launches matching NCU_GEMM (default
-#             wq_a and expert_w1 at 4096 rows); kquant = the decode GEMV wq_b in Q3_K and Q8_0 at q = 1 and the Q3_K
+#   ncu       Nsight Compute (throughput, occupancy, stall reasons) on tests/gpu_checks kernels, per word of NCU_SETS
+#             (default "prefill kquant"), after a probe that ncu reads this machine's counters (else skipped, as is
+#             profile's ncu part): prefill = the grouped experts' up and down (cases NCU_MG, default flash_c2048: the
+#             64-wide case then its 128-wide twin, both profiled), the chunk attention on tensor cores (CSA), the
+#             GEMM launches matching NCU_GEMM (default wq_a and expert_w1 at 4096 rows); kquant = the decode GEMV wq_b in Q3_K and Q8_0 at q = 1 and the Q3_K
 #             experts at q = 1 (issue 32: instruction- or latency-bound?)
 #
 # Settings (environment): MODEL (default synthetic:flash-l4), FILE (/tmp/fl4.gguf), ARCH (sm_90), ART
