@@ -48,6 +48,10 @@ variable                       default                     what it does (reader)
 ``DS4C_PREFILL_MOE_BN``        ``64``                      weight rows per CTA of the prefill chunks' grouped
                                                            experts GEMM, 64 or 128 (an A/B knob)
                                                            (:func:`prefill_moe_bn`)
+``DS4C_PREFILL_STAGES``        ``2``                       K-step stages of the prefill chunks' GEMMs and grouped
+                                                           experts: 2 (registers, double buffered) or 3 (the
+                                                           cp.async pipeline) (an A/B knob)
+                                                           (:func:`prefill_stages`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
 ``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
@@ -281,6 +285,22 @@ def prefill_moe_bn() -> int:
     return _tile_width("DS4C_PREFILL_MOE_BN")
 
 
+def prefill_stages() -> int:
+    """``GemmSpec.stages`` and ``MoeGemmSpec.stages`` of the prefill chunks' GEMMs (the prequant projections) and
+    grouped experts (``$DS4C_PREFILL_STAGES``, 2 or 3; default 2): 3 copies every K step by cp.async straight into
+    shared memory with two steps in flight (an A/B knob until a GPU run picks; both give the same bits).
+
+    Raises:
+        SettingsError: any value but 2 or 3.
+    """
+    value = raw("DS4C_PREFILL_STAGES")
+    if value is None:
+        return 2
+    if value.strip() not in ("2", "3"):
+        raise SettingsError("DS4C_PREFILL_STAGES", value, "2 or 3", 2)
+    return int(value)
+
+
 def debug() -> bool:
     """``$DS4C_DEBUG`` set (any value): a torch.compile mode of the reference that fails (``ds4c bench``'s
     torch.compile column) prints its traceback, not only its first line."""
@@ -322,6 +342,8 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_gemm_bn),
     Setting("DS4C_PREFILL_MOE_BN", "64", "weight rows per CTA of the prefill chunks' grouped experts GEMM (64 or 128)",
             prefill_moe_bn),
+    Setting("DS4C_PREFILL_STAGES", "2", "K-step stages of the prefill chunks' GEMMs and grouped experts (2 or 3)",
+            prefill_stages),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),
     Setting("DS4C_API_KEY", "(unset)", "the bearer token ds4c serve requires (when --api-key is not given)",

@@ -92,8 +92,10 @@ class _Ctx:
         self.attn_mma = False
         #: the prefill chunks' compressors parallel over the flushes (runtime/lower_prefill.py)
         self.cmp_parallel = False
-        #: weight rows per CTA of the prefill chunks' GEMMs and grouped experts (GemmSpec.bn / MoeGemmSpec.bn)
+        #: weight rows per CTA of the prefill chunks' GEMMs and grouped experts (GemmSpec.bn / MoeGemmSpec.bn), the
+        #: K-step stages of both (GemmSpec.stages, MoeGemmSpec.stages)
         self.gemm_bn = self.moe_bn = 64
+        self.stages = 2
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
         self.linears = _gemv
 

@@ -388,6 +388,37 @@ def test_prequant_emulated_equals_in_tile_quant(kw: dict, tmp_path: Path) -> Non
     _pq_check(kw, tmp_path, 21)
 
 
+#: the cp.async pipeline (stages 3): partial C and N tiles, weight units of 4 (MXFP4, Q3_K), 8 (Q8_0) and 16 bytes
+#: (Q4_K), bn 128, fp32 out
+PIPE_CASES = PQ_CASES + [dict(rows=70, n=72, k=512, fmt="q3_k"), dict(rows=33, n=130, k=256, fmt="q4_k", bn=128)]
+
+
+@pytest.mark.parametrize("kw", PIPE_CASES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_pipeline_emulated_equals_two_stages(kw: dict, tmp_path: Path) -> None:
+    """``stages`` 3 (the cp.async pipeline: every step's weights, X tile and scales copied straight into one of three
+    stages, two in flight) on the CPU emulator, whose cp.async copies land only at their wait: y is the 2-stage
+    prequant kernel's bit for bit (the same MMAs in the same order), rows past C unwritten; without prequant (or
+    off the form-0 path) the request renders the 2-stage kernel."""
+    E = gemm_emu
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    t = target("sm_90")
+    spec, base = GM.GemmSpec(**kw, prequant=True, stages=3), GM.GemmSpec(**kw, prequant=True)
+    pl = GM.plan(spec, t)
+    assert pl.pipe and pl.nstage == 3 and pl.smem == 3 * pl.stage_bytes and "_st3" in spec.key()
+    x, w = _inputs(spec, 29)
+    y, guard = E.run(spec, x, w, tmp_path / "pipe")
+    yb, _ = E.run(base, x, w, tmp_path / "two")
+    assert not torch.isnan(y.float()).any(), "unwritten output elements"
+    assert torch.isnan(guard.float()).all(), "a kernel wrote rows beyond C"
+    iv = torch.int16 if y.dtype == BF16 else torch.int32
+    assert torch.equal(y.view(iv), yb.view(iv)), "the 3-stage pipeline differs from the 2-stage kernel"
+    plain = GM.GemmSpec(**kw, stages=3)  # no prequant: the request does not apply
+    assert not GM.plan(plain, t).pipe and GM.plan(plain, t).nstage == 2
+    assert "gm_issue" not in GM.render_gemm(plain, t, "k").source and "gm_issue" in GM.render_gemm(spec, t, "k").source
+
+
 def test_prequant_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The single-stage pipeline with prequant (the copies of step k+1 issued only after the barrier that ends
     step k's reads), forced by a smaller shared-memory limit."""
@@ -524,6 +555,8 @@ def test_gpu_check_cases_build_on_cpu() -> None:
                for sw, hw in gemm_check.TWINS)
     assert all(names[pq].prequant and not names[it].prequant
                and dataclasses.replace(names[pq], prequant=False) == names[it] for pq, it in gemm_check.PQ_TWINS)
+    assert all(names[st].stages == 3 and dataclasses.replace(names[st], stages=0) == names[two]
+               for st, two in gemm_check.ST_TWINS)
     for n, s in cs:
         ks = GM.render_call(s, target("sm_90"), f"gemm_{n}")
         assert len(ks) == (2 if s.prequant else 1)

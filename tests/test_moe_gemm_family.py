@@ -222,28 +222,35 @@ WIDE_CASES = [
     (33, "q3_k", "q4_k", "skew", KQ),
     (64, "q8_0", "mxfp4", "dense", dict(hidden=256, inter=256, k=1, n_experts=1)),
 ]
+#: the cp.async pipeline (stages 3) at both widths: its weight units of 4 (MXFP4, Q3_K), 8 (Q8_0) and 16 bytes
+#: (Q4_K), the gathered up rows and the contiguous down rows, a tile's rows past its count (zeroed once)
+PIPE_CASES = [(*WIDE_CASES[0], 64, 3), (*WIDE_CASES[2], 128, 3), (*WIDE_CASES[3], 64, 3)]
 
 
-@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes", WIDE_CASES)
-def test_emulated_wide_tile(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict) -> None:
-    """``bn`` 128 (256 threads, up 64 W1 + 64 W3 rows, down 128 W2 rows per CTA): every written buffer (poisoned
-    before) bit-identical to the 64-wide kernel's on the same inputs (the same MMAs in the same order per output,
-    the same epilogue), and against the reference as the 64-wide call is (:func:`_check_routed_call`; dense: the
-    bf16 floor of :func:`test_emulated_dense_call`)."""
+@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes,bn,stages",
+                         [(*c, 128, 2) for c in WIDE_CASES] + PIPE_CASES)
+def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict, bn: int,
+                                stages: int) -> None:
+    """``bn`` 128 (256 threads, up 64 W1 + 64 W3 rows, down 128 W2 rows per CTA) and the 3-stage cp.async
+    pipeline: every written buffer (poisoned before) bit-identical to the measured kernel's (64 wide, 2 stages) on
+    the same inputs (the same MMAs in the same order per output, the same epilogue), and against the reference as
+    that call is (:func:`_check_routed_call`; dense: the bf16 floor of :func:`test_emulated_dense_call`)."""
 
     why = EMU.host_unavailable()
     if why:
         pytest.skip(why)
     dense = routing == "dense"
     narrow = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, **sizes)
-    wide = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, bn=128, **sizes)
+    wide = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, bn=bn, stages=stages, **sizes)
     tgt = target("sm_90")
     for kn, a, b in zip(MG.kernel_names(wide, tgt), MG.launch_shapes(narrow, tgt), MG.launch_shapes(wide, tgt)):
         if kn in ("up", "down"):
-            assert b.block == (256, 1, 1) and b.grid == (a.grid[0], a.grid[1] // 2, 1) and b.smem > a.smem
+            assert b.block == (2 * bn, 1, 1) and b.grid == (a.grid[0], a.grid[1] * 64 // bn, 1)
+            assert b.smem > a.smem or bn == 64 and stages == 3 and b.smem == a.smem * 3 // 2
         else:
             assert a == b
     assert MG.plan(wide, tgt, "up").w_async == (fmt in ("q2_k", "q3_k", "q6_k"))
+    assert MG.plan(wide, tgt, "up").stages == stages
     inp = _emu_inputs(narrow, routing)
     with tempfile.TemporaryDirectory() as d:
         got = EMU.run(wide, inp, Path(d))
@@ -251,7 +258,7 @@ def test_emulated_wide_tile(C: int, fmt: str, down_fmt: str, routing: str, sizes
         ref64 = EMU.run(narrow, inp, Path(d))
     assert set(got) == set(ref64)
     for n in got:
-        assert torch.equal(got[n].view(torch.uint8), ref64[n].view(torch.uint8)), f"{n}: bn 128 differs from bn 64"
+        assert torch.equal(got[n].view(torch.uint8), ref64[n].view(torch.uint8)), f"{n}: {wide.short()} differs"
     if not dense:
         _check_routed_call(wide, inp, got, routing)
         return
@@ -479,11 +486,14 @@ def test_gpu_check_imports_on_cpu() -> None:
     bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)
     assert set(bufs) == set(MG.arg_shapes(spec)) and bufs["out"].dtype == torch.bfloat16 and bufs["out"].isnan().all()
     assert any(c[1].shared and c[1].n_experts == 256 for c in cs)
-    # the 128-wide tile next to its 64-wide twin (same name less _bn128, same spec but bn, same input seed)
+    # the 128-wide tile and the 3-stage pipeline next to their twin (same name less _bn128 / _st3, same spec but
+    # bn / stages, same input seed)
     by = {n: s for n, s, _ in cs}
-    wide = [n for n in by if n.endswith("_bn128")]
-    assert {"flash_c2048_bn128", "flash_q3k_c2048_bn128", "flash_shexp_dense_c2048_bn128"} <= set(wide)
-    for n in wide:
-        twin = n.removesuffix("_bn128")
-        assert by[n].bn == 128 and by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0})
+    var = [n for n in by if m._base(n) != n]
+    assert {"flash_c2048_bn128", "flash_q3k_c2048_bn128", "flash_shexp_dense_c2048_bn128", "flash_c2048_st3",
+            "flash_c2048_bn128_st3", "flash_q3k_c2048_st3", "flash_shexp_dense_c2048_st3"} <= set(var)
+    for n in var:
+        twin = m._base(n)
+        assert (by[n].bn == 128) == ("_bn128" in n) and (by[n].stages == 3) == ("_st3" in n)
+        assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0})
         assert m._seed(n) == m._seed(twin)

@@ -123,6 +123,12 @@ UNALIGNED_KQ = tuple(f for f in KQUANTS if SUPER_BYTES[f] % 4)
 BM = 64   # X rows per CTA
 BN = 64   # weight rows (output columns) per CTA by default (GemmSpec.bn: 64 or 128; threads = 2 * bn)
 BNS = (64, 128)
+#: K-step stages (GemmSpec.stages): 2 = register-staged weights, double buffered; 3 = the cp.async pipeline
+STAGES = (2, 3)
+#: registers a thread of the cp.async pipeline needs (sm_90 ptxas, no spills): its __launch_bounds__ minimum of
+#: CTAs per SM is what the shared memory fits with at least this many (:func:`min_blocks`)
+PIPE_REGS = 168
+SM_SMEM = 228 * 1024  # shared memory of an sm_90 SM, CTAs' reservations included
 KSTEP = 128
 XST = 272  # bytes between X tile rows in shared memory
 #: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
@@ -181,6 +187,11 @@ class GemmSpec:
             mode ``fp8act`` with ``act_quant``); elsewhere the call is the one in-tile kernel on bf16 ``x``, as
             without it (the experts family's rule, ``ExpertsSpec.prequant``). Not with ``x_prequant`` (two
             different input contracts); ``sw_quant`` is moot with it (actq rounds in software anyway).
+        stages: K-step stages of a prequant call's GEMM (:func:`uses_prequant`): 0 (the default, 2) | 2: the
+            weights of step k+1 prefetched into registers while step k is computed (the measured sources) | 3:
+            the cp.async pipeline: weights, X tile and scales of every step copied straight into shared memory,
+            two steps in flight, no staging registers (the same MMAs in the same order: the same output bits).
+            A request like ``prequant``: elsewhere the kernel is the 2-stage one.
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -204,6 +215,7 @@ class GemmSpec:
     ``[G*N, .]`` (group-major rows), ``y`` ``[C, G*N]``; grid ``(ceil(C/64), G * ceil(N/bn))`` (CTA column ``y`` is
     tile ``y % ceil(N/bn)`` of group ``y // ceil(N/bn)``). Not with ``prequant`` / ``x_prequant`` (their x is
     ``[C, K]``). 1 renders the ungrouped kernel byte for byte."""
+    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -243,6 +255,8 @@ class GemmSpec:
             bad.append(f"groups {self.groups!r} (expected an int in 1..1024)")
         elif self.groups > 1 and (self.prequant or self.x_prequant):
             bad.append(f"groups {self.groups} with prequant / x_prequant (expected groups 1: their x is [C, K])")
+        if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
+            bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -260,13 +274,15 @@ class GemmSpec:
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
                 + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
                 + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "")
-                + (f"_g{self.groups}" if self.groups > 1 else "") + f"_{self.out_dtype}")
+                + (f"_g{self.groups}" if self.groups > 1 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
+                + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
                 + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
                 + (" swq" if self.sw_quant else "")
-                + (f" bn{self.bn}" if self.bn else "") + (" pq" if self.prequant else "") + f"->{self.out_dtype}")
+                + (f" bn{self.bn}" if self.bn else "") + (" pq" if self.prequant else "")
+                + (f" {self.stages} stages" if self.stages > 2 else "") + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -300,6 +316,8 @@ class GemmPlan:
     w_async: bool = False
     """The weights are copied by 4-byte cp.async straight into shared memory instead of through registers (the
     K-quants staged in 4-byte units: Q2_K, Q3_K, Q6_K, as in the grouped experts GEMM)."""
+    pipe: bool = False
+    """The cp.async pipeline: ``GemmSpec.stages`` 3 on a prequant call (``nstage`` 3; :func:`uses_prequant`)."""
 
 
 def plan(spec: GemmSpec, target: Target) -> GemmPlan:
@@ -327,13 +345,24 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     stage = _round16(BM * XST + BM * 4 + bn * rbp)
     lim = SMEM_LIMIT[target.vendor]
     epi = BM * (bn + 4) * 4
-    nstage = 2 if max(2 * stage, epi) <= lim else 1
+    pipe = spec.stages == 3 and spec.prequant and form == 0  # uses_prequant's condition
+    nstage = 3 if pipe else 2 if max(2 * stage, epi) <= lim else 1
     smem = max(nstage * stage, epi)
     if smem > lim:
         raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
                           f"is {lim}")
     grid = (-(-spec.rows // BM), spec.groups * -(-spec.n // bn), 1)
-    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4)
+    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4, pipe)
+
+
+def min_blocks(pl: GemmPlan) -> int:
+    """The kernel's ``__launch_bounds__`` minimum of CTAs per SM: ``65536 // (threads * REG_BUDGET)`` (the measured
+    sources); the cp.async pipeline, which holds no staging registers, as many as the shared memory fits
+    (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least :data:`PIPE_REGS` registers a thread."""
+    threads = pl.block[0]
+    if not pl.pipe:
+        return max(1, 65536 // (threads * REG_BUDGET))
+    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * PIPE_REGS)))
 
 
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
@@ -354,7 +383,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
         kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)),
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=min_blocks(pl), pipe=pl.pipe,
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
 

@@ -140,9 +140,15 @@ ROUTE_THREADS = 256
 GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGemmSpec.bn 64); 2 * bn in general
 BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
 BNS = (64, 128)
+#: K-step stages of the up / down phases (MoeGemmSpec.stages): 2 = register-staged double buffering (the measured
+#: sources), 3 = the cp.async pipeline (4 stages: ptxas spills Q6_K's down phase at 255 registers, and the shared
+#: memory of one more stage costs MXFP4's 64-wide kernel a CTA per SM: 2 instead of 3, the same steps in flight)
+STAGES = (2, 3)
 #: registers per thread the GEMM kernels may use: __launch_bounds__(2 * bn, 65536 // (2 * bn * this))
 REG_BUDGET = 255
 SMEM_LIMIT = 227 * 1024
+SM_SMEM = 228 * 1024  # shared memory of an sm_90 SM, CTAs' reservations included
+PIPE_REGS = 168       # registers a thread of the cp.async pipeline needs (sm_90 ptxas: 168 with no spills)
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 
 
@@ -181,6 +187,11 @@ class MoeGemmSpec:
         bn: weight rows per CTA of the up / down phases: 0 (the default, 64) | 64 | 128 (the wide tile: 256
             threads, up = 64 rows of W1 then the same 64 of W3, down = 128 rows of W2; module docstring). Both
             widths give bit-identical outputs; route / actq / combine do not depend on it.
+        stages: K-step stages of the up / down phases: 0 (the default, 2) | 2: step k+1 prefetched into registers
+            while step k is computed, then stored to the other stage (the measured sources) | 3: the cp.async
+            pipeline (module docstring): every step copied straight into shared memory, two steps in flight, no
+            staging registers. The same MMAs on the same operands in the same order: every stage count
+            gives bit-identical outputs.
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -198,6 +209,7 @@ class MoeGemmSpec:
     dense: bool = False
     shared: bool = False
     bn: int = 0
+    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -222,6 +234,8 @@ class MoeGemmSpec:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
         if type(self.bn) is not int or self.bn not in (0,) + BNS:  # noqa: E721 (128.0, True are not widths)
             bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
+        if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
+            bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -244,12 +258,12 @@ class MoeGemmSpec:
                 + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
                 + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
-                + ("_bn128" if self.bn == 128 else ""))
+                + ("_bn128" if self.bn == 128 else "") + (f"_st{self.stages}" if self.stages > 2 else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
                 f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
-                + (" bn128" if self.bn == 128 else ""))
+                + (" bn128" if self.bn == 128 else "") + (f" {self.stages} stages" if self.stages > 2 else ""))
 
 
 def tile_slots(spec: MoeGemmSpec) -> int:
@@ -290,6 +304,7 @@ class PhasePlan:
     nb: int
     w_async: bool
     bn: int = BN
+    stages: int = 2
 
 
 def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
@@ -308,8 +323,9 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
         rbp += 16
     bn = spec.bn or BN
     threads = 2 * bn
+    stages = spec.stages or 2
     stage = _round16(TM * XST + TM * 4 + bn * rbp)
-    smem = max(2 * stage, TM * (bn + 4) * 4)
+    smem = max(stages * stage, TM * (bn + 4) * 4)
     if smem > SMEM_LIMIT:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
                           f"{SMEM_LIMIT}")
@@ -318,7 +334,18 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     ny = spec.inter // (bn // 2) if phase == "up" else spec.hidden // bn
     nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
     return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (threads, 1, 1), nb,
-                     fmt in KQUANTS and v == 4, bn)
+                     fmt in KQUANTS and v == 4, bn, stages)
+
+
+def min_blocks(pl: PhasePlan) -> int:
+    """The up / down kernels' ``__launch_bounds__`` minimum of CTAs per SM: two stages, what 255 registers a thread
+    allow (``65536 // (threads * REG_BUDGET)``: the measured sources); the cp.async pipeline, which holds no staging
+    registers, as many as the shared memory fits (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least
+    :data:`PIPE_REGS` registers a thread."""
+    threads = pl.block[0]
+    if pl.stages <= 2:
+        return max(1, 65536 // (threads * REG_BUDGET))
+    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * PIPE_REGS)))
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
@@ -365,7 +392,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           sb=kq_segment(pl.fmt) if pl.fmt in KQUANTS else 0, rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
-                          min_blocks=max(1, 65536 // (pl.block[0] * REG_BUDGET)), **_width(pl))
+                          stages=pl.stages, min_blocks=min_blocks(pl), **_width(pl))
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, dict(_common(spec), kernel=kn)))

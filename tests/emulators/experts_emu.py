@@ -158,6 +158,9 @@ DS4C_DEVICE void xp_cp16(void* dst, const void* src) {
 DS4C_DEVICE void xp_cp4(void* dst, const void* src) {
   emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 4});
 }
+DS4C_DEVICE void xp_cp8(void* dst, const void* src) {
+  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 8});
+}
 DS4C_DEVICE void xp_cp_commit() { ++emu_cp_groups[t_tid]; }
 template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N most recent commits complete
   std::vector<EmuCp>& qv = emu_cpq[t_tid];

@@ -57,6 +57,8 @@ DS4C_DEVICE void gm_cp16(void* dst, const void* src) { xp_cp16(dst, src); }
 DS4C_DEVICE void gm_cp4(void* dst, const void* src) { xp_cp4(dst, src); }
 DS4C_DEVICE void gm_cp_commit() { xp_cp_commit(); }
 DS4C_DEVICE void gm_cp_wait_all() { xp_cp_wait<0>(); }
+DS4C_DEVICE void gm_cp8(void* dst, const void* src) { xp_cp8(dst, src); }
+template <int N> DS4C_DEVICE void gm_cp_wait_n() { xp_cp_wait<N>(); }
 DS4C_DEVICE void gm_i8x4_f16(u32 w, u32& lo, u32& hi) { xp_i8x4_f16(w, lo, hi); }
 DS4C_DEVICE void gm_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
                             float c2, float c3) { xp_mma_f16(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3); }

@@ -14,7 +14,8 @@ equal bit for bit. ``pq_*`` rows are prequant calls (``GemmSpec.prequant``: the 
 values as f16 and the per-128 scales once, the GEMM copies its X tiles by cp.async): ``us`` times the two
 launches together, ``us_gemm`` the GEMM alone and ``us_actq`` the actq launch alone (printed after the spec);
 their workspaces are poisoned with NaN too, and :data:`PQ_TWINS` compares each with its in-tile-quant twin bit
-for bit on the same inputs.
+for bit on the same inputs; ``pq_st3_*`` rows the 3-stage cp.async pipeline (``GemmSpec.stages = 3``), which
+:data:`ST_TWINS` compares with its 2-stage prequant twin bit for bit.
 
 Per case: fresh random inputs (``gemm.random_x``: per-(row, 128-block) magnitudes 1e-2..1e2 and a row of
 magnitude 1e-6 under the 1e-4 amax floor; ``gemm.random_weight``), the output poisoned with NaN and followed
@@ -108,7 +109,14 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("pq_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", prequant=True)),
             ("pq_bn128_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", bn=128, prequant=True)),
             ("pq_partial_mxfp4_c77", GM.GemmSpec(77, 1000, 2048, "mxfp4", prequant=True)),
-            ("pq_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True))]
+            ("pq_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True)),
+            # the 3-stage cp.async pipeline (GemmSpec.stages 3; DS4C_PREFILL_STAGES=3): ST_TWINS compares each with
+            # its 2-stage prequant twin bit for bit
+            ("pq_st3_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", prequant=True, stages=3)),
+            ("pq_st3_bn128_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", bn=128, prequant=True, stages=3)),
+            ("pq_st3_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", prequant=True, stages=3)),
+            ("pq_st3_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", prequant=True, stages=3)),
+            ("pq_st3_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True, stages=3))]
     return out
 
 
@@ -119,6 +127,10 @@ TWINS = [("swq_wq_a_c512", "wq_a_c512"), ("swq_mxfp4_f32out_c512", "mxfp4_f32out
 PQ_TWINS = [("pq_wq_a_c512", "wq_a_c512"), ("pq_wq_a_c4096", "wq_a_c4096"), ("pq_wq_b_c4096", "wq_b_c4096"),
             ("pq_expert_w1_c4096", "expert_w1_c4096"), ("pq_bn128_expert_w1_c4096", "bn128_expert_w1_c4096"),
             ("pq_partial_mxfp4_c77", "partial_mxfp4_c77"), ("pq_partial_q8_c77", "partial_q8_c77")]
+#: (3-stage case, its 2-stage prequant twin): the same MMAs in the same order, so the same bits
+ST_TWINS = [("pq_st3_wq_a_c2048", "pq_wq_a_c2048"), ("pq_st3_bn128_wq_a_c2048", "pq_bn128_wq_a_c2048"),
+            ("pq_st3_wq_b_c2048", "pq_wq_b_c2048"), ("pq_st3_expert_w1_c4096", "pq_expert_w1_c4096"),
+            ("pq_st3_partial_q8_c77", "pq_partial_q8_c77")]
 
 
 def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
@@ -200,7 +212,7 @@ def _median_us(fn: Any) -> float:
 def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case: spec, detail, ok, all_written, guard_ok, deterministic, rel_err, us,
     TFLOPs, GBps, bytes, grid, smem, regs, spills, compile_s (prequant cases also us_gemm, us_actq); then one
-    per twin pair (:data:`TWINS`, :data:`PQ_TWINS`)."""
+    per twin pair (:data:`TWINS`, :data:`PQ_TWINS`, :data:`ST_TWINS`)."""
     from gpu_checks.common import compile_source, load
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -246,9 +258,9 @@ def run(arch: str = "sm_90") -> list[dict]:
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
                          "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
         torch.cuda.empty_cache()
-    for sw, hw in [tw for tw in TWINS + PQ_TWINS if tw[0] in specs and tw[1] in specs]:
-        what = ("software vs cvt e4m3 rounding" if (sw, hw) in TWINS else "prequant vs in-tile quant") + \
-            ", bit for bit"
+    for sw, hw in [tw for tw in TWINS + PQ_TWINS + ST_TWINS if tw[0] in specs and tw[1] in specs]:
+        what = ("software vs cvt e4m3 rounding" if (sw, hw) in TWINS else "prequant vs in-tile quant"
+                if (sw, hw) in PQ_TWINS else "3-stage pipeline vs 2 stages") + ", bit for bit"
         try:
             spec = specs[sw]
             x, w, ybuf = case_buffers(spec, g)

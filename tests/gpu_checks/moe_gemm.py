@@ -12,9 +12,11 @@ E = 1, k = 1, Q8_0: four launches, no routing; ``out`` bf16 against ``expert_ffn
 with ``shared`` (moe_sum fused into the combine: ``out`` bf16 = bf16(routed sum + fp32(shared)), C = 2048).
 The 128-wide tile (``MoeGemmSpec.bn = 128``, 256 threads; ``DS4C_PREFILL_MOE_BN=128``) at C = 2048 for MXFP4, Q3_K
 and the dense Q8_0 shared expert (cases ``*_bn128``, next to their 64-wide twins, so one run times both widths on
-the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings). Every case draws
-its inputs from a generator seeded by its name less ``_bn128``, so a wide case has its twin's inputs; when the
-twin ran first, the wide ``out`` must equal the twin's bit for bit (``bn64_equal``, part of ``ok``).
+the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings), and the 3-stage
+cp.async pipeline (``MoeGemmSpec.stages = 3``; ``DS4C_PREFILL_STAGES=3``) at both widths (cases ``*_st3``). Every
+case draws its inputs from a generator seeded by its name less the variant suffixes (:func:`_base`), so a variant
+has its twin's inputs; when the twin ran first, the variant's ``out`` must equal the twin's bit for bit
+(``twin_equal``, part of ``ok``).
 
 Per case: fresh random inputs (``moe_gemm.random_inputs``), every workspace and the output poisoned with NaN
 (``perm`` / ``tiles`` with 0x7f7f7f7f), the six launches in order, then: the routing tables equal the torch
@@ -32,6 +34,7 @@ also run on the CPU (tests/test_moe_gemm_family.py builds them).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -80,6 +83,12 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_q3k_c2048_bn128", MG.MoeGemmSpec(2048, fmt="q3_k", bn=128), "uniform"),
             ("flash_shexp_dense_c2048_bn128", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True, bn=128),
              "dense"),
+            # the 3-stage cp.async pipeline at both widths, the same twins
+            ("flash_c2048_st3", MG.MoeGemmSpec(2048, stages=3), "uniform"),
+            ("flash_c2048_bn128_st3", MG.MoeGemmSpec(2048, bn=128, stages=3), "uniform"),
+            ("flash_q3k_c2048_st3", MG.MoeGemmSpec(2048, fmt="q3_k", stages=3), "uniform"),
+            ("flash_shexp_dense_c2048_st3", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True, stages=3),
+             "dense"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -118,15 +127,20 @@ def _median_us(fn: Any) -> float:
     return median_us(fn, ITERS, WARMUP)
 
 
+def _base(name: str) -> str:
+    """The twin of a variant case: its name less ``_bn128`` / ``_st3`` (the measured kernel: 64 wide, 2 stages)."""
+    return re.sub(r"(_bn128|_st3)+$", "", name)
+
+
 def _seed(name: str) -> int:
-    """The input seed of case ``name``: a 128-wide case (``_bn128``) draws the inputs of its 64-wide twin."""
-    return zlib.crc32(name.removesuffix("_bn128").encode())
+    """The input seed of case ``name``: a variant case (:func:`_base`) draws the inputs of its twin."""
+    return zlib.crc32(_base(name).encode())
 
 
 def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict, g: torch.Generator,
           tgt: Any, outs: dict[str, torch.Tensor] | None = None) -> dict:
     """One case (module docstring). ``outs`` (None: no twin check): the ``out`` (CPU) of the 64-wide twins run so
-    far, by name: a ``_bn128`` case is compared with its twin's when present (``bn64_equal``; None without one),
+    far, by name: a variant case is compared with its twin's when present (``twin_equal``; None without one),
     another case adds its own."""
     launches = MG.launch_shapes(spec, tgt)
     names = MG.arg_names(spec)
@@ -160,7 +174,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
     same = torch.equal(b["out"].view(torch.uint8), b2["out"].view(torch.uint8))
     twin = None
     if outs is not None:
-        base = name.removesuffix("_bn128")
+        base = _base(name)
         if base == name:
             outs[name] = b["out"].cpu()
         elif base in outs:
@@ -175,7 +189,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
     return {"spec": f"{name:18s}", "detail": spec.short() + f" {routing}", "ok": ok, "tables_ok": tables,
             "all_written": written, "deterministic": same, "rel_err": e, "us": us, "per_us": per,
             "TFLOPs": fl / (us * 1e-6) / 1e12, "TFLOPs_gemm": fl / ((per["up"] + per["down"]) * 1e-6) / 1e12,
-            "tiles_used": int((tiles[:, 2] > 0).sum()), "tile_slots": tiles.shape[0], "bn64_equal": twin,
+            "tiles_used": int((tiles[:, 2] > 0).sum()), "tile_slots": tiles.shape[0], "twin_equal": twin,
             "regs": {kn: u.get("registers") for kn, u in use.items()},
             "spills": any(u.get("spills") for u in use.values())}
 
@@ -207,8 +221,8 @@ def run(arch: str = "sm_90") -> list[dict]:
         built = dict(ex.map(job, jobs))
     compile_s = time.perf_counter() - t0
     rows: list[dict] = []
-    outs: dict[str, torch.Tensor] = {}  # the 64-wide twins' out, for their _bn128 cases
-    twins = {n for n in specs if n + "_bn128" in specs}
+    outs: dict[str, torch.Tensor] = {}  # the twins' out, for their variant cases
+    twins = {_base(n) for n in specs if _base(n) != n}
     for n, (spec, routing) in specs.items():
         g = torch.Generator().manual_seed(_seed(n))
         try:
@@ -220,7 +234,7 @@ def run(arch: str = "sm_90") -> list[dict]:
                 kerns.append(load(bb[0]).function(src.entry, ln.smem))
                 use[ln.kernel] = bb[1]
             rows.append(_case(n, spec, routing, kerns, use, g, tgt,
-                              outs if n in twins or n.endswith("_bn128") else None))
+                              outs if n in twins or _base(n) != n else None))
         except Exception as ex:
             traceback.print_exc()
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
@@ -245,7 +259,7 @@ def print_table(rows: list[dict]) -> None:
               + ("" if r.get("tables_ok", True) else "  (routing tables differ)")
               + ("" if r.get("all_written", True) else "  (unwritten outputs)")
               + ("" if r.get("deterministic", True) else "  (not deterministic)")
-              + ("" if r.get("bn64_equal") is not False else "  (differs from the 64-wide twin)"))
+              + ("" if r.get("twin_equal") is not False else "  (differs from its twin)"))
 
 
 def main() -> int:
