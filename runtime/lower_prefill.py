@@ -130,7 +130,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
         spec = _gm.GemmSpec(rows, int(lin.outputs[0].type.shape[-1]), k, fmt, mode,
                             act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
                             out_dtype=lin.outputs[0].type.dtype, prequant=True, bn=c.gemm_bn,
-                            stages=c.stages)
+                            stages=c.stages or 2)
         if fmt in _gm.KQUANTS:  # only the f16 MMA path (CUDA sm_89+, fp8act) decodes them: pending elsewhere
             try:
                 _gm.plan(spec, c.target)
@@ -436,9 +436,10 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_bn, stages=c.stages)
+                                shared=True, bn=c.moe_bn, stages=c.stages or _mg.auto_stages(fmts[0], fmts[1]))
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
-                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, stages=c.stages)
+                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn,
+                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3]))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
 
@@ -513,7 +514,9 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # knobs, 64 by default)
     c.gemm_bn = settings.prefill_gemm_bn()
     c.moe_bn = settings.prefill_moe_bn()
-    c.stages = settings.prefill_stages()  # DS4C_PREFILL_STAGES: 3 = the cp.async pipeline (an A/B knob)
+    # K-step stages (DS4C_PREFILL_STAGES; unset: 0, auto per launch: the cp.async pipeline for the grouped experts
+    # whose weights are cp.async-staged K-quants, 2 stages elsewhere)
+    c.stages = settings.prefill_stages()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

@@ -224,7 +224,9 @@ WIDE_CASES = [
 ]
 #: the cp.async pipeline (stages 3) at both widths: its weight units of 4 (MXFP4, Q3_K), 8 (Q8_0) and 16 bytes
 #: (Q4_K), the gathered up rows and the contiguous down rows, a tile's rows past its count (zeroed once)
-PIPE_CASES = [(*WIDE_CASES[0], 64, 3), (*WIDE_CASES[2], 128, 3), (*WIDE_CASES[3], 64, 3)]
+PIPE_CASES = [(*WIDE_CASES[0], 64, 3), (*WIDE_CASES[2], 128, 3), (*WIDE_CASES[3], 64, 3),
+              # the prefill lowering's default for cp.async-staged K-quants (moe_gemm.auto_stages): Q2_K up, Q6_K down
+              (40, "q2_k", "q6_k", "skew", KQ, 64, 3)]
 
 
 @pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes,bn,stages",
@@ -251,6 +253,7 @@ def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, s
             assert a == b
     assert MG.plan(wide, tgt, "up").w_async == (fmt in ("q2_k", "q3_k", "q6_k"))
     assert MG.plan(wide, tgt, "up").stages == stages
+    assert MG.auto_stages(fmt, down_fmt) == (3 if fmt in MG.W_ASYNC and down_fmt in MG.W_ASYNC else 2)
     inp = _emu_inputs(narrow, routing)
     with tempfile.TemporaryDirectory() as d:
         got = EMU.run(wide, inp, Path(d))
@@ -317,6 +320,29 @@ def test_prefill_lowering_moe_bn(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(got["128"]) == 4 and [t for _, t, _ in got["128"]] == [256] * 4
     assert [t for _, t, _ in got[""]] == [128] * 4
     assert [y for _, _, y in got["128"]] == [y // 2 for _, _, y in got[""]]
+
+
+def test_prefill_lowering_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DS4C_PREFILL_STAGES=3 (ds4c.settings.prefill_stages) gives the chunk's grouped experts (up / down) and its
+    prequant GEMMs the cp.async pipeline (a third stage of shared memory); 2 and unset (auto: the tiny
+    official experts are MXFP4 / Q8_0, not cp.async-staged K-quants) the 2-stage kernels."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+    got = {}
+    for st in ("", "2", "3"):
+        monkeypatch.setenv("DS4C_PREFILL_STAGES", st) if st else monkeypatch.delenv("DS4C_PREFILL_STAGES", raising=False)
+        ks = lower_graph(g, preset("tiny"), target("sm_90"), pending=[])
+        got[st] = [(k.family, la.kernel.entry, la.smem) for k in ks if k.family in ("moe_gemm", "gemm")
+                   for la in k.launches if la.smem]  # the GEMM / up / down launches (route, actq, combine: none)
+    assert got[""] == got["2"]
+    assert [(f, e) for f, e, _ in got["2"]] == [(f, e) for f, e, _ in got["3"]]
+    grew = [(f, b > a) for (f, _, a), (_, _, b) in zip(got["2"], got["3"]) if b >= a]
+    assert len(grew) == len(got["2"])  # none shrinks; the GEMMs that are no prequant call (the grouped wo_a) stay
+    assert all(g for f, g in grew if f == "moe_gemm") and any(g for f, g in grew if f == "gemm")
 
 
 @pytest.mark.parametrize("C,fmt,down_fmt", [(77, "q8_0", "q8_0"), (64, "mxfp4", "q8_0")])

@@ -126,6 +126,9 @@ SUPER_BYTES = {f: _XP_BYTES[f] for f in KQUANTS}
 #: K-quants whose super-block is not a whole number of words (Q3_K 110, Q6_K 210 bytes): a row must hold an even
 #: number of super-blocks, so every row starts on a word and a K step's staged words stay inside the row
 UNALIGNED_KQ = tuple(f for f in KQUANTS if SUPER_BYTES[f] % 4)
+#: the formats whose weights a phase stages by 4-byte cp.async (PhasePlan.w_async): Q2_K (84-byte super-blocks, rows
+#: not 8-aligned), Q3_K, Q6_K
+W_ASYNC = ("q2_k", "q3_k", "q6_k")
 
 
 def kq_segment(fmt: str) -> int:
@@ -335,6 +338,14 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
     return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (threads, 1, 1), nb,
                      fmt in KQUANTS and v == 4, bn, stages)
+
+
+def auto_stages(fmt: str, down_fmt: str) -> int:
+    """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset): 3 when the
+    weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``, already
+    copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100), else 2 (the
+    register-staged kernels, which the pipeline did not speed up: 1.01x MXFP4, docs/perf.md Optimisation 18)."""
+    return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC else 2
 
 
 def min_blocks(pl: PhasePlan) -> int:
