@@ -50,9 +50,9 @@ variable                       default                     what it does (reader)
                                                            (:func:`prefill_moe_bn`)
 ``DS4C_PREFILL_STAGES``        ``auto``                    K-step stages of the prefill chunks' GEMMs and grouped
                                                            experts: 2 (registers, double buffered) or 3 (the
-                                                           cp.async pipeline); auto: 3 for grouped experts whose
-                                                           weights are K-quants staged by cp.async (Q2_K, Q3_K,
-                                                           Q6_K), else 2 (:func:`prefill_stages`)
+                                                           cp.async pipeline); auto: 3 for 64-wide grouped
+                                                           experts whose weights are K-quants staged by cp.async
+                                                           (Q2_K, Q3_K, Q6_K), else 2 (:func:`prefill_stages`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
 ``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
@@ -288,19 +288,20 @@ def prefill_moe_bn() -> int:
 
 def prefill_stages() -> int:
     """``GemmSpec.stages`` and ``MoeGemmSpec.stages`` of the prefill chunks' GEMMs (the prequant projections) and
-    grouped experts (``$DS4C_PREFILL_STAGES``, 2 or 3 for every such launch; unset: 0, auto, which the lowering
-    resolves per launch: 3 for grouped experts whose gate / up and down weights are all K-quants staged by 4-byte
-    cp.async (Q2_K, Q3_K, Q6_K: measured 0.89x with Q3_K on an H100, docs/perf.md Optimisation 18), else 2). 3
+    grouped experts (``$DS4C_PREFILL_STAGES``, 2 or 3 for every such launch; unset or ``auto``: 0, which the lowering
+    resolves per launch, :func:`ds4c.runtime.families.moe_gemm.auto_stages`: 3 for 64-wide grouped experts whose gate /
+    up and down weights are all K-quants staged by 4-byte cp.async (Q2_K, Q3_K, Q6_K: measured 0.89x with Q3_K on an
+    H100, docs/perf.md Optimisation 18), else 2). 3
     copies every K step by cp.async straight into shared memory with two steps in flight; both give the same bits.
 
     Raises:
-        SettingsError: any value but 2 or 3.
+        SettingsError: any value but 2, 3 or auto.
     """
     value = raw("DS4C_PREFILL_STAGES")
-    if value is None:
+    if value is None or value.strip() == "auto":
         return 0
     if value.strip() not in ("2", "3"):
-        raise SettingsError("DS4C_PREFILL_STAGES", value, "2 or 3", "auto")
+        raise SettingsError("DS4C_PREFILL_STAGES", value, "2, 3 or auto", "auto")
     return int(value)
 
 

@@ -436,10 +436,11 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_bn, stages=c.stages or _mg.auto_stages(fmts[0], fmts[1]))
+                                shared=True, bn=c.moe_bn,
+                                stages=c.stages or _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
                                 limit=sw.attrs["limit"], dense=True, bn=c.moe_bn,
-                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3]))
+                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
 

@@ -393,20 +393,26 @@ def test_prequant_emulated_equals_in_tile_quant(kw: dict, tmp_path: Path) -> Non
 PIPE_CASES = PQ_CASES + [dict(rows=70, n=72, k=512, fmt="q3_k"), dict(rows=33, n=130, k=256, fmt="q4_k", bn=128)]
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["cp-at-wait", "cp-at-issue"])
 @pytest.mark.parametrize("kw", PIPE_CASES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
-def test_pipeline_emulated_equals_two_stages(kw: dict, tmp_path: Path) -> None:
+def test_pipeline_emulated_equals_two_stages(kw: dict, eager: bool, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``stages`` 3 (the cp.async pipeline: every step's weights, X tile and scales copied straight into one of three
-    stages, two in flight) on the CPU emulator, whose cp.async copies land only at their wait: y is the 2-stage
-    prequant kernel's bit for bit (the same MMAs in the same order), rows past C unwritten; without prequant (or
-    off the form-0 path) the request renders the 2-stage kernel."""
+    stages, two in flight) on the CPU emulator, its cp.async copies landing at their wait (a read before the wait
+    sees old bytes) and, ``eager``, at their issue (a copy issued into a stage another thread still reads overwrites
+    its operands): y is the 2-stage prequant kernel's bit for bit (the same MMAs in the same order), rows past C
+    unwritten; without prequant (or off the form-0 path) the request renders the 2-stage kernel."""
     E = gemm_emu
     why = E.host_unavailable()
     if why:
         pytest.skip(why)
+    if eager:
+        monkeypatch.setenv("DS4C_EMU_CP_EAGER", "1")
     t = target("sm_90")
     spec, base = GM.GemmSpec(**kw, prequant=True, stages=3), GM.GemmSpec(**kw, prequant=True)
     pl = GM.plan(spec, t)
     assert pl.pipe and pl.nstage == 3 and pl.smem == 3 * pl.stage_bytes and "_st3" in spec.key()
+    assert "_st3" not in GM.GemmSpec(**kw, stages=3).key()  # no prequant: the 2-stage kernel, its name
     x, w = _inputs(spec, 29)
     y, guard = E.run(spec, x, w, tmp_path / "pipe")
     yb, _ = E.run(base, x, w, tmp_path / "two")

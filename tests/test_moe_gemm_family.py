@@ -229,18 +229,23 @@ PIPE_CASES = [(*WIDE_CASES[0], 64, 3), (*WIDE_CASES[2], 128, 3), (*WIDE_CASES[3]
               (40, "q2_k", "q6_k", "skew", KQ, 64, 3)]
 
 
-@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes,bn,stages",
-                         [(*c, 128, 2) for c in WIDE_CASES] + PIPE_CASES)
+@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes,bn,stages,eager",
+                         [(*c, 128, 2, False) for c in WIDE_CASES] + [(*c, False) for c in PIPE_CASES]
+                         + [(*c, True) for c in PIPE_CASES[:2]])
 def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict, bn: int,
-                                stages: int) -> None:
+                                stages: int, eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bn`` 128 (256 threads, up 64 W1 + 64 W3 rows, down 128 W2 rows per CTA) and the 3-stage cp.async
     pipeline: every written buffer (poisoned before) bit-identical to the measured kernel's (64 wide, 2 stages) on
     the same inputs (the same MMAs in the same order per output, the same epilogue), and against the reference as
-    that call is (:func:`_check_routed_call`; dense: the bf16 floor of :func:`test_emulated_dense_call`)."""
+    that call is (:func:`_check_routed_call`; dense: the bf16 floor of :func:`test_emulated_dense_call`). ``eager``:
+    the emulator's cp.async copies land at their issue, not at their wait (a copy into a stage another warp still
+    reads would overwrite its operands)."""
 
     why = EMU.host_unavailable()
     if why:
         pytest.skip(why)
+    if eager:
+        monkeypatch.setenv("DS4C_EMU_CP_EAGER", "1")
     dense = routing == "dense"
     narrow = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, **sizes)
     wide = MG.MoeGemmSpec(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, bn=bn, stages=stages, **sizes)
@@ -253,7 +258,6 @@ def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, s
             assert a == b
     assert MG.plan(wide, tgt, "up").w_async == (fmt in ("q2_k", "q3_k", "q6_k"))
     assert MG.plan(wide, tgt, "up").stages == stages
-    assert MG.auto_stages(fmt, down_fmt) == (3 if fmt in MG.W_ASYNC and down_fmt in MG.W_ASYNC else 2)
     inp = _emu_inputs(narrow, routing)
     with tempfile.TemporaryDirectory() as d:
         got = EMU.run(wide, inp, Path(d))
@@ -320,6 +324,42 @@ def test_prefill_lowering_moe_bn(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(got["128"]) == 4 and [t for _, t, _ in got["128"]] == [256] * 4
     assert [t for _, t, _ in got[""]] == [128] * 4
     assert [y for _, _, y in got["128"]] == [y // 2 for _, _, y in got[""]]
+
+
+def test_auto_stages() -> None:
+    """The prefill lowering's default stages (DS4C_PREFILL_STAGES unset): 3 only for 64-wide calls whose both phases
+    are cp.async-staged K-quants (measured: Q3_K 0.89x), 2 for the register-staged formats and the 128-wide tile."""
+    assert MG.W_ASYNC == ("q2_k", "q3_k", "q6_k")
+    for fmt, down, bn, want in [("q3_k", "q3_k", 0, 3), ("q3_k", "q3_k", 64, 3), ("q2_k", "q6_k", 0, 3),
+                                ("q3_k", "q3_k", 128, 2), ("q3_k", "q4_k", 0, 2), ("q4_k", "q6_k", 0, 2),
+                                ("mxfp4", "mxfp4", 0, 2), ("q8_0", "q8_0", 0, 2), ("iq4_xs", "iq4_xs", 0, 2)]:
+        assert MG.auto_stages(fmt, down, bn) == want, (fmt, down, bn)
+        # and each w_async format is what plan() stages by cp.async
+        for f in (fmt, down):
+            if f in MG.KQUANTS:
+                assert MG.plan(MG.MoeGemmSpec(2048, fmt=f), target("sm_90"), "up").w_async == (f in MG.W_ASYNC)
+
+
+def test_prefill_lowering_uses_auto_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With DS4C_PREFILL_STAGES unset the lowering asks :func:`moe_gemm.auto_stages` per call (formats and width):
+    what it answers reaches the routed and the shared-expert launches."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+
+    monkeypatch.delenv("DS4C_PREFILL_STAGES", raising=False)
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+    asked = []
+
+    def smem(answer: int) -> list[int]:
+        monkeypatch.setattr(MG, "auto_stages", lambda f, d, bn=0: asked.append((f, d, bn)) or answer)
+        ks = lower_graph(g, preset("tiny"), target("sm_90"), pending=[])
+        return [la.smem for k in ks if k.family == "moe_gemm" for la in k.launches if la.smem]
+
+    two, three = smem(2), smem(3)
+    assert asked and all(bn == 64 for _, _, bn in asked) and len(two) == len(three)
+    assert all(b > a for a, b in zip(two, three))
 
 
 def test_prefill_lowering_stages(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -448,14 +488,16 @@ def test_device_compile_sm90(tmp_path: Path) -> None:
                  MG.MoeGemmSpec(rows=2048, fmt="q4_k", down_fmt="q6_k"),
                  MG.MoeGemmSpec(rows=2048, fmt="q5_k", down_fmt="q2_k"), MG.MoeGemmSpec(rows=2048, fmt="iq4_xs"),
                  # the wide tile (bn 128, 256 threads): MXFP4 and Q3_K (cp.async weights) at the flash shapes
-                 MG.MoeGemmSpec(rows=2048, bn=128), MG.MoeGemmSpec(rows=2048, fmt="q3_k", bn=128)):
+                 MG.MoeGemmSpec(rows=2048, bn=128), MG.MoeGemmSpec(rows=2048, fmt="q3_k", bn=128),
+                 # the 3-stage pipeline: MXFP4 at 3 CTAs a SM (168 registers), the cp.async-staged K-quants
+                 MG.MoeGemmSpec(rows=2048, stages=3), MG.MoeGemmSpec(rows=2048, fmt="q2_k", down_fmt="q6_k", stages=3)):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
         assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == (
             ["x", "up", "h", "down"] if spec.dense else ["combine"] if spec.shared
             else ["route", "x", "up", "h", "down", "combine"])
-        if spec.fmt in MG.KQUANTS or spec.bn:  # only the GEMM phases read the weights / depend on the width
+        if spec.fmt in MG.KQUANTS or spec.bn or spec.stages:  # only the GEMM phases read the weights / vary
             srcs = [s for s in srcs if s.entry.endswith(("_up", "_down"))]
         for s in srcs:
             d = tmp_path / s.entry

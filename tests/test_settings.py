@@ -146,3 +146,17 @@ def test_gemv_rows_is_an_int_in_1_to_16(monkeypatch, value):
     monkeypatch.setenv("DS4C_GEMV_ROWS", value)
     with pytest.raises(settings.SettingsError, match=rf"^\$DS4C_GEMV_ROWS: expected an int in 1\.\.16, found '{value}'"):
         settings.gemv_rows()
+
+
+@pytest.mark.parametrize("value", ["4", "1", "three"])
+def test_prefill_stages_is_2_3_or_auto(monkeypatch, value):
+    """``DS4C_PREFILL_STAGES``: 2 or 3 force every prefill GEMM / grouped-experts launch, unset or ``auto`` (0) let the
+    lowering pick per launch; anything else is refused in one line."""
+    for ok, want in (("2", 2), (" 3 ", 3), ("auto", 0)):
+        monkeypatch.setenv("DS4C_PREFILL_STAGES", ok)
+        assert settings.prefill_stages() == want
+    monkeypatch.delenv("DS4C_PREFILL_STAGES")
+    assert settings.prefill_stages() == 0
+    monkeypatch.setenv("DS4C_PREFILL_STAGES", value)
+    with pytest.raises(settings.SettingsError, match=rf"^\$DS4C_PREFILL_STAGES: expected 2, 3 or auto, found {value!r}"):
+        settings.prefill_stages()

@@ -72,7 +72,11 @@ cp.async) while step ``k`` is computed from shared memory, then stored into the 
 with a second barrier, where two do not fit: HIP's 64 KiB with bf16 weights). bf16 weight rows and the bf16 X
 rows are 16-byte aligned and could go by cp.async (fewer registers); not done: one staging path for every
 format and target, which the CPU emulator runs as written. The one exception is prequant's X tile (above):
-``xq`` rows of ``2K`` bytes are 16-byte aligned and need no per-value work, so cp.async.
+``xq`` rows of ``2K`` bytes are 16-byte aligned and need no per-value work, so cp.async. With prequant and
+``GemmSpec.stages = 3`` (the cp.async pipeline) every step goes by cp.async instead: the weights in their 4 / 8 /
+16-byte units (4 / 8-byte copies need only that alignment), the X tile and its scales, into one of three stages, two
+steps in flight, one barrier per step; rows past C and weight rows past N are zeroed once. Bit-identical to the
+2-stage kernel; measured 1.04-1.12x its time on an H100 (docs/perf.md Optimisation 18), so an A/B knob only.
 
 Engines (``GemmSpec.engine``): ``mma`` (CUDA): form 0 on sm_89+ with act_quant and MXFP4 / Q8_0: the f16
 MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16; per 32-block the fp32 MMA
@@ -274,7 +278,8 @@ class GemmSpec:
         return (f"c{self.rows}_n{self.n}_k{self.k}_{self.fmt}_{self.mode}" + ("" if self.act_quant else "_noaq")
                 + ("_xpre" if self.x_prequant else "") + ("_swq" if self.sw_quant else "")
                 + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "")
-                + (f"_g{self.groups}" if self.groups > 1 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
+                + (f"_g{self.groups}" if self.groups > 1 else "")
+                + (f"_st{self.stages}" if self.stages > 2 and self.prequant else "")
                 + f"_{self.out_dtype}")
 
     def short(self) -> str:
@@ -355,14 +360,16 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4, pipe)
 
 
-def min_blocks(pl: GemmPlan) -> int:
+def min_blocks(pl: GemmPlan, fmt: str) -> int:
     """The kernel's ``__launch_bounds__`` minimum of CTAs per SM: ``65536 // (threads * REG_BUDGET)`` (the measured
     sources); the cp.async pipeline, which holds no staging registers, as many as the shared memory fits
-    (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least :data:`PIPE_REGS` registers a thread."""
+    (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least :data:`PIPE_REGS` registers a thread (MXFP4,
+    Q8_0) or :data:`REG_BUDGET` (``fmt`` a K-quant: its decoder)."""
     threads = pl.block[0]
     if not pl.pipe:
         return max(1, 65536 // (threads * REG_BUDGET))
-    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * PIPE_REGS)))
+    regs = REG_BUDGET if fmt in KQUANTS else PIPE_REGS  # the K-quant decoders need more
+    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * regs)))
 
 
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
@@ -383,7 +390,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
         kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=min_blocks(pl), pipe=pl.pipe,
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=min_blocks(pl, spec.fmt), pipe=pl.pipe,
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
 

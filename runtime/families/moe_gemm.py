@@ -144,8 +144,8 @@ GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGem
 BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
 BNS = (64, 128)
 #: K-step stages of the up / down phases (MoeGemmSpec.stages): 2 = register-staged double buffering (the measured
-#: sources), 3 = the cp.async pipeline (4 stages: ptxas spills Q6_K's down phase at 255 registers, and the shared
-#: memory of one more stage costs MXFP4's 64-wide kernel a CTA per SM: 2 instead of 3, the same steps in flight)
+#: sources), 3 = the cp.async pipeline. Not 4: ptxas spills Q6_K's down phase at 255 registers with 4, and a fourth
+#: stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in flight)
 STAGES = (2, 3)
 #: registers per thread the GEMM kernels may use: __launch_bounds__(2 * bn, 65536 // (2 * bn * this))
 REG_BUDGET = 255
@@ -192,7 +192,8 @@ class MoeGemmSpec:
             widths give bit-identical outputs; route / actq / combine do not depend on it.
         stages: K-step stages of the up / down phases: 0 (the default, 2) | 2: step k+1 prefetched into registers
             while step k is computed, then stored to the other stage (the measured sources) | 3: the cp.async
-            pipeline (module docstring): every step copied straight into shared memory, two steps in flight, no
+            pipeline (:func:`min_blocks`, docs/perf.md Optimisation 18): every step's weights, activation rows and
+            scales copied by cp.async straight into one of three shared-memory stages, two steps in flight, no
             staging registers. The same MMAs on the same operands in the same order: every stage count
             gives bit-identical outputs.
 
@@ -287,7 +288,8 @@ def check_target(target: Target) -> None:
 @dataclass(frozen=True)
 class PhasePlan:
     """Geometry of the ``up`` / ``down`` GEMM: reduction ``kin``, output width ``nout``, weight ``fmt``, row bytes
-    ``rs``, vector load bytes ``v``, padded shared row stride ``rbp``, ``stage_bytes`` (two stages), ``smem``,
+    ``rs``, vector load bytes ``v``, padded shared row stride ``rbp``, ``stage_bytes`` (one stage; ``stages`` of them),
+    ``smem``,
     ``grid``, ``block`` (``2 * bn`` threads), ``nb``: the 4-byte words a thread loads of one K step's weights,
     ``bn``: the weight rows of a CTA (64 or 128), and ``w_async``: they
     are copied by 4-byte cp.async straight into shared memory instead of through registers (the K-quants staged in
@@ -340,23 +342,26 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
                      fmt in KQUANTS and v == 4, bn, stages)
 
 
-def auto_stages(fmt: str, down_fmt: str) -> int:
-    """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset): 3 when the
-    weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``, already
-    copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100), else 2 (the
-    register-staged kernels, which the pipeline did not speed up: 1.01x MXFP4, docs/perf.md Optimisation 18)."""
-    return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC else 2
+def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
+    """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset or ``auto``):
+    3 when the weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``,
+    already copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100) at the
+    64-wide tile (``bn`` 0 / 64), else 2: the register-staged kernels, which the pipeline did not speed up (1.01x MXFP4),
+    and the 128-wide tile, one CTA of 8 warps a SM, where it lost (1.17x MXFP4; docs/perf.md Optimisation 18)."""
+    return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
 def min_blocks(pl: PhasePlan) -> int:
     """The up / down kernels' ``__launch_bounds__`` minimum of CTAs per SM: two stages, what 255 registers a thread
     allow (``65536 // (threads * REG_BUDGET)``: the measured sources); the cp.async pipeline, which holds no staging
     registers, as many as the shared memory fits (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least
-    :data:`PIPE_REGS` registers a thread."""
+    :data:`PIPE_REGS` registers a thread (MXFP4, Q8_0), or :data:`REG_BUDGET` (the K-quants: their decoders; Q2_K's up
+    phase spills at 168)."""
     threads = pl.block[0]
     if pl.stages <= 2:
         return max(1, 65536 // (threads * REG_BUDGET))
-    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * PIPE_REGS)))
+    regs = REG_BUDGET if pl.fmt in KQUANTS else PIPE_REGS  # the K-quant decoders need more (Q2_K spills at 168)
+    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * regs)))
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:

@@ -149,18 +149,23 @@ static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
 
 // ---- cp.async: a copy waits in its thread's queue until a wait_group completes its group, so a tile read before
 // its wait sees the old bytes (as it may on the GPU); a block that ends with copies never waited for aborts
+// With DS4C_EMU_CP_EAGER=1 in the environment a copy lands at its issue instead (the other extreme of the GPU's
+// timing): a copy issued into a stage that another thread still reads (a missing barrier before the issue) then
+// overwrites that thread's operands, which the deferred mode cannot show.
 struct EmuCp { u8* dst; const u8* src; unsigned long long group; int n; };
 static std::vector<EmuCp> emu_cpq[1024];
 static unsigned long long emu_cp_groups[1024];
-DS4C_DEVICE void xp_cp16(void* dst, const void* src) {
-  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 16});
+static bool emu_cp_eager() {
+  static const int eager = [] { const char* e = std::getenv("DS4C_EMU_CP_EAGER"); return e && e[0] == '1' ? 1 : 0; }();
+  return eager != 0;
 }
-DS4C_DEVICE void xp_cp4(void* dst, const void* src) {
-  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 4});
+static void emu_cp(void* dst, const void* src, int n) {
+  if (emu_cp_eager()) std::memcpy(dst, src, n);
+  else emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], n});
 }
-DS4C_DEVICE void xp_cp8(void* dst, const void* src) {
-  emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], 8});
-}
+DS4C_DEVICE void xp_cp16(void* dst, const void* src) { emu_cp(dst, src, 16); }
+DS4C_DEVICE void xp_cp4(void* dst, const void* src) { emu_cp(dst, src, 4); }
+DS4C_DEVICE void xp_cp8(void* dst, const void* src) { emu_cp(dst, src, 8); }
 DS4C_DEVICE void xp_cp_commit() { ++emu_cp_groups[t_tid]; }
 template <int N> DS4C_DEVICE void xp_cp_wait() {  // groups older than the N most recent commits complete
   std::vector<EmuCp>& qv = emu_cpq[t_tid];
