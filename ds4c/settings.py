@@ -254,14 +254,20 @@ def prefill_attn_threads() -> int:
     return _int("DS4C_PREFILL_ATTN_THREADS", 0, 0)
 
 
-def _tile_width(name: str) -> int:
-    """A GEMM tile-width setting: 64 or 128 (surrounding spaces ignored); unset: 64. Raises SettingsError else."""
+def _choice(name: str, choices: dict[str, int], unset: str) -> int:
+    """A setting that is one of the words of ``choices`` (surrounding spaces ignored), read as its number; unset: the
+    number of the word ``unset``. Raises SettingsError (naming the words) else."""
     value = raw(name)
-    if value is None:
-        return 64
-    if value.strip() not in ("64", "128"):
-        raise SettingsError(name, value, "64 or 128", 64)
-    return int(value)
+    word = unset if value is None else value.strip()
+    if word not in choices:
+        words = list(choices)
+        raise SettingsError(name, value, ", ".join(words[:-1]) + " or " + words[-1], unset)
+    return choices[word]
+
+
+def _tile_width(name: str) -> int:
+    """A GEMM tile-width setting: 64 or 128; unset: 64. Raises SettingsError else."""
+    return _choice(name, {"64": 64, "128": 128}, "64")
 
 
 def prefill_gemm_bn() -> int:
@@ -297,12 +303,7 @@ def prefill_stages() -> int:
     Raises:
         SettingsError: any value but 2, 3 or auto.
     """
-    value = raw("DS4C_PREFILL_STAGES")
-    if value is None or value.strip() == "auto":
-        return 0
-    if value.strip() not in ("2", "3"):
-        raise SettingsError("DS4C_PREFILL_STAGES", value, "2, 3 or auto", "auto")
-    return int(value)
+    return _choice("DS4C_PREFILL_STAGES", {"2": 2, "3": 3, "auto": 0}, "auto")
 
 
 def debug() -> bool:
@@ -346,7 +347,7 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_gemm_bn),
     Setting("DS4C_PREFILL_MOE_BN", "64", "weight rows per CTA of the prefill chunks' grouped experts GEMM (64 or 128)",
             prefill_moe_bn),
-    Setting("DS4C_PREFILL_STAGES", "auto", "K-step stages of the prefill chunks' GEMMs and grouped experts (2 or 3)",
+    Setting("DS4C_PREFILL_STAGES", "auto", "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)",
             prefill_stages),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),

@@ -360,16 +360,16 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4, pipe)
 
 
-def min_blocks(pl: GemmPlan, fmt: str) -> int:
-    """The kernel's ``__launch_bounds__`` minimum of CTAs per SM: ``65536 // (threads * REG_BUDGET)`` (the measured
-    sources); the cp.async pipeline, which holds no staging registers, as many as the shared memory fits
-    (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least :data:`PIPE_REGS` registers a thread (MXFP4,
-    Q8_0) or :data:`REG_BUDGET` (``fmt`` a K-quant: its decoder)."""
-    threads = pl.block[0]
-    if not pl.pipe:
+def launch_min_blocks(threads: int, smem: int, pipe: bool, fmt: str) -> int:
+    """The ``__launch_bounds__`` minimum of CTAs per SM of this family's kernel and the grouped experts' up / down
+    (:mod:`ds4c.runtime.families.moe_gemm`): ``65536 // (threads * REG_BUDGET)`` (the register-staged sources, as
+    measured); the cp.async pipeline (``pipe``), which holds no staging registers, as many as the shared memory
+    fits (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least :data:`PIPE_REGS` registers a thread (MXFP4,
+    Q8_0) or :data:`REG_BUDGET` (``fmt`` a K-quant: its decoder; Q2_K's grouped up phase spills at 168)."""
+    if not pipe:
         return max(1, 65536 // (threads * REG_BUDGET))
-    regs = REG_BUDGET if fmt in KQUANTS else PIPE_REGS  # the K-quant decoders need more
-    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * regs)))
+    regs = REG_BUDGET if fmt in KQUANTS else PIPE_REGS
+    return max(1, min(SM_SMEM // (smem + 1024), 65536 // (threads * regs)))
 
 
 def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> KernelSource:
@@ -390,7 +390,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
         kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=min_blocks(pl, spec.fmt), pipe=pl.pipe,
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.pipe, spec.fmt), pipe=pl.pipe,
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
 

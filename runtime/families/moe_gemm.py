@@ -112,6 +112,7 @@ from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
 from ds4c.runtime.families.experts import _float_literal, dequantize_weight
+from ds4c.runtime.families.gemm import STAGES, launch_min_blocks
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.targets import Target
 
@@ -143,15 +144,11 @@ ROUTE_THREADS = 256
 GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGemmSpec.bn 64); 2 * bn in general
 BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
 BNS = (64, 128)
-#: K-step stages of the up / down phases (MoeGemmSpec.stages): 2 = register-staged double buffering (the measured
-#: sources), 3 = the cp.async pipeline. Not 4: ptxas spills Q6_K's down phase at 255 registers with 4, and a fourth
-#: stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in flight)
-STAGES = (2, 3)
-#: registers per thread the GEMM kernels may use: __launch_bounds__(2 * bn, 65536 // (2 * bn * this))
-REG_BUDGET = 255
+# K-step stages of the up / down phases (MoeGemmSpec.stages), gemm.STAGES: 2 = register-staged double buffering
+# (the measured sources), 3 = the cp.async pipeline. Not 4: ptxas spills Q6_K's down phase at 255 registers with 4,
+# and a fourth stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in
+# flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
-SM_SMEM = 228 * 1024  # shared memory of an sm_90 SM, CTAs' reservations included
-PIPE_REGS = 168       # registers a thread of the cp.async pipeline needs (sm_90 ptxas: 168 with no spills)
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 
 
@@ -192,7 +189,7 @@ class MoeGemmSpec:
             widths give bit-identical outputs; route / actq / combine do not depend on it.
         stages: K-step stages of the up / down phases: 0 (the default, 2) | 2: step k+1 prefetched into registers
             while step k is computed, then stored to the other stage (the measured sources) | 3: the cp.async
-            pipeline (:func:`min_blocks`, docs/perf.md Optimisation 18): every step's weights, activation rows and
+            pipeline (``gemm.launch_min_blocks``, docs/perf.md Optimisation 18): every step's weights, activation rows and
             scales copied by cp.async straight into one of three shared-memory stages, two steps in flight, no
             staging registers. The same MMAs on the same operands in the same order: every stage count
             gives bit-identical outputs.
@@ -351,19 +348,6 @@ def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
-def min_blocks(pl: PhasePlan) -> int:
-    """The up / down kernels' ``__launch_bounds__`` minimum of CTAs per SM: two stages, what 255 registers a thread
-    allow (``65536 // (threads * REG_BUDGET)``: the measured sources); the cp.async pipeline, which holds no staging
-    registers, as many as the shared memory fits (:data:`SM_SMEM` per SM, 1 KB reserved per CTA) with at least
-    :data:`PIPE_REGS` registers a thread (MXFP4, Q8_0), or :data:`REG_BUDGET` (the K-quants: their decoders; Q2_K's up
-    phase spills at 168)."""
-    threads = pl.block[0]
-    if pl.stages <= 2:
-        return max(1, 65536 // (threads * REG_BUDGET))
-    regs = REG_BUDGET if pl.fmt in KQUANTS else PIPE_REGS  # the K-quant decoders need more (Q2_K spills at 168)
-    return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (threads * regs)))
-
-
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
     """The launches in order: route, actq_x, up, actq_h, down, combine (:data:`KERNELS`); dense: actq_x, up,
     actq_h, down."""
@@ -408,7 +392,8 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           sb=kq_segment(pl.fmt) if pl.fmt in KQUANTS else 0, rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
-                          stages=pl.stages, min_blocks=min_blocks(pl), **_width(pl))
+                          stages=pl.stages, min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt),
+                          **_width(pl))
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, dict(_common(spec), kernel=kn)))
