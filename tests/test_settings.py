@@ -158,5 +158,6 @@ def test_prefill_stages_is_2_3_or_auto(monkeypatch, value):
     monkeypatch.delenv("DS4C_PREFILL_STAGES")
     assert settings.prefill_stages() == 0
     monkeypatch.setenv("DS4C_PREFILL_STAGES", value)
-    with pytest.raises(settings.SettingsError, match=rf"^\$DS4C_PREFILL_STAGES: expected 2, 3 or auto, found {value!r}"):
+    want = rf"^\$DS4C_PREFILL_STAGES: expected 2, 3 or auto, found {value!r}"
+    with pytest.raises(settings.SettingsError, match=want):
         settings.prefill_stages()

@@ -390,7 +390,8 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
         kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.pipe, spec.fmt), pipe=pl.pipe,
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], pipe=pl.pipe,
+        min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.pipe, spec.fmt),
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
 

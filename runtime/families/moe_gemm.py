@@ -342,9 +342,10 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
 def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset or ``auto``):
     3 when the weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``,
-    already copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100) at the
-    64-wide tile (``bn`` 0 / 64), else 2: the register-staged kernels, which the pipeline did not speed up (1.01x MXFP4),
-    and the 128-wide tile, one CTA of 8 warps a SM, where it lost (1.17x MXFP4; docs/perf.md Optimisation 18)."""
+    already copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100) at
+    the 64-wide tile (``bn`` 0 / 64), else 2: the register-staged kernels, which the pipeline did not speed up (1.01x
+    MXFP4), and the 128-wide tile, one CTA of 8 warps a SM, where it lost (1.17x MXFP4; docs/perf.md Optimisation
+    18)."""
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
