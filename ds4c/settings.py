@@ -53,6 +53,15 @@ variable                       default                     what it does (reader)
                                                            cp.async pipeline); auto: 3 for 64-wide grouped
                                                            experts whose weights are K-quants staged by cp.async
                                                            (Q2_K, Q3_K, Q6_K), else 2 (:func:`prefill_stages`)
+``DS4C_PREFILL_MOE_MMA``       ``auto``                    the prefill chunks' routed experts' up / down MMA: auto
+                                                           (wgmma where moe_gemm.auto_mma allows: MXFP4, 64 wide,
+                                                           sm_90 / sm_90a) or sync (mma.sync everywhere)
+                                                           (:func:`prefill_moe_wgmma`)
+``DS4C_PREFILL_L2_PREFETCH``   ``0``                       L2 prefetch size of the grouped experts' cp.async
+                                                           copies: 0, 128 or 256 (an A/B knob)
+                                                           (:func:`prefill_l2_prefetch`)
+``DS4C_PREFILL_MOE_COLS_FIRST`` ``0``                      1: the grouped experts' grids with the column blocks
+                                                           first (an A/B knob) (:func:`prefill_moe_cols_first`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
 ``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
@@ -306,6 +315,39 @@ def prefill_stages() -> int:
     return _choice("DS4C_PREFILL_STAGES", {"2": 2, "3": 3, "auto": 0}, "auto")
 
 
+def prefill_moe_wgmma() -> bool:
+    """Whether the prefill chunks' grouped experts may run their up / down phases on Hopper's wgmma
+    (``$DS4C_PREFILL_MOE_MMA``: ``auto``, the default, for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma`
+    finds eligible: MXFP4 weights both ways, the 64-wide tile, an sm_90 / sm_90a target; ``sync``: the mma.sync
+    kernels everywhere, the A/B and fallback path; docs/perf.md Optimisation 19).
+
+    Raises:
+        SettingsError: any value but auto or sync.
+    """
+    return bool(_choice("DS4C_PREFILL_MOE_MMA", {"auto": 1, "sync": 0}, "auto"))
+
+
+def prefill_l2_prefetch() -> int:
+    """``MoeGemmSpec.prefetch`` of the prefill chunks' grouped experts (``$DS4C_PREFILL_L2_PREFETCH``: 0, the default,
+    128 or 256): the L2 prefetch size of their cp.async copies (docs/perf.md Optimisation 19).
+
+    Raises:
+        SettingsError: any value but 0, 128 or 256.
+    """
+    return _choice("DS4C_PREFILL_L2_PREFETCH", {"0": 0, "128": 128, "256": 256}, "0")
+
+
+def prefill_moe_cols_first() -> bool:
+    """``MoeGemmSpec.cols_first`` of the prefill chunks' grouped experts (``$DS4C_PREFILL_MOE_COLS_FIRST``: 0, the
+    default, or 1): the up / down grids with the column blocks first, so the CTAs sharing a tile's activation rows run
+    together (docs/perf.md Optimisation 19).
+
+    Raises:
+        SettingsError: any value but 0 or 1.
+    """
+    return bool(_choice("DS4C_PREFILL_MOE_COLS_FIRST", {"0": 0, "1": 1}, "0"))
+
+
 def debug() -> bool:
     """``$DS4C_DEBUG`` set (any value): a torch.compile mode of the reference that fails (``ds4c bench``'s
     torch.compile column) prints its traceback, not only its first line."""
@@ -349,6 +391,12 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_moe_bn),
     Setting("DS4C_PREFILL_STAGES", "auto",
             "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)", prefill_stages),
+    Setting("DS4C_PREFILL_MOE_MMA", "auto", "the prefill chunks' routed experts' MMA: auto (wgmma where it applies) "
+            "or sync", prefill_moe_wgmma),
+    Setting("DS4C_PREFILL_L2_PREFETCH", "0", "L2 prefetch size of the grouped experts' cp.async copies (0, 128, 256)",
+            prefill_l2_prefetch),
+    Setting("DS4C_PREFILL_MOE_COLS_FIRST", "0", "1: the grouped experts' grids with the column blocks first",
+            prefill_moe_cols_first),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),
     Setting("DS4C_API_KEY", "(unset)", "the bearer token ds4c serve requires (when --api-key is not given)",

@@ -435,11 +435,12 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     fmts = (_experts_fmt(c, tuple(ex[:2]), "routed gate/up"), _experts_fmt(c, (ex[2],), "routed down"),
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
+        rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_bn, c.stages, c.target) if c.moe_wgmma else "sync"
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_bn,
-                                stages=c.stages or _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
+                                shared=True, bn=c.moe_bn, mma=rmma, prefetch=c.l2_prefetch, cols_first=c.moe_cols_first,
+                                stages=c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn)))
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
-                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn,
+                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=c.l2_prefetch, cols_first=c.moe_cols_first,
                                 stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
@@ -453,7 +454,11 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
           **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), ex)},
           **{n: ws(rspec, n, "moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n)) for n in _mg.workspaces(rspec)},
           "shared": shared, "out": Arg("value", c.names[moe.outputs[0]])}
-    db = {"x": rb["x"], "xq": rb["xq"], "xs": rb["xs"], **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), sh)},
+    # the shared expert reads the routed call's quantized x when both take the same form (mma.sync: f16s); a routed
+    # call on wgmma holds x in form bf16p, so the shared expert (Q8_0: mma.sync) quantizes x once more, its own way
+    same_x = rspec.mma == dspec.mma
+    xq = ({"xq": rb["xq"], "xs": rb["xs"]} if same_x else {n: ws(dspec, n, "moe_sh_" + n) for n in ("xq", "xs")})
+    db = {"x": rb["x"], **xq, **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), sh)},
           **{n: ws(dspec, n, "moe_sh_" + {"hbuf": "h"}.get(n, n)) for n in ("hbuf", "hq", "hs")}, "out": shared}
     calls = []
     for spec, b, nm in ((rspec, rb, "moe_gemm"), (dspec, db, "moe_shexp")):
@@ -462,8 +467,8 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
                       for src, la in zip(_mg.render_moe_gemm(spec, c.target, c.name(op, nm)),
                                          _mg.launch_shapes(spec, c.target))})
     r, dn = calls
-    return [r["route"], r["actq_x"], r["up"], r["actq_h"], r["down"], dn["up"], dn["actq_h"], dn["down"],
-            r["combine"]]
+    return ([r["route"], r["actq_x"], r["up"], r["actq_h"], r["down"]] + ([] if same_x else [dn["actq_x"]])
+            + [dn["up"], dn["actq_h"], dn["down"], r["combine"]])
 
 
 _PATTERNS = {
@@ -518,6 +523,12 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # K-step stages (DS4C_PREFILL_STAGES; unset: 0, auto per launch: the cp.async pipeline for the grouped experts
     # whose weights are cp.async-staged K-quants, 2 stages elsewhere)
     c.stages = settings.prefill_stages()
+    # the grouped experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA: auto, or sync)
+    c.moe_wgmma = settings.prefill_moe_wgmma()
+    # the L2 prefetch size of the grouped experts' cp.async copies (DS4C_PREFILL_L2_PREFETCH: 0, 128 or 256)
+    c.l2_prefetch = settings.prefill_l2_prefetch()
+    # the grouped experts' grids with the column blocks first (DS4C_PREFILL_MOE_COLS_FIRST: 0 or 1)
+    c.moe_cols_first = settings.prefill_moe_cols_first()
     c.linears = _gemm_linears
     out: list[LoweredKernel] = []
     for name, pattern, op in L.plan_kernels(g):

@@ -96,6 +96,10 @@ class _Ctx:
         #: K-step stages of both (GemmSpec.stages, MoeGemmSpec.stages)
         self.gemm_bn = self.moe_bn = 64
         self.stages = 2
+        #: the prefill chunks' grouped experts on wgmma where moe_gemm.auto_mma allows (runtime/lower_prefill.py)
+        self.moe_wgmma = False
+        self.l2_prefetch = 0
+        self.moe_cols_first = False
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches
         self.linears = _gemv
 

@@ -51,7 +51,9 @@ def test_bad_shapes_are_one_line_errors(bad, what):
         A.render_actq("t", "gemm", target("sm_90"), kw["k"], kw["rows"], kw["form"])
 
 
-@pytest.mark.parametrize("rows, k, form", [(64, 384, "f16s"), (70, 1152, "f16s"), (65, 256, "bf16"), (80, 128, "f16s")])
+@pytest.mark.parametrize("rows, k, form", [(64, 384, "f16s"), (70, 1152, "f16s"), (65, 256, "bf16"), (80, 128, "f16s"),
+                                           # bf16p (the wgmma grouped experts' activations) in both layouts
+                                           (66, 384, "bf16p"), (5, 256, "bf16p")])
 def test_warp_layout_equals_the_reference_quant(rows, k, form, tmp_path):
     """Rows with a wide dynamic range (some 128-blocks tiny, so the 1e-4 amax floor is hit, some past 448) and
     k = 1152 (9 blocks: a partial last group of 8 warps x iters)."""
@@ -63,7 +65,7 @@ def test_warp_layout_equals_the_reference_quant(rows, k, form, tmp_path):
     out = torch.full((rows + 1, k), float("nan"), dtype=torch.float16 if form == "f16s" else torch.bfloat16)
     bufs = {"x": x, "out": out}
     args = ["x", "out"]
-    if form == "f16s":
+    if form in ("f16s", "bf16p"):
         bufs["s"] = torch.full((rows + 1, k // 128), float("nan"), dtype=torch.float32)
         args.append("s")
     got = emu.run([(src, la.grid, la.block, args)], bufs, tmp_path)
@@ -73,6 +75,11 @@ def test_warp_layout_equals_the_reference_quant(rows, k, form, tmp_path):
         assert torch.isnan(got["s"][rows]).all()
     else:
         want = (q.view(rows, -1, 128) * s.unsqueeze(-1)).view(rows, k).to(torch.bfloat16)
+        if form == "bf16p":  # value i at bf16p_positions[i]; the scales as f16s writes them
+            perm = torch.empty_like(want)
+            perm[:, torch.tensor(A.bf16p_positions(k))] = want
+            want = perm
+            assert torch.equal(got["s"][:rows], s) and torch.isnan(got["s"][rows]).all()
         assert torch.equal(got["out"][:rows], want)
     assert torch.isnan(got["out"][rows].float()).all()
 

@@ -276,6 +276,141 @@ def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, s
     assert float((got["out"] != ref).double().mean()) <= 2 * flip_fraction_bound(wide.inter)
 
 
+#: the up / down phases on wgmma (MoeGemmSpec.mma): (C, routing, sizes, shared, eager, scales); ``scales`` "wide":
+#: the MXFP4 exponent bytes drawn from 1..160 instead of 118..124 (the second bf16 factor of E > 128, tiny blocks)
+WG_CASES = [(77, "uneven", TINY, False, False, ""),   # the hot expert in two tiles, one unused, a partial tile
+            (70, "skew", SMALL, False, False, ""),    # three K steps up, two down (the stage ring wraps)
+            (70, "skew", SMALL, False, True, ""),     # cp.async copies landing at their issue
+            (77, "uneven", TINY, True, False, ""),    # the fused shared combine
+            (40, "skew", W, False, False, "wide")]
+
+
+@pytest.mark.parametrize("C,routing,sizes,shared,eager,scales", WG_CASES)
+def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: bool, scales: str,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mma`` wgmma (bf16 operands with every scale folded in, one fp32 accumulation over K; the activations in
+    actq form bf16p): the routing, h and the call against the reference as the mma.sync call is
+    (:func:`_check_routed_call`), and close to the mma.sync call on the same inputs (both within a bf16 ulp of the
+    reference; they differ only where a bf16 rounding of g, u, h or y flips). ``xq`` / ``hq`` are the bf16p form:
+    the f16s call's e4m3 values times their scales at :func:`actq.bf16p_positions`."""
+    from ds4c.runtime.families.actq import bf16p_positions
+
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    if eager:
+        monkeypatch.setenv("DS4C_EMU_CP_EAGER", "1")
+    spec = MG.MoeGemmSpec(rows=C, shared=shared, mma="wgmma", **sizes)
+    sync = MG.MoeGemmSpec(rows=C, shared=shared, **sizes)
+    tgt = target("sm_90")
+    src = {s.entry.rsplit("_", 1)[-1]: s for s in MG.render_moe_gemm(spec, tgt)}
+    assert src["up"].target == target("sm_90a") and src["route"].target == tgt  # wgmma needs sm_90a code
+    assert "wgmma.mma_async" in src["down"].source and "mma.sync" not in src["down"].source.split("---- shape")[1]
+    inp = _emu_inputs(spec, routing)
+    if scales == "wide":  # every exponent byte of every block of the three matrices
+        g = torch.Generator().manual_seed(11)
+        for n in ("w1", "w3", "w2"):
+            b = inp[n].view(-1, 17)
+            b[:, 0] = torch.randint(1, 161, (b.shape[0],), generator=g, dtype=torch.uint8)
+        assert any(bool((inp[n].view(-1, 17)[:, 0] > 128).any()) for n in ("w1", "w3", "w2"))
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    with tempfile.TemporaryDirectory() as d:
+        old = EMU.run(sync, inp, Path(d))
+    assert got["xq"].dtype == torch.bfloat16 and old["xq"].dtype == torch.float16
+    for q, sc, k in (("xq", "xs", spec.hidden), ("hq", "hs", spec.inter)):
+        assert torch.equal(got[sc], old[sc]) if q == "xq" else True  # (h itself may flip between the two calls)
+        want = (old[q].float().view(old[q].shape[0], -1, 128) * old[sc].unsqueeze(-1)).view(-1, k).to(torch.bfloat16)
+        if q == "xq":
+            perm = torch.empty_like(want)
+            perm[:, torch.tensor(bf16p_positions(k))] = want
+            assert torch.equal(got[q].view(torch.int16), perm.view(torch.int16))
+    if shared:
+        ref = MG.reference(spec, **inp)
+        assert bool(torch.isfinite(got["out"].float()).all())
+        assert_same_roundings(got["out"], ref, k=spec.inter, what="wgmma combine with shared")
+        return
+    _check_routed_call(spec, inp, got, routing)
+    assert MG.rel_l2(got["out"], old["out"]) <= 2 * BF16_ULP
+
+
+def test_auto_mma() -> None:
+    """The prefill lowering's default MMA of a routed call: wgmma for MXFP4 both ways at the 64-wide tile with stages
+    unset / 3 on sm_90 / sm_90a; mma.sync for any other format, width, forced 2 stages or target."""
+    t90, t90a, t100 = target("sm_90"), target("sm_90a"), target("sm_100a")
+    assert MG.auto_mma("mxfp4", "mxfp4", 0, 0, t90) == "wgmma" == MG.auto_mma("mxfp4", "mxfp4", 64, 3, t90a)
+    for args in (("q3_k", "q3_k", 0, 0, t90), ("mxfp4", "q8_0", 0, 0, t90), ("q8_0", "q8_0", 0, 0, t90),
+                 ("mxfp4", "mxfp4", 128, 0, t90), ("mxfp4", "mxfp4", 0, 2, t90), ("mxfp4", "mxfp4", 0, 0, t100)):
+        assert MG.auto_mma(*args) == "sync", args
+
+
+def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DS4C_PREFILL_MOE_MMA unset (auto): the chunk's routed MXFP4 up / down run on wgmma (sm_90a code, actq form
+    bf16p), the Q8_0 shared expert on mma.sync; ``sync``: every call on mma.sync; another word: a one-line
+    SettingsError."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.settings import SettingsError
+
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+
+    def entries(value: str | None) -> list[tuple[str, str]]:
+        monkeypatch.setenv("DS4C_PREFILL_MOE_MMA", value) if value else monkeypatch.delenv("DS4C_PREFILL_MOE_MMA",
+                                                                                          raising=False)
+        ks = [k for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "moe_gemm"]
+        return [(la.kernel.entry.removeprefix("ds4c_moe_"), la.kernel.target.arch, la.kernel.params.get("form"),
+                 la.kernel.params.get("wg")) for la in ks[0].launches]
+
+    auto, sync = entries(None), entries("sync")
+    assert [e for e, _, _, wg in auto if wg] == ["gemm_up", "gemm_down"]
+    assert all(a == ("sm_90a" if wg else "sm_90") for _, a, _, wg in auto)
+    # the routed activations in form bf16p; the Q8_0 shared expert quantizes x again in form f16s (one more launch)
+    assert [(e, f) for e, _, f, _ in auto if f] == [("gemm_actq_x", "bf16p"), ("gemm_actq_h", "bf16p"),
+                                                    ("shexp_actq_x", "f16s"), ("shexp_actq_h", "f16s")]
+    assert not any(wg for *_, wg in sync) and all(a == "sm_90" for _, a, _, _ in sync)
+    assert [e for e, *_ in sync] == [e for e, *_ in auto if e != "shexp_actq_x"]
+    assert entries("auto") == auto
+    with pytest.raises(SettingsError) as ei:
+        entries("wgmma")
+    assert "DS4C_PREFILL_MOE_MMA" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_l2_prefetch_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefetch`` 0 renders the sources byte for byte as before; 128 / 256 add ``.L2::<n>B`` to every cp.async copy of
+    the up / down kernels and change nothing else (route, actq, combine equal); DS4C_PREFILL_L2_PREFETCH reaches the
+    lowering's routed and shared-expert calls; a bad value is a one-line error."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.settings import SettingsError
+
+    tgt = target("sm_90")
+    for kw in (dict(mma="wgmma"), dict(stages=3), dict(fmt="q3_k", hidden=512, inter=512)):
+        base = MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **{**TINY, **kw}), tgt, "n")
+        for pf in (128, 256):
+            got = MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, prefetch=pf, **{**TINY, **kw}), tgt, "n")
+            for a, b in zip(base, got):
+                if a.entry.endswith(("_up", "_down")):
+                    n = b.source.count(f"shared.global.L2::{pf}B [")  # every cp.async helper rendered
+                    assert n >= 1 and n == a.source.count("shared.global [")
+                    assert b.source.replace(f".L2::{pf}B", "") == a.source
+                else:
+                    assert a.source == b.source
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+    for value, want in ((None, 0), ("256", 256), ("128", 128)):
+        monkeypatch.setenv("DS4C_PREFILL_L2_PREFETCH", value) if value else monkeypatch.delenv(
+            "DS4C_PREFILL_L2_PREFETCH", raising=False)
+        ks = [k for k in lower_graph(g, preset("tiny"), tgt, pending=[]) if k.family == "moe_gemm"]
+        assert {la.kernel.params["prefetch"] for la in ks[0].launches if "prefetch" in la.kernel.params} == {want}
+    monkeypatch.setenv("DS4C_PREFILL_L2_PREFETCH", "64")
+    with pytest.raises(SettingsError) as ei:
+        lower_graph(g, preset("tiny"), tgt, pending=[])
+    assert "DS4C_PREFILL_L2_PREFETCH" in str(ei.value) and "\n" not in str(ei.value)
+
+
 def test_wide_tile_render() -> None:
     """``bn`` 0 and 64 render the same sources (the measured 64-wide text); 128 changes only the up / down kernels
     (route, actq and combine are shared), names them ``_bn128`` and fits sm_90's shared memory for every format;
@@ -349,6 +484,7 @@ def test_prefill_lowering_uses_auto_stages(monkeypatch: pytest.MonkeyPatch) -> N
     from ds4c.runtime.lower import lower_graph
 
     monkeypatch.delenv("DS4C_PREFILL_STAGES", raising=False)
+    monkeypatch.setenv("DS4C_PREFILL_MOE_MMA", "sync")  # the mma.sync kernels' stages (wgmma has its own pipeline)
     g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
     asked = []
 
@@ -371,6 +507,7 @@ def test_prefill_lowering_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     from ds4c.passes.manager import run_pipeline
     from ds4c.runtime.lower import lower_graph
 
+    monkeypatch.setenv("DS4C_PREFILL_MOE_MMA", "sync")  # the mma.sync kernels' stages (wgmma has its own pipeline)
     g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
     got = {}
     for st in ("", "2", "3"):
@@ -490,14 +627,16 @@ def test_device_compile_sm90(tmp_path: Path) -> None:
                  # the wide tile (bn 128, 256 threads): MXFP4 and Q3_K (cp.async weights) at the flash shapes
                  MG.MoeGemmSpec(rows=2048, bn=128), MG.MoeGemmSpec(rows=2048, fmt="q3_k", bn=128),
                  # the 3-stage pipeline: MXFP4 at 3 CTAs a SM (168 registers), the cp.async-staged K-quants
-                 MG.MoeGemmSpec(rows=2048, stages=3), MG.MoeGemmSpec(rows=2048, fmt="q2_k", down_fmt="q6_k", stages=3)):
+                 MG.MoeGemmSpec(rows=2048, stages=3), MG.MoeGemmSpec(rows=2048, fmt="q2_k", down_fmt="q6_k", stages=3),
+                 # wgmma (compiled for sm_90a) at 3 CTAs a SM
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma")):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
         assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == (
             ["x", "up", "h", "down"] if spec.dense else ["combine"] if spec.shared
             else ["route", "x", "up", "h", "down", "combine"])
-        if spec.fmt in MG.KQUANTS or spec.bn or spec.stages:  # only the GEMM phases read the weights / vary
+        if spec.fmt in MG.KQUANTS or spec.bn or spec.stages or spec.mma != "sync":  # only the GEMM phases vary
             srcs = [s for s in srcs if s.entry.endswith(("_up", "_down"))]
         for s in srcs:
             d = tmp_path / s.entry
@@ -527,11 +666,16 @@ def test_unsupported_target_raises(arch: str) -> None:
     with pytest.raises(RenderError) as ei:
         MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **TINY), target(arch))
     assert "\n" not in str(ei.value) and "moe_gemm" in str(ei.value)
+    with pytest.raises(RenderError, match="wgmma runs on sm_90/sm_90a only") as ei:  # Blackwell has no wgmma
+        MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, mma="wgmma", **TINY), target("sm_100a"))
+    assert "\n" not in str(ei.value)
 
 
 @pytest.mark.parametrize("kw", [dict(fmt="bf16"), dict(down_fmt="q4_k"), dict(hidden=200), dict(inter=0),
                                 dict(k=0), dict(n_experts=513), dict(rows=0), dict(rows=30000), dict(act_quant=False),
-                                dict(limit=float("inf"))])
+                                dict(limit=float("inf")), dict(mma="wmma"), dict(mma="wgmma", fmt="q8_0"),
+                                dict(mma="wgmma", down_fmt="q8_0"), dict(mma="wgmma", bn=128),
+                                dict(mma="wgmma", stages=2), dict(prefetch=64), dict(prefetch=True)])
 def test_bad_spec_raises(kw: dict) -> None:
     base = dict(rows=64, **TINY)
     base.update(kw)
@@ -559,9 +703,13 @@ def test_gpu_check_imports_on_cpu() -> None:
     by = {n: s for n, s, _ in cs}
     var = [n for n in by if m._base(n) != n]
     assert {"flash_c2048_bn128", "flash_q3k_c2048_bn128", "flash_shexp_dense_c2048_bn128", "flash_c2048_st3",
-            "flash_c2048_bn128_st3", "flash_q3k_c2048_st3", "flash_shexp_dense_c2048_st3"} <= set(var)
+            "flash_c2048_bn128_st3", "flash_q3k_c2048_st3", "flash_shexp_dense_c2048_st3", "flash_c2048_wg",
+            "flash_shared_c2048_wg", "tiny_uneven_c77_wg"} <= set(var)
     for n in var:
         twin = m._base(n)
         assert (by[n].bn == 128) == ("_bn128" in n) and (by[n].stages == 3) == ("_st3" in n)
-        assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0})
+        assert (by[n].mma == "wgmma") == ("_wg" in n) and (by[n].cols_first == n.endswith("_cf"))
+        assert (by[n].prefetch > 0) == ("_pf" in n)
+        assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0, "mma": "sync", "prefetch": 0,
+                                             "cols_first": False})
         assert m._seed(n) == m._seed(twin)

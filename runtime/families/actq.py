@@ -11,8 +11,9 @@ act_quant.cu.j2`` for ``rows`` rows of ``k`` values, in one of two layouts picke
   one runs 4,096 blocks of 256 threads there (one block per row, 16 values per thread, loads issued together).
 
 Both write the same values bit for bit (the amax is a max: its order does not matter); forms ``bf16`` (bf16
-``e4m3 * 2^k``) and ``f16s`` (f16 e4m3 values and fp32 per-128 scales), see the template's header. Arguments:
-``x`` bf16 ``[rows, k]``, ``out`` ``[rows, k]`` (bf16 / f16 bits), with ``f16s`` ``scales`` fp32 ``[rows, k/128]``.
+``e4m3 * 2^k``), ``f16s`` (f16 e4m3 values and fp32 per-128 scales) and ``bf16p`` (the ``bf16`` values at the
+positions of :func:`bf16p_positions`, and the scales), see the template's header. Arguments: ``x`` bf16 ``[rows,
+k]``, ``out`` ``[rows, k]`` (bf16 / f16 bits), with ``f16s`` / ``bf16p`` ``scales`` fp32 ``[rows, k/128]``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,19 @@ TEMPLATE = "actq/act_quant.cu.j2"
 WARP_LAYOUT_MIN_ROWS = 64
 WARPS = 8
 MAX_ITERS = 4
-FORMS = ("bf16", "f16s")
+FORMS = ("bf16", "f16s", "bf16p")
+
+
+def bf16p_positions(k: int) -> list[int]:
+    """Where form ``bf16p`` stores value ``i`` of a row of ``k``: inside every 16 values, ``4t + j`` goes to ``2t +
+    j`` (``j < 2``) or ``8 + 2t + j - 2`` (``j >= 2``) -- the k order of an m64nNk16 A fragment whose thread ``t``
+    holds the bytes ``4t .. 4t + 3`` of a 32-value MXFP4 block (low nibbles: values ``4t + j``, high: ``16 + 4t + j``;
+    runtime/families/moe_gemm.py, ``MoeGemmSpec.mma``)."""
+    out = []
+    for i in range(k):
+        r = i & 15
+        out.append((i & ~15) + (((r >> 2) << 1) | (r & 1)) + ((r & 2) << 2))
+    return out
 
 
 def layout_for(rows: int) -> str:

@@ -114,7 +114,7 @@ from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, 
 from ds4c.runtime.families.experts import _float_literal, dequantize_weight
 from ds4c.runtime.families.gemm import STAGES, launch_min_blocks
 from ds4c.runtime.render import KernelSource, RenderError, render
-from ds4c.runtime.targets import Target
+from ds4c.runtime.targets import Target, target as make_target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
 FAMILY = "moe_gemm"
@@ -150,6 +150,26 @@ BNS = (64, 128)
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
+MMAS = ("sync", "wgmma")
+PREFETCH = (0, 128, 256)
+#: the targets whose up / down phases can run on wgmma, and the arch those kernels compile for (sm_90 binaries
+#: run only on compute capability 9.0, the Hopper parts, all of which have sm_90a's wgmma)
+WGMMA_ARCHS = ("sm_90", "sm_90a")
+WGMMA = """MoeGemmSpec.mma = "wgmma" (issue 33; docs/perf.md Optimisation 19). One warpgroup (128 threads) per CTA: the
+64 weight rows (up: 32 of W1 then the same 32 of W3; down: 64 of W2) x the tile's 64 pairs as one m64n64 fp32
+accumulator (32 registers a thread: warp w rows 16w + g, 16w + g + 8, pairs 8j + 2t, 8j + 2t + 1). Per K step of
+128 values, 8 ``wgmma.mma_async.m64n64k16.f32.bf16.bf16``: A from registers, each thread building its fragments from
+the staged MXFP4 bytes (bytes 4t .. 4t + 3 of a 32-block: the low nibbles are values 4t + j of the block's first
+k16 slice, the high ones of its second) as bf16 e2m1 * 2^-126 (sign and the three code bits placed in the bf16 bits,
+e2m1's subnormal on bf16's), times the block's 2^(E-1) (``mul.rn.bf16x2``; a second factor when E > 128): the exact
+weight value. B from shared memory by descriptor: the activation tile in bf16, e4m3 * 2^k with the per-128 scale
+folded in (exact), written by the actq launch in form ``bf16p`` (the k order of those A fragments inside every 16
+values), in the canonical no-swizzle K-major layout (core matrices of 8 pairs x 16 bytes; leading byte offset 128
+between K-adjacent ones, stride byte offset 2048 between pair groups). Every product exact, one fp32 accumulation
+over the whole reduction (no per-block partials, no per-128 scaling). Tiles copied by the 3-stage cp.async pipeline
+(weights in 4-byte units, activation chunks of 16 bytes); the warpgroup waits for its 8 MMAs before the barrier
+that lets the stage be refilled. Instructions per 32-block and warp (16 weight rows x 64 pairs): ~60 to build the
+A fragments and 2 wgmma, against ~128 and 16 mma.sync for the same products on the ``sync`` path."""
 
 
 def row_bytes(fmt: str, n_in: int) -> int:
@@ -193,6 +213,18 @@ class MoeGemmSpec:
             scales copied by cp.async straight into one of three shared-memory stages, two steps in flight, no
             staging registers. The same MMAs on the same operands in the same order: every stage count
             gives bit-identical outputs.
+        mma: the up / down phases' tensor-core instruction: ``sync`` (the default: ``mma.sync`` m16n8k16 on f16
+            codes, per-block scaled partials; every format, width and stage count) | ``wgmma`` (sm_90a's
+            warpgroup MMA, m64n64k16 on bf16 operands with every scale folded in, one fp32 accumulation over K;
+            MXFP4 weights both ways, the 64-wide tile, 3 stages: :data:`WGMMA` has the design). Not bit-identical
+            to ``sync`` (the fp32 sums run in another order); both are within the reference's bounds.
+        prefetch: the L2 prefetch size of the up / down phases' cp.async copies: 0 (none: the measured text) | 128 |
+            256 bytes (``cp.async ... .L2::256B``: a copy of a weight row's 68-byte piece of a K step brings the
+            row's next bytes into L2 in the same DRAM burst). Only the cp.async paths copy with it (``mma`` wgmma,
+            ``stages`` 3, the cp.async-staged K-quants); the outputs do not depend on it.
+        cols_first: the up / down grids as (column blocks, tiles) instead of (tiles, column blocks): the CTAs of one
+            tile, which read the same activation rows, run side by side (the hardware schedules x fastest), so those
+            rows come from DRAM once and from L2 after; the same outputs bit for bit.
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -211,6 +243,9 @@ class MoeGemmSpec:
     shared: bool = False
     bn: int = 0
     stages: int = 0
+    mma: str = "sync"
+    prefetch: int = 0
+    cols_first: bool = False
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -237,6 +272,19 @@ class MoeGemmSpec:
             bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
         if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
             bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
+        if type(self.cols_first) is not bool:  # noqa: E721
+            bad.append(f"cols_first {self.cols_first!r} (expected a bool)")
+        if type(self.prefetch) is not int or self.prefetch not in PREFETCH:  # noqa: E721
+            bad.append(f"prefetch {self.prefetch!r} (expected one of {PREFETCH})")
+        if self.mma not in MMAS:
+            bad.append(f"mma {self.mma!r} (expected one of {MMAS})")
+        elif self.mma == "wgmma":
+            if self.fmt != "mxfp4" or self.down_fmt != "mxfp4":
+                bad.append(f"mma wgmma with {self.fmt}/{self.down_fmt} weights (expected MXFP4 both ways: its A "
+                           f"fragments are built from MXFP4 bytes)")
+            if self.bn not in (0, 64) or self.stages not in (0, 3):
+                bad.append(f"mma wgmma with bn {self.bn}, stages {self.stages} (expected the 64-wide tile, one "
+                           f"warpgroup, and the 3-stage cp.async pipeline: bn 0 / 64, stages 0 / 3)")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -259,12 +307,16 @@ class MoeGemmSpec:
                 + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
                 + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
-                + ("_bn128" if self.bn == 128 else "") + (f"_st{self.stages}" if self.stages > 2 else ""))
+                + ("_bn128" if self.bn == 128 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
+                + ("_wg" if self.mma == "wgmma" else "") + (f"_pf{self.prefetch}" if self.prefetch else "")
+                + ("_cf" if self.cols_first else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
                 f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
-                + (" bn128" if self.bn == 128 else "") + (f" {self.stages} stages" if self.stages > 2 else ""))
+                + (" bn128" if self.bn == 128 else "") + (f" {self.stages} stages" if self.stages > 2 else "")
+                + (" wgmma" if self.mma == "wgmma" else "") + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
+                + (" columns first" if self.cols_first else ""))
 
 
 def tile_slots(spec: MoeGemmSpec) -> int:
@@ -275,11 +327,14 @@ def tile_slots(spec: MoeGemmSpec) -> int:
     return spec.pairs // TM + min(spec.n_experts, spec.pairs)
 
 
-def check_target(target: Target) -> None:
-    """Raises RenderError (one line) for a target the family does not build: not CUDA sm_89+ with the e4m3 cvt."""
+def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
+    """Raises RenderError (one line) for a target the family does not build: not CUDA sm_89+ with the e4m3 cvt, or
+    (``spec.mma`` wgmma) not Hopper."""
     if target.vendor != "cuda" or target.arch not in E4M3_ARCHS:
         raise RenderError(f"moe_gemm: {target.slug} is not supported (needs CUDA {'/'.join(E4M3_ARCHS)}: the f16 "
                           f"mma.sync on e4m3 activations; no SIMT body yet)")
+    if spec is not None and spec.mma == "wgmma" and target.arch not in WGMMA_ARCHS:
+        raise RenderError(f"moe_gemm {spec.short()}: wgmma runs on {'/'.join(WGMMA_ARCHS)} only, not {target.slug}")
 
 
 @dataclass(frozen=True)
@@ -314,7 +369,7 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
 
     Raises:
         RenderError: an unsupported target, an unknown phase, or the shared memory exceeds the limit."""
-    check_target(target)
+    check_target(target, spec)
     if phase not in ("up", "down"):
         raise RenderError(f"moe_gemm: unknown GEMM phase {phase!r} (expected 'up' or 'down')")
     kin, nout, fmt = (spec.hidden, spec.inter, spec.fmt) if phase == "up" else (spec.inter, spec.hidden, spec.down_fmt)
@@ -326,7 +381,11 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     bn = spec.bn or BN
     threads = 2 * bn
     stages = spec.stages or 2
-    stage = _round16(TM * XST + TM * 4 + bn * rbp)
+    if spec.mma == "wgmma":
+        stages = 3
+        stage = _round16(TM * 256 + bn * rbp)  # the bf16 activation tile, no scales
+    else:
+        stage = _round16(TM * XST + TM * 4 + bn * rbp)
     smem = max(stages * stage, TM * (bn + 4) * 4)
     if smem > SMEM_LIMIT:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
@@ -335,7 +394,8 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     # multiples of 128 (MoeGemmSpec), so both widths divide them: no partial CTA column
     ny = spec.inter // (bn // 2) if phase == "up" else spec.hidden // bn
     nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
-    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, (tile_slots(spec), ny, 1), (threads, 1, 1), nb,
+    grid = (ny, tile_slots(spec), 1) if spec.cols_first else (tile_slots(spec), ny, 1)
+    return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, grid, (threads, 1, 1), nb,
                      fmt in KQUANTS and v == 4, bn, stages)
 
 
@@ -349,10 +409,19 @@ def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
+def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target) -> str:
+    """The up / down phases' MMA the prefill lowering gives a routed call by default (``DS4C_PREFILL_MOE_MMA`` unset
+    or ``auto``): ``wgmma`` where it is built -- MXFP4 weights both ways, the 64-wide tile (``bn`` 0 / 64), stages
+    unset or 3, an sm_90 / sm_90a target (:data:`WGMMA_ARCHS`) -- else ``sync``."""
+    ok = (fmt == down_fmt == "mxfp4" and bn in (0, 64) and stages in (0, 3) and target.vendor == "cuda"
+          and target.arch in WGMMA_ARCHS)
+    return "wgmma" if ok else "sync"
+
+
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
     """The launches in order: route, actq_x, up, actq_h, down, combine (:data:`KERNELS`); dense: actq_x, up,
     actq_h, down."""
-    check_target(target)
+    check_target(target, spec)
     return [k for k in KERNELS if k not in ("route", "combine")] if spec.dense else list(KERNELS)
 
 
@@ -380,12 +449,14 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
         RenderError: see :func:`plan`.
     """
     name = name or f"moe_gemm_{spec.key()}"
+    wg = spec.mma == "wgmma"
+    form = "bf16p" if wg else "f16s"
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq_x":
-            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.hidden, spec.rows))
+            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.hidden, spec.rows, form))
         elif kn == "actq_h":
-            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.inter, spec.pairs))
+            out.append(render_actq(f"{name}_{kn}", FAMILY, target, spec.inter, spec.pairs, form))
         elif kn in ("up", "down"):
             pl = plan(spec, target, kn)
             params = dict(_common(spec), kernel=kn, kin=pl.kin, nout=pl.nout, fmt_id=FMT_ID[pl.fmt],
@@ -394,8 +465,10 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
                           stages=pl.stages, min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt),
-                          **_width(pl))
-            out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, params))
+                          wg=wg, prefetch=spec.prefetch, cols_first=spec.cols_first, **_width(pl))
+            # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
+            tgt = make_target("sm_90a") if wg else target
+            out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, tgt, params))
         else:
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, target, dict(_common(spec), kernel=kn)))
     return out
@@ -454,19 +527,20 @@ def arg_shapes(spec: MoeGemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     bf16 [C, D] when ``dense`` or ``shared``; ``shared`` bf16 [C, D] with ``shared``)."""
     C, D, I, k, E, P = spec.rows, spec.hidden, spec.inter, spec.k, spec.n_experts, spec.pairs
     u8 = torch.uint8
+    q16 = torch.bfloat16 if spec.mma == "wgmma" else torch.float16  # actq form bf16p / f16s
     if spec.dense:
         return {"x": ((C, D), torch.bfloat16), "w1": ((1, I, row_bytes(spec.fmt, D)), u8),
                 "w3": ((1, I, row_bytes(spec.fmt, D)), u8), "w2": ((1, D, row_bytes(spec.down_fmt, I)), u8),
-                "xq": ((C, D), torch.float16), "xs": ((C, D // 128), torch.float32),
-                "hbuf": ((C, I), torch.bfloat16), "hq": ((C, I), torch.float16), "hs": ((C, I // 128), torch.float32),
+                "xq": ((C, D), q16), "xs": ((C, D // 128), torch.float32),
+                "hbuf": ((C, I), torch.bfloat16), "hq": ((C, I), q16), "hs": ((C, I // 128), torch.float32),
                 "out": ((C, D), torch.bfloat16)}
     sh = {"shared": ((C, D), torch.bfloat16)} if spec.shared else {}
     return {**sh, "ids": ((C, k), torch.int64), "weights": ((C, k), torch.float32), "x": ((C, D), torch.bfloat16),
             "w1": ((E, I, row_bytes(spec.fmt, D)), u8), "w3": ((E, I, row_bytes(spec.fmt, D)), u8),
             "w2": ((E, D, row_bytes(spec.down_fmt, I)), u8),
             "perm": ((P,), torch.int32), "tiles": ((tile_slots(spec), 4), torch.int32),
-            "xq": ((C, D), torch.float16), "xs": ((C, D // 128), torch.float32),
-            "hbuf": ((P, I), torch.bfloat16), "hq": ((P, I), torch.float16), "hs": ((P, I // 128), torch.float32),
+            "xq": ((C, D), q16), "xs": ((C, D // 128), torch.float32),
+            "hbuf": ((P, I), torch.bfloat16), "hq": ((P, I), q16), "hs": ((P, I // 128), torch.float32),
             "ybuf": ((C, k, D), torch.bfloat16), "out": ((C, D), torch.bfloat16 if spec.shared else torch.float32)}
 
 

@@ -139,7 +139,9 @@ static inline u32 ds4c_byte_perm(u32 a, u32 b, u32 sel) {
 struct EmuBlock {
   EmuBarrier* bar;
   EmuBarrier* wbar[32];
+  EmuBarrier* gbar[8];  // per warpgroup (wgmma)
   float fx[1024];
+  float wgA[8][64][16];  // per warpgroup: the wgmma A operand, assembled from its threads' fragments
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
   const u8* px[1024];                     // ldmatrix: every lane's row address
 };
@@ -313,6 +315,53 @@ static inline void emu_ldsm_x4(u32 (&r)[4], const void* p) {
 DS4C_DEVICE void xp_ldsm_x4(u32 (&r)[4], const void* p) { emu_ldsm_x4<false>(r, p); }
 DS4C_DEVICE void xp_ldsm_x4_t(u32 (&r)[4], const void* p) { emu_ldsm_x4<true>(r, p); }
 
+// ---- wgmma (sm_90a) emulation: computed at its issue (fence / commit / wait are no-ops), from the PTX layouts: A
+// m64k16 from the warpgroup's registers (warp w rows 16w .., the m16n8k16 A fragment), B k16 x n64 from shared
+// memory through the descriptor (start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29: between
+// core matrices adjacent in K, stride byte offset >> 4 in 32-45: between 8-row groups of n; no swizzle: core
+// matrix = 8 rows of n x 16 contiguous bytes of k), D m64n64 fp32 (rows 16w + g (+8) x columns 8j + 2t (+1)).
+// Shared addresses are offsets from the array the kernel gave xp_smem_u32 (its dynamic shared memory).
+static const u8* emu_smem0 = nullptr;
+DS4C_DEVICE u32 xp_smem_u32(const void* p) { emu_smem0 = (const u8*)p; return 0u; }
+DS4C_DEVICE void xp_wg_fence() {}
+DS4C_DEVICE void xp_wg_commit() {}
+template <int N> DS4C_DEVICE void xp_wg_wait() {}
+DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  float (*A)[16] = g_blk->wgA[wg];
+  const u32 ar[4] = {a0, a1, a2, a3};
+  for (int i = 0; i < 8; ++i) {
+    const u32 h = (ar[i / 2] >> (16 * (i % 2))) & 0xffffu;
+    const int row = 16 * w + ((i < 2 || (i >= 4 && i < 6)) ? g : g + 8);
+    const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+    A[row][col] = emu_bf16(h);
+  }
+  g_blk->gbar[wg]->arrive_and_wait();
+  const u8* base = emu_smem0 + ((desc & 0x3fffull) << 4);
+  const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
+  float out[32];
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
+      double s = 0;
+      for (int k = 0; k < 16; ++k) {
+        u16 b;
+        std::memcpy(&b, base + (n >> 3) * sbo + (k >> 3) * lbo + (n & 7) * 16 + (k & 7) * 2, 2);
+        s += (double)A[row][k] * emu_bf16(b);
+      }
+      out[4 * j + i] = (float)(s + d[4 * j + i]);
+    }
+  g_blk->gbar[wg]->arrive_and_wait();
+  for (int i = 0; i < 32; ++i) d[i] = out[i];
+}
+static inline u32 emu_bf16_bits(float f) {  // round to nearest even (finite values)
+  const u32 u = ds4c_as_u32(f);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+DS4C_DEVICE u32 xp_bmul2(u32 a, u32 b) {  // mul.rn.bf16x2 (subnormals kept, as on sm_90)
+  return emu_bf16_bits(emu_bf16(a) * emu_bf16(b)) | (emu_bf16_bits(emu_bf16(a >> 16) * emu_bf16(b >> 16)) << 16);
+}
+
 template <class K>
 static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's blocks one after another
   EmuBlock blk;
@@ -320,6 +369,8 @@ static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's b
   blk.bar = &bar;
   std::vector<EmuBarrier> wb(nt / 32, EmuBarrier(32));
   for (int w = 0; w < nt / 32; ++w) blk.wbar[w] = &wb[w];
+  std::vector<EmuBarrier> gb((nt + 127) / 128, EmuBarrier(nt < 128 ? nt : 128));
+  for (int w = 0; w < (nt + 127) / 128; ++w) blk.gbar[w] = &gb[w];
   g_blk = &blk;
   t_nbx = gx;
   auto body = [&](int) {

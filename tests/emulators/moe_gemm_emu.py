@@ -95,9 +95,9 @@ def run(spec: MG.MoeGemmSpec, inputs: dict[str, torch.Tensor], workdir: Path, ar
     shapes = MG.arg_shapes(spec)
     out = {}
     for n, (ct, _, _) in _outputs(spec).items():
-        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=np.int16 if ct == "u16" and n == "out"
-                                           else _DT[n]).copy())
-        if n in ("hbuf", "ybuf") or (n == "out" and ct == "u16"):
+        bf16 = shapes[n][1] == torch.bfloat16  # hbuf, ybuf, a bf16 out, and xq / hq of a wgmma call (form bf16p)
+        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=np.int16 if bf16 else _DT[n]).copy())
+        if bf16:
             a = a.view(torch.bfloat16)
         out[n] = a.view(shapes[n][0])
     return out

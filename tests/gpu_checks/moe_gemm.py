@@ -13,7 +13,8 @@ with ``shared`` (moe_sum fused into the combine: ``out`` bf16 = bf16(routed sum 
 The 128-wide tile (``MoeGemmSpec.bn = 128``, 256 threads; ``DS4C_PREFILL_MOE_BN=128``) at C = 2048 for MXFP4, Q3_K
 and the dense Q8_0 shared expert (cases ``*_bn128``, next to their 64-wide twins, so one run times both widths on
 the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings), and the 3-stage
-cp.async pipeline (``MoeGemmSpec.stages = 3``; ``DS4C_PREFILL_STAGES=3``) at both widths (cases ``*_st3``). Every
+cp.async pipeline (``MoeGemmSpec.stages = 3``; ``DS4C_PREFILL_STAGES=3``) at both widths (cases ``*_st3``), and the
+up / down phases on wgmma (``MoeGemmSpec.mma``, cases ``*_wg``: compared with their twin by relative L2). Every
 case draws its inputs from a generator seeded by its name less the variant suffixes (:func:`_base`), so a variant
 has its twin's inputs; when the twin ran first, the variant's ``out`` must equal the twin's bit for bit
 (``twin_equal``, part of ``ok``).
@@ -89,6 +90,25 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_q3k_c2048_st3", MG.MoeGemmSpec(2048, fmt="q3_k", stages=3), "uniform"),
             ("flash_shexp_dense_c2048_st3", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True, stages=3),
              "dense"),
+            # the up / down phases on sm_90a's wgmma (MoeGemmSpec.mma, docs/perf.md Optimisation 19), next to their
+            # mma.sync twins: the same inputs; not bit-identical (another fp32 summation order), so compared with the
+            # reference like every case and with the twin by relative L2 (twin_rel)
+            ("tiny_uneven_c77_wg", MG.MoeGemmSpec(77, mma="wgmma", **TINY), "uneven"),
+            ("flash_c512_wg", MG.MoeGemmSpec(512, mma="wgmma"), "uniform"),
+            ("flash_c2048_wg", MG.MoeGemmSpec(2048, mma="wgmma"), "uniform"),
+            ("flash_c4096_wg", MG.MoeGemmSpec(4096, mma="wgmma"), "uniform"),
+            ("flash_skew_c2048_wg", MG.MoeGemmSpec(2048, mma="wgmma"), "skew"),
+            ("flash_shared_c2048_wg", MG.MoeGemmSpec(2048, shared=True, mma="wgmma"), "uniform"),
+            # the L2 prefetch qualifier on the cp.async copies (MoeGemmSpec.prefetch): the same bits as the twin
+            ("flash_c2048_st3_pf256", MG.MoeGemmSpec(2048, stages=3, prefetch=256), "uniform"),
+            ("flash_c2048_wg_pf256", MG.MoeGemmSpec(2048, mma="wgmma", prefetch=256), "uniform"),
+            ("flash_c2048_wg_pf128", MG.MoeGemmSpec(2048, mma="wgmma", prefetch=128), "uniform"),
+            ("flash_q3k_c2048_st3_pf256", MG.MoeGemmSpec(2048, fmt="q3_k", stages=3, prefetch=256), "uniform"),
+            # the grid with the column blocks first (MoeGemmSpec.cols_first): a tile's CTAs side by side
+            ("flash_c2048_cf", MG.MoeGemmSpec(2048, cols_first=True), "uniform"),
+            ("flash_c2048_wg_cf", MG.MoeGemmSpec(2048, mma="wgmma", cols_first=True), "uniform"),
+            ("flash_c2048_wg_pf256_cf", MG.MoeGemmSpec(2048, mma="wgmma", prefetch=256, cols_first=True), "uniform"),
+            ("flash_q3k_c2048_st3_cf", MG.MoeGemmSpec(2048, fmt="q3_k", stages=3, cols_first=True), "uniform"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -128,8 +148,9 @@ def _median_us(fn: Any) -> float:
 
 
 def _base(name: str) -> str:
-    """The twin of a variant case: its name less ``_bn128`` / ``_st3`` (the measured kernel: 64 wide, 2 stages)."""
-    return re.sub(r"(_bn128|_st3)+$", "", name)
+    """The twin of a variant case: its name less ``_bn128`` / ``_st3`` / ``_wg`` (the measured kernel: 64 wide, 2
+    stages, mma.sync)."""
+    return re.sub(r"(_bn128|_st3|_wg|_pf128|_pf256|_cf)+$", "", name)
 
 
 def _seed(name: str) -> int:
@@ -172,11 +193,13 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
     call(b2)
     torch.cuda.synchronize()
     same = torch.equal(b["out"].view(torch.uint8), b2["out"].view(torch.uint8))
-    twin = None
+    twin = twin_rel = None
     if outs is not None:
         base = _base(name)
         if base == name:
             outs[name] = b["out"].cpu()
+        elif base in outs and spec.mma == "wgmma":  # another summation order: compared by relative L2
+            twin_rel = MG.rel_l2(b["out"].cpu().float(), outs[base].float())
         elif base in outs:
             twin = torch.equal(b["out"].cpu().view(torch.uint8), outs[base].view(torch.uint8))
     ok = tables and written and same and e < TOL and twin is not False
@@ -190,6 +213,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
             "all_written": written, "deterministic": same, "rel_err": e, "us": us, "per_us": per,
             "TFLOPs": fl / (us * 1e-6) / 1e12, "TFLOPs_gemm": fl / ((per["up"] + per["down"]) * 1e-6) / 1e12,
             "tiles_used": int((tiles[:, 2] > 0).sum()), "tile_slots": tiles.shape[0], "twin_equal": twin,
+            "twin_rel": twin_rel,
             "regs": {kn: u.get("registers") for kn, u in use.items()},
             "spills": any(u.get("spills") for u in use.values())}
 
@@ -259,7 +283,8 @@ def print_table(rows: list[dict]) -> None:
               + ("" if r.get("tables_ok", True) else "  (routing tables differ)")
               + ("" if r.get("all_written", True) else "  (unwritten outputs)")
               + ("" if r.get("deterministic", True) else "  (not deterministic)")
-              + ("" if r.get("twin_equal") is not False else "  (differs from its twin)"))
+              + ("" if r.get("twin_equal") is not False else "  (differs from its twin)")
+              + ("" if r.get("twin_rel") is None else f"  twin rel {r['twin_rel']:.1e}"))
 
 
 def main() -> int:
