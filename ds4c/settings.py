@@ -53,15 +53,17 @@ variable                       default                     what it does (reader)
                                                            cp.async pipeline); auto: 3 for 64-wide grouped
                                                            experts whose weights are K-quants staged by cp.async
                                                            (Q2_K, Q3_K, Q6_K), else 2 (:func:`prefill_stages`)
-``DS4C_PREFILL_MOE_MMA``       ``auto``                    the prefill chunks' routed experts' up / down MMA: auto
-                                                           (wgmma where moe_gemm.auto_mma allows: MXFP4, 64 wide,
-                                                           sm_90 / sm_90a) or sync (mma.sync everywhere)
-                                                           (:func:`prefill_moe_wgmma`)
+``DS4C_PREFILL_MOE_MMA``       ``sync``                    the prefill chunks' routed experts' up / down MMA: sync
+                                                           (mma.sync everywhere) or wgmma (where moe_gemm.auto_mma
+                                                           allows: MXFP4, sm_90 / sm_90a) (:func:`prefill_moe_wgmma`)
+``DS4C_PREFILL_MOE_WG_BN``     ``128``                     weight rows per CTA of the routed experts on wgmma: 64,
+                                                           128 or 256 (1, 2 or 4 warpgroups)
+                                                           (:func:`prefill_moe_wg_bn`)
 ``DS4C_PREFILL_L2_PREFETCH``   ``0``                       L2 prefetch size of the grouped experts' cp.async
                                                            copies: 0, 128 or 256 (an A/B knob)
                                                            (:func:`prefill_l2_prefetch`)
-``DS4C_PREFILL_MOE_COLS_FIRST`` ``0``                      1: the grouped experts' grids with the column blocks
-                                                           first (an A/B knob) (:func:`prefill_moe_cols_first`)
+``DS4C_PREFILL_MOE_COLS_FIRST`` ``1``                      1: the grouped experts' grids with the column blocks
+                                                           first; 0: tiles first (:func:`prefill_moe_cols_first`)
 ``DS4C_DEBUG``                 (unset)                     any value: print the traceback of a torch.compile mode
                                                            that fails in ``ds4c bench`` (:func:`debug`)
 ``DS4C_API_KEY``               (unset)                     the bearer token ``ds4c serve`` requires when
@@ -316,15 +318,27 @@ def prefill_stages() -> int:
 
 
 def prefill_moe_wgmma() -> bool:
-    """Whether the prefill chunks' grouped experts may run their up / down phases on Hopper's wgmma
-    (``$DS4C_PREFILL_MOE_MMA``: ``auto``, the default, for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma`
-    finds eligible: MXFP4 weights both ways, the 64-wide tile, an sm_90 / sm_90a target; ``sync``: the mma.sync
-    kernels everywhere, the A/B and fallback path; docs/perf.md Optimisation 19).
+    """Whether the prefill chunks' grouped experts run their up / down phases on Hopper's wgmma
+    (``$DS4C_PREFILL_MOE_MMA``: ``sync``, the default, the mma.sync kernels everywhere; ``wgmma``: wgmma for every call
+    :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible -- MXFP4 weights both ways, an sm_90 / sm_90a
+    target -- and mma.sync for the rest). wgmma is not the default: on an H100 and an H200 it ran the routed experts
+    no faster than mma.sync (docs/perf.md Optimisation 19).
 
     Raises:
-        SettingsError: any value but auto or sync.
+        SettingsError: any value but sync or wgmma.
     """
-    return bool(_choice("DS4C_PREFILL_MOE_MMA", {"auto": 1, "sync": 0}, "auto"))
+    return bool(_choice("DS4C_PREFILL_MOE_MMA", {"sync": 0, "wgmma": 1}, "sync"))
+
+
+def prefill_moe_wg_bn() -> int:
+    """``MoeGemmSpec.bn`` of the prefill chunks' routed experts when they run on wgmma (``DS4C_PREFILL_MOE_MMA=wgmma``;
+    ``$DS4C_PREFILL_MOE_WG_BN``: 64, 128, the default, or 256): weight rows per CTA, 1, 2 or 4 warpgroups on one
+    tile, so the tile's activation rows are staged once for that many outputs (docs/perf.md Optimisation 20).
+
+    Raises:
+        SettingsError: any value but 64, 128 or 256.
+    """
+    return _choice("DS4C_PREFILL_MOE_WG_BN", {"64": 64, "128": 128, "256": 256}, "128")
 
 
 def prefill_l2_prefetch() -> int:
@@ -338,14 +352,15 @@ def prefill_l2_prefetch() -> int:
 
 
 def prefill_moe_cols_first() -> bool:
-    """``MoeGemmSpec.cols_first`` of the prefill chunks' grouped experts (``$DS4C_PREFILL_MOE_COLS_FIRST``: 0, the
-    default, or 1): the up / down grids with the column blocks first, so the CTAs sharing a tile's activation rows run
-    together (docs/perf.md Optimisation 19).
+    """``MoeGemmSpec.cols_first`` of the prefill chunks' grouped experts (``$DS4C_PREFILL_MOE_COLS_FIRST``: 1, the
+    default, or 0): the up / down grids with the column blocks first, so the CTAs sharing a tile's activation rows run
+    together and read them from DRAM once (the routed down phase 0.85x on an H100, bit-identical; docs/perf.md
+    Optimisation 19).
 
     Raises:
         SettingsError: any value but 0 or 1.
     """
-    return bool(_choice("DS4C_PREFILL_MOE_COLS_FIRST", {"0": 0, "1": 1}, "0"))
+    return bool(_choice("DS4C_PREFILL_MOE_COLS_FIRST", {"0": 0, "1": 1}, "1"))
 
 
 def debug() -> bool:
@@ -391,11 +406,13 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_moe_bn),
     Setting("DS4C_PREFILL_STAGES", "auto",
             "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)", prefill_stages),
-    Setting("DS4C_PREFILL_MOE_MMA", "auto", "the prefill chunks' routed experts' MMA: auto (wgmma where it applies) "
-            "or sync", prefill_moe_wgmma),
+    Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma where it applies",
+            prefill_moe_wgmma),
+    Setting("DS4C_PREFILL_MOE_WG_BN", "128", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",
+            prefill_moe_wg_bn),
     Setting("DS4C_PREFILL_L2_PREFETCH", "0", "L2 prefetch size of the grouped experts' cp.async copies (0, 128, 256)",
             prefill_l2_prefetch),
-    Setting("DS4C_PREFILL_MOE_COLS_FIRST", "0", "1: the grouped experts' grids with the column blocks first",
+    Setting("DS4C_PREFILL_MOE_COLS_FIRST", "1", "the grouped experts' grids with the column blocks first (0: tiles)",
             prefill_moe_cols_first),
     Setting("DS4C_DEBUG", "(unset)", "any value: print the traceback of a failing torch.compile mode (bench)",
             debug),

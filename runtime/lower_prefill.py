@@ -435,9 +435,9 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     fmts = (_experts_fmt(c, tuple(ex[:2]), "routed gate/up"), _experts_fmt(c, (ex[2],), "routed down"),
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
-        rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_bn, c.stages, c.target) if c.moe_wgmma else "sync"
+        rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target) if c.moe_wgmma else "sync"
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_bn, mma=rmma, prefetch=c.l2_prefetch, cols_first=c.moe_cols_first,
+                                shared=True, bn=c.moe_wg_bn if rmma == "wgmma" else c.moe_bn, mma=rmma, prefetch=c.l2_prefetch, cols_first=c.moe_cols_first,
                                 stages=c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn)))
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
                                 limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=c.l2_prefetch, cols_first=c.moe_cols_first,
@@ -525,6 +525,7 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     c.stages = settings.prefill_stages()
     # the grouped experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA: auto, or sync)
     c.moe_wgmma = settings.prefill_moe_wgmma()
+    c.moe_wg_bn = settings.prefill_moe_wg_bn()
     # the L2 prefetch size of the grouped experts' cp.async copies (DS4C_PREFILL_L2_PREFETCH: 0, 128 or 256)
     c.l2_prefetch = settings.prefill_l2_prefetch()
     # the grouped experts' grids with the column blocks first (DS4C_PREFILL_MOE_COLS_FIRST: 0 or 1)

@@ -98,6 +98,7 @@ class _Ctx:
         self.stages = 2
         #: the prefill chunks' grouped experts on wgmma where moe_gemm.auto_mma allows (runtime/lower_prefill.py)
         self.moe_wgmma = False
+        self.moe_wg_bn = 128
         self.l2_prefetch = 0
         self.moe_cols_first = False
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches

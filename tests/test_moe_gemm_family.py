@@ -334,20 +334,47 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     assert MG.rel_l2(got["out"], old["out"]) <= 2 * BF16_ULP
 
 
+@pytest.mark.parametrize("bn,eager", [(128, False), (256, False), (256, True)])
+def test_emulated_wgmma_widths(bn: int, eager: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wgmma with 2 / 4 warpgroups a CTA (bn 128 / 256, 256 / 512 threads; up: the W1 rows in the first half of the
+    warpgroups, W3 in the second), also with the column blocks first: every written buffer bit-identical to the one
+    warpgroup kernel's (each output is the same 8 MMAs a K step on the same operands); ``eager``: cp.async copies
+    landing at their issue."""
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    if eager:
+        monkeypatch.setenv("DS4C_EMU_CP_EAGER", "1")
+    one = MG.MoeGemmSpec(rows=70, mma="wgmma", **W)
+    wide = MG.MoeGemmSpec(rows=70, mma="wgmma", bn=bn, cols_first=eager, **W)
+    tgt = target("sm_90")
+    up = MG.plan(wide, tgt, "up")
+    assert up.block == (2 * bn, 1, 1) and (up.grid[0] if eager else up.grid[1]) == W["inter"] // (bn // 2)
+    inp = _emu_inputs(one, "skew")
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(wide, inp, Path(d))
+    with tempfile.TemporaryDirectory() as d:
+        ref = EMU.run(one, inp, Path(d))
+    for n in got:
+        assert torch.equal(got[n].view(torch.uint8), ref[n].view(torch.uint8)), f"{n}: {wide.short()} differs"
+    _check_routed_call(wide, inp, got, "skew")
+
+
 def test_auto_mma() -> None:
-    """The prefill lowering's default MMA of a routed call: wgmma for MXFP4 both ways at the 64-wide tile with stages
-    unset / 3 on sm_90 / sm_90a; mma.sync for any other format, width, forced 2 stages or target."""
+    """The routed call's MMA with DS4C_PREFILL_MOE_MMA=wgmma: wgmma for MXFP4 both ways at any of its widths with
+    stages unset / 3 on sm_90 / sm_90a; mma.sync for any other format, forced 2 stages or target."""
     t90, t90a, t100 = target("sm_90"), target("sm_90a"), target("sm_100a")
     assert MG.auto_mma("mxfp4", "mxfp4", 0, 0, t90) == "wgmma" == MG.auto_mma("mxfp4", "mxfp4", 64, 3, t90a)
+    assert MG.auto_mma("mxfp4", "mxfp4", 128, 0, t90) == "wgmma" == MG.auto_mma("mxfp4", "mxfp4", 256, 0, t90)
     for args in (("q3_k", "q3_k", 0, 0, t90), ("mxfp4", "q8_0", 0, 0, t90), ("q8_0", "q8_0", 0, 0, t90),
-                 ("mxfp4", "mxfp4", 128, 0, t90), ("mxfp4", "mxfp4", 0, 2, t90), ("mxfp4", "mxfp4", 0, 0, t100)):
+                 ("mxfp4", "mxfp4", 0, 2, t90), ("mxfp4", "mxfp4", 0, 0, t100)):
         assert MG.auto_mma(*args) == "sync", args
 
 
 def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DS4C_PREFILL_MOE_MMA unset (auto): the chunk's routed MXFP4 up / down run on wgmma (sm_90a code, actq form
-    bf16p), the Q8_0 shared expert on mma.sync; ``sync``: every call on mma.sync; another word: a one-line
-    SettingsError."""
+    """DS4C_PREFILL_MOE_MMA=wgmma: the chunk's routed MXFP4 up / down run on wgmma (sm_90a code, actq form bf16p,
+    DS4C_PREFILL_MOE_WG_BN wide: 128 by default, 256 threads), the Q8_0 shared expert on mma.sync; unset or ``sync``:
+    every call on mma.sync; another word: a one-line SettingsError."""
     from ds4c.config import preset
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
@@ -363,7 +390,16 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
         return [(la.kernel.entry.removeprefix("ds4c_moe_"), la.kernel.target.arch, la.kernel.params.get("form"),
                  la.kernel.params.get("wg")) for la in ks[0].launches]
 
-    auto, sync = entries(None), entries("sync")
+    def threads(value: str | None) -> list[int]:
+        monkeypatch.setenv("DS4C_PREFILL_MOE_MMA", "wgmma")
+        monkeypatch.setenv("DS4C_PREFILL_MOE_WG_BN", value) if value else monkeypatch.delenv(
+            "DS4C_PREFILL_MOE_WG_BN", raising=False)
+        ks = [k for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "moe_gemm"]
+        return [la.block[0] for la in ks[0].launches if la.kernel.params.get("wg")]
+
+    assert threads(None) == [256, 256] and threads("64") == [128, 128] and threads("256") == [512, 512]
+    monkeypatch.delenv("DS4C_PREFILL_MOE_WG_BN")
+    auto, sync = entries("wgmma"), entries(None)
     assert [e for e, _, _, wg in auto if wg] == ["gemm_up", "gemm_down"]
     assert all(a == ("sm_90a" if wg else "sm_90") for _, a, _, wg in auto)
     # the routed activations in form bf16p; the Q8_0 shared expert quantizes x again in form f16s (one more launch)
@@ -371,9 +407,9 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
                                                     ("shexp_actq_x", "f16s"), ("shexp_actq_h", "f16s")]
     assert not any(wg for *_, wg in sync) and all(a == "sm_90" for _, a, _, _ in sync)
     assert [e for e, *_ in sync] == [e for e, *_ in auto if e != "shexp_actq_x"]
-    assert entries("auto") == auto
+    assert entries("sync") == sync
     with pytest.raises(SettingsError) as ei:
-        entries("wgmma")
+        entries("auto")
     assert "DS4C_PREFILL_MOE_MMA" in str(ei.value) and "\n" not in str(ei.value)
 
 
@@ -449,6 +485,7 @@ def test_prefill_lowering_moe_bn(monkeypatch: pytest.MonkeyPatch) -> None:
     from ds4c.runtime.lower import lower_graph
 
     g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+    monkeypatch.setenv("DS4C_PREFILL_MOE_COLS_FIRST", "0")  # the grid's y: the CTA columns
     got = {}
     for bn in ("", "128"):
         monkeypatch.setenv("DS4C_PREFILL_MOE_BN", bn)
@@ -628,8 +665,9 @@ def test_device_compile_sm90(tmp_path: Path) -> None:
                  MG.MoeGemmSpec(rows=2048, bn=128), MG.MoeGemmSpec(rows=2048, fmt="q3_k", bn=128),
                  # the 3-stage pipeline: MXFP4 at 3 CTAs a SM (168 registers), the cp.async-staged K-quants
                  MG.MoeGemmSpec(rows=2048, stages=3), MG.MoeGemmSpec(rows=2048, fmt="q2_k", down_fmt="q6_k", stages=3),
-                 # wgmma (compiled for sm_90a) at 3 CTAs a SM
-                 MG.MoeGemmSpec(rows=2048, mma="wgmma")):
+                 # wgmma (compiled for sm_90a): 1 warpgroup at 3 CTAs a SM, 2 and 4 at 128 registers a thread
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma"), MG.MoeGemmSpec(rows=2048, mma="wgmma", bn=128),
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma", bn=256)):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
@@ -674,7 +712,7 @@ def test_unsupported_target_raises(arch: str) -> None:
 @pytest.mark.parametrize("kw", [dict(fmt="bf16"), dict(down_fmt="q4_k"), dict(hidden=200), dict(inter=0),
                                 dict(k=0), dict(n_experts=513), dict(rows=0), dict(rows=30000), dict(act_quant=False),
                                 dict(limit=float("inf")), dict(mma="wmma"), dict(mma="wgmma", fmt="q8_0"),
-                                dict(mma="wgmma", down_fmt="q8_0"), dict(mma="wgmma", bn=128),
+                                dict(mma="wgmma", down_fmt="q8_0"), dict(bn=256), dict(mma="wgmma", bn=512),
                                 dict(mma="wgmma", stages=2), dict(prefetch=64), dict(prefetch=True)])
 def test_bad_spec_raises(kw: dict) -> None:
     base = dict(rows=64, **TINY)

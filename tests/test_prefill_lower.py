@@ -137,14 +137,14 @@ def test_prefill_plan_lowers_except_pending(name, c, ctx):
         assert tuple(z.type.shape) == (c, cfg.o_groups, cfg.o_lora_rank)
 
 
-MOE_ORDER = ["gemm_route", "gemm_actq_x", "gemm_up", "gemm_actq_h", "gemm_down", "shexp_actq_x", "shexp_up",
-             "shexp_actq_h", "shexp_down", "gemm_combine"]
+MOE_ORDER = ["gemm_route", "gemm_actq_x", "gemm_up", "gemm_actq_h", "gemm_down", "shexp_up", "shexp_actq_h",
+             "shexp_down", "gemm_combine"]
 
 
 def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
-    """Each layer's moe_experts plan kernel: the ten launches in order (routed route / actq_x / up / actq_h /
-    down on wgmma with its activations in form bf16p, the shared expert's dense actq_x / up / actq_h / down on
-    mma.sync with its own f16s quantized x, the combine with the shared output fused), bound to the fused op's x / ids / weights / output, the layer's routed and shared
+    """Each layer's moe_experts plan kernel with the default settings: the nine launches in order (routed route /
+    actq_x / up / actq_h / down, the shared expert's dense up / actq_h / down on the routed call's quantized x, the
+    combine with the shared output fused; mma.sync, the grids with the column blocks first), bound to the fused op's x / ids / weights / output, the layer's routed and shared
     weights (raw), and workspaces of exactly moe_gemm.arg_shapes' sizes, one size per name."""
     from ds4c.runtime.families import moe_gemm as MG
 
@@ -157,14 +157,12 @@ def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
         assert [la.kernel.entry.removeprefix("ds4c_moe_") for la in k.launches] == MOE_ORDER
         assert all(la.kernel.family == "moe_gemm" for la in k.launches)
         rs = MG.MoeGemmSpec(c, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts, "mxfp4",
-                            shared=True, mma="wgmma")
-        ds = MG.MoeGemmSpec(c, cfg.hidden_size, sh_i, 1, 1, "q8_0", dense=True)
-        route, actq_x, up, actq_h, down, s_actq_x, s_up, s_actq, s_down, comb = k.launches
-        assert up.kernel.params["wg"] and not s_up.kernel.params["wg"]
-        assert (actq_x.kernel.params["form"], s_actq_x.kernel.params["form"]) == ("bf16p", "f16s")
+                            shared=True, cols_first=True)
+        ds = MG.MoeGemmSpec(c, cfg.hidden_size, sh_i, 1, 1, "q8_0", dense=True, cols_first=True)
+        route, actq_x, up, actq_h, down, s_up, s_actq, s_down, comb = k.launches
+        assert not up.kernel.params["wg"] and up.kernel.params["cols_first"] and s_up.kernel.params["cols_first"]
         want = {"ds4c_moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n): MG.arg_shapes(rs)[n] for n in MG.workspaces(rs)}
-        want.update({"ds4c_moe_sh_" + {"hbuf": "h"}.get(n, n): MG.arg_shapes(ds)[n]
-                     for n in ("xq", "xs", "hbuf", "hq", "hs")})
+        want.update({"ds4c_moe_sh_" + {"hbuf": "h"}.get(n, n): MG.arg_shapes(ds)[n] for n in ("hbuf", "hq", "hs")})
         want["ds4c_moe_shared"] = MG.arg_shapes(ds)["out"]
         for la in k.launches:
             for a in la.args:
@@ -174,15 +172,14 @@ def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
                     assert sizes.setdefault(a.name, a.nbytes) == a.nbytes
         x, ids, wts = (names[v] for v in re_.inputs[:3])
         assert route.args[0].name == ids and comb.args[0].name == ids and up.args[2].name == wts
-        assert actq_x.args[0].name == x and actq_x.args[1:] == up.args[:2]
-        assert s_actq_x.args[0].name == x and s_up.args[:2] == s_actq_x.args[1:] != up.args[:2]
+        assert actq_x.args[0].name == x and s_up.args[:2] == actq_x.args[1:] == up.args[:2]
         assert comb.args[2] == s_down.args[-1] and comb.args[-1].name == names[op.outputs[0]]
         p = f"blk.{k.layer}."
         assert [(a.name, a.form) for a in up.args[3:5] + down.args[2:3]] == [
             (p + f"ffn_{n}_exps.weight", "raw") for n in ("gate", "up", "down")]
         assert [(a.name, a.form) for a in s_up.args[2:4] + s_down.args[2:3]] == [
             (p + f"ffn_{n}_shexp.weight", "raw") for n in ("gate", "up", "down")]
-        assert up.grid == (MG.tile_slots(rs), cfg.moe_inter // 32, 1) and s_up.grid == (-(-c // MG.TM), sh_i // 32, 1)
+        assert up.grid == (cfg.moe_inter // 32, MG.tile_slots(rs), 1) and s_up.grid == (sh_i // 32, -(-c // MG.TM), 1)
         assert comb.grid == (cfg.hidden_size // 128, c, 1)
 
 

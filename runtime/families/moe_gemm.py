@@ -112,7 +112,7 @@ from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
 from ds4c.runtime.families.experts import _float_literal, dequantize_weight
-from ds4c.runtime.families.gemm import STAGES, launch_min_blocks
+from ds4c.runtime.families.gemm import SM_SMEM, STAGES, launch_min_blocks
 from ds4c.runtime.render import KernelSource, RenderError, render
 from ds4c.runtime.targets import Target, target as make_target
 
@@ -144,6 +144,8 @@ ROUTE_THREADS = 256
 GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGemmSpec.bn 64); 2 * bn in general
 BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
 BNS = (64, 128)
+WG_BNS = (64, 128, 256)  # wgmma: 1, 2 or 4 warpgroups, each 64 weight rows (WGMMA)
+WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warpgroups on (2 CTAs of 8 warps a SM)
 # K-step stages of the up / down phases (MoeGemmSpec.stages), gemm.STAGES: 2 = register-staged double buffering
 # (the measured sources), 3 = the cp.async pipeline. Not 4: ptxas spills Q6_K's down phase at 255 registers with 4,
 # and a fourth stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in
@@ -155,8 +157,9 @@ PREFETCH = (0, 128, 256)
 #: the targets whose up / down phases can run on wgmma, and the arch those kernels compile for (sm_90 binaries
 #: run only on compute capability 9.0, the Hopper parts, all of which have sm_90a's wgmma)
 WGMMA_ARCHS = ("sm_90", "sm_90a")
-WGMMA = """MoeGemmSpec.mma = "wgmma" (issue 33; docs/perf.md Optimisation 19). One warpgroup (128 threads) per CTA: the
-64 weight rows (up: 32 of W1 then the same 32 of W3; down: 64 of W2) x the tile's 64 pairs as one m64n64 fp32
+WGMMA = """MoeGemmSpec.mma = "wgmma" (issue 33; docs/perf.md Optimisations 19 and 20). ``bn / 64`` warpgroups (128
+threads each) per CTA, all on one tile of 64 pairs; warpgroup j owns weight rows 64j .. 64j + 63 of the CTA's ``bn``
+(up: W1 rows in the first half of the warpgroups, the same W3 rows in the second; down: W2 rows), as one m64n64 fp32
 accumulator (32 registers a thread: warp w rows 16w + g, 16w + g + 8, pairs 8j + 2t, 8j + 2t + 1). Per K step of
 128 values, 8 ``wgmma.mma_async.m64n64k16.f32.bf16.bf16``: A from registers, each thread building its fragments from
 the staged MXFP4 bytes (bytes 4t .. 4t + 3 of a 32-block: the low nibbles are values 4t + j of the block's first
@@ -169,7 +172,10 @@ between K-adjacent ones, stride byte offset 2048 between pair groups). Every pro
 over the whole reduction (no per-block partials, no per-128 scaling). Tiles copied by the 3-stage cp.async pipeline
 (weights in 4-byte units, activation chunks of 16 bytes); the warpgroup waits for its 8 MMAs before the barrier
 that lets the stage be refilled. Instructions per 32-block and warp (16 weight rows x 64 pairs): ~60 to build the
-A fragments and 2 wgmma, against ~128 and 16 mma.sync for the same products on the ``sync`` path."""
+A fragments and 2 wgmma, against ~128 and 16 mma.sync for the same products on the ``sync`` path. Measured (one
+warpgroup): no faster than ``sync`` -- both are bound by the operand bytes each CTA stages from L2 per K step, not by
+the instruction stream -- which is why 2 and 4 warpgroups share one staged activation tile (bn 128 / 256: 256 / 512
+threads, 128 registers a thread; the same outputs bit for bit as bn 64)."""
 
 
 def row_bytes(fmt: str, n_in: int) -> int:
@@ -268,8 +274,9 @@ class MoeGemmSpec:
             bad.append(f"limit {self.limit!r} (expected a positive finite float)")
         if self.act_quant is not True:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
-        if type(self.bn) is not int or self.bn not in (0,) + BNS:  # noqa: E721 (128.0, True are not widths)
-            bad.append(f"bn {self.bn!r} (expected 0 or one of {BNS})")
+        bns = WG_BNS if self.mma == "wgmma" else BNS
+        if type(self.bn) is not int or self.bn not in (0,) + bns:  # noqa: E721 (128.0, True are not widths)
+            bad.append(f"bn {self.bn!r} (expected 0 or one of {bns}{'' if self.mma == 'wgmma' else '; 256 with wgmma'})")
         if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
             bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
         if type(self.cols_first) is not bool:  # noqa: E721
@@ -282,9 +289,8 @@ class MoeGemmSpec:
             if self.fmt != "mxfp4" or self.down_fmt != "mxfp4":
                 bad.append(f"mma wgmma with {self.fmt}/{self.down_fmt} weights (expected MXFP4 both ways: its A "
                            f"fragments are built from MXFP4 bytes)")
-            if self.bn not in (0, 64) or self.stages not in (0, 3):
-                bad.append(f"mma wgmma with bn {self.bn}, stages {self.stages} (expected the 64-wide tile, one "
-                           f"warpgroup, and the 3-stage cp.async pipeline: bn 0 / 64, stages 0 / 3)")
+            if self.stages not in (0, 3):
+                bad.append(f"mma wgmma with stages {self.stages} (expected 0 / 3: its 3-stage cp.async pipeline)")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -307,14 +313,14 @@ class MoeGemmSpec:
                 + ("" if self.down_fmt == self.fmt else f"_{self.down_fmt}")
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
                 + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
-                + ("_bn128" if self.bn == 128 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
+                + (f"_bn{self.bn}" if self.bn > 64 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
                 + ("_wg" if self.mma == "wgmma" else "") + (f"_pf{self.prefetch}" if self.prefetch else "")
                 + ("_cf" if self.cols_first else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
                 f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
-                + (" bn128" if self.bn == 128 else "") + (f" {self.stages} stages" if self.stages > 2 else "")
+                + (f" bn{self.bn}" if self.bn > 64 else "") + (f" {self.stages} stages" if self.stages > 2 else "")
                 + (" wgmma" if self.mma == "wgmma" else "") + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
                 + (" columns first" if self.cols_first else ""))
 
@@ -410,10 +416,10 @@ def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
 
 
 def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target) -> str:
-    """The up / down phases' MMA the prefill lowering gives a routed call by default (``DS4C_PREFILL_MOE_MMA`` unset
-    or ``auto``): ``wgmma`` where it is built -- MXFP4 weights both ways, the 64-wide tile (``bn`` 0 / 64), stages
-    unset or 3, an sm_90 / sm_90a target (:data:`WGMMA_ARCHS`) -- else ``sync``."""
-    ok = (fmt == down_fmt == "mxfp4" and bn in (0, 64) and stages in (0, 3) and target.vendor == "cuda"
+    """The up / down phases' MMA the prefill lowering gives a routed call with ``DS4C_PREFILL_MOE_MMA=wgmma``:
+    ``wgmma`` where it is built -- MXFP4 weights both ways, stages unset or 3, an sm_90 / sm_90a target
+    (:data:`WGMMA_ARCHS`), any of its widths (:data:`WG_BNS`) -- else ``sync``."""
+    ok = (fmt == down_fmt == "mxfp4" and bn in (0,) + WG_BNS and stages in (0, 3) and target.vendor == "cuda"
           and target.arch in WGMMA_ARCHS)
     return "wgmma" if ok else "sync"
 
@@ -428,6 +434,15 @@ def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
 def _common(spec: MoeGemmSpec) -> dict[str, Any]:
     return dict(rows=spec.rows, k=spec.k, n_experts=spec.n_experts, hidden=spec.hidden, inter=spec.inter, tm=TM,
                 tiles=tile_slots(spec), dense=spec.dense, shared=spec.shared)
+
+
+def _min_blocks(spec: MoeGemmSpec, pl: PhasePlan) -> int:
+    """The ``__launch_bounds__`` minimum CTAs a SM: :func:`gemm.launch_min_blocks`; the wgmma kernels of 2 or 4
+    warpgroups as many as the shared memory fits with :data:`WG_REGS` registers a thread (their 32 accumulator and 32
+    A-fragment registers leave room; 2 CTAs of 8 warps a SM at bn 128)."""
+    if spec.mma == "wgmma" and pl.bn > 64:
+        return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (pl.block[0] * WG_REGS)))
+    return launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt)
 
 
 def _width(pl: PhasePlan) -> dict[str, int]:
@@ -464,7 +479,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           sb=kq_segment(pl.fmt) if pl.fmt in KQUANTS else 0, rs=pl.rs, wrows=pl.nout, rbp=pl.rbp, v=pl.v,
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
-                          stages=pl.stages, min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt),
+                          stages=pl.stages, min_blocks=_min_blocks(spec, pl),
                           wg=wg, prefetch=spec.prefetch, cols_first=spec.cols_first, **_width(pl))
             # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
             tgt = make_target("sm_90a") if wg else target

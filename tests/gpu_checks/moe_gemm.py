@@ -109,6 +109,13 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_c2048_wg_cf", MG.MoeGemmSpec(2048, mma="wgmma", cols_first=True), "uniform"),
             ("flash_c2048_wg_pf256_cf", MG.MoeGemmSpec(2048, mma="wgmma", prefetch=256, cols_first=True), "uniform"),
             ("flash_q3k_c2048_st3_cf", MG.MoeGemmSpec(2048, fmt="q3_k", stages=3, cols_first=True), "uniform"),
+            # wgmma with 2 and 4 warpgroups a CTA on one tile (bn 128 / 256: the activation tile staged once for 2 / 4x
+            # the outputs; docs/perf.md Optimisation 20)
+            ("flash_c2048_wg_bn128", MG.MoeGemmSpec(2048, mma="wgmma", bn=128), "uniform"),
+            ("flash_c2048_wg_bn256", MG.MoeGemmSpec(2048, mma="wgmma", bn=256), "uniform"),
+            ("flash_c2048_wg_bn128_cf", MG.MoeGemmSpec(2048, mma="wgmma", bn=128, cols_first=True), "uniform"),
+            ("flash_c2048_wg_bn256_cf", MG.MoeGemmSpec(2048, mma="wgmma", bn=256, cols_first=True), "uniform"),
+            ("flash_shared_c2048_wg_bn128", MG.MoeGemmSpec(2048, shared=True, mma="wgmma", bn=128), "uniform"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -150,7 +157,7 @@ def _median_us(fn: Any) -> float:
 def _base(name: str) -> str:
     """The twin of a variant case: its name less ``_bn128`` / ``_st3`` / ``_wg`` (the measured kernel: 64 wide, 2
     stages, mma.sync)."""
-    return re.sub(r"(_bn128|_st3|_wg|_pf128|_pf256|_cf)+$", "", name)
+    return re.sub(r"(_bn128|_bn256|_st3|_wg|_pf128|_pf256|_cf)+$", "", name)
 
 
 def _seed(name: str) -> int:
