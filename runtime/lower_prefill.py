@@ -523,7 +523,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # K-step stages (DS4C_PREFILL_STAGES; unset: 0, auto per launch: the cp.async pipeline for the grouped experts
     # whose weights are cp.async-staged K-quants, 2 stages elsewhere)
     c.stages = settings.prefill_stages()
-    # the grouped experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA: auto, or sync)
+    # the routed experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA=wgmma; default sync),
+    # DS4C_PREFILL_MOE_WG_BN weight rows a CTA
     c.moe_wgmma = settings.prefill_moe_wgmma()
     c.moe_wg_bn = settings.prefill_moe_wg_bn()
     # the L2 prefetch size of the grouped experts' cp.async copies (DS4C_PREFILL_L2_PREFETCH: 0, 128 or 256)

@@ -293,6 +293,7 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     (:func:`_check_routed_call`), and close to the mma.sync call on the same inputs (both within a bf16 ulp of the
     reference; they differ only where a bf16 rounding of g, u, h or y flips). ``xq`` / ``hq`` are the bf16p form:
     the f16s call's e4m3 values times their scales at :func:`actq.bf16p_positions`."""
+    from ds4c import quant
     from ds4c.runtime.families.actq import bf16p_positions
 
     why = EMU.host_unavailable()
@@ -318,13 +319,14 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     with tempfile.TemporaryDirectory() as d:
         old = EMU.run(sync, inp, Path(d))
     assert got["xq"].dtype == torch.bfloat16 and old["xq"].dtype == torch.float16
-    for q, sc, k in (("xq", "xs", spec.hidden), ("hq", "hs", spec.inter)):
-        assert torch.equal(got[sc], old[sc]) if q == "xq" else True  # (h itself may flip between the two calls)
-        want = (old[q].float().view(old[q].shape[0], -1, 128) * old[sc].unsqueeze(-1)).view(-1, k).to(torch.bfloat16)
-        if q == "xq":
-            perm = torch.empty_like(want)
-            perm[:, torch.tensor(bf16p_positions(k))] = want
-            assert torch.equal(got[q].view(torch.int16), perm.view(torch.int16))
+    # xq / hq: the FP8 quant of x / the call's own h (quant.act_quant_fp8), e4m3 * 2^k as bf16 at the bf16p positions
+    for src, q, sc, k in ((inp["x"], "xq", "xs", spec.hidden), (got["hbuf"], "hq", "hs", spec.inter)):
+        e4, s = quant.act_quant_fp8(src.to(torch.bfloat16))
+        want = (e4.view(e4.shape[0], -1, 128) * s.unsqueeze(-1)).view(-1, k).to(torch.bfloat16)
+        perm = torch.empty_like(want)
+        perm[:, torch.tensor(bf16p_positions(k))] = want
+        assert torch.equal(got[q].view(torch.int16), perm.view(torch.int16)), q
+        assert torch.equal(got[sc], s), sc
     if shared:
         ref = MG.reference(spec, **inp)
         assert bool(torch.isfinite(got["out"].float()).all())
@@ -358,6 +360,39 @@ def test_emulated_wgmma_widths(bn: int, eager: bool, monkeypatch: pytest.MonkeyP
     for n in got:
         assert torch.equal(got[n].view(torch.uint8), ref[n].view(torch.uint8)), f"{n}: {wide.short()} differs"
     _check_routed_call(wide, inp, got, "skew")
+
+
+@pytest.mark.parametrize("drop, why", [("  xp_wg_fence();\n", "no wgmma.fence"),
+                                       ("  xp_wg_wait<0>();\n", "still reads"),
+                                       ("sbase + (u32)", "")])
+def test_emulated_wgmma_catches_ordering_and_address_faults(drop: str, why: str, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The emulator's wgmma is not computed-at-issue only: a kernel without its wgmma.fence, or without the
+    wait_group before the stage is refilled, aborts with the rule it broke; a descriptor built without the shared
+    array's address (the emulator places it at a non-zero one) reads the wrong bytes and the outputs go wrong."""
+    why_not = EMU.host_unavailable()
+    if why_not:
+        pytest.skip(why_not)
+    spec = MG.MoeGemmSpec(rows=40, mma="wgmma", hidden=512, inter=128, k=2, n_experts=8)  # up: 4 K steps, refills
+    real = MG.render_moe_gemm
+
+    def broken(sp, tgt, name=None):
+        out = real(sp, tgt, name)
+        for s in out:
+            if s.entry.endswith(("_up", "_down")):
+                assert drop in s.source
+                object.__setattr__(s, "source", s.source.replace(drop, "", 1))
+        return out
+
+    monkeypatch.setattr(MG, "render_moe_gemm", broken)
+    inp = _emu_inputs(spec, "skew")
+    with tempfile.TemporaryDirectory() as d:
+        if why:
+            with pytest.raises(RuntimeError, match=why):
+                EMU.run(spec, inp, Path(d))
+            return
+        got = EMU.run(spec, inp, Path(d))
+    assert MG.rel_l2(got["out"], MG.reference(spec, **inp)) > 0.1
 
 
 def test_auto_mma() -> None:
@@ -751,3 +786,7 @@ def test_gpu_check_imports_on_cpu() -> None:
         assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0, "mma": "sync", "prefetch": 0,
                                              "cols_first": False})
         assert m._seed(n) == m._seed(twin)
+        # wgmma variants of width / prefetch / grid order are held to the plain wgmma case bit for bit
+        want_twin = twin + "_wg" if "_wg" in n and n != twin + "_wg" else twin
+        assert m._twin(n) == want_twin and want_twin in by
+        assert list(by).index(want_twin) < list(by).index(n)  # the twin runs first

@@ -222,7 +222,8 @@ class MoeGemmSpec:
         mma: the up / down phases' tensor-core instruction: ``sync`` (the default: ``mma.sync`` m16n8k16 on f16
             codes, per-block scaled partials; every format, width and stage count) | ``wgmma`` (sm_90a's
             warpgroup MMA, m64n64k16 on bf16 operands with every scale folded in, one fp32 accumulation over K;
-            MXFP4 weights both ways, the 64-wide tile, 3 stages: :data:`WGMMA` has the design). Not bit-identical
+            MXFP4 weights both ways, ``bn`` 64 / 128 / 256 (1, 2 or 4 warpgroups), 3 stages: :data:`WGMMA` has the
+            design). Not bit-identical
             to ``sync`` (the fp32 sums run in another order); both are within the reference's bounds.
         prefetch: the L2 prefetch size of the up / down phases' cp.async copies: 0 (none: the measured text) | 128 |
             256 bytes (``cp.async ... .L2::256B``: a copy of a weight row's 68-byte piece of a K step brings the

@@ -154,6 +154,19 @@ static int t_bx, t_by, t_nbx;  // the block (every fiber runs the same one)
 // With DS4C_EMU_CP_EAGER=1 in the environment a copy lands at its issue instead (the other extreme of the GPU's
 // timing): a copy issued into a stage that another thread still reads (a missing barrier before the issue) then
 // overwrites that thread's operands, which the deferred mode cannot show.
+// wgmma bookkeeping (below): the shared-memory byte ranges each thread's wgmma groups still in flight read, so a
+// copy into one of them (a stage refilled before its wgmma.wait_group) aborts
+struct EmuWgRead { unsigned long long group; const u8* lo; const u8* hi; };
+static std::vector<EmuWgRead> emu_wg_reads[1024];
+static void emu_wg_check_write(const u8* p, int n, const char* what) {
+  for (int t = 0; t < 1024; ++t)
+    for (const EmuWgRead& r : emu_wg_reads[t])
+      if (p < r.hi && p + n > r.lo) {
+        fprintf(stderr, "emulator: %s by thread %d writes shared memory a wgmma of thread %d still reads (no "
+                "wgmma.wait_group before it)\n", what, emu_cur, t);
+        abort();
+      }
+}
 struct EmuCp { u8* dst; const u8* src; unsigned long long group; int n; };
 static std::vector<EmuCp> emu_cpq[1024];
 static unsigned long long emu_cp_groups[1024];
@@ -162,6 +175,7 @@ static bool emu_cp_eager() {
   return eager != 0;
 }
 static void emu_cp(void* dst, const void* src, int n) {
+  emu_wg_check_write((const u8*)dst, n, "a cp.async copy");
   if (emu_cp_eager()) std::memcpy(dst, src, n);
   else emu_cpq[t_tid].push_back({(u8*)dst, (const u8*)src, emu_cp_groups[t_tid], n});
 }
@@ -320,14 +334,47 @@ DS4C_DEVICE void xp_ldsm_x4_t(u32 (&r)[4], const void* p) { emu_ldsm_x4<true>(r,
 // memory through the descriptor (start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29: between
 // core matrices adjacent in K, stride byte offset >> 4 in 32-45: between 8-row groups of n; no swizzle: core
 // matrix = 8 rows of n x 16 contiguous bytes of k), D m64n64 fp32 (rows 16w + g (+8) x columns 8j + 2t (+1)).
-// Shared addresses are offsets from the array the kernel gave xp_smem_u32 (its dynamic shared memory).
+// Shared addresses: the array the kernel gave xp_smem_u32 (its dynamic shared memory) sits at EMU_SMEM_ADDR, a
+// 16-aligned non-zero address, so a descriptor built without that base reads the wrong bytes. The ordering rules are
+// checked per thread: a wgmma needs a wgmma.fence since the last wait_group (its A registers are written between), a
+// thread ends its block with no group uncommitted or not waited for, and no copy or store lands in the bytes an
+// unwaited group reads (emu_wg_check_write; the MMA itself is computed at its issue).
+#define EMU_SMEM_ADDR 0x1230u
 static const u8* emu_smem0 = nullptr;
-DS4C_DEVICE u32 xp_smem_u32(const void* p) { emu_smem0 = (const u8*)p; return 0u; }
-DS4C_DEVICE void xp_wg_fence() {}
-DS4C_DEVICE void xp_wg_commit() {}
-template <int N> DS4C_DEVICE void xp_wg_wait() {}
+static bool emu_wg_fenced[1024];
+static int emu_wg_open[1024];                      // wgmma issued since the last commit
+static unsigned long long emu_wg_groups[1024];     // commits so far
+DS4C_DEVICE u32 xp_smem_u32(const void* p) { emu_smem0 = (const u8*)p; return EMU_SMEM_ADDR; }
+DS4C_DEVICE void xp_wg_fence() { emu_wg_fenced[t_tid] = true; }
+DS4C_DEVICE void xp_wg_proxy_fence() {}  // one memory on the host
+DS4C_DEVICE void xp_wg_commit() { ++emu_wg_groups[t_tid]; emu_wg_open[t_tid] = 0; }
+template <int N> DS4C_DEVICE void xp_wg_wait() {  // groups older than the N most recent commits complete
+  const unsigned long long n = emu_wg_groups[t_tid], done = n >= (unsigned long long)N ? n - N : 0ull;
+  std::vector<EmuWgRead>& v = emu_wg_reads[t_tid];
+  size_t k = 0;
+  for (size_t i = 0; i < v.size(); ++i)
+    if (v[i].group >= done) v[k++] = v[i];
+  v.resize(k);
+  emu_wg_fenced[t_tid] = false;  // what the thread writes next into its fragments needs a fence before the next wgmma
+}
+static void emu_wg_check_drained() {
+  if (emu_wg_open[t_tid] || !emu_wg_reads[t_tid].empty()) {
+    fprintf(stderr, "emulator: thread %d ended its block with wgmma groups not committed or not waited for\n", t_tid);
+    abort();
+  }
+  emu_wg_fenced[t_tid] = false;
+}
 DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
   const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  if (!emu_wg_fenced[t_tid]) {
+    fprintf(stderr, "emulator: thread %d issues a wgmma with no wgmma.fence since its last wait_group\n", t_tid);
+    abort();
+  }
+  if ((desc >> 46) != 0ull || (desc & 0xc000c000ull) != 0ull) {  // base offset and swizzle 0, reserved bits clear
+    fprintf(stderr, "emulator: wgmma descriptor %llx: swizzle / base offset / reserved bits set\n", desc);
+    abort();
+  }
+  ++emu_wg_open[t_tid];
   float (*A)[16] = g_blk->wgA[wg];
   const u32 ar[4] = {a0, a1, a2, a3};
   for (int i = 0; i < 8; ++i) {
@@ -337,8 +384,9 @@ DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3,
     A[row][col] = emu_bf16(h);
   }
   g_blk->gbar[wg]->arrive_and_wait();
-  const u8* base = emu_smem0 + ((desc & 0x3fffull) << 4);
+  const u8* base = emu_smem0 + (((desc & 0x3fffull) << 4) - EMU_SMEM_ADDR);
   const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
+  emu_wg_reads[t_tid].push_back({emu_wg_groups[t_tid], base, base + 7 * sbo + lbo + 128});  // 8 x 2 core matrices
   float out[32];
   for (int j = 0; j < 8; ++j)
     for (int i = 0; i < 4; ++i) {
@@ -379,6 +427,7 @@ static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's b
         t_bx = bx; t_by = by;
         kernel();
         emu_cp_check_drained();
+        emu_wg_check_drained();
         bar.arrive_and_wait();
       }
   };
