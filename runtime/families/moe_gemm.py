@@ -277,7 +277,8 @@ class MoeGemmSpec:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
         bns = WG_BNS if self.mma == "wgmma" else BNS
         if type(self.bn) is not int or self.bn not in (0,) + bns:  # noqa: E721 (128.0, True are not widths)
-            bad.append(f"bn {self.bn!r} (expected 0 or one of {bns}{'' if self.mma == 'wgmma' else '; 256 with wgmma'})")
+            also = "" if self.mma == "wgmma" else "; 256 with wgmma"
+            bad.append(f"bn {self.bn!r} (expected 0 or one of {bns}{also})")
         if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
             bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
         if type(self.cols_first) is not bool:  # noqa: E721
