@@ -760,6 +760,10 @@ def test_bad_spec_raises(kw: dict) -> None:
 def test_gpu_check_imports_on_cpu() -> None:
     m = importlib.import_module("gpu_checks.moe_gemm")
     cs = m.cases()
+    # DS4C_MG_CASES: substrings, or one name exactly with a leading "="
+    assert [c[0] for c in m.picked(cs, "=flash_c2048_wg_bn128")] == ["flash_c2048_wg_bn128"]
+    assert {c[0] for c in m.picked(cs, "flash_c2048_wg_bn128")} == {"flash_c2048_wg_bn128", "flash_c2048_wg_bn128_cf"}
+    assert len(m.picked(cs, "")) == len(cs) and m.picked(cs, "=flash_c2048_wg_bn") == []
     assert {512, 2048, 4096} <= {s.rows for _, s, _ in cs}
     name, spec, routing = next(c for c in cs if c[1].rows < 100)
     bufs = m.case_buffers(spec, torch.Generator().manual_seed(0), device="cpu", routing=routing)

@@ -38,7 +38,8 @@
 #             reasons), then the compiled DSpark drafter's per-step cost (tools/dspark_time.py)
 #   ncu       Nsight Compute (throughput, occupancy, stall reasons) on tests/gpu_checks kernels, per word of NCU_SETS
 #             (default "prefill kquant"), after a probe that ncu reads this machine's counters (else skipped, as is
-#             profile's ncu part): prefill = the grouped experts' up and down (cases NCU_MG, default flash_c2048: the
+#             profile's ncu part): prefill = the grouped experts' up and down (cases NCU_MG, default
+#             =flash_c2048,=flash_c2048_bn128, exact names (tests/gpu_checks/moe_gemm.py picked): the
 #             64-wide case then its 128-wide twin, both profiled), the chunk attention on tensor cores (CSA), the
 #             GEMM launches matching NCU_GEMM (default wq_a and expert_w1 at 4096 rows); kquant = the decode GEMV wq_b in Q3_K and Q8_0 at q = 1 and the Q3_K
 #             experts at q = 1 (issue 32: instruction- or latency-bound?)
@@ -267,7 +268,7 @@ stage_profile() {
 }
 
 ncu_prefill() {  # the prefill chunk's big kernels: grouped experts (up, down), chunk attention (MMA, CSA), GEMMs
-  DS4C_MG_CASES=${NCU_MG:-flash_c2048} ncu_run "$1" "mg_.*_(up|down)" 4 \
+  DS4C_MG_CASES=${NCU_MG:-=flash_c2048,=flash_c2048_bn128} ncu_run "$1" "mg_.*_(up|down)" 4 \
       python3 tests/gpu_checks --arch "$ARCH" --only moe_gemm
   check $? "ncu moe_gemm"
   ncu_run "$1" "ca_prefill.*csa.*" 1 python3 tests/gpu_checks --arch "$ARCH" --only attention

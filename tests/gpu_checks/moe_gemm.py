@@ -12,7 +12,8 @@ E = 1, k = 1, Q8_0: four launches, no routing; ``out`` bf16 against ``expert_ffn
 with ``shared`` (moe_sum fused into the combine: ``out`` bf16 = bf16(routed sum + fp32(shared)), C = 2048).
 The 128-wide tile (``MoeGemmSpec.bn = 128``, 256 threads; ``DS4C_PREFILL_MOE_BN=128``) at C = 2048 for MXFP4, Q3_K
 and the dense Q8_0 shared expert (cases ``*_bn128``, next to their 64-wide twins, so one run times both widths on
-the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings), and the 3-stage
+the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings, or with a leading
+``=`` one name exactly: :func:`picked`), and the 3-stage
 cp.async pipeline (``MoeGemmSpec.stages = 3``; ``DS4C_PREFILL_STAGES=3``) at both widths (cases ``*_st3``), and the
 up / down phases on wgmma (``MoeGemmSpec.mma``, cases ``*_wg``: compared with their twin by relative L2). Every
 case draws its inputs from a generator seeded by its name less the variant suffixes (:func:`_base`), so a variant
@@ -121,6 +122,13 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
              "uneven"),
             ("iq4xs_c77", MG.MoeGemmSpec(77, fmt="iq4_xs", hidden=512, inter=512, k=3, n_experts=16), "uneven")]
+
+
+def picked(all_cases: list, filt: str) -> list:
+    """The cases ``DS4C_MG_CASES`` (``filt``, comma-separated) selects: each word a substring of case names, or with a
+    leading ``=`` one name exactly (``=flash_c2048_wg_bn128``: that case alone, e.g. under Nsight Compute); empty: all."""
+    words = [w for w in filt.split(",") if w]
+    return [c for c in all_cases if not words or any(c[0] == w[1:] if w.startswith("=") else w in c[0] for w in words)]
 
 
 def _uneven_ids(C: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
@@ -249,8 +257,7 @@ def run(arch: str = "sm_90") -> list[dict]:
     torch.backends.cudnn.allow_tf32 = False
     tgt = make_target(arch)
     tmp = Path(tempfile.mkdtemp(prefix="ds4c-moe-gemm-"))
-    pick = [c for c in os.environ.get("DS4C_MG_CASES", "").split(",") if c]  # substrings of case names
-    specs = {n: (s, r) for n, s, r in cases() if not pick or any(c in n for c in pick)}
+    specs = {n: (s, r) for n, s, r in picked(cases(), os.environ.get("DS4C_MG_CASES", ""))}
     srcs = {n: MG.render_moe_gemm(s, tgt, f"mg_{n}") for n, (s, _) in specs.items()}
     jobs = [(n, i, k) for n, ks in srcs.items() for i, k in enumerate(ks)]
 
