@@ -292,7 +292,8 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     actq form bf16p): the routing, h and the call against the reference as the mma.sync call is
     (:func:`_check_routed_call`), and close to the mma.sync call on the same inputs (both within a bf16 ulp of the
     reference; they differ only where a bf16 rounding of g, u, h or y flips). ``xq`` / ``hq`` are the bf16p form:
-    the f16s call's e4m3 values times their scales at :func:`actq.bf16p_positions`."""
+    the FP8 quant of x / of the call's own h (``quant.act_quant_fp8``), e4m3 times its scale, at
+    :func:`actq.bf16p_positions`, with the scales in ``xs`` / ``hs``."""
     from ds4c import quant
     from ds4c.runtime.families.actq import bf16p_positions
 
