@@ -27,9 +27,10 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   rows ``>= n_valid`` write no state, flush or row); no undo. By default parallel over the chunk's flushes (one
   block per flush reading its slots from the chunk's rows or the state the chunk found, then one launch setting the
   state); ``DS4C_PREFILL_CMP_PARALLEL=0``: the serial kernel, rows in order by one block per compressor.
-* ``sparse_attention``: on CUDA (unless ``DS4C_PREFILL_ATTN_MMA=0``) the
-  tensor-core chunk attention (:mod:`ds4c.runtime.families.chunk_attention`: one block per (64 heads, row), scores
-  and value product by ``mma.sync``); on HIP the decode SIMT kernel at ``q = C``. Both keep the decode kernel's lists (per-row positions and causal
+* ``sparse_attention``: (unless ``DS4C_PREFILL_ATTN_MMA=0``) the matrix-unit chunk attention
+  (:mod:`ds4c.runtime.families.chunk_attention`: one block per (64 heads, row), scores and value product by
+  ``mma.sync`` on CUDA, MFMA / WMMA on gfx90a / gfx942 / gfx1100 / gfx1151); elsewhere (gfx1201) the decode SIMT
+  kernel at ``q = C``. Both keep the decode kernel's lists (per-row positions and causal
   limits; the window rule ``t < pos``: ring slot, else this chunk's kv row, holds for C > window; no split).
 * ``indexer_topk``, ``route``: the decode kernels at ``q = C`` unchanged (one block per row, or per (head, row);
   per-row positions and causal limits).
@@ -244,9 +245,9 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
 
 
 def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
-    """The chunk's attention on tensor cores (:mod:`ds4c.runtime.families.chunk_attention`) where the
-    target and shapes allow it (the default; ``DS4C_PREFILL_ATTN_MMA=0`` turns it off); else (HIP) the decode SIMT
-    kernel at q = C. Both take the same arguments."""
+    """The chunk's attention on matrix units (:mod:`ds4c.runtime.families.chunk_attention`) where the target and
+    shapes allow it (the default; ``DS4C_PREFILL_ATTN_MMA=0`` turns it off); else (gfx1201) the decode SIMT kernel at
+    q = C. Both take the same arguments."""
     if not c.attn_mma:
         return L._lower_attention(c, op)
     sa, spec = L.attention_spec(c, op)
@@ -513,8 +514,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # environment settings (DS4C_PREFILL_ATTN_HPB / _THREADS, ds4c.settings).
     c.attn_heads_per_block = settings.prefill_attn_heads_per_block()
     c.attn_threads = settings.prefill_attn_threads()
-    # the tensor-core chunk attention (the default on CUDA; DS4C_PREFILL_ATTN_MMA=0 and HIP keep the SIMT kernel,
-    # whose settings the two above are)
+    # the matrix-unit chunk attention (the default on CUDA and the HIP archs with a matrix body; DS4C_PREFILL_ATTN_MMA=0
+    # and gfx1201 keep the SIMT kernel, whose settings the two above are)
     c.attn_mma = settings.prefill_attn_mma()
     # the chunk's compressors parallel over its flushes (the default; DS4C_PREFILL_CMP_PARALLEL=0: row-serial)
     c.cmp_parallel = settings.prefill_cmp_parallel()

@@ -1,9 +1,12 @@
-"""The tensor-core chunk attention (runtime/families/chunk_attention.py, templates/attention/chunk_mma.cu.j2):
-its rendering and refusals, and its kernel run on the CPU emulator (every thread a fiber; ``mma.sync``,
-``ldmatrix`` and ``cp.async`` emulated from their PTX definitions) against the reference's attention rows on
-fresh random data, with the output poisoned so unwritten elements show."""
+"""The matrix-unit chunk attention (runtime/families/chunk_attention.py; templates/attention/chunk_mma.cu.j2 on CUDA,
+chunk_hip_matrix.cu.j2 on HIP): its rendering and refusals, and its kernels run on the CPU emulator (every thread a
+fiber; ``mma.sync``, ``ldmatrix`` and ``cp.async`` emulated from their PTX definitions, MFMA / WMMA from the AMD
+ISA's fragment layouts) against the reference's attention rows on fresh random data, with the output poisoned so
+unwritten elements show."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from ds4c.runtime.families import chunk_attention as CA
 from ds4c.runtime.render import RenderError
 from ds4c.runtime.targets import target
 from emulators import launch_emu
-from kernel_compile import assert_no_spills, compile_kernel
+from kernel_compile import assert_no_spills, compile_kernel, toolchain_or_skip
 from numerics import BF16_ULP
 
 
@@ -41,9 +44,12 @@ def _inputs(spec: A.AttentionSpec, pos: int, live: int, seed: int) -> dict[str, 
     return x
 
 
-def _emulate(spec, x, tmp_path, n_stages=None) -> torch.Tensor:
-    tgt = target("sm_90")
+def _emulate(spec, x, tmp_path, n_stages=None, arch="sm_90", edit=None) -> torch.Tensor:
+    """The kernel for ``arch`` on the emulator (``edit``: a function of the rendered source, for mutation tests)."""
+    tgt = target(arch)
     src = CA.render_chunk_attention(spec, tgt, "ca", n_stages)
+    if edit is not None:
+        src = dataclasses.replace(src, source=edit(src.source))
     la = CA.launch_shape(spec, tgt, n_stages)
     bufs = dict(x)
     bufs["out"] = torch.full((spec.q, spec.heads, spec.head_dim), float("nan")).to(torch.bfloat16)
@@ -99,7 +105,7 @@ def test_one_stage_equals_two_stages(tmp_path):
 
 def test_official_shapes_render_and_fit():
     """Official flash widths (64 heads of 512, window 128, 512 selected rows): two stages on sm_90 (within 227 KiB),
-    one on sm_80 (163 KiB); HIP and split-K refused in one line."""
+    one on sm_80 (163 KiB); an AMD arch without a matrix body (gfx1201) and split-K refused in one line."""
     spec = _spec("csa", 2048, 64, 512, 128, cap=1024, topk=512)
     assert CA.stages(spec, target("sm_90")) == 2 and CA.stages(spec, target("sm_80")) == 1
     assert CA.smem_bytes(spec, 2) <= CA.SMEM_LIMIT["sm_90"]
@@ -107,8 +113,8 @@ def test_official_shapes_render_and_fit():
     assert la.grid == (1, 2048, 1) and la.block == (256, 1, 1) and la.smem == CA.smem_bytes(spec, 2)
     src = CA.render_chunk_attention(spec, target("sm_90"), "ds4c_attn_csa")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src.source and "ldmatrix" in src.source
-    with pytest.raises(RenderError, match="gfx942 is not supported"):
-        CA.check(spec, target("gfx942"))
+    with pytest.raises(RenderError, match="gfx1201 is not supported"):
+        CA.check(spec, target("gfx1201"))
     with pytest.raises(RenderError, match="splits 4"):
         CA.check(A.AttentionSpec("csa", 8, 64, 512, 128, 1024, 512, splits=4), target("sm_90"))
     with pytest.raises(RenderError, match="multiple of 16"):
@@ -136,3 +142,68 @@ def test_small_head_dim_renders(tmp_path):
     CA.check(spec, target("sm_90"))
     x = _inputs(spec, 5, 0, seed=16)
     _check(spec, x, _emulate(spec, x, tmp_path), 5, 0)
+
+
+# ------------------------------------------------------------------------------------------------ HIP matrix body
+HIP_ARCHS = {"gfx942": "v_mfma_f32_16x16x16_bf16", "gfx1151": "v_wmma_f32_16x16x16_bf16"}
+
+
+@pytest.mark.parametrize("arch", sorted(HIP_ARCHS))
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_hip_matrix_emulated_matches_reference(kind, arch, tmp_path):
+    """The HIP body on MFMA (gfx942, wave 64) and WMMA (gfx1151, wave 32): every kind's case (a second head block,
+    a chunk of the list all masked, the hca caps, the window's start) within the CUDA kernel's bound of the
+    reference; its chunks of 32 entries make the online softmax's steps differ from the CUDA kernel's 64."""
+    _skip_without_host()
+    spec, pos, live = CASES[kind]
+    x = _inputs(spec, pos, live, seed=len(kind) + 7)
+    _check(spec, x, _emulate(spec, x, tmp_path, arch=arch), pos, live)
+
+
+@pytest.mark.parametrize("arch", sorted(HIP_ARCHS))
+def test_hip_matrix_layout_mutation_is_caught(arch, tmp_path):
+    """The emulator places fragments by the ISA's layouts, written apart from the template's xm_c_row: the body with
+    a wrong C row layout (MFMA: neighbouring rows swapped; WMMA: halves instead of interleaved rows) no longer
+    matches the reference."""
+    _skip_without_host()
+    spec, pos, live = CASES["hca"]
+    x = _inputs(spec, pos, live, seed=3)
+    wrong = ("DS4C_DEVICE int xm_c_row(int lane, int e) { return 4 * (lane >> 4) + e; }",
+             "DS4C_DEVICE int xm_c_row(int lane, int e) { return (4 * (lane >> 4) + e) ^ 1; }")
+    if arch == "gfx1151":
+        wrong = ("DS4C_DEVICE int xm_c_row(int lane, int e) { return 2 * e + (lane >> 4); }",
+                 "DS4C_DEVICE int xm_c_row(int lane, int e) { return e + 8 * (lane >> 4); }")
+
+    def edit(text: str) -> str:
+        assert wrong[0] in text
+        return text.replace(wrong[0], wrong[1])
+
+    got = _emulate(spec, x, tmp_path, arch=arch, edit=edit)
+    with pytest.raises(AssertionError):
+        _check(spec, x, got, pos, live)
+
+
+def test_hip_matrix_renders_for_its_archs_and_fits_lds():
+    """gfx90a / gfx942 render the MFMA body, gfx1100 / gfx1151 the WMMA one; the official CSA shape's LDS (one chunk
+    of 32 KV rows of 512, scores, bf16(p), sel) within 64 KiB; a head_dim whose chunk does not fit is refused."""
+    spec = _spec("csa", 2048, 64, 512, 128, cap=1024, topk=512)
+    for arch, inst in {"gfx90a": "mfma", "gfx942": "mfma", "gfx1100": "wmma", "gfx1151": "wmma"}.items():
+        src = CA.render_chunk_attention(spec, target(arch), "ds4c_attn_csa")
+        assert f"__builtin_amdgcn_{inst}_f32_16x16x16" in src.source, arch
+        la = CA.launch_shape(spec, target(arch))
+        assert la.grid == (1, 2048, 1) and la.block == (256, 1, 1) and la.smem == CA.hip_smem_bytes(spec) <= 65536
+    with pytest.raises(RenderError, match="bytes of shared memory"):
+        CA.check(_spec("swa", 8, 64, 1024, 128), target("gfx942"))
+    with pytest.raises(RenderError, match="HIP body has 1"):
+        CA.render_chunk_attention(spec, target("gfx942"), "x", n_stages=2)
+
+
+@pytest.mark.parametrize("arch", sorted(HIP_ARCHS))
+def test_hip_matrix_compiles_without_scratch(arch, tmp_path):
+    """clang builds the official CSA kernel for the arch with no VGPR / SGPR spills and no scratch (the 128 fp32
+    accumulators of a lane's value product in registers), the matrix instruction in its code."""
+    toolchain_or_skip(arch)
+    spec = _spec("csa", 2048, 64, 512, 128, cap=1024, topk=512)
+    src = CA.render_chunk_attention(spec, target(arch), "ds4c_attn_csa")
+    c = compile_kernel(src, tmp_path)
+    assert_no_spills(c.usage, src, c.log)

@@ -255,17 +255,17 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 
 # ------------------------------------------------------------------------------- emulated plan kernels (CPU)
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None,
-               attn_mma: bool = False, cmp_parallel: bool = False, **graph_kw):
-    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` (``attn_mma``: the
-    tensor-core chunk attention, as ``lower_prefill`` chooses with DS4C_PREFILL_ATTN_MMA=1 on CUDA; ``cmp_parallel``:
-    the compressors parallel over the flushes, DS4C_PREFILL_CMP_PARALLEL=1)."""
+               attn_mma: bool = False, cmp_parallel: bool = False, arch: str = "sm_90", **graph_kw):
+    """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` for ``arch``
+    (``attn_mma``: the matrix-unit chunk attention, as ``lower_prefill`` chooses by default; ``cmp_parallel``: the
+    compressors parallel over the flushes, DS4C_PREFILL_CMP_PARALLEL=1)."""
     import ds4c.runtime.lower_prefill as LP
     from ds4c.runtime.lower_step import _Ctx
     from ds4c.tensors import storage_types
 
     cfg = preset(name)
     g = _graph(name, c, ctx, **graph_kw)
-    cx = _Ctx(g, cfg, target("sm_90"), storage_types(cfg, "official"))
+    cx = _Ctx(g, cfg, target(arch), storage_types(cfg, "official"))
     cx.row_block = LP._hc_row_block(c) if row_block is None else row_block
     cx.linears = LP._gemm_linears
     cx.attn_mma = attn_mma
@@ -449,17 +449,19 @@ def test_take_row_head_emulated(tmp_path):
     assert y.shape == want.shape and torch.allclose(y, want, rtol=2 * BF16_ULP, atol=1e-3)
 
 
-@pytest.mark.parametrize("mma", [False, True], ids=["simt", "mma"])
+@pytest.mark.parametrize("mma,arch", [(False, "sm_90"), (True, "sm_90"), (True, "gfx942")],
+                         ids=["simt", "mma", "hip-mfma"])
 @pytest.mark.parametrize("layer,kind", [(0, "swa"), (2, "csa"), (3, "hca")])
-def test_attention_at_chunk_rows_emulated(layer, kind, mma, tmp_path):
+def test_attention_at_chunk_rows_emulated(layer, kind, mma, arch, tmp_path):
     """The chunk's attention at C = 64 rows of a tiny chunk (window 16, so every row's window mixes ring slots of
     positions before the chunk and this chunk's kv rows, and most rows see only chunk rows), on CPU threads, against
     the IR sparse_attention: every valid row within bf16 tolerance (hca: the compressed rows capped per row by
-    (p+1)//16 and by live = (pos + n_valid)//16; csa: random picks with -1 among them). Both kernels: the decode
-    SIMT kernel at q = C and the tensor-core chunk kernel (one block per 64 heads and row, 4 of them used)."""
+    (p+1)//16 and by live = (pos + n_valid)//16; csa: random picks with -1 among them). The kernels: the decode
+    SIMT kernel at q = C, the tensor-core chunk kernel (one block per 64 heads and row, 4 of them used) and its
+    HIP body on MFMA (wave 64), as lowered for gfx942."""
     _skip_without_host()
     pos, nv = 40, 50
-    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer, attn_mma=mma)
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "sparse_attention", layer, attn_mma=mma, arch=arch)
     entry = f"ds4c_attn_mma_{kind}" if mma else f"ds4c_attn_{kind}"
     assert len(launches) == 1 and launches[0].kernel.entry == entry and launches[0].grid[1] == 64
     env = _random_inputs(cx, op, pos, nv, seed=layer)
@@ -475,9 +477,9 @@ def test_attention_at_chunk_rows_emulated(layer, kind, mma, tmp_path):
 
 
 def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
-    """lower_prefill picks the tensor-core chunk attention on CUDA by default (not on HIP: no matrix body there) and
-    the flush / state compressor pair; DS4C_PREFILL_ATTN_MMA=0 keeps the SIMT attention, DS4C_PREFILL_CMP_PARALLEL=0
-    the row-serial compressor."""
+    """lower_prefill picks the matrix-unit chunk attention by default on CUDA and on the HIP archs with a matrix body
+    (gfx942 MFMA, gfx1151 WMMA; gfx1201 keeps the SIMT kernel) and the flush / state compressor pair;
+    DS4C_PREFILL_ATTN_MMA=0 keeps the SIMT attention, DS4C_PREFILL_CMP_PARALLEL=0 the row-serial compressor."""
     from ds4c.runtime.lower_prefill import lower_prefill
 
     cfg = preset("tiny")
@@ -494,7 +496,9 @@ def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
     monkeypatch.delenv("DS4C_PREFILL_ATTN_MMA", raising=False)
     monkeypatch.delenv("DS4C_PREFILL_CMP_PARALLEL", raising=False)
     assert attn_entries("sm_90") and all("attn_mma_" in e for e in attn_entries("sm_90"))
-    assert attn_entries("gfx1151") and all("attn_mma_" not in e for e in attn_entries("gfx1151"))
+    for arch in ("gfx942", "gfx1151"):
+        assert attn_entries(arch) and all("attn_mma_" in e for e in attn_entries(arch)), arch
+    assert attn_entries("gfx1201") and all("attn_mma_" not in e for e in attn_entries("gfx1201"))
     assert comp_entries("sm_90") and comp_entries("sm_90") == ["flush", "state"] * (len(comp_entries("sm_90")) // 2)
     monkeypatch.setenv("DS4C_PREFILL_ATTN_MMA", "0")
     monkeypatch.setenv("DS4C_PREFILL_CMP_PARALLEL", "0")

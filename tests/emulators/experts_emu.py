@@ -111,8 +111,10 @@ HOST_PRELUDE = r"""
 #include <vector>
 #include <ucontext.h>
 """ + FIBERS + r"""
+#ifndef DS4C_WAVE  /* a HIP body's emulation defines DS4C_HIP and its wave first (compile_host) */
 #define DS4C_CUDA 1
 #define DS4C_WAVE 32
+#endif
 #define DS4C_GLOBAL extern "C"
 #define DS4C_PDL_ENTRY() do { } while (0)  /* programmatic dependent launch: nothing to wait for on the host */
 #define DS4C_DEVICE static inline
@@ -143,6 +145,8 @@ struct EmuBlock {
   float fx[1024];
   float wgA[8][64][16];  // per warpgroup: the wgmma A operand, assembled from its threads' fragments
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
+  float xB[32][16][16];                 // per wave: a HIP matrix op's B (A in mA)
+  bool xSet[32][16][16];                // per wave: which A elements a lane gave (WMMA's repeated halves)
   const u8* px[1024];                     // ldmatrix: every lane's row address
 };
 static EmuBlock* g_blk;
@@ -205,15 +209,15 @@ DS4C_DEVICE int ds4c_tid() { return t_tid; }
 DS4C_DEVICE int ds4c_bid_x() { return t_bx; }
 DS4C_DEVICE int ds4c_bid_y() { return t_by; }
 DS4C_DEVICE int ds4c_nblk_x() { return t_nbx; }
-DS4C_DEVICE int ds4c_lane() { return t_tid & 31; }
+DS4C_DEVICE int ds4c_lane() { return t_tid & (DS4C_WAVE - 1); }
 DS4C_DEVICE void ds4c_sync() { g_blk->bar->arrive_and_wait(); }
-DS4C_DEVICE void __syncwarp() { g_blk->wbar[t_tid >> 5]->arrive_and_wait(); }
+DS4C_DEVICE void __syncwarp() { g_blk->wbar[t_tid / DS4C_WAVE]->arrive_and_wait(); }
 DS4C_DEVICE float ds4c_as_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 DS4C_DEVICE u32 ds4c_as_u32(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 DS4C_DEVICE float ds4c_shfl_xor(float v, int mask) {
   g_blk->fx[t_tid] = v;
   __syncwarp();
-  float r = g_blk->fx[(t_tid & ~31) | ((t_tid & 31) ^ mask)];
+  float r = g_blk->fx[(t_tid & ~(DS4C_WAVE - 1)) | ((t_tid & (DS4C_WAVE - 1)) ^ mask)];
   __syncwarp();
   return r;
 }
@@ -329,6 +333,58 @@ static inline void emu_ldsm_x4(u32 (&r)[4], const void* p) {
 DS4C_DEVICE void xp_ldsm_x4(u32 (&r)[4], const void* p) { emu_ldsm_x4<false>(r, p); }
 DS4C_DEVICE void xp_ldsm_x4_t(u32 (&r)[4], const void* p) { emu_ldsm_x4<true>(r, p); }
 
+#if defined(DS4C_HIP)
+// ---- AMD matrix ops (templates/attention/chunk_hip_matrix.cu.j2's xm_mma) from the ISA's fragment layouts, written
+// here apart from the template's xm_a_k / xm_c_row (which the body keeps): wave 64 = v_mfma_f32_16x16x16_bf16 (A
+// lane l: row l % 16, k = 4 (l / 16) + e; B: column l % 16, the same k; C: row 4 (l / 16) + e, column l % 16); wave
+// 32 = gfx11 v_wmma_f32_16x16x16_bf16 (A lane l: row l % 16, every k, lanes 16..31 repeating 0..15, which the
+// emulator checks; B: column l % 16, every k; C: row 2 e + l / 16, column l % 16). Each lane places its fragments
+// in the wave's A [16][16] / B [16][16], then computes its C elements (fp64 sums over k in order, + c, to fp32), as
+// the mma.sync emulation does.
+static inline int emu_xm_k(int lane, int e) { return DS4C_WAVE == 64 ? 4 * (lane >> 4) + e : e; }
+static inline int emu_xm_row(int lane, int e) { return DS4C_WAVE == 64 ? 4 * (lane >> 4) + e : 2 * e + (lane >> 4); }
+template <int CN, class F>
+DS4C_DEVICE void xm_mma(float (&c)[CN], F a, F b) {
+  constexpr int AK = DS4C_WAVE == 64 ? 4 : 16;
+  static_assert(sizeof(F) == 2 * AK && CN == (DS4C_WAVE == 64 ? 4 : 8), "fragment sizes differ from the ISA's");
+  const int lane = ds4c_lane(), w = t_tid / DS4C_WAVE, r = lane & 15;
+  float (*A)[16] = g_blk->mA[w];
+  float (*B)[16] = g_blk->xB[w];
+  bool (*set)[16] = g_blk->xSet[w];
+  if (lane == 0) std::memset(set, 0, sizeof(bool) * 256);
+  __syncwarp();
+  if (lane < 16 || DS4C_WAVE == 64)
+    for (int e = 0; e < AK; ++e) {
+      const int k = emu_xm_k(lane, e);
+      A[r][k] = emu_bf16((u16)a[e]);
+      B[k][r] = emu_bf16((u16)b[e]);
+      set[r][k] = true;
+    }
+  __syncwarp();
+  if (DS4C_WAVE == 32 && lane >= 16)
+    for (int e = 0; e < AK; ++e) {
+      const float va = emu_bf16((u16)a[e]), vb = emu_bf16((u16)b[e]);
+      if ((va != A[r][e] && !(std::isnan(va) && std::isnan(A[r][e]))) ||
+          (vb != B[e][r] && !(std::isnan(vb) && std::isnan(B[e][r])))) {
+        fprintf(stderr, "emulator: wmma lane %d's fragment differs from lane %d's (lanes 16..31 repeat 0..15)\n", lane, r);
+        abort();
+      }
+    }
+  for (int i = 0; i < 16; ++i)
+    for (int k = 0; k < 16; ++k)
+      if (!set[i][k]) { fprintf(stderr, "emulator: matrix op with A[%d][%d] given by no lane\n", i, k); abort(); }
+  float out[CN];
+  for (int e = 0; e < CN; ++e) {
+    const int row = emu_xm_row(lane, e);
+    double acc = 0;
+    for (int k = 0; k < 16; ++k) acc += (double)A[row][k] * B[k][r];
+    out[e] = (float)(acc + c[e]);
+  }
+  __syncwarp();
+  for (int e = 0; e < CN; ++e) c[e] = out[e];
+}
+#endif
+
 // ---- wgmma (sm_90a) emulation: computed at its issue (fence / commit / wait are no-ops), from the PTX layouts: A
 // m64k16 from the warpgroup's registers (warp w rows 16w .., the m16n8k16 A fragment), B k16 x n64 from shared
 // memory through the descriptor (start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29: between
@@ -415,8 +471,8 @@ static void run_grid(int gx, int gy, int nt, const K& kernel) {  // the grid's b
   EmuBlock blk;
   EmuBarrier bar(nt);
   blk.bar = &bar;
-  std::vector<EmuBarrier> wb(nt / 32, EmuBarrier(32));
-  for (int w = 0; w < nt / 32; ++w) blk.wbar[w] = &wb[w];
+  std::vector<EmuBarrier> wb(nt / DS4C_WAVE, EmuBarrier(DS4C_WAVE));
+  for (int w = 0; w < nt / DS4C_WAVE; ++w) blk.wbar[w] = &wb[w];
   std::vector<EmuBarrier> gb((nt + 127) / 128, EmuBarrier(nt < 128 ? nt : 128));
   for (int w = 0; w < (nt + 127) / 128; ++w) blk.gbar[w] = &gb[w];
   g_blk = &blk;
@@ -459,15 +515,23 @@ def host_body(src: Any) -> str:
     from ds4c.runtime.render import TEMPLATE_DIR
 
     text = src.source
-    prelude = (TEMPLATE_DIR / "prelude" / "cuda.h.j2").read_text().replace("{{ wave }}", str(src.target.wave))
+    vendor = src.target.vendor
+    prelude = (TEMPLATE_DIR / "prelude" / f"{vendor}.h.j2").read_text().replace("{{ wave }}", str(src.target.wave))
     if prelude not in text:
-        raise RuntimeError("experts_emu: the rendered source does not start with the CUDA prelude")
+        raise RuntimeError(f"experts_emu: the rendered source does not start with the {vendor} prelude")
     text = text.replace(prelude, "", 1)
-    a = text.find("// ---- mma.sync helpers (inline PTX")
-    if a >= 0:
-        b = text.index("// ---- shape and format parameters")
-        text = text[:a] + text[b:]
+    for head in ("// ---- mma.sync helpers (inline PTX", "// ---- matrix helpers (AMDGPU builtins"):
+        a = text.find(head)
+        if a >= 0:
+            b = text.index("// ---- shape and format parameters")
+            text = text[:a] + text[b:]
     return text
+
+
+def vendor_defines(target: Any) -> str:
+    """What a host program around ``target``'s kernel bodies defines before the host prelude: nothing for CUDA (the
+    prelude's defaults: DS4C_CUDA, 32-lane warps); for HIP, DS4C_HIP and the target's wave (32 or 64)."""
+    return "" if target.vendor == "cuda" else f"#define DS4C_HIP 1\n#define DS4C_WAVE {target.wave}\n"
 
 
 #: C expressions of every kernel argument the emulator's main() binds (arg_names of experts.py)
@@ -532,14 +596,14 @@ def host_unavailable() -> str | None:
     return None if p.returncode == 0 else f"{cxx} lacks C++20 or <ucontext.h> (the emulators' fibers)"
 
 
-def compile_host(main: str, workdir: Path, who: str) -> Path:
-    """Compile ``HOST_PRELUDE + main`` (a host program built around rendered kernel bodies) into
-    ``workdir/emu`` with the host C++20 compiler. ``who`` names the emulator in errors.
+def compile_host(main: str, workdir: Path, who: str, defines: str = "") -> Path:
+    """Compile ``defines + HOST_PRELUDE + main`` (a host program built around rendered kernel bodies; ``defines``:
+    :func:`vendor_defines`) into ``workdir/emu`` with the host C++20 compiler. ``who`` names the emulator in errors.
 
     Raises:
         RuntimeError: no g++ / clang++, or the compile failed (its log attached)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "emu.cpp").write_text(HOST_PRELUDE + main)
+    (workdir / "emu.cpp").write_text(defines + HOST_PRELUDE + main)
     cxx = host_cxx()
     if not cxx:
         raise RuntimeError(f"{who}: no host C++ compiler (g++ / clang++)")

@@ -23,7 +23,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host, vendor_defines  # noqa: E402,F401
 
 SHARED_STATIC = "#undef DS4C_SHARED\n#define DS4C_SHARED static\n"
 #: CUDA's correctly rounded fp32 intrinsics (no FMA contraction) on the host: the plain operations (the host build
@@ -106,7 +106,11 @@ int main(int argc, char** argv) {{
 {loads}{"".join(calls)}{saves}  return 0;
 }}
 """
-    return compile_host(main, workdir, "launch_emu")
+    targets = {src.target.slug: src.target for src, *_ in launches}
+    if len({(t.vendor, t.wave) for t in targets.values()}) > 1:
+        raise RuntimeError(f"launch_emu: one program runs one vendor and wave, not {', '.join(sorted(targets))}")
+    defines = vendor_defines(next(iter(targets.values()))) if targets else ""
+    return compile_host(main, workdir, "launch_emu", defines)
 
 
 def run(launches: Sequence[tuple], buffers: dict[str, torch.Tensor],
