@@ -38,8 +38,8 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   (``RowChainSpec.ring_valid``), an inverse-RoPE row chain into a workspace, one grouped GEMM
   (``GemmSpec.groups``).
 * ``moe_experts``: :func:`lower_routed_experts`: the grouped-experts family (:mod:`ds4c.runtime.families.moe_gemm`):
-  the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+;
-  HIP / sm_80 pending).
+  the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+; HIP
+  on MFMA / WMMA with MXFP4 / Q8_0 weights; sm_80, gfx1201 and HIP K-quant experts pending).
 * ``dspark_tap`` / ``record_hc`` with ``n_valid``: :func:`_lower_tap`: the tap family with ``TapSpec.valid``
   (device ``n_valid`` after ``pos``; only the last ``R`` valid rows write, R the ring's rows: one writer per slot).
 
@@ -392,8 +392,9 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     call).
 
     Raises:
-        PendingLowering: a target moe_gemm does not build (HIP, sm_80: no e4m3 cvt), expert weights not
-            MXFP4 / Q8_0 / a K-quant / IQ4_XS, or the FP8 activation quant off (``emulate`` / ``act_quant`` False).
+        PendingLowering: a target moe_gemm does not build (sm_80: no e4m3 cvt; gfx1201), expert weights not
+            MXFP4 / Q8_0 / a K-quant / IQ4_XS (on HIP: not MXFP4 / Q8_0), or the FP8 activation quant off
+            (``emulate`` / ``act_quant`` False).
         LoweringError: a body that is not routed_experts + the SwiGLU shared expert + moe_sum, a shared weight
             that is not a model tensor, or sizes the family refuses.
     """
@@ -447,6 +448,13 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
                                 stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
+    try:  # what the target's body does not build (HIP: K-quant weights; a tile past its 64 KiB of LDS) is pending
+        for spec in (rspec, dspec):
+            _mg.check_target(c.target, spec)
+            for phase in ("up", "down"):
+                _mg.plan(spec, c.target, phase)
+    except _RenderError as e:
+        raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
 
     def ws(spec: _mg.MoeGemmSpec, arg: str, name: str) -> Arg:
         shape, dt = _mg.arg_shapes(spec)[arg]

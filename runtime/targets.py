@@ -14,6 +14,10 @@ from ds4c.errors import Ds4cError
 
 CUDA_ARCHS = ("sm_80", "sm_90", "sm_90a", "sm_100a")
 HIP_ARCHS = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1151": 32, "gfx1201": 32}
+#: the 16 x 16 x 16 bf16 matrix instruction of the HIP archs whose kernels use one (templates/prelude/amd_matrix.h.j2):
+#: CDNA's v_mfma_f32_16x16x16_bf16 (wave 64), RDNA 3's v_wmma_f32_16x16x16_bf16 (wave 32); gfx1201 (RDNA 4, another
+#: WMMA operand layout) has none yet
+HIP_MATRIX = {"gfx90a": "mfma", "gfx942": "mfma", "gfx1100": "wmma", "gfx1151": "wmma"}
 
 
 class TargetError(Ds4cError):

@@ -184,12 +184,14 @@ def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
 
 
 def test_prefill_refused_without_pending_names_the_kernel():
-    """tiny lowers whole for sm_90; for gfx1151 (no moe_gemm there) the first refusal names l0.moe_experts."""
+    """tiny lowers whole for sm_90 and gfx1151 (moe_gemm's WMMA body); for gfx1201 (no moe_gemm there) the first
+    refusal names l0.moe_experts."""
     g = _graph("tiny", 64, 128)
     assert lower_graph(g, preset("tiny"), target("sm_90"))
+    assert lower_graph(g, preset("tiny"), target("gfx1151"))
     with pytest.raises(PendingLowering, match=r"^l0\.moe_experts: moe_experts at 64 rows: the grouped-experts family "
-                                              r"\(moe_gemm\) does not build for hip-gfx1151"):
-        lower_graph(g, preset("tiny"), target("gfx1151"))
+                                              r"\(moe_gemm\) does not build for hip-gfx1201"):
+        lower_graph(g, preset("tiny"), target("gfx1201"))
 
 
 def test_routed_experts_hook_refusals():
@@ -237,7 +239,8 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
     """Every distinct source of the tiny C=64 chunk (HC row blocks, GEMM + actq, grouped GEMM, row chains
     incl. the valid-gated ring write, compressor with n_valid, indexer, attention, router at q=64, take-row; with
     the drafters' taps and record_hc: the tap kernels with n_valid and the head's C-row streams) compiles for
-    sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body)."""
+    sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body, the grouped experts and the attention
+    the WMMA ones)."""
     if not shutil.which(tool):
         pytest.skip(f"{tool} is not installed")
     from ds4c.runtime.cache import KernelCache
@@ -248,7 +251,7 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
     fams = {s.family for s in srcs}
     assert {"hc", "gemm", "rowchain", "compressor", "indexer", "attention", "router", "takerow", "gemv", "tap"} <= fams, fams
     assert sum(s.family == "tap" and s.params.get("valid", False) for s in srcs) == 2
-    assert ("moe_gemm" in fams) == (arch == "sm_90"), fams  # the routed + shared experts (CUDA sm_89+ only)
+    assert "moe_gemm" in fams, fams  # the routed + shared experts
     entries = KernelCache(tmp_path).compile_many(srcs, progress=False)
     assert len(entries) == len(srcs) and all(e.binary_path.stat().st_size > 0 for e in entries)
 
@@ -666,8 +669,8 @@ def _ring_rows(cfg, kind: str) -> int:
                                                  ("tiny", 64, 128, (3, 4, 5), True), ("tiny", 256, 512, (1, 3), True),
                                                  ("flash-l4", 64, 4096, (1, 2, 3), True)])
 def test_prefill_drafter_graphs_lower_whole(name, c, ctx, taps, rec):
-    """Chunk graphs with DSpark taps and / or record_hc lower with nothing pending on sm_90 (on gfx1151 only the
-    experts): each tap op is one tap-family launch with n_valid (``TapSpec.valid``), bound to pos, n_valid, the
+    """Chunk graphs with DSpark taps and / or record_hc lower with nothing pending on sm_90 and gfx1151 (on gfx1201
+    only the experts): each tap op is one tap-family launch with n_valid (``TapSpec.valid``), bound to pos, n_valid, the
     tapped layers' C-row streams and the ring, its grid over min(C, ring rows) rows; the head first writes the
     last layer's C-row streams (HC post_out over row blocks) that the taps read, then take-row + the q = 1 head."""
     from ds4c.ir.builder import FINAL_HC_RING, TAP_RING
@@ -713,6 +716,8 @@ def test_prefill_drafter_graphs_lower_whole(name, c, ctx, taps, rec):
     assert any(a.name == last for k in tk for a in k.launches[0].args)  # a tap / record_hc reads what it wrote
     pend = []
     lower_graph(g, cfg, target("gfx1151"), pending=pend)
+    assert not pend, [p.message for p in pend]
+    lower_graph(g, cfg, target("gfx1201"), pending=pend)
     assert {p.pattern for p in pend} == {"moe_experts"}
 
 

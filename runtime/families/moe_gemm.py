@@ -81,7 +81,21 @@ weights by 4-byte ``cp.async`` straight into shared memory instead of through re
 
 Supported: CUDA sm_90 / sm_90a / sm_100a (the e4m3 cvt), weights ``mxfp4``, ``q8_0``, the K-quants or ``iq4_xs``
 (w1 and w3 in one format, w2 in ``down_fmt``), the FP8 activation quant on (the reference's ``emulate=True``).
-Anything else (HIP, sm_80, bf16 weights, ``emulate=False``) raises :class:`RenderError` with a one-line message.
+
+HIP (:data:`ds4c.runtime.targets.HIP_MATRIX`: gfx90a / gfx942 on ``v_mfma_f32_16x16x16_bf16``, wave 64; gfx1100 /
+gfx1151 on gfx11's ``v_wmma_f32_16x16x16_bf16``, wave 32; templates/prelude/amd_matrix.h.j2): the same launches,
+arguments, grids, tiles and register-staged 2-stage loop (route, the activation quant and the combine are the CUDA
+kernels' source; the route's atomics through clang builtins), with the up / down K step on matrix cores: wave ``w``
+owns 16 ``DS4C_WAVE / 32`` of the tile's weight rows x its 64 pairs; A = the staged weight blocks decoded to exact
+bf16 (MXFP4: e2m1 times the block's 2^(E-127), inside bf16's exponent range; Q8_0: the int8 code, the f16 block scale
+applied to the 32-block's fp32 partial), B = the pairs' e4m3 values as exact bf16; per 128-block the partial times
+the pair's activation scale, as the CUDA engine scales. On wave 32 the next K step's tiles are loaded after the
+products (beside the 16-value WMMA fragments they spilled). MXFP4 / Q8_0 weights, 2 stages, no L2 prefetch, tiles
+within 64 KiB of LDS (a 128-wide Q8_0 tile is not); compile-checked with clang and emulated (the ISA's fragment
+layouts), not run on an AMD GPU. K-quant experts on HIP are pending (the prefill lowering keeps verify steps).
+
+Anything else (sm_80, gfx1201, bf16 weights, ``emulate=False``) raises :class:`RenderError` with a one-line
+message.
 
 Arguments (:func:`arg_names`, shapes :func:`arg_shapes`): ``ids`` int64 [C, k] (distinct per row, in [0, E);
 an id outside is skipped by ``route`` and leaves that (row, slot)'s ybuf unwritten, so ``combine`` reads
@@ -114,7 +128,7 @@ from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, 
 from ds4c.runtime.families.experts import _float_literal, dequantize_weight
 from ds4c.runtime.families.gemm import SM_SMEM, STAGES, launch_min_blocks
 from ds4c.runtime.render import KernelSource, RenderError, render
-from ds4c.runtime.targets import Target, target as make_target
+from ds4c.runtime.targets import HIP_MATRIX, Target, target as make_target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
 FAMILY = "moe_gemm"
@@ -151,6 +165,9 @@ WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warp
 # and a fourth stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
+HIP_LDS = 64 * 1024  # LDS a block gets on every HIP_MATRIX arch
+#: the weight formats the HIP body decodes (its K step builds bf16 A fragments from the staged blocks)
+HIP_FORMATS = ("mxfp4", "q8_0")
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 MMAS = ("sync", "wgmma")
 PREFETCH = (0, 128, 256)
@@ -336,11 +353,32 @@ def tile_slots(spec: MoeGemmSpec) -> int:
 
 
 def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
-    """Raises RenderError (one line) for a target the family does not build: not CUDA sm_89+ with the e4m3 cvt, or
-    (``spec.mma`` wgmma) not Hopper."""
-    if target.vendor != "cuda" or target.arch not in E4M3_ARCHS:
+    """Raises RenderError (one line) for a target the family does not build: neither CUDA with the e4m3 cvt
+    (:data:`E4M3_ARCHS`) nor an AMD arch with matrix cores (:data:`ds4c.runtime.targets.HIP_MATRIX`); with ``spec``:
+    ``mma`` wgmma off Hopper, and on HIP what its body does not build (weights other than MXFP4 / Q8_0, 3 stages, the
+    L2 prefetch, wgmma)."""
+    if target.vendor == "hip":
+        if target.arch not in HIP_MATRIX:
+            raise RenderError(f"moe_gemm: {target.slug} is not supported (AMD matrix cores on {'/'.join(HIP_MATRIX)}; "
+                              f"CUDA {'/'.join(E4M3_ARCHS)})")
+        if spec is None:
+            return
+        bad = []
+        if spec.fmt not in HIP_FORMATS or spec.down_fmt not in HIP_FORMATS:
+            bad.append(f"weights {spec.fmt}/{spec.down_fmt} (the HIP body decodes {'/'.join(HIP_FORMATS)}; "
+                       f"K-quants / IQ4_XS pending)")
+        if spec.mma != "sync":
+            bad.append(f"mma {spec.mma} (CUDA Hopper's)")
+        if spec.stages not in (0, 2):
+            bad.append(f"stages {spec.stages} (the HIP body has the 2-stage register loop)")
+        if spec.prefetch:
+            bad.append(f"L2 prefetch {spec.prefetch} (a CUDA cp.async option)")
+        if bad:
+            raise RenderError(f"moe_gemm {spec.short()} on {target.slug}: " + "; ".join(bad))
+        return
+    if target.arch not in E4M3_ARCHS:
         raise RenderError(f"moe_gemm: {target.slug} is not supported (needs CUDA {'/'.join(E4M3_ARCHS)}: the f16 "
-                          f"mma.sync on e4m3 activations; no SIMT body yet)")
+                          f"mma.sync on e4m3 activations; or AMD matrix cores on {'/'.join(HIP_MATRIX)})")
     if spec is not None and spec.mma == "wgmma" and target.arch not in WGMMA_ARCHS:
         raise RenderError(f"moe_gemm {spec.short()}: wgmma runs on {'/'.join(WGMMA_ARCHS)} only, not {target.slug}")
 
@@ -395,9 +433,10 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     else:
         stage = _round16(TM * XST + TM * 4 + bn * rbp)
     smem = max(stages * stage, TM * (bn + 4) * 4)
-    if smem > SMEM_LIMIT:
+    limit = SMEM_LIMIT if target.vendor == "cuda" else HIP_LDS
+    if smem > limit:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
-                          f"{SMEM_LIMIT}")
+                          f"{limit} on {target.slug}")
     # up: bn / 2 intermediate columns per CTA (bn / 2 rows of W1, the same of W3); down: bn columns. I and D are
     # multiples of 128 (MoeGemmSpec), so both widths divide them: no partial CTA column
     ny = spec.inter // (bn // 2) if phase == "up" else spec.hidden // bn
@@ -482,7 +521,8 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
                           stages=pl.stages, min_blocks=_min_blocks(spec, pl),
-                          wg=wg, prefetch=spec.prefetch, cols_first=spec.cols_first, **_width(pl))
+                          wg=wg, prefetch=spec.prefetch, cols_first=spec.cols_first,
+                          matrix=HIP_MATRIX.get(target.arch, ""), **_width(pl))
             # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
             tgt = make_target("sm_90a") if wg else target
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, tgt, params))

@@ -523,7 +523,7 @@ def host_body(src: Any) -> str:
     for head in ("// ---- mma.sync helpers (inline PTX", "// ---- matrix helpers (AMDGPU builtins"):
         a = text.find(head)
         if a >= 0:
-            b = text.index("// ---- shape and format parameters")
+            b = text.index("// ---- shape and format parameters", a)
             text = text[:a] + text[b:]
     return text
 

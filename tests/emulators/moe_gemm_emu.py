@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
 
 from ds4c.runtime.families import moe_gemm as MG  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host, vendor_defines  # noqa: E402,F401
 
 #: C expressions of the kernel arguments (buffers of main() below)
 _ARG = {"ids": "(const i64*)ids.data()", "weights": "(const float*)wts.data()", "x": "(const u16*)x.data()",
@@ -53,7 +53,8 @@ def _inputs(spec: MG.MoeGemmSpec) -> tuple[str, ...]:
 
 
 def build(spec: MG.MoeGemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
-    """Compile the emulator of every kernel of ``spec`` rendered for CUDA ``arch`` into ``workdir/emu``.
+    """Compile the emulator of every kernel of ``spec`` rendered for ``arch`` (CUDA, or an AMD arch with matrix cores:
+    its HIP body, wave 32 or 64) into ``workdir/emu``.
 
     Raises:
         RenderError: an unsupported target; RuntimeError: no host C++20 compiler, or the host compile failed."""
@@ -81,7 +82,7 @@ int main(int argc, char** argv) {{
 {loads}{bufs}{"".join(calls)}{saves}  return 0;
 }}
 """
-    return compile_host(main, workdir, "moe_gemm_emu")
+    return compile_host(main, workdir, "moe_gemm_emu", vendor_defines(tgt))
 
 
 def run(spec: MG.MoeGemmSpec, inputs: dict[str, torch.Tensor], workdir: Path, arch: str = "sm_90",
