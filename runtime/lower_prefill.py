@@ -438,14 +438,14 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     try:
         rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target) if c.moe_wgmma else "sync"
-        rstages = c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
+        rstages = c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn, c.target))
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
                                 shared=True, bn=c.moe_wg_bn if rmma == "wgmma" else c.moe_bn, mma=rmma,
                                 prefetch=c.l2_prefetch, cols_first=c.moe_cols_first, stages=rstages)
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
                                 limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=c.l2_prefetch,
                                 cols_first=c.moe_cols_first,
-                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
+                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn, c.target))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
     try:  # what the target's body does not build (HIP: K-quant weights; a tile past its 64 KiB of LDS) is pending

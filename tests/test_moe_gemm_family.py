@@ -536,7 +536,8 @@ def test_prefill_lowering_moe_bn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_auto_stages() -> None:
     """The prefill lowering's default stages (DS4C_PREFILL_STAGES unset): 3 only for 64-wide calls whose both phases
-    are cp.async-staged K-quants (measured: Q3_K 0.89x), 2 for the register-staged formats and the 128-wide tile."""
+    are cp.async-staged K-quants (measured: Q3_K 0.89x), 2 for the register-staged formats and the 128-wide tile;
+    on HIP always 2 (its body stages through registers: no cp.async, ``w_async`` off)."""
     assert MG.W_ASYNC == ("q2_k", "q3_k", "q6_k")
     for fmt, down, bn, want in [("q3_k", "q3_k", 0, 3), ("q3_k", "q3_k", 64, 3), ("q2_k", "q6_k", 0, 3),
                                 ("q3_k", "q3_k", 128, 2), ("q3_k", "q4_k", 0, 2), ("q4_k", "q6_k", 0, 2),
@@ -546,6 +547,8 @@ def test_auto_stages() -> None:
         for f in (fmt, down):
             if f in MG.KQUANTS:
                 assert MG.plan(MG.MoeGemmSpec(2048, fmt=f), target("sm_90"), "up").w_async == (f in MG.W_ASYNC)
+        assert MG.auto_stages(fmt, down, bn, target("gfx942")) == 2
+    assert not MG.plan(MG.MoeGemmSpec(2048, fmt="q3_k"), target("gfx942"), "up").w_async
 
 
 def test_prefill_lowering_uses_auto_stages(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -562,7 +565,7 @@ def test_prefill_lowering_uses_auto_stages(monkeypatch: pytest.MonkeyPatch) -> N
     asked = []
 
     def smem(answer: int) -> list[int]:
-        monkeypatch.setattr(MG, "auto_stages", lambda f, d, bn=0: asked.append((f, d, bn)) or answer)
+        monkeypatch.setattr(MG, "auto_stages", lambda f, d, bn=0, tgt=None: asked.append((f, d, bn)) or answer)
         ks = lower_graph(g, preset("tiny"), target("sm_90"), pending=[])
         return [la.smem for k in ks if k.family == "moe_gemm" for la in k.launches if la.smem]
 
@@ -737,11 +740,15 @@ def test_launch_shapes_fixed_by_sizes() -> None:
 # ------------------------------------------------------------------------------------------- the HIP body
 #: (arch, C, fmt, down_fmt, routing, sizes, bn): MFMA (gfx942, wave 64: two M tiles a wave) and gfx11 WMMA (gfx1151,
 #: wave 32: one M tile a wave, the next step's tiles loaded after the products); the hot expert in two tiles and a
-#: partial tile, Q8_0's per-block scales after the products, the 128-wide tile
+#: partial tile, Q8_0's per-block scales after the products, the 128-wide tile; every K-quant and IQ4_XS on wave 64
+#: (per-16 scales and the min term of Q2_K, per-32 ones with mins: Q4_K / Q5_K, without: Q3_K, Q6_K, IQ4_XS)
 HIP_CASES = [("gfx942", 77, "mxfp4", "mxfp4", "uneven", TINY, 64),
              ("gfx942", 70, "q8_0", "mxfp4", "skew", SMALL, 64),
              ("gfx1151", 77, "mxfp4", "q8_0", "uneven", TINY, 64),
-             ("gfx1151", 40, "mxfp4", "mxfp4", "skew", W, 128)]
+             ("gfx1151", 40, "mxfp4", "mxfp4", "skew", W, 128),
+             ("gfx942", 33, "q4_k", "q2_k", "skew", KQ, 64),
+             ("gfx942", 33, "q5_k", "q6_k", "skew", KQ, 64),
+             ("gfx942", 33, "iq4_xs", "q3_k", "skew", KQ, 64)]
 
 
 @pytest.mark.parametrize("arch,C,fmt,down_fmt,routing,sizes,bn", HIP_CASES)
@@ -778,13 +785,13 @@ def test_emulated_hip_dense_call() -> None:
 
 
 def test_hip_refusals_are_one_line() -> None:
-    """What the HIP body does not build is a one-line RenderError naming it: K-quant weights, 3 stages, the L2
-    prefetch; a Q8_0 tile of 128 rows past gfx942's 64 KiB of LDS; wgmma is refused by the spec on any target
-    but Hopper."""
-    for kw, why in ((dict(fmt="q4_k", hidden=512, inter=512), "K-quants / IQ4_XS pending"),
-                    (dict(stages=3), "2-stage register loop"), (dict(prefetch=128), "CUDA cp.async option")):
+    """What the HIP body does not build is a one-line RenderError naming it: K-quant weights on wave 32, 3 stages,
+    the L2 prefetch; a Q8_0 tile of 128 rows past gfx942's 64 KiB of LDS."""
+    for arch, kw, why in (("gfx1151", dict(fmt="q4_k", hidden=512, inter=512), "on wave 32"),
+                          ("gfx942", dict(stages=3), "2-stage register loop"),
+                          ("gfx942", dict(prefetch=128), "CUDA cp.async option")):
         with pytest.raises(RenderError, match=why) as ei:
-            MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **{**TINY, **kw}), target("gfx942"))
+            MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **{**TINY, **kw}), target(arch))
         assert "\n" not in str(ei.value)
     with pytest.raises(RenderError, match="the limit is 65536 on hip-gfx942"):
         MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, fmt="q8_0", bn=128, **{**TINY, "inter": 256}), target("gfx942"))
@@ -793,15 +800,20 @@ def test_hip_refusals_are_one_line() -> None:
 @pytest.mark.parametrize("arch", ["gfx942", "gfx1151"])
 def test_hip_device_compile(arch: str, tmp_path: Path) -> None:
     """clang builds every kernel of an official-shape routed call (MXFP4, fused shared combine) and of the Q8_0
-    shared expert for the arch with no VGPR / SGPR spills and no scratch."""
+    shared expert for the arch with no VGPR / SGPR spills and no scratch; on gfx942 also the 43-layer file's Q3_K
+    experts (Q4_K down: the two decoders with and without mins) and a Q2_K / Q6_K pair."""
     from kernel_compile import toolchain_or_skip
 
     toolchain_or_skip(arch)
     tgt = target(arch)
-    for spec in (MG.MoeGemmSpec(rows=2048, hidden=4096, inter=2048, k=6, n_experts=256, shared=True),
-                 MG.MoeGemmSpec(rows=2048, hidden=4096, inter=2048, k=1, n_experts=1, fmt="q8_0", dense=True)):
+    specs = [MG.MoeGemmSpec(rows=2048, hidden=4096, inter=2048, k=6, n_experts=256, shared=True),
+             MG.MoeGemmSpec(rows=2048, hidden=4096, inter=2048, k=1, n_experts=1, fmt="q8_0", dense=True)]
+    if tgt.wave == 64:
+        specs += [MG.MoeGemmSpec(rows=2048, hidden=4096, inter=2048, k=6, n_experts=256, fmt=f, down_fmt=df)
+                  for f, df in (("q3_k", "q4_k"), ("q2_k", "q6_k"))]
+    for spec in specs:
         for src in MG.render_moe_gemm(spec, tgt):
-            (tmp_path / src.entry).mkdir()
+            (tmp_path / src.entry).mkdir(exist_ok=True)
             c = compile_kernel(src, tmp_path / src.entry)
             assert_no_spills(c.usage, src, c.log)
 

@@ -862,3 +862,9 @@ def test_kquant_experts_lower_or_refuse_in_one_line(fmt, pending):
     ups = [la for k in ks if k.family == "moe_gemm" for la in k.launches if la.kernel.entry.endswith("_up")]
     assert len(ups) == 2 * cfg.n_layers  # the routed and the shared expert's up phase per layer
     assert sum("#define MG_FMT 2" in la.kernel.source for la in ups) == cfg.n_layers
+    # HIP: the wave-64 MFMA body decodes K-quants (the chunk lowers whole on gfx942); wave-32 RDNA keeps them pending
+    lower_graph(g, cfg, target("gfx942"), storage_types(cfg, fmt), pending=pend)
+    assert not pend, pend[0].message
+    lower_graph(g, cfg, target("gfx1151"), storage_types(cfg, fmt), pending=pend)
+    assert {p.pattern for p in pend} == {"moe_experts"} and all("on wave 32" in p.message and "\n" not in p.message
+                                                                 for p in pend)

@@ -88,11 +88,15 @@ arguments, grids, tiles and register-staged 2-stage loop (route, the activation 
 kernels' source; the route's atomics through clang builtins), with the up / down K step on matrix cores: wave ``w``
 owns 16 ``DS4C_WAVE / 32`` of the tile's weight rows x its 64 pairs; A = the staged weight blocks decoded to exact
 bf16 (MXFP4: e2m1 times the block's 2^(E-127), inside bf16's exponent range; Q8_0: the int8 code, the f16 block scale
-applied to the 32-block's fp32 partial), B = the pairs' e4m3 values as exact bf16; per 128-block the partial times
-the pair's activation scale, as the CUDA engine scales. On wave 32 the next K step's tiles are loaded after the
-products (beside the 16-value WMMA fragments they spilled). MXFP4 / Q8_0 weights, 2 stages, no L2 prefetch, tiles
-within 64 KiB of LDS (a 128-wide Q8_0 tile is not); compile-checked with clang and emulated (the ISA's fragment
-layouts), not run on an AMD GPU. K-quant experts on HIP are pending (the prefill lowering keeps verify steps).
+applied to the 32-block's fp32 partial; K-quants / IQ4_XS: the int8 codes of prelude/kquant.h.j2's decoder, per
+16-value half ``sc * partial - mn * (the half's activation sum)``), B = the pairs' e4m3 values times their
+activation scale as exact bf16. On wave 32 the next K step's
+tiles are loaded after the products (beside the 16-value WMMA fragments they spilled), as are a K-quant call's on
+wave 64. The activation scale (a power of two) is folded into B, so every partial goes straight into the
+accumulators. Every format on wave 64 (K-quants / IQ4_XS not on wave 32: their WMMA step spills past 256 VGPRs on
+gfx1151, pending), 2 stages (weights staged through registers, no cp.async), no L2 prefetch, tiles within 64 KiB of
+LDS (a 128-wide Q8_0 tile is not); compile-checked with clang and emulated (the ISA's fragment layouts), not run on
+an AMD GPU.
 
 Anything else (sm_80, gfx1201, bf16 weights, ``emulate=False``) raises :class:`RenderError` with a one-line
 message.
@@ -166,8 +170,6 @@ WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warp
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
 HIP_LDS = 64 * 1024  # LDS a block gets on every HIP_MATRIX arch
-#: the weight formats the HIP body decodes (its K step builds bf16 A fragments from the staged blocks)
-HIP_FORMATS = ("mxfp4", "q8_0")
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 MMAS = ("sync", "wgmma")
 PREFETCH = (0, 128, 256)
@@ -355,8 +357,8 @@ def tile_slots(spec: MoeGemmSpec) -> int:
 def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
     """Raises RenderError (one line) for a target the family does not build: neither CUDA with the e4m3 cvt
     (:data:`E4M3_ARCHS`) nor an AMD arch with matrix cores (:data:`ds4c.runtime.targets.HIP_MATRIX`); with ``spec``:
-    ``mma`` wgmma off Hopper, and on HIP what its body does not build (weights other than MXFP4 / Q8_0, 3 stages, the
-    L2 prefetch, wgmma)."""
+    ``mma`` wgmma off Hopper, and on HIP what its body does not build (3 stages, the L2 prefetch, wgmma; K-quant /
+    IQ4_XS weights on wave-32 RDNA)."""
     if target.vendor == "hip":
         if target.arch not in HIP_MATRIX:
             raise RenderError(f"moe_gemm: {target.slug} is not supported (AMD matrix cores on {'/'.join(HIP_MATRIX)}; "
@@ -364,9 +366,9 @@ def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
         if spec is None:
             return
         bad = []
-        if spec.fmt not in HIP_FORMATS or spec.down_fmt not in HIP_FORMATS:
-            bad.append(f"weights {spec.fmt}/{spec.down_fmt} (the HIP body decodes {'/'.join(HIP_FORMATS)}; "
-                       f"K-quants / IQ4_XS pending)")
+        if target.wave == 32 and (spec.fmt in KQUANTS or spec.down_fmt in KQUANTS):
+            bad.append(f"weights {spec.fmt}/{spec.down_fmt} on wave 32 (the WMMA K-quant step spills past 256 VGPRs "
+                       f"on gfx1151: pending; MXFP4 / Q8_0 build, as do K-quants on wave-64 CDNA)")
         if spec.mma != "sync":
             bad.append(f"mma {spec.mma} (CUDA Hopper's)")
         if spec.stages not in (0, 2):
@@ -422,8 +424,8 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     sb, rs = (kq_segment(fmt) if fmt in KQUANTS else 4 * BLOCK_BYTES[fmt]), row_bytes(fmt, kin)
     v = 4 if fmt in UNALIGNED_KQ else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
-    while (rbp // 4) % 8 != 4:  # the 8 rows g of a fragment read on distinct banks
-        rbp += 16
+    while (rbp // 4) % 8 != 4 and target.vendor == "cuda":  # the 8 rows g of a fragment read on distinct banks
+        rbp += 16  # (CUDA's mma.sync fragments; the HIP body reads by element, and Q6_K's padded tile passes 64 KiB)
     bn = spec.bn or BN
     threads = 2 * bn
     stages = spec.stages or 2
@@ -443,16 +445,18 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
     grid = (ny, tile_slots(spec), 1) if spec.cols_first else (tile_slots(spec), ny, 1)
     return PhasePlan(kin, nout, fmt, rs, v, rbp, stage, smem, grid, (threads, 1, 1), nb,
-                     fmt in KQUANTS and v == 4, bn, stages)
+                     fmt in KQUANTS and v == 4 and target.vendor == "cuda", bn, stages)
 
 
-def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
+def auto_stages(fmt: str, down_fmt: str, bn: int = 0, target: Target | None = None) -> int:
     """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset or ``auto``):
     3 when the weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``,
     already copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100) at
     the 64-wide tile (``bn`` 0 / 64), else 2: the register-staged kernels, which the pipeline did not speed up (1.01x
     MXFP4), and the 128-wide tile, one CTA of 8 warps a SM, where it lost (1.17x MXFP4; docs/perf.md Optimisation
-    18)."""
+    18). On HIP (``target``) 2: its body has the register-staged loop only."""
+    if target is not None and target.vendor != "cuda":
+        return 2
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
