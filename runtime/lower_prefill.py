@@ -39,7 +39,7 @@ What each plan kernel lowers to at C rows (the audit behind it: docs/prefill.md,
   (``GemmSpec.groups``).
 * ``moe_experts``: :func:`lower_routed_experts`: the grouped-experts family (:mod:`ds4c.runtime.families.moe_gemm`):
   the routed call with ``moe_sum`` fused into its combine, the shared expert as a ``dense`` call (CUDA sm_89+; HIP
-  on MFMA / WMMA with MXFP4 / Q8_0 weights; sm_80, gfx1201 and HIP K-quant experts pending).
+  on MFMA (every format) / WMMA (MXFP4 / Q8_0); sm_80, gfx1201 and K-quant experts on wave-32 RDNA pending).
 * ``dspark_tap`` / ``record_hc`` with ``n_valid``: :func:`_lower_tap`: the tap family with ``TapSpec.valid``
   (device ``n_valid`` after ``pos``; only the last ``R`` valid rows write, R the ring's rows: one writer per slot).
 
@@ -50,6 +50,7 @@ Per-step scalars the executor must provide for a chunk at ``pos`` with ``n_valid
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -364,6 +365,23 @@ def _experts_fmt(c: _Ctx, names: tuple[str, ...], what: str) -> str:
     return next(iter(fmts))
 
 
+def _hip_fit(spec: _mg.MoeGemmSpec, target: Target) -> _mg.MoeGemmSpec:
+    """``spec`` as HIP builds it: 64 wide where the 128-wide tile does not fit the LDS (``DS4C_PREFILL_MOE_BN=128``
+    is a CUDA A/B knob).
+
+    Raises:
+        RenderError: what the HIP body does not build (moe_gemm.check_target: K-quants on wave 32)."""
+    _mg.check_target(target, spec)
+    try:
+        for phase in ("up", "down"):
+            _mg.plan(spec, target, phase)
+        return spec
+    except _RenderError:
+        if spec.bn in (0, 64):
+            raise
+    return _hip_fit(dataclasses.replace(spec, bn=64), target)
+
+
 def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     """The ``moe_experts`` plan kernel of a prefill chunk (spec 5.2 o.5-o.7) on the grouped-experts family
     (:mod:`ds4c.runtime.families.moe_gemm`). The fused op's body: ``routed_experts`` (x bf16 ``[C, D]``, ids i64
@@ -393,7 +411,7 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
 
     Raises:
         PendingLowering: a target moe_gemm does not build (sm_80: no e4m3 cvt; gfx1201), expert weights not
-            MXFP4 / Q8_0 / a K-quant / IQ4_XS (on HIP: not MXFP4 / Q8_0), or the FP8 activation quant off
+            MXFP4 / Q8_0 / a K-quant / IQ4_XS (on wave-32 RDNA: not MXFP4 / Q8_0), or the FP8 activation quant off
             (``emulate`` / ``act_quant`` False).
         LoweringError: a body that is not routed_experts + the SwiGLU shared expert + moe_sum, a shared weight
             that is not a model tensor, or sizes the family refuses.
@@ -436,25 +454,26 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     ex = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
     fmts = (_experts_fmt(c, tuple(ex[:2]), "routed gate/up"), _experts_fmt(c, (ex[2],), "routed down"),
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
+    hip = c.target.vendor == "hip"
     try:
         rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target) if c.moe_wgmma else "sync"
-        rstages = c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn, c.target))
+        # HIP: the CUDA A/B knobs (stages 3, the L2 prefetch) do not apply; its body has the 2-stage loop
+        rstages = 2 if hip else c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
+        pf = 0 if hip else c.l2_prefetch
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
                                 shared=True, bn=c.moe_wg_bn if rmma == "wgmma" else c.moe_bn, mma=rmma,
-                                prefetch=c.l2_prefetch, cols_first=c.moe_cols_first, stages=rstages)
+                                prefetch=pf, cols_first=c.moe_cols_first, stages=rstages)
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
-                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=c.l2_prefetch,
+                                limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=pf,
                                 cols_first=c.moe_cols_first,
-                                stages=c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn, c.target))
+                                stages=2 if hip else c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
-    try:  # what the target's body does not build (HIP: K-quant weights; a tile past its 64 KiB of LDS) is pending
-        for spec in (rspec, dspec):
-            _mg.check_target(c.target, spec)
-            for phase in ("up", "down"):
-                _mg.plan(spec, c.target, phase)
-    except _RenderError as e:
-        raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
+    if hip:  # a 128-wide tile past the 64 KiB of LDS (Q8_0, K-quants) runs 64 wide; what HIP does not build is pending
+        try:
+            rspec, dspec = (_hip_fit(s, c.target) for s in (rspec, dspec))
+        except _RenderError as e:
+            raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
 
     def ws(spec: _mg.MoeGemmSpec, arg: str, name: str) -> Arg:
         shape, dt = _mg.arg_shapes(spec)[arg]

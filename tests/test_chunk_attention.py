@@ -207,3 +207,19 @@ def test_hip_matrix_compiles_without_scratch(arch, tmp_path):
     src = CA.render_chunk_attention(spec, target(arch), "ds4c_attn_csa")
     c = compile_kernel(src, tmp_path)
     assert_no_spills(c.usage, src, c.log)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_a_nan_query_stays_in_its_head(arch, tmp_path):
+    """A NaN in one query row's head gives NaN in that head only, as the reference does, and every thread still
+    meets every barrier (the HIP body decides a chunk's skip from its codes, not from that head's scores: from the
+    scores, the NaN head's threads skipped a barrier the rest of the block waited at, a deadlock)."""
+    _skip_without_host()
+    spec, pos, live = CASES["hca"]
+    x = _inputs(spec, pos, live, seed=5)
+    x["q"][2, 5, 7] = float("nan")
+    got = _emulate(spec, x, tmp_path, arch=arch)
+    want = A.reference(spec, x["q"], x["ring"], x["kv_new"], x.get("comp"), x.get("sel"), x["sink"], pos, live)
+    assert torch.equal(got.float().isnan(), want.float().isnan()) and bool(got[2, 5].float().isnan().all())
+    ok = ~want.float().isnan()
+    assert torch.allclose(got.float()[ok], want.float()[ok], rtol=2 * BF16_ULP, atol=2e-3)

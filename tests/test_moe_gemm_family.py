@@ -12,7 +12,9 @@
   same inputs (MXFP4 uneven, Q8_0, Q3_K cp.async up + Q4_K down, dense), and against the reference as above;
   ``bn`` 0 / 64 render the same sources; ``DS4C_PREFILL_MOE_BN=128`` reaches the prefill lowering's launches;
 * device compiles for sm_90 (nvcc: no spills, no stack), skipped with the reason when nvcc is missing;
-* RenderError (one line) for HIP, sm_80, unsupported formats and bad sizes; the GPU check's cases build on the CPU.
+* the HIP body (MFMA on gfx942, WMMA on gfx1151) emulated from the AMD ISA's fragment layouts, compiled with clang;
+* RenderError (one line) for sm_80, gfx1201, what HIP does not build, unsupported formats and bad sizes; the GPU
+  check's cases build on the CPU.
 
 Noise floor (emulation, D = 256, I = 128, E = 16, k = 3; and D = 384, I = 256, E = 8, k = 2): kernel and reference have the same products (codes,
 scales and e4m3 values exact in f16 / fp32) and differ only in fp32 summation order inside each projection.

@@ -83,8 +83,13 @@ MMA on the weight codes (exact f16) and the activation's e4m3 values held as f16
 result is times the weight block scale, summed over the 128-block, then times the activation scale (the
 experts family's numerics, spec 2.3.3). Form 1 (bf16 weights, act_quant off, mode bf16 / f32, or sm_80):
 the bf16 MMA on codes / bf16 weights and the bf16 activation (``bf16(q*s)`` exactly, or ``x``). ``simt``:
-fp32 FMAs with the same per-block scaling, the vendor-neutral body (HIP). ``auto`` = ``mma`` on CUDA,
-``simt`` on HIP.
+fp32 FMAs with the same per-block scaling, the vendor-neutral body. ``xm`` (HIP on AMD matrix cores,
+:data:`ds4c.runtime.targets.HIP_MATRIX`; templates/prelude/amd_kstep.h.j2, shared with the grouped experts' HIP body):
+form 1's bf16 X tile as B, the weights decoded to exact bf16 as A (MXFP4 with its power-of-two block scale folded
+in, Q8_0 codes with the block scale on the 32-block's partial, bf16 as stored; K-quants / IQ4_XS on wave 64 with
+fp8act: codes per 16-value half, ``sc * partial - mn * sum(x)``), MFMA 16x16x16 bf16 (wave 64) or gfx11 WMMA (wave
+32); compile-checked and emulated, not run on an AMD GPU. ``auto`` = ``mma`` on CUDA, ``xm`` on the HIP matrix-core
+archs, ``simt`` on other HIP archs (gfx1201).
 
 Kernel arguments (:func:`arg_order`): ``x`` bf16 ``[C, K]``, ``w`` the stored weight, ``y`` ``[C, N]`` in
 ``out_dtype`` (only rows < C and columns < N are written); a prequant GEMM ``xq``, ``xs``, ``w``, ``y`` and
@@ -108,7 +113,7 @@ from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
 from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
-from ds4c.runtime.targets import Target
+from ds4c.runtime.targets import HIP_MATRIX, Target
 
 TEMPLATE = "gemm/gemm.cu.j2"
 FAMILY = "gemm"
@@ -117,7 +122,7 @@ FORMATS = ("mxfp4", "q8_0", "bf16") + KQUANTS
 FMT_ID = {"mxfp4": 0, "q8_0": 1, "bf16": 2, **{f: 3 for f in KQUANTS}}
 MODES = ("fp8act", "bf16", "f32")
 OUT_DTYPES = ("bf16", "f32")
-ENGINES = ("auto", "mma", "simt")
+ENGINES = ("auto", "mma", "simt", "xm")
 #: bytes of one stored block of 32 values (K-quants / IQ4_XS: :data:`SUPER_BYTES` per 256)
 BLOCK_BYTES = {"mxfp4": 17, "q8_0": 34, "bf16": 64}
 SUPER_BYTES = {f: _XP_BYTES[f] for f in KQUANTS}
@@ -291,11 +296,17 @@ class GemmSpec:
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
-    """``mma`` or ``simt`` for ``target`` (:func:`ds4c.runtime.render.resolve_mma_engine`).
+    """``mma``, ``simt`` or ``xm`` for ``target``: ``auto`` is ``xm`` (AMD matrix cores, templates/prelude/
+    amd_kstep.h.j2) on the HIP archs of :data:`ds4c.runtime.targets.HIP_MATRIX`, else as
+    :func:`ds4c.runtime.render.resolve_mma_engine` (``mma`` on CUDA, ``simt`` on other HIP archs).
 
     Raises:
-        RenderError: ``mma`` asked for a HIP target.
+        RenderError: ``mma`` asked for a HIP target, ``xm`` for one without matrix cores.
     """
+    if spec.engine == "xm" or (spec.engine == "auto" and target.vendor == "hip" and target.arch in HIP_MATRIX):
+        if target.vendor != "hip" or target.arch not in HIP_MATRIX:
+            raise RenderError(f"gemm: engine 'xm' (AMD matrix cores) runs on {'/'.join(HIP_MATRIX)}, not {target.slug}")
+        return "xm"
     return resolve_mma_engine(spec.engine, target, "gemm")
 
 
@@ -334,9 +345,10 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     engine = resolve_engine(spec, target)
     form = 0 if (engine == "mma" and target.arch in E4M3_ARCHS and spec.quant and spec.fmt != "bf16") else 1
     kq = spec.fmt in KQUANTS
-    if kq and form != 0:
+    if kq and form != 0 and not (engine == "xm" and target.wave == 64 and spec.quant):
         raise RenderError(f"gemm {spec.short()} on {target.slug}: K-quant weights run only on the f16 MMA over e4m3 "
-                          f"activations (CUDA {'/'.join(E4M3_ARCHS)}, mode fp8act with act_quant)")
+                          f"activations (CUDA {'/'.join(E4M3_ARCHS)}, mode fp8act with act_quant) or on wave-64 AMD "
+                          f"matrix cores (engine xm, fp8act with act_quant; wave 32's K-quant step spills)")
     sb = kq_segment(spec.fmt) if kq else 4 * BLOCK_BYTES[spec.fmt]
     rs = row_bytes(spec.fmt, spec.k)
     v = 4 if spec.fmt in UNALIGNED_KQ else max(x for x in (16, 8, 4) if sb % x == 0 and rs % x == 0)
@@ -344,7 +356,7 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     # distinct banks (4-byte reads: stride % 8 words == 4; bf16's 8-byte reads: % 16 == 8)
     want = (16, 8) if spec.fmt == "bf16" else (8, 4)
     rbp = _round16(sb + 4)  # + 4: the funnel reads of 17-byte blocks may touch the word after the segment
-    while (rbp // 4) % want[0] != want[1]:
+    while (rbp // 4) % want[0] != want[1] and engine != "xm":  # (xm reads by element: no fragment bank rule)
         rbp += 16
     bn = spec.bn or BN
     stage = _round16(BM * XST + BM * 4 + bn * rbp)
@@ -357,7 +369,8 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
         raise RenderError(f"gemm {spec.short()} on {target.slug}: needs {smem} bytes of shared memory, the limit "
                           f"is {lim}")
     grid = (-(-spec.rows // BM), spec.groups * -(-spec.n // bn), 1)
-    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1), kq and v == 4, pipe)
+    return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1),
+                    kq and v == 4 and target.vendor == "cuda", pipe)
 
 
 def launch_min_blocks(threads: int, smem: int, pipe: bool, fmt: str) -> int:
@@ -385,6 +398,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
     name = name or f"gemm_{spec.key()}_{pl.engine}"
     params: dict[str, Any] = dict(
         rows=spec.rows, n=spec.n, k=spec.k, fmt_id=FMT_ID[spec.fmt], form=pl.form, mma=pl.engine == "mma",
+        xm=pl.engine == "xm", matrix=HIP_MATRIX.get(target.arch, ""),
         quant=spec.quant, x_prequant=spec.x_prequant, prequant=uses_prequant(spec, target),
         hw_quant=pl.form == 0 and spec.quant and not spec.x_prequant and not spec.sw_quant,
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,

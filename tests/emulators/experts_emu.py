@@ -146,7 +146,7 @@ struct EmuBlock {
   float wgA[8][64][16];  // per warpgroup: the wgmma A operand, assembled from its threads' fragments
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
   float xB[32][16][16];                 // per wave: a HIP matrix op's B (A in mA)
-  bool xSet[32][16][16];                // per wave: which A elements a lane gave (WMMA's repeated halves)
+  bool xSet[32][16][16];                // per wave: the A elements the lanes gave (guards this file's layouts)
   const u8* px[1024];                     // ldmatrix: every lane's row address
 };
 static EmuBlock* g_blk;
@@ -366,7 +366,8 @@ DS4C_DEVICE void xm_mma(float (&c)[CN], F a, F b) {
       const float va = emu_bf16((u16)a[e]), vb = emu_bf16((u16)b[e]);
       if ((va != A[r][e] && !(std::isnan(va) && std::isnan(A[r][e]))) ||
           (vb != B[e][r] && !(std::isnan(vb) && std::isnan(B[e][r])))) {
-        fprintf(stderr, "emulator: wmma lane %d's fragment differs from lane %d's (lanes 16..31 repeat 0..15)\n", lane, r);
+        fprintf(stderr, "emulator: wmma lane %d's fragment differs from lane %d's (lanes 16..31 repeat 0..15)\n",
+                lane, r);
         abort();
       }
     }

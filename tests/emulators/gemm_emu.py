@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: tests/, for emulators.*
 
 from ds4c.runtime.families import gemm as GM  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
-from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host  # noqa: E402,F401 (re-exported)
+from emulators.experts_emu import compile_host, host_body, host_unavailable, run_host, vendor_defines  # noqa: E402,F401
 
 #: the template's PTX helpers (stripped from the body with the "mma.sync helpers" section) on the emulator's
 SHIMS = r"""
@@ -71,15 +71,14 @@ GUARD_ROWS = GM.BM
 
 
 def build(spec: GM.GemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
-    """Compile the emulator of ``spec`` rendered for the CUDA ``arch`` (engine ``simt`` gives the body the HIP
-    builds run) into ``workdir/emu``; returns the executable.
+    """Compile the emulator of ``spec`` rendered for ``arch`` into ``workdir/emu``: a CUDA arch (engine ``simt``
+    gives the SIMT body), or a HIP one (its wave; on the matrix-core archs the ``xm`` body, MFMA / WMMA from the
+    ISA's fragment layouts); returns the executable.
 
     Raises:
-        RuntimeError: a HIP arch, no host C++20 compiler, or the host compile failed.
+        RuntimeError: no host C++20 compiler, or the host compile failed.
     """
     tgt = make_target(arch)
-    if tgt.vendor != "cuda":
-        raise RuntimeError(f"gemm_emu: emulates CUDA renders only (the SIMT engine is the HIP body), not {arch}")
     srcs = GM.render_call(spec, tgt, "emu")
     launches = GM.launch_shapes(spec, tgt)
     names = GM.arg_names(spec, tgt)
@@ -115,7 +114,7 @@ int main(int argc, char** argv) {{
   return 0;
 }}
 """
-    return compile_host(main, workdir, "gemm_emu")
+    return compile_host(main, workdir, "gemm_emu", vendor_defines(tgt))
 
 
 def run(spec: GM.GemmSpec, x: torch.Tensor, w: torch.Tensor, workdir: Path, arch: str = "sm_90",
