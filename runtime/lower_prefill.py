@@ -112,8 +112,8 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
     Raises:
         LoweringError: a weight that is not a model tensor or whose storage the GEMM family does not read (F32),
             or ``K`` not a multiple of 128.
-        PendingLowering: K-quant / IQ4_XS weights on a target or mode without the f16 MMA path (HIP, sm_80,
-            act_quant off).
+        PendingLowering: K-quant / IQ4_XS weights on a target or mode that does not decode them (sm_80, wave-32
+            RDNA, gfx1201, act_quant off: the f16 MMA path on CUDA sm_89+ and the wave-64 AMD matrix cores do).
     """
     rows, k = (int(d) for d in x.type.shape)
     if rows < GEMM_MIN_ROWS:
@@ -133,7 +133,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
                             act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
                             out_dtype=lin.outputs[0].type.dtype, prequant=True, bn=c.gemm_bn,
                             stages=c.stages or 2)
-        if fmt in _gm.KQUANTS:  # only the f16 MMA path (CUDA sm_89+, fp8act) decodes them: pending elsewhere
+        if fmt in _gm.KQUANTS:  # the f16 MMA path (CUDA sm_89+) and wave-64 xm decode them (fp8act): pending elsewhere
             try:
                 _gm.plan(spec, c.target)
             except _RenderError as e:
@@ -469,11 +469,16 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
                                 stages=2 if hip else c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
-    if hip:  # a 128-wide tile past the 64 KiB of LDS (Q8_0, K-quants) runs 64 wide; what HIP does not build is pending
-        try:
+    try:  # HIP: a 128-wide tile past its 64 KiB of LDS runs 64 wide; what the target does not build is pending
+        if hip:
             rspec, dspec = (_hip_fit(s, c.target) for s in (rspec, dspec))
-        except _RenderError as e:
-            raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
+        else:
+            for spec in (rspec, dspec):
+                _mg.check_target(c.target, spec)
+                for phase in ("up", "down"):
+                    _mg.plan(spec, c.target, phase)
+    except _RenderError as e:
+        raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
 
     def ws(spec: _mg.MoeGemmSpec, arg: str, name: str) -> Arg:
         shape, dt = _mg.arg_shapes(spec)[arg]

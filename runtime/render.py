@@ -43,7 +43,7 @@ def resolve_mma_engine(engine: str, target: Target, family: str) -> str:
         return "mma" if target.vendor == "cuda" else "simt"
     if engine == "mma" and target.vendor != "cuda":
         raise RenderError(f"{family}: engine 'mma' (mma.sync) is CUDA only, found target {target.slug}; expected "
-                          f"engine 'simt' or 'auto'")
+                          f"engine 'simt' or 'auto'" + (" (or 'xm', AMD matrix cores)" if family == "gemm" else ""))
     return engine
 
 

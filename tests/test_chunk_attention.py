@@ -209,17 +209,20 @@ def test_hip_matrix_compiles_without_scratch(arch, tmp_path):
     assert_no_spills(c.usage, src, c.log)
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942", "gfx1151"])
 def test_a_nan_query_stays_in_its_head(arch, tmp_path):
-    """A NaN in one query row's head gives NaN in that head only, as the reference does, and every thread still
-    meets every barrier (the HIP body decides a chunk's skip from its codes, not from that head's scores: from the
-    scores, the NaN head's threads skipped a barrier the rest of the block waited at, a deadlock)."""
+    """A NaN in a query row's head gives NaN in that head only, as the reference does, and every thread still meets
+    every barrier and warp-wide MMA: both bodies decide a chunk's skip from its codes, not from a head's scores (from
+    the scores, the NaN head's lanes skipped what the rest of the block waited at: a deadlock). Heads 5 and 29 (the
+    CUDA body's last score head of a lane group, where its old per-head decision was taken)."""
     _skip_without_host()
     spec, pos, live = CASES["hca"]
     x = _inputs(spec, pos, live, seed=5)
     x["q"][2, 5, 7] = float("nan")
+    x["q"][3, 29, 0] = float("nan")
     got = _emulate(spec, x, tmp_path, arch=arch)
     want = A.reference(spec, x["q"], x["ring"], x["kv_new"], x.get("comp"), x.get("sel"), x["sink"], pos, live)
-    assert torch.equal(got.float().isnan(), want.float().isnan()) and bool(got[2, 5].float().isnan().all())
+    assert torch.equal(got.float().isnan(), want.float().isnan())
+    assert bool(got[2, 5].float().isnan().all()) and bool(got[3, 29].float().isnan().all())
     ok = ~want.float().isnan()
     assert torch.allclose(got.float()[ok], want.float()[ok], rtol=2 * BF16_ULP, atol=2e-3)

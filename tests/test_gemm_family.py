@@ -205,6 +205,9 @@ EMU_CASES = [
     ("xm", "gfx942", dict(rows=20, n=64, k=512, fmt="q3_k")),
     ("xm", "gfx942", dict(rows=40, n=64, k=256, fmt="q5_k")),
     ("xm", "gfx942", dict(rows=64, n=64, k=256, fmt="iq4_xs")),
+    # one stage (bn 128 K-quant: the late loads beside the single stage's barrier); mode f32 (plain x, fp32 out)
+    ("xm", "gfx942", dict(rows=50, n=200, k=512, fmt="q4_k", bn=128)),
+    ("xm", "gfx1151", dict(rows=40, n=64, k=256, fmt="q8_0", mode="f32")),
 ]
 
 
@@ -269,23 +272,25 @@ def test_grouped_kernel_emulated(engine: str, kw: dict, tmp_path: Path) -> None:
         GM.GemmSpec(**{**kw, "prequant": True})
 
 
-@pytest.mark.parametrize("engine,fmt", [("mma", "q8_0"), ("simt", "mxfp4")])
-def test_kernel_emulated_prequantized_x(engine: str, fmt: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine,fmt,arch", [("mma", "q8_0", "sm_90"), ("simt", "mxfp4", "sm_90"),
+                                             ("xm", "q6_k", "gfx942")])
+def test_kernel_emulated_prequantized_x(engine: str, fmt: str, arch: str, tmp_path: Path) -> None:
     """An X already quantized by actq: the default kernel (full in-tile quant) gives the same bits as on the raw
     X (the idempotence the module docstring relies on), and so does the ``x_prequant`` kernel, which skips the
-    rounding (the f16-MMA form 0 for q8_0; form 1 in the SIMT body)."""
+    rounding (the f16-MMA form 0 for q8_0; form 1 in the SIMT body and the HIP matrix-core one)."""
     why = gemm_emu.host_unavailable()
     if why:
         pytest.skip(why)
     E = gemm_emu
-    spec = GM.GemmSpec(40, 64, 256, fmt, engine=engine)
+    k = 512 if fmt == "q6_k" else 256
+    spec = GM.GemmSpec(40, 64, k, fmt, engine=engine)
     x, w = _inputs(spec, 9)
     xq = act_quant_dequant(x, 128).to(BF16)
-    exe = E.build(spec, tmp_path / "full")
-    y, _ = E.run(spec, x, w, tmp_path / "full", exe=exe)
-    yq, _ = E.run(spec, xq, w, tmp_path / "full", exe=exe)
-    pre = GM.GemmSpec(40, 64, 256, fmt, engine=engine, x_prequant=True)
-    yp, guard = E.run(pre, xq, w, tmp_path / "pre")
+    exe = E.build(spec, tmp_path / "full", arch)
+    y, _ = E.run(spec, x, w, tmp_path / "full", arch=arch, exe=exe)
+    yq, _ = E.run(spec, xq, w, tmp_path / "full", arch=arch, exe=exe)
+    pre = GM.GemmSpec(40, 64, k, fmt, engine=engine, x_prequant=True)
+    yp, guard = E.run(pre, xq, w, tmp_path / "pre", arch=arch)
     assert not torch.isnan(y.float()).any() and torch.isnan(guard.float()).all()
     assert torch.equal(y.view(torch.int16), yq.view(torch.int16))
     assert torch.equal(y.view(torch.int16), yp.view(torch.int16))

@@ -150,17 +150,17 @@ def test_bad_prefill_requests_are_one_line_errors(tiny_weights) -> None:
 
 
 def test_lowering_refuses_prefill_graphs_in_one_line() -> None:
-    """A chunk graph lowers whole for sm_90 (runtime/lower_prefill.py, tests/test_prefill_lower.py); for a target
-    the grouped-experts family does not build (gfx1151), without a ``pending`` list the refusal is one line
+    """A chunk graph lowers whole for sm_90 and gfx1151 (runtime/lower_prefill.py, tests/test_prefill_lower.py); for
+    a target the grouped-experts family does not build (gfx1201), without a ``pending`` list the refusal is one line
     naming the first pending kernel and the family."""
     from ds4c.runtime.lower import lower_graph
     from ds4c.runtime.lowered import LoweringError
     from ds4c.runtime.targets import target
 
     g = run_pipeline(build_step(TINY, 64, 128, prefill=True), "default", context=128).graph
-    assert lower_graph(g, TINY, target("sm_90"))
+    assert lower_graph(g, TINY, target("sm_90")) and lower_graph(g, TINY, target("gfx1151"))
     with pytest.raises(LoweringError) as ei:
-        lower_graph(g, TINY, target("gfx1151"))
+        lower_graph(g, TINY, target("gfx1201"))
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith("l0.moe_experts: ") and "grouped-experts family (moe_gemm)" in msg
 

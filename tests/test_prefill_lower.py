@@ -239,8 +239,8 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
     """Every distinct source of the tiny C=64 chunk (HC row blocks, GEMM + actq, grouped GEMM, row chains
     incl. the valid-gated ring write, compressor with n_valid, indexer, attention, router at q=64, take-row; with
     the drafters' taps and record_hc: the tap kernels with n_valid and the head's C-row streams) compiles for
-    sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs there are the SIMT body, the grouped experts and the attention
-    the WMMA ones)."""
+    sm_90 (nvcc) and gfx1151 (clang-19; the GEMMs, the grouped experts and the attention there are the WMMA
+    bodies)."""
     if not shutil.which(tool):
         pytest.skip(f"{tool} is not installed")
     from ds4c.runtime.cache import KernelCache
@@ -821,9 +821,10 @@ def test_every_valid_row_writing_is_caught_by_the_reversed_block_order(kind, tmp
 
 def test_a_kquant_mix_lowers_every_chunk_kernel():
     """A llama-quantize Q4_K_M-like file (every projection and expert in K-quants: the official FP8 and FP4 roles
-    as Q4_K) lowers every chunk plan kernel on sm_90, the projections' GEMMs reading the K-quant; on sm_80 (no
-    f16 MMA on e4m3 activations) those GEMMs and the experts stay pending with one-line reasons, never a
-    refusal, so the engine prefills with verify steps there (test_prefill_exec)."""
+    as Q4_K) lowers every chunk plan kernel on sm_90 and on gfx942 (wave-64 AMD matrix cores), the projections'
+    GEMMs reading the K-quant; on sm_80 (no f16 MMA on e4m3 activations) and gfx1151 (wave 32) those GEMMs and the
+    experts stay pending with one-line reasons, never a refusal, so the engine prefills with verify steps there
+    (test_prefill_exec)."""
     from ds4c.quant import GGMLType
     from ds4c.tensors import _OFFICIAL, ROLE_FP4, ROLE_FP8, storage_types
 
@@ -835,10 +836,15 @@ def test_a_kquant_mix_lowers_every_chunk_kernel():
     assert not pend
     gemms = [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches if "#define GM_FMT" in la.kernel.source]
     assert sum("#define GM_FMT 3" in src for src in gemms) >= 4 * cfg.n_layers
-    pend = []
-    lower_graph(g, cfg, target("sm_80"), types, pending=pend)
-    pats = {p.pattern for p in pend}
-    assert "moe_experts" in pats and len(pats) > 1 and all("\n" not in p.message for p in pend), pats
+    ks = lower_graph(g, cfg, target("gfx942"), types, pending=pend)
+    assert not pend, pend[0].message
+    gemms = [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches if "#define GM_FMT" in la.kernel.source]
+    assert sum("#define GM_FMT 3" in src and "#define GM_XM 1" in src for src in gemms) >= 4 * cfg.n_layers
+    for arch in ("sm_80", "gfx1151"):
+        pend = []
+        lower_graph(g, cfg, target(arch), types, pending=pend)
+        pats = {p.pattern for p in pend}
+        assert "moe_experts" in pats and len(pats) > 1 and all("\n" not in p.message for p in pend), (arch, pats)
 
 
 @pytest.mark.parametrize("fmt,pending", [("q3_k", False), ("q4_k", False), ("bf16", True)])

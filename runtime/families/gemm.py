@@ -10,10 +10,11 @@ grouped call, ``GemmSpec.groups``).
 Weights (``GemmSpec.fmt``; layouts docs/gguf-layout.md, :mod:`ds4c.quant`): ``mxfp4`` uint8
 ``[N, K/32*17]`` (e8m0 byte, then 16 bytes: byte j = element j low nibble, j+16 high nibble), ``q8_0`` uint8
 ``[N, K/32*34]`` (fp16 d, 32 int8), ``bf16`` ``[N, K]``; the K-quants ``q2_k`` .. ``q6_k`` and ``iq4_xs``
-uint8 ``[N, K/256*bytes]`` (a llama-quantize Q4_K_M / Q3_K_M file's projections), on form 0 only (below): per K
-step half a super-block, the grouped experts GEMM's decode and numerics (``templates/prelude/kq_mma.h.j2``,
-:mod:`ds4c.runtime.families.moe_gemm`); the formats staged in 4-byte units (Q2_K, Q3_K, Q6_K) copy their weights
-by 4-byte ``cp.async`` (``GemmPlan.w_async``). Elsewhere (sm_80, HIP, act_quant off) and for f32 weights
+uint8 ``[N, K/256*bytes]`` (a llama-quantize Q4_K_M / Q3_K_M file's projections), on form 0 (below) and the
+wave-64 ``xm`` engine, fp8act with act_quant: per K step half a super-block, the grouped experts GEMM's decode and
+numerics (``templates/prelude/kq_mma.h.j2`` / ``amd_kstep.h.j2``, :mod:`ds4c.runtime.families.moe_gemm`); on CUDA
+the formats staged in 4-byte units (Q2_K, Q3_K, Q6_K) copy their weights by 4-byte ``cp.async``
+(``GemmPlan.w_async``). Elsewhere (sm_80, wave-32 RDNA, gfx1201, act_quant off) and for f32 weights
 :class:`RenderError`.
 
 Activation: ``x`` is bf16 ``[C, K]``. With mode ``fp8act`` and ``act_quant`` the kernel quantizes it per
@@ -174,12 +175,12 @@ class GemmSpec:
         n: N, the output width (weight rows; >= 1).
         k: K, the input width (a positive multiple of 128).
         fmt: weight storage: ``mxfp4`` | ``q8_0`` | ``bf16`` | a K-quant (``q2_k`` .. ``q6_k``) | ``iq4_xs``
-            (K-quants: only on the f16 MMA path, form 0 of :func:`plan`; ``k`` a multiple of 256, of 512 for
-            Q3_K / Q6_K).
+            (K-quants: on the f16 MMA path, form 0 of :func:`plan`, and wave-64 ``xm``; ``k`` a multiple of 256,
+            of 512 for Q3_K / Q6_K).
         mode: ``fp8act`` (spec 2.3: e4m3 activation quant when ``act_quant``) | ``bf16`` | ``f32`` (plain x).
         act_quant: quantize the activation of an ``fp8act`` GEMM (False = the reference's ``emulate=False``).
         out_dtype: ``bf16`` | ``f32``; None = ``f32`` for mode ``f32``, else ``bf16``.
-        engine: ``auto`` | ``mma`` | ``simt`` (module docstring).
+        engine: ``auto`` | ``mma`` | ``simt`` | ``xm`` (module docstring).
         x_prequant: ``x`` is already quantized by ``templates/actq/act_quant.cu.j2`` (bf16 holding
             ``e4m3 * 2^k`` per 128-block); the kernel then only recovers each block's scale (same results; on
             the bf16 paths the tile is a plain copy). Only with mode ``fp8act`` and ``act_quant``.
