@@ -832,14 +832,15 @@ def test_a_kquant_mix_lowers_every_chunk_kernel():
     types = storage_types(cfg, {**_OFFICIAL, ROLE_FP8: GGMLType.Q4_K, ROLE_FP4: GGMLType.Q4_K})
     g = _graph("flash-l4", 64, 4096)
     pend: list = []
-    ks = lower_graph(g, cfg, target("sm_90"), types, pending=pend)
-    assert not pend
-    gemms = [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches if "#define GM_FMT" in la.kernel.source]
-    assert sum("#define GM_FMT 3" in src for src in gemms) >= 4 * cfg.n_layers
-    ks = lower_graph(g, cfg, target("gfx942"), types, pending=pend)
-    assert not pend, pend[0].message
-    gemms = [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches if "#define GM_FMT" in la.kernel.source]
-    assert sum("#define GM_FMT 3" in src and "#define GM_XM 1" in src for src in gemms) >= 4 * cfg.n_layers
+    def gemm_sources(arch: str) -> list[str]:
+        ks = lower_graph(g, cfg, target(arch), types, pending=pend)
+        assert not pend, pend[0].message
+        return [la.kernel.source for k in ks if k.family == "gemm" for la in k.launches
+                if "#define GM_FMT" in la.kernel.source]
+
+    assert sum("#define GM_FMT 3" in src for src in gemm_sources("sm_90")) >= 4 * cfg.n_layers
+    xm = [src for src in gemm_sources("gfx942") if "#define GM_XM 1" in src]
+    assert sum("#define GM_FMT 3" in src for src in xm) >= 4 * cfg.n_layers
     for arch in ("sm_80", "gfx1151"):
         pend = []
         lower_graph(g, cfg, target(arch), types, pending=pend)
