@@ -365,21 +365,20 @@ def _experts_fmt(c: _Ctx, names: tuple[str, ...], what: str) -> str:
     return next(iter(fmts))
 
 
-def _hip_fit(spec: _mg.MoeGemmSpec, target: Target) -> _mg.MoeGemmSpec:
-    """``spec`` as HIP builds it: 64 wide where the 128-wide tile does not fit the LDS (``DS4C_PREFILL_MOE_BN=128``
-    is a CUDA A/B knob).
+def _buildable(spec: _mg.MoeGemmSpec, target: Target) -> _mg.MoeGemmSpec:
+    """``spec`` as ``target`` builds it (both phases planned, which checks the target); on HIP 64 wide where the
+    128-wide tile does not fit the LDS (``DS4C_PREFILL_MOE_BN=128`` is a CUDA A/B knob).
 
     Raises:
-        RenderError: what the HIP body does not build (moe_gemm.check_target: K-quants on wave 32)."""
-    _mg.check_target(target, spec)
+        RenderError: what the target does not build (moe_gemm.check_target / plan)."""
     try:
         for phase in ("up", "down"):
             _mg.plan(spec, target, phase)
         return spec
     except _RenderError:
-        if spec.bn in (0, 64):
+        if target.vendor != "hip" or spec.bn in (0, 64):
             raise
-    return _hip_fit(dataclasses.replace(spec, bn=64), target)
+    return _buildable(dataclasses.replace(spec, bn=64), target)
 
 
 def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
@@ -469,14 +468,8 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
                                 stages=2 if hip else c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
-    try:  # HIP: a 128-wide tile past its 64 KiB of LDS runs 64 wide; what the target does not build is pending
-        if hip:
-            rspec, dspec = (_hip_fit(s, c.target) for s in (rspec, dspec))
-        else:
-            for spec in (rspec, dspec):
-                _mg.check_target(c.target, spec)
-                for phase in ("up", "down"):
-                    _mg.plan(spec, c.target, phase)
+    try:  # what the target does not build is pending (HIP: a 128-wide tile past its LDS runs 64 wide)
+        rspec, dspec = (_buildable(s, c.target) for s in (rspec, dspec))
     except _RenderError as e:
         raise PendingLowering(f"moe_experts at {c.q} rows: {e}") from None
 

@@ -18,6 +18,8 @@ HIP_ARCHS = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1151": 32, "gfx1201"
 #: CDNA's v_mfma_f32_16x16x16_bf16 (wave 64), RDNA 3's v_wmma_f32_16x16x16_bf16 (wave 32); gfx1201 (RDNA 4, another
 #: WMMA operand layout) has none yet
 HIP_MATRIX = {"gfx90a": "mfma", "gfx942": "mfma", "gfx1100": "wmma", "gfx1151": "wmma"}
+#: LDS (shared memory) one HIP workgroup may use, every arch above
+HIP_LDS = 64 * 1024
 
 
 class TargetError(Ds4cError):

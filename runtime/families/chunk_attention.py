@@ -36,7 +36,7 @@ from __future__ import annotations
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.attention import AttentionSpec
 from ds4c.runtime.render import KernelSource, RenderError, render
-from ds4c.runtime.targets import HIP_MATRIX, Target
+from ds4c.runtime.targets import HIP_LDS, HIP_MATRIX, Target
 
 TEMPLATE = "attention/chunk_mma.cu.j2"
 HIP_TEMPLATE = "attention/chunk_hip_matrix.cu.j2"
@@ -47,7 +47,6 @@ THREADS = 256          # 8 warps
 CHUNK = 64             # list entries per chunk (P9)
 #: the most dynamic shared memory one block may have, per CUDA arch
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
-HIP_LDS = 64 * 1024  # LDS a block gets on every HIP_MATRIX arch
 HIP_CHUNK = 32  # list entries per chunk of the HIP body
 
 

@@ -114,7 +114,7 @@ from ds4c.runtime.families import Launch
 from ds4c.runtime.families.actq import actq_launch, render_actq
 from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, FMT_ID as _XP_FMT_ID, KQUANTS
 from ds4c.runtime.render import KernelSource, RenderError, render, resolve_mma_engine
-from ds4c.runtime.targets import HIP_MATRIX, Target
+from ds4c.runtime.targets import HIP_LDS, HIP_MATRIX, Target
 
 TEMPLATE = "gemm/gemm.cu.j2"
 FAMILY = "gemm"
@@ -142,7 +142,7 @@ SM_SMEM = 228 * 1024  # shared memory of an sm_90 SM, CTAs' reservations include
 KSTEP = 128
 XST = 272  # bytes between X tile rows in shared memory
 #: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
-SMEM_LIMIT = {"cuda": 227 * 1024, "hip": 64 * 1024}
+SMEM_LIMIT = {"cuda": 227 * 1024, "hip": HIP_LDS}
 #: registers per thread the CUDA build may use: __launch_bounds__(threads, 65536 // (threads * this)), i.e. 2
 #: CTAs of 128 threads or 1 of 256 per SM
 REG_BUDGET = 255

@@ -90,10 +90,9 @@ owns 16 ``DS4C_WAVE / 32`` of the tile's weight rows x its 64 pairs; A = the sta
 bf16 (MXFP4: e2m1 times the block's 2^(E-127), inside bf16's exponent range; Q8_0: the int8 code, the f16 block scale
 applied to the 32-block's fp32 partial; K-quants / IQ4_XS: the int8 codes of prelude/kquant.h.j2's decoder, per
 16-value half ``sc * partial - mn * (the half's activation sum)``), B = the pairs' e4m3 values times their
-activation scale as exact bf16. On wave 32 the next K step's
-tiles are loaded after the products (beside the 16-value WMMA fragments they spilled), as are a K-quant call's on
-wave 64. The activation scale (a power of two) is folded into B, so every partial goes straight into the
-accumulators. Every format on wave 64 (K-quants / IQ4_XS not on wave 32: their WMMA step spills past 256 VGPRs on
+activation scale (a power of two) as exact bf16, so every partial goes straight into the accumulators. On wave 32,
+and for K-quants on wave 64, the next K step's tiles are loaded after the products (beside the 16-value WMMA
+fragments or the K-quant decode they spilled). Every format on wave 64 (K-quants / IQ4_XS not on wave 32: their WMMA step spills past 256 VGPRs on
 gfx1151, pending), 2 stages (weights staged through registers, no cp.async), no L2 prefetch, tiles within 64 KiB of
 LDS (a 128-wide Q8_0 tile is not); compile-checked with clang and emulated (the ISA's fragment layouts), not run on
 an AMD GPU.
@@ -132,7 +131,7 @@ from ds4c.runtime.families.experts import BLOCK_BYTES as _XP_BYTES, E4M3_ARCHS, 
 from ds4c.runtime.families.experts import _float_literal, dequantize_weight
 from ds4c.runtime.families.gemm import SM_SMEM, STAGES, launch_min_blocks
 from ds4c.runtime.render import KernelSource, RenderError, render
-from ds4c.runtime.targets import HIP_MATRIX, Target, target as make_target
+from ds4c.runtime.targets import HIP_LDS, HIP_MATRIX, Target, target as make_target
 
 TEMPLATE = "moe_gemm/moe_gemm.cu.j2"
 FAMILY = "moe_gemm"
@@ -169,7 +168,6 @@ WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warp
 # and a fourth stage of shared memory costs MXFP4's 64-wide kernel a CTA per SM (2 instead of 3: the same steps in
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
-HIP_LDS = 64 * 1024  # LDS a block gets on every HIP_MATRIX arch
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
 MMAS = ("sync", "wgmma")
 PREFETCH = (0, 128, 256)
@@ -448,15 +446,13 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
                      fmt in KQUANTS and v == 4 and target.vendor == "cuda", bn, stages)
 
 
-def auto_stages(fmt: str, down_fmt: str, bn: int = 0, target: Target | None = None) -> int:
+def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     """The K-step stages the prefill lowering gives a call by default (``DS4C_PREFILL_STAGES`` unset or ``auto``):
     3 when the weights of both phases are K-quants staged in 4-byte units (Q2_K, Q3_K, Q6_K: ``PhasePlan.w_async``,
     already copied by cp.async; the pipeline keeps two steps in flight: 0.89x with Q3_K at 2048 rows on an H100) at
     the 64-wide tile (``bn`` 0 / 64), else 2: the register-staged kernels, which the pipeline did not speed up (1.01x
     MXFP4), and the 128-wide tile, one CTA of 8 warps a SM, where it lost (1.17x MXFP4; docs/perf.md Optimisation
-    18). On HIP (``target``) 2: its body has the register-staged loop only."""
-    if target is not None and target.vendor != "cuda":
-        return 2
+    18). CUDA's: the HIP body has the register-staged loop only (the prefill lowering gives it 2)."""
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
