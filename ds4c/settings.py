@@ -54,8 +54,11 @@ variable                       default                     what it does (reader)
                                                            experts whose weights are K-quants staged by cp.async
                                                            (Q2_K, Q3_K, Q6_K), else 2 (:func:`prefill_stages`)
 ``DS4C_PREFILL_MOE_MMA``       ``sync``                    the prefill chunks' routed experts' up / down MMA: sync
-                                                           (mma.sync everywhere) or wgmma (where moe_gemm.auto_mma
-                                                           allows: MXFP4, sm_90 / sm_90a) (:func:`prefill_moe_wgmma`)
+                                                           (mma.sync everywhere), wgmma or fp8 (where
+                                                           moe_gemm.auto_mma allows: MXFP4; wgmma sm_90 / sm_90a)
+                                                           (:func:`prefill_moe_mma`)
+``DS4C_PREFILL_MOE_XQ``        ``f16``                     the grouped experts' quantized activations: f16 or e4m3
+                                                           (one-byte codes; CUDA mma.sync) (:func:`prefill_moe_xq`)
 ``DS4C_PREFILL_MOE_WG_BN``     ``128``                     weight rows per CTA of the routed experts on wgmma: 64,
                                                            128 or 256 (1, 2 or 4 warpgroups)
                                                            (:func:`prefill_moe_wg_bn`)
@@ -87,9 +90,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from ds4c.errors import Ds4cError
+
+_T = TypeVar("_T")
 
 
 class SettingsError(Ds4cError):
@@ -265,9 +270,9 @@ def prefill_attn_threads() -> int:
     return _int("DS4C_PREFILL_ATTN_THREADS", 0, 0)
 
 
-def _choice(name: str, choices: dict[str, int], unset: str) -> int:
-    """A setting that is one of the words of ``choices`` (surrounding spaces ignored), read as its number; unset: the
-    number of the word ``unset``. Raises SettingsError (naming the words) else."""
+def _choice(name: str, choices: dict[str, _T], unset: str) -> _T:
+    """A setting that is one of the words of ``choices`` (surrounding spaces ignored), read as its value; unset: the
+    value of the word ``unset``. Raises SettingsError (naming the words) else."""
     value = raw(name)
     word = unset if value is None else value.strip()
     if word not in choices:
@@ -317,17 +322,30 @@ def prefill_stages() -> int:
     return _choice("DS4C_PREFILL_STAGES", {"2": 2, "3": 3, "auto": 0}, "auto")
 
 
-def prefill_moe_wgmma() -> bool:
-    """Whether the prefill chunks' grouped experts run their up / down phases on Hopper's wgmma
-    (``$DS4C_PREFILL_MOE_MMA``: ``sync``, the default, the mma.sync kernels everywhere; ``wgmma``: wgmma for every call
-    :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible -- MXFP4 weights both ways, an sm_90 / sm_90a
-    target -- and mma.sync for the rest). wgmma is not the default: on an H100 and an H200 it ran the routed experts
-    no faster than mma.sync (docs/perf.md Optimisation 19).
+def prefill_moe_mma() -> str:
+    """The MMA of the prefill chunks' routed experts' up / down phases (``$DS4C_PREFILL_MOE_MMA``): ``sync``, the
+    default, the f16 mma.sync kernels everywhere; ``wgmma``: Hopper's wgmma, and ``fp8``: mma.sync on e4m3 operands
+    (with e4m3 activation tiles), each for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible
+    -- MXFP4 weights both ways; wgmma on an sm_90 / sm_90a target -- and mma.sync for the rest. wgmma is not the
+    default: on an H100 and an H200 it ran the routed experts no faster than mma.sync (docs/perf.md Optimisation 19);
+    fp8 is not measured yet (Optimisation 21).
 
     Raises:
-        SettingsError: any value but sync or wgmma.
+        SettingsError: any value but sync, wgmma or fp8.
     """
-    return bool(_choice("DS4C_PREFILL_MOE_MMA", {"sync": 0, "wgmma": 1}, "sync"))
+    return _choice("DS4C_PREFILL_MOE_MMA", {"sync": "sync", "wgmma": "wgmma", "fp8": "fp8"}, "sync")
+
+
+def prefill_moe_xq() -> str:
+    """``MoeGemmSpec.xfmt`` of the prefill chunks' grouped experts on CUDA mma.sync (``$DS4C_PREFILL_MOE_XQ``): ``f16``,
+    the default (the quantized activations as f16, 16 KB a staged tile), or ``e4m3`` (the codes, one byte a value:
+    half the bytes staged per K step, the same outputs bit for bit; docs/perf.md Optimisation 21). The fp8 MMA
+    (``DS4C_PREFILL_MOE_MMA=fp8``) always stages e4m3; wgmma and the HIP body keep their own forms.
+
+    Raises:
+        SettingsError: any value but f16 or e4m3.
+    """
+    return _choice("DS4C_PREFILL_MOE_XQ", {"f16": "f16", "e4m3": "e4m3"}, "f16")
 
 
 def prefill_moe_wg_bn() -> int:
@@ -406,8 +424,10 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_moe_bn),
     Setting("DS4C_PREFILL_STAGES", "auto",
             "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)", prefill_stages),
-    Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma where it applies",
-            prefill_moe_wgmma),
+    Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma / fp8 where it "
+            "applies", prefill_moe_mma),
+    Setting("DS4C_PREFILL_MOE_XQ", "f16", "the grouped experts' quantized activations: f16 or e4m3 (one byte a value)",
+            prefill_moe_xq),
     Setting("DS4C_PREFILL_MOE_WG_BN", "128", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",
             prefill_moe_wg_bn),
     Setting("DS4C_PREFILL_L2_PREFETCH", "0", "L2 prefetch size of the grouped experts' cp.async copies (0, 128, 256)",

@@ -455,16 +455,21 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     hip = c.target.vendor == "hip"
     try:
-        rmma = _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target) if c.moe_wgmma else "sync"
+        rmma = "sync" if c.moe_mma == "sync" else _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target,
+                                                                 c.moe_mma)
+        # the quantized activations as one-byte e4m3 codes (DS4C_PREFILL_MOE_XQ=e4m3; always under the fp8 MMA): both
+        # calls, so the shared expert reads the routed call's x (not on HIP, nor the wgmma call's bf16 tile)
+        e4 = not hip and (c.moe_xq == "e4m3" or rmma == "fp8")
         # HIP: the CUDA A/B knobs (stages 3, the L2 prefetch) do not apply; its body has the 2-stage loop
         rstages = 2 if hip else c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
         pf = 0 if hip else c.l2_prefetch
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
                                 shared=True, bn=c.moe_wg_bn if rmma == "wgmma" else c.moe_bn, mma=rmma,
-                                prefetch=pf, cols_first=c.moe_cols_first, stages=rstages)
+                                prefetch=pf, cols_first=c.moe_cols_first, stages=rstages,
+                                xfmt="e4m3" if e4 and rmma != "wgmma" else "f16")
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],
                                 limit=sw.attrs["limit"], dense=True, bn=c.moe_bn, prefetch=pf,
-                                cols_first=c.moe_cols_first,
+                                cols_first=c.moe_cols_first, xfmt="e4m3" if e4 else "f16",
                                 stages=2 if hip else c.stages or _mg.auto_stages(fmts[2], fmts[3], c.moe_bn))
     except _RenderError as e:
         raise LoweringError(f"moe_experts (layer {op.layer}): {e}") from None
@@ -482,9 +487,9 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
           **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), ex)},
           **{n: ws(rspec, n, "moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n)) for n in _mg.workspaces(rspec)},
           "shared": shared, "out": Arg("value", c.names[moe.outputs[0]])}
-    # the shared expert reads the routed call's quantized x when both take the same form (mma.sync: f16s); a routed
-    # call on wgmma holds x in form bf16p, so the shared expert (Q8_0: mma.sync) quantizes x once more, its own way
-    same_x = rspec.mma == dspec.mma
+    # the shared expert reads the routed call's quantized x when both take the same form (mma.sync: f16s or e4m3s); a
+    # routed call on wgmma holds x in form bf16p, so the shared expert (Q8_0: mma.sync) quantizes x once more, its own way
+    same_x = _mg.act_form(rspec) == _mg.act_form(dspec)
     xq = ({"xq": rb["xq"], "xs": rb["xs"]} if same_x else {n: ws(dspec, n, "moe_sh_" + n) for n in ("xq", "xs")})
     db = {"x": rb["x"], **xq, **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), sh)},
           **{n: ws(dspec, n, "moe_sh_" + {"hbuf": "h"}.get(n, n)) for n in ("hbuf", "hq", "hs")}, "out": shared}
@@ -553,7 +558,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     c.stages = settings.prefill_stages()
     # the routed experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA=wgmma; default sync),
     # DS4C_PREFILL_MOE_WG_BN weight rows a CTA
-    c.moe_wgmma = settings.prefill_moe_wgmma()
+    c.moe_mma = settings.prefill_moe_mma()
+    c.moe_xq = settings.prefill_moe_xq()
     c.moe_wg_bn = settings.prefill_moe_wg_bn()
     # the L2 prefetch size of the grouped experts' cp.async copies (DS4C_PREFILL_L2_PREFETCH: 0, 128 or 256)
     c.l2_prefetch = settings.prefill_l2_prefetch()

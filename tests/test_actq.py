@@ -1,6 +1,6 @@
 """The activation quant launch's two layouts (runtime/families/actq.py): the ``block`` render is the template's
 original text (the decode kernels validated on the H200 are unchanged); the ``warp`` layout for many rows writes,
-on the CPU emulation, exactly ``ds4c.quant.act_quant_fp8``'s values and scales, in both forms, with every element
+on the CPU emulation, exactly ``ds4c.quant.act_quant_fp8``'s values and scales, in every form, with every element
 written over NaN poison and nothing past the last row; both layouts compile for sm_90 and gfx942."""
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def test_bad_shapes_are_one_line_errors(bad, what):
 
 @pytest.mark.parametrize("rows, k, form", [(64, 384, "f16s"), (70, 1152, "f16s"), (65, 256, "bf16"), (80, 128, "f16s"),
                                            # bf16p (the wgmma grouped experts' activations) in both layouts
-                                           (66, 384, "bf16p"), (5, 256, "bf16p")])
+                                           (66, 384, "bf16p"), (5, 256, "bf16p"),
+                                           # e4m3s (the grouped experts' one-byte tiles) in both layouts
+                                           (70, 1152, "e4m3s"), (5, 384, "e4m3s")])
 def test_warp_layout_equals_the_reference_quant(rows, k, form, tmp_path):
     """Rows with a wide dynamic range (some 128-blocks tiny, so the 1e-4 amax floor is hit, some past 448) and
     k = 1152 (9 blocks: a partial last group of 8 warps x iters)."""
@@ -62,16 +64,18 @@ def test_warp_layout_equals_the_reference_quant(rows, k, form, tmp_path):
     x = (torch.randn(rows, k, generator=g) * torch.logspace(-6, 3, k // 128).repeat_interleave(128)).to(torch.bfloat16)
     src = A.render_actq("aq", "gemm", target("sm_90"), k, rows, form)
     la = A.actq_launch(k, rows, target("sm_90"))
-    out = torch.full((rows + 1, k), float("nan"), dtype=torch.float16 if form == "f16s" else torch.bfloat16)
+    dt = {"f16s": torch.float16, "e4m3s": torch.float8_e4m3fn}.get(form, torch.bfloat16)
+    out = torch.full((rows + 1, k), float("nan"), dtype=dt)
     bufs = {"x": x, "out": out}
     args = ["x", "out"]
-    if form in ("f16s", "bf16p"):
+    if form in ("f16s", "bf16p", "e4m3s"):
         bufs["s"] = torch.full((rows + 1, k // 128), float("nan"), dtype=torch.float32)
         args.append("s")
     got = emu.run([(src, la.grid, la.block, args)], bufs, tmp_path)
     q, s = quant.act_quant_fp8(x)
-    if form == "f16s":
+    if form in ("f16s", "e4m3s"):  # e4m3s: every code's value (its zeros' signs too) as the quant gives it
         assert torch.equal(got["out"][:rows].float(), q) and torch.equal(got["s"][:rows], s)
+        assert torch.equal(got["out"][:rows].float().signbit(), q.signbit())
         assert torch.isnan(got["s"][rows]).all()
     else:
         want = (q.view(rows, -1, 128) * s.unsqueeze(-1)).view(rows, k).to(torch.bfloat16)

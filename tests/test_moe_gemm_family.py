@@ -407,6 +407,12 @@ def test_auto_mma() -> None:
     for args in (("q3_k", "q3_k", 0, 0, t90), ("mxfp4", "q8_0", 0, 0, t90), ("q8_0", "q8_0", 0, 0, t90),
                  ("mxfp4", "mxfp4", 0, 2, t90), ("mxfp4", "mxfp4", 0, 0, t100)):
         assert MG.auto_mma(*args) == "sync", args
+    # fp8: MXFP4 both ways on CUDA at any width, stage count and e4m3 arch (Blackwell included); else mma.sync
+    for args in (("mxfp4", "mxfp4", 0, 0, t90), ("mxfp4", "mxfp4", 128, 2, t90a), ("mxfp4", "mxfp4", 64, 3, t100)):
+        assert MG.auto_mma(*args, want="fp8") == "fp8", args
+    for args in (("mxfp4", "q8_0", 0, 0, t90), ("q3_k", "q3_k", 0, 0, t90), ("mxfp4", "mxfp4", 0, 0, target("gfx942"))):
+        assert MG.auto_mma(*args, want="fp8") == "sync", args
+    assert MG.auto_mma("mxfp4", "mxfp4", 0, 0, t90, want="sync") == "sync"
 
 
 def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -449,6 +455,97 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SettingsError) as ei:
         entries("auto")
     assert "DS4C_PREFILL_MOE_MMA" in str(ei.value) and "\n" not in str(ei.value)
+    # fp8: the routed MXFP4 up / down on the e4m3 MMA (sm_90 code), both calls' activations in form e4m3s, so the
+    # Q8_0 shared expert (mma.sync on e4m3 tiles) reads the routed call's x: no second quant launch
+    f8 = entries("fp8")
+    assert [e for e, *_ in f8] == [e for e, *_ in sync] and all(a == "sm_90" for _, a, _, _ in f8)
+    assert {f for _, _, f, _ in f8 if f} == {"e4m3s"}
+    ks = [k for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "moe_gemm"]
+    assert [la.kernel.params.get("f8") for la in ks[0].launches if la.kernel.params.get("kernel") in ("up", "down")
+            ] == [True, True, False, False]  # the routed up / down, then the shared expert's (Q8_0: mma.sync)
+
+
+def test_prefill_lowering_moe_xq(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DS4C_PREFILL_MOE_XQ=e4m3: both grouped-experts calls (routed, shared expert) stage e4m3 tiles (actq form
+    e4m3s, u8 activation pointers) on f16 mma.sync, the shared expert reading the routed call's x; their workspaces
+    ``xq`` / ``hq`` take one byte a value; on HIP the knob is ignored (its body reads f16); a bad word: one line."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.settings import SettingsError
+
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+
+    def calls(value: str | None, arch: str = "sm_90") -> list:
+        monkeypatch.setenv("DS4C_PREFILL_MOE_XQ", value) if value else monkeypatch.delenv("DS4C_PREFILL_MOE_XQ",
+                                                                                          raising=False)
+        ks = [k for k in lower_graph(g, preset("tiny"), target(arch), pending=[]) if k.family == "moe_gemm"]
+        return ks[0].launches
+
+    e4, f16 = calls("e4m3"), calls(None)
+    assert [la.kernel.params.get("form") for la in e4 if la.kernel.params.get("form")] == ["e4m3s"] * 3
+    assert [la.kernel.params.get("e4x") for la in e4 if "e4x" in la.kernel.params] == [True] * 4
+    assert not any(la.kernel.params.get("f8") for la in e4)
+    assert len(e4) == len(f16) and all(la.kernel.params.get("form") in (None, "f16s") for la in f16)
+    assert all("const u8* DS4C_RESTRICT xq" in la.kernel.source for la in e4 if la.kernel.params.get("e4x"))
+    assert not any(la.kernel.params.get("e4x") for la in calls("e4m3", "gfx942"))
+    with pytest.raises(SettingsError) as ei:
+        calls("fp8")
+    assert "DS4C_PREFILL_MOE_XQ" in str(ei.value) and "\n" not in str(ei.value)
+
+
+#: e4m3 activation tiles (MoeGemmSpec.xfmt) and the fp8 MMA (MoeGemmSpec.mma fp8): (C, fmt, down_fmt, routing, sizes,
+#: bn, stages, mma); the tiles with mma.sync bit for bit against the f16 tiles' call (K-quant decode, the wide tile, the
+#: cp.async pipeline, the dense call), the fp8 MMA against the reference and, where the products and block sums are
+#: exact (MXFP4, I = 128), against the f16 call bit for bit
+E4_CASES = [(77, "mxfp4", "mxfp4", "uneven", TINY, 64, 2, "sync"),
+            (33, "q3_k", "q4_k", "skew", KQ, 128, 3, "sync"),
+            (64, "q8_0", "mxfp4", "dense", dict(hidden=256, inter=256, k=1, n_experts=1), 64, 2, "sync"),
+            (77, "mxfp4", "mxfp4", "uneven", TINY, 64, 2, "fp8"),
+            (70, "mxfp4", "mxfp4", "skew", SMALL, 128, 3, "fp8")]
+
+
+@pytest.mark.parametrize("C,fmt,down_fmt,routing,sizes,bn,stages,mma", E4_CASES)
+def test_emulated_e4m3_tiles(C: int, fmt: str, down_fmt: str, routing: str, sizes: dict, bn: int, stages: int,
+                             mma: str) -> None:
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    dense = routing == "dense"
+    kw = dict(rows=C, fmt=fmt, down_fmt=down_fmt, dense=dense, bn=bn, stages=stages, **sizes)
+    e4 = MG.MoeGemmSpec(xfmt="e4m3", mma=mma, **kw)
+    f16 = MG.MoeGemmSpec(**kw)
+    tgt = target("sm_90")
+    src = {s.entry.rsplit("_", 1)[-1]: s.source for s in MG.render_moe_gemm(e4, tgt)}
+    assert "const u8* DS4C_RESTRICT xq" in src["up"] and "#define MG_XST 144" in src["down"]
+    body = src["down"].split("---- shape")[1]
+    assert ("xp_mma_e4m3(" in body) == (mma == "fp8") and ("xp_mma_f16(" in body) == (mma == "sync")
+    # half the bytes of a stage's activation tile
+    assert MG.plan(f16, tgt, "up").stage_bytes - MG.plan(e4, tgt, "up").stage_bytes == MG.TM * 128
+    assert MG.arg_shapes(e4)["hq"][1] == torch.float8_e4m3fn and MG.act_form(e4) == "e4m3s"
+    inp = _emu_inputs(f16, routing)
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(e4, inp, Path(d))
+    with tempfile.TemporaryDirectory() as d:
+        ref16 = EMU.run(f16, inp, Path(d))
+    assert set(got) == set(ref16)
+    for n in ("xq", "hq"):  # the same e4m3 values, one byte each (every element written: the NaN poison is gone)
+        assert got[n].dtype == torch.float8_e4m3fn and torch.equal(got[n].float(), ref16[n].float()), n
+    exact = mma == "sync" or spec_exact(e4)
+    for n in got:
+        if n not in ("xq", "hq") and exact:
+            assert torch.equal(got[n].view(torch.uint8), ref16[n].view(torch.uint8)), f"{n}: {e4.short()} differs"
+    if not dense:
+        _check_routed_call(e4, inp, got, routing)
+    else:
+        assert MG.rel_l2(got["out"], MG.reference(e4, **inp)) <= 2 * BF16_ULP
+
+
+def spec_exact(spec: MG.MoeGemmSpec) -> bool:
+    """Whether the emulated fp8 and f16 MMAs give the same bits: MXFP4 x e4m3 products and their 32-block sums are
+    exact in fp32 (module docstring), and with one 128-block of h per down row (I = 128) so is every later sum."""
+    return spec.fmt == spec.down_fmt == "mxfp4" and spec.inter <= 128
 
 
 def test_l2_prefetch_render(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -707,14 +804,20 @@ def test_device_compile_sm90(tmp_path: Path) -> None:
                  MG.MoeGemmSpec(rows=2048, stages=3), MG.MoeGemmSpec(rows=2048, fmt="q2_k", down_fmt="q6_k", stages=3),
                  # wgmma (compiled for sm_90a): 1 warpgroup at 3 CTAs a SM, 2 and 4 at 128 registers a thread
                  MG.MoeGemmSpec(rows=2048, mma="wgmma"), MG.MoeGemmSpec(rows=2048, mma="wgmma", bn=128),
-                 MG.MoeGemmSpec(rows=2048, mma="wgmma", bn=256)):
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma", bn=256),
+                 # e4m3 tiles: the register-staged and pipelined MXFP4, a K-quant, the wide tile; the fp8 MMA
+                 MG.MoeGemmSpec(rows=2048, xfmt="e4m3"), MG.MoeGemmSpec(rows=2048, xfmt="e4m3", stages=3),
+                 MG.MoeGemmSpec(rows=2048, fmt="q3_k", xfmt="e4m3"), MG.MoeGemmSpec(rows=2048, bn=128, xfmt="e4m3"),
+                 MG.MoeGemmSpec(rows=2048, mma="fp8", xfmt="e4m3"),
+                 MG.MoeGemmSpec(rows=2048, mma="fp8", xfmt="e4m3", bn=128, stages=3)):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
         assert [s.entry.rsplit("_", 1)[-1] for s in srcs] == (
             ["x", "up", "h", "down"] if spec.dense else ["combine"] if spec.shared
             else ["route", "x", "up", "h", "down", "combine"])
-        if spec.fmt in MG.KQUANTS or spec.bn or spec.stages or spec.mma != "sync":  # only the GEMM phases vary
+        if spec.fmt in MG.KQUANTS or spec.bn or spec.stages or spec.mma != "sync" or spec.xfmt != "f16":
+            # only the GEMM phases vary (and the actq form, checked in tests/test_actq.py)
             srcs = [s for s in srcs if s.entry.endswith(("_up", "_down"))]
         for s in srcs:
             d = tmp_path / s.entry
@@ -787,10 +890,12 @@ def test_emulated_hip_dense_call() -> None:
 
 def test_hip_refusals_are_one_line() -> None:
     """What the HIP body does not build is a one-line RenderError naming it: K-quant weights on wave 32, 3 stages,
-    the L2 prefetch; a Q8_0 tile of 128 rows past gfx942's 64 KiB of LDS."""
+    the L2 prefetch, e4m3 tiles and the fp8 MMA; a Q8_0 tile of 128 rows past gfx942's 64 KiB of LDS."""
     for arch, kw, why in (("gfx1151", dict(fmt="q4_k", hidden=512, inter=512), "on wave 32"),
                           ("gfx942", dict(stages=3), "2-stage register loop"),
-                          ("gfx942", dict(prefetch=128), "CUDA cp.async option")):
+                          ("gfx942", dict(prefetch=128), "CUDA cp.async option"),
+                          ("gfx942", dict(xfmt="e4m3"), "reads f16 activation tiles"),
+                          ("gfx942", dict(xfmt="e4m3", mma="fp8"), "a CUDA instruction")):
         with pytest.raises(RenderError, match=why) as ei:
             MG.render_moe_gemm(MG.MoeGemmSpec(rows=64, **{**TINY, **kw}), target(arch))
         assert "\n" not in str(ei.value)
@@ -834,7 +939,9 @@ def test_unsupported_target_raises(arch: str) -> None:
                                 dict(k=0), dict(n_experts=513), dict(rows=0), dict(rows=30000), dict(act_quant=False),
                                 dict(limit=float("inf")), dict(mma="wmma"), dict(mma="wgmma", fmt="q8_0"),
                                 dict(mma="wgmma", down_fmt="q8_0"), dict(bn=256), dict(mma="wgmma", bn=512),
-                                dict(mma="wgmma", stages=2), dict(prefetch=64), dict(prefetch=True)])
+                                dict(mma="wgmma", stages=2), dict(prefetch=64), dict(prefetch=True), dict(xfmt="e5m2"),
+                                dict(mma="fp8"), dict(mma="fp8", xfmt="e4m3", down_fmt="q8_0"),
+                                dict(mma="wgmma", xfmt="e4m3")])
 def test_bad_spec_raises(kw: dict) -> None:
     base = dict(rows=64, **TINY)
     base.update(kw)
@@ -867,14 +974,18 @@ def test_gpu_check_imports_on_cpu() -> None:
     var = [n for n in by if m._base(n) != n]
     assert {"flash_c2048_bn128", "flash_q3k_c2048_bn128", "flash_shexp_dense_c2048_bn128", "flash_c2048_st3",
             "flash_c2048_bn128_st3", "flash_q3k_c2048_st3", "flash_shexp_dense_c2048_st3", "flash_c2048_wg",
-            "flash_shared_c2048_wg", "tiny_uneven_c77_wg"} <= set(var)
+            "flash_shared_c2048_wg", "tiny_uneven_c77_wg", "flash_c2048_x8", "flash_q3k_c2048_x8", "flash_c2048_f8",
+            "flash_c2048_bn128_f8"} <= set(var)
+    assert by["flash_c2048_bn128_f8"].mma == "fp8" and by["flash_shexp_dense_c2048_x8"].xfmt == "e4m3"
+    assert m._twin("flash_c2048_bn128_f8") == "flash_c2048" == m._twin("flash_c2048_x8")
     for n in var:
         twin = m._base(n)
         assert (by[n].bn == 128) == ("_bn128" in n) and (by[n].stages == 3) == ("_st3" in n)
         assert (by[n].mma == "wgmma") == ("_wg" in n) and (by[n].cols_first == n.endswith("_cf"))
-        assert (by[n].prefetch > 0) == ("_pf" in n)
+        assert (by[n].prefetch > 0) == ("_pf" in n) and (by[n].xfmt == "e4m3") == n.endswith(("_x8", "_f8"))
+        assert (by[n].mma == "fp8") == n.endswith("_f8")
         assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0, "mma": "sync", "prefetch": 0,
-                                             "cols_first": False})
+                                             "cols_first": False, "xfmt": "f16"})
         assert m._seed(n) == m._seed(twin)
         # wgmma variants of width / prefetch / grid order are held to the plain wgmma case bit for bit
         want_twin = twin + "_wg" if "_wg" in n and n != twin + "_wg" else twin

@@ -11,9 +11,10 @@ act_quant.cu.j2`` for ``rows`` rows of ``k`` values, in one of two layouts picke
   one runs 4,096 blocks of 256 threads there (one block per row, 16 values per thread, loads issued together).
 
 Both write the same values bit for bit (the amax is a max: its order does not matter); forms ``bf16`` (bf16
-``e4m3 * 2^k``), ``f16s`` (f16 e4m3 values and fp32 per-128 scales) and ``bf16p`` (the ``bf16`` values at the
-positions of :func:`bf16p_positions`, and the scales), see the template's header. Arguments: ``x`` bf16 ``[rows,
-k]``, ``out`` ``[rows, k]`` (bf16 / f16 bits), with ``f16s`` / ``bf16p`` ``scales`` fp32 ``[rows, k/128]``.
+``e4m3 * 2^k``), ``f16s`` (f16 e4m3 values and fp32 per-128 scales), ``bf16p`` (the ``bf16`` values at the
+positions of :func:`bf16p_positions`, and the scales) and ``e4m3s`` (the e4m3 codes, one byte a value, and the
+scales), see the template's header. Arguments: ``x`` bf16 ``[rows, k]``, ``out`` ``[rows, k]`` (bf16 / f16 bits,
+e4m3 bytes), with ``f16s`` / ``bf16p`` / ``e4m3s`` ``scales`` fp32 ``[rows, k/128]``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TEMPLATE = "actq/act_quant.cu.j2"
 WARP_LAYOUT_MIN_ROWS = 64
 WARPS = 8
 MAX_ITERS = 4
-FORMS = ("bf16", "f16s", "bf16p")
+FORMS = ("bf16", "f16s", "bf16p", "e4m3s")
 
 
 def bf16p_positions(k: int) -> list[int]:

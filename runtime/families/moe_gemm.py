@@ -156,7 +156,7 @@ def kq_segment(fmt: str) -> int:
     return bb + (2 if bb % 4 else 0)
 TM = 64            # pairs per tile (the MMA tile's pair side)
 KSTEP = 128
-XST = 272
+XST = 272          # bytes between the X tile's rows: 128 f16 + 16 (x_stride: 144 for e4m3 codes)
 ROUTE_THREADS = 256
 GEMM_THREADS = 128  # threads of the up / down CTAs at the default width (MoeGemmSpec.bn 64); 2 * bn in general
 BN = 64            # weight rows per up / down CTA by default (MoeGemmSpec.bn: 64 or 128)
@@ -169,7 +169,24 @@ WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warp
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
-MMAS = ("sync", "wgmma")
+MMAS = ("sync", "wgmma", "fp8")
+XFMTS = ("f16", "e4m3")
+XFMT_E4M3 = """MoeGemmSpec.xfmt = "e4m3" (issue 33; docs/perf.md Optimisation 21). The activation quant launches write form
+``e4m3s`` (the e4m3 codes, one byte a value, and the per-128 scales) instead of ``f16s`` (the same values as f16), and
+the up / down phases stage those bytes: a 64-pair tile of one K step is 8 KB instead of 16 KB (X rows of 144 bytes:
+128 codes + 16, so the 8 rows of a B fragment read on distinct banks), 8 instead of 16 threads a row, half the
+16-byte copies. Each B fragment is one 32-bit shared read of four codes turned into two f16x2 by
+``cvt.rn.f16x2.e4m3x2`` (exact), so the MMAs see the f16 operands of the ``f16`` tile: the same outputs bit for bit.
+Also half the bytes of ``xq`` / ``hq`` in global memory (the down phase's ``hq``: C * k * I bytes, 50 MB -> 25 MB at
+C 2048). CUDA, ``mma`` sync (every format, width and stage count); the HIP body and wgmma read f16 / bf16.
+
+``mma`` fp8 (MXFP4 weights both ways) goes one step further: the K step's products run on ``mma.sync
+.m16n8k32.row.col.f32.e4m3.e4m3.f32`` (sm_89+), A = the MXFP4 codes turned into e4m3 codes of e2m1 * 2^-6 (the byte
+arithmetic of the f16 path, without its cvt), B = the staged codes as read; one MMA per 32-block and (m16, n8) tile
+instead of two, no operand conversion. Per 32-block and warp: 8 MMAs and ~40 other instructions where ``sync`` runs
+16 MMAs and ~70. The block's fp32 partial times the weight block scale as before. Not bit-identical: the tensor core
+sums a 32-block's 32 exact products in its own precision (Hopper's FP8 MMA keeps fewer bits than fp32 inside the
+instruction), as the reference's TileLang FP8 GEMMs do."""
 PREFETCH = (0, 128, 256)
 #: the targets whose up / down phases can run on wgmma, and the arch those kernels compile for (sm_90 binaries
 #: run only on compute capability 9.0, the Hopper parts, all of which have sm_90a's wgmma)
@@ -200,6 +217,12 @@ def row_bytes(fmt: str, n_in: int) -> int:
     if fmt in SUPER_BYTES:
         return n_in // 256 * SUPER_BYTES[fmt]
     return n_in // 32 * BLOCK_BYTES[fmt]
+
+
+def x_stride(xfmt: str) -> int:
+    """Bytes between the rows of a staged activation tile (128 values + 16 bytes of padding, so the 8 rows of a B
+    fragment read on distinct banks): 272 for f16 values, 144 for e4m3 codes."""
+    return XST if xfmt == "f16" else 144
 
 
 def _round16(n: int) -> int:
@@ -240,8 +263,11 @@ class MoeGemmSpec:
             codes, per-block scaled partials; every format, width and stage count) | ``wgmma`` (sm_90a's
             warpgroup MMA, m64n64k16 on bf16 operands with every scale folded in, one fp32 accumulation over K;
             MXFP4 weights both ways, ``bn`` 64 / 128 / 256 (1, 2 or 4 warpgroups), 3 stages: :data:`WGMMA` has the
-            design). Not bit-identical
-            to ``sync`` (the fp32 sums run in another order); both are within the reference's bounds.
+            design) | ``fp8`` (``mma.sync`` m16n8k32 on e4m3 operands, one MMA per 32-block where ``sync`` runs two
+            and converts both operands to f16: the MXFP4 codes as e4m3, the staged e4m3 tile as read; MXFP4 both
+            ways, ``xfmt`` e4m3, every width and stage count: :data:`XFMT_E4M3`). Neither is bit-identical to
+            ``sync`` (the fp32 sums run in another order, and fp8 MMAs sum a block in the tensor core's own
+            precision, as the reference's FP8 GEMMs do); all are within the reference's bounds.
         prefetch: the L2 prefetch size of the up / down phases' cp.async copies: 0 (none: the measured text) | 128 |
             256 bytes (``cp.async ... .L2::256B``: a copy of a weight row's 68-byte piece of a K step brings the
             row's next bytes into L2 in the same DRAM burst). Only the cp.async paths copy with it (``mma`` wgmma,
@@ -249,6 +275,11 @@ class MoeGemmSpec:
         cols_first: the up / down grids as (column blocks, tiles) instead of (tiles, column blocks): the CTAs of one
             tile, which read the same activation rows, run side by side (the hardware schedules x fastest), so those
             rows come from DRAM once and from L2 after; the same outputs bit for bit.
+        xfmt: how the quantized activations (``xq``, ``hq``) are stored and staged: ``f16`` (the default: actq form
+            ``f16s``, the e4m3 values as f16, 16 KB a 64-row tile per K step) | ``e4m3`` (form ``e4m3s``: the codes
+            themselves, one byte a value, 8 KB a tile; the B fragments turned into f16 in registers by the same exact
+            cvt as the MXFP4 weights). The same MMAs on the same values: bit-identical outputs. CUDA ``mma`` sync
+            only (:data:`XFMT_E4M3`).
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -270,6 +301,7 @@ class MoeGemmSpec:
     mma: str = "sync"
     prefetch: int = 0
     cols_first: bool = False
+    xfmt: str = "f16"
 
     def __post_init__(self) -> None:
         if self.down_fmt is None:
@@ -304,12 +336,18 @@ class MoeGemmSpec:
             bad.append(f"prefetch {self.prefetch!r} (expected one of {PREFETCH})")
         if self.mma not in MMAS:
             bad.append(f"mma {self.mma!r} (expected one of {MMAS})")
-        elif self.mma == "wgmma":
-            if self.fmt != "mxfp4" or self.down_fmt != "mxfp4":
-                bad.append(f"mma wgmma with {self.fmt}/{self.down_fmt} weights (expected MXFP4 both ways: its A "
-                           f"fragments are built from MXFP4 bytes)")
+        elif self.mma != "sync" and (self.fmt != "mxfp4" or self.down_fmt != "mxfp4"):
+            bad.append(f"mma {self.mma} with {self.fmt}/{self.down_fmt} weights (expected MXFP4 both ways: its A "
+                       f"fragments are built from MXFP4 bytes)")
+        if self.mma == "wgmma":
             if self.stages not in (0, 3):
                 bad.append(f"mma wgmma with stages {self.stages} (expected 0 / 3: its 3-stage cp.async pipeline)")
+        if self.xfmt not in XFMTS:
+            bad.append(f"xfmt {self.xfmt!r} (expected one of {XFMTS})")
+        elif self.xfmt == "e4m3" and self.mma == "wgmma":
+            bad.append("xfmt e4m3 with mma wgmma (its B operand is the bf16 tile of actq form bf16p)")
+        elif self.mma == "fp8" and self.xfmt != "e4m3":
+            bad.append(f"mma fp8 with xfmt {self.xfmt} (its B operand is the staged e4m3 codes: xfmt e4m3)")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -333,15 +371,15 @@ class MoeGemmSpec:
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
                 + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
                 + (f"_bn{self.bn}" if self.bn > 64 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
-                + ("_wg" if self.mma == "wgmma" else "") + (f"_pf{self.prefetch}" if self.prefetch else "")
-                + ("_cf" if self.cols_first else ""))
+                + {"sync": "", "wgmma": "_wg", "fp8": "_f8"}.get(self.mma, "") + (f"_pf{self.prefetch}" if self.prefetch else "")
+                + ("_cf" if self.cols_first else "") + ("_x8" if self.xfmt == "e4m3" else ""))
 
     def short(self) -> str:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
                 f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
                 + (f" bn{self.bn}" if self.bn > 64 else "") + (f" {self.stages} stages" if self.stages > 2 else "")
-                + (" wgmma" if self.mma == "wgmma" else "") + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
-                + (" columns first" if self.cols_first else ""))
+                + ("" if self.mma == "sync" else f" {self.mma}") + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
+                + (" columns first" if self.cols_first else "") + (" e4m3 tiles" if self.xfmt == "e4m3" else ""))
 
 
 def tile_slots(spec: MoeGemmSpec) -> int:
@@ -355,8 +393,8 @@ def tile_slots(spec: MoeGemmSpec) -> int:
 def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
     """Raises RenderError (one line) for a target the family does not build: neither CUDA with the e4m3 cvt
     (:data:`E4M3_ARCHS`) nor an AMD arch with matrix cores (:data:`ds4c.runtime.targets.HIP_MATRIX`); with ``spec``:
-    ``mma`` wgmma off Hopper, and on HIP what its body does not build (3 stages, the L2 prefetch, wgmma; K-quant /
-    IQ4_XS weights on wave-32 RDNA)."""
+    ``mma`` wgmma off Hopper, and on HIP what its body does not build (3 stages, the L2 prefetch, wgmma, e4m3 tiles;
+    K-quant / IQ4_XS weights on wave-32 RDNA)."""
     if target.vendor == "hip":
         if target.arch not in HIP_MATRIX:
             raise RenderError(f"moe_gemm: {target.slug} is not supported (AMD matrix cores on {'/'.join(HIP_MATRIX)}; "
@@ -368,11 +406,13 @@ def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
             bad.append(f"weights {spec.fmt}/{spec.down_fmt} on wave 32 (the WMMA K-quant step spills past 256 VGPRs "
                        f"on gfx1151: pending; MXFP4 / Q8_0 build, as do K-quants on wave-64 CDNA)")
         if spec.mma != "sync":
-            bad.append(f"mma {spec.mma} (CUDA Hopper's)")
+            bad.append(f"mma {spec.mma} (a CUDA instruction)")
         if spec.stages not in (0, 2):
             bad.append(f"stages {spec.stages} (the HIP body has the 2-stage register loop)")
         if spec.prefetch:
             bad.append(f"L2 prefetch {spec.prefetch} (a CUDA cp.async option)")
+        if spec.xfmt != "f16":
+            bad.append(f"xfmt {spec.xfmt} (the HIP K step reads f16 activation tiles)")
         if bad:
             raise RenderError(f"moe_gemm {spec.short()} on {target.slug}: " + "; ".join(bad))
         return
@@ -431,7 +471,7 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
         stages = 3
         stage = _round16(TM * 256 + bn * rbp)  # the bf16 activation tile, no scales
     else:
-        stage = _round16(TM * XST + TM * 4 + bn * rbp)
+        stage = _round16(TM * x_stride(spec.xfmt) + TM * 4 + bn * rbp)
     smem = max(stages * stage, TM * (bn + 4) * 4)
     limit = SMEM_LIMIT if target.vendor == "cuda" else HIP_LDS
     if smem > limit:
@@ -456,13 +496,23 @@ def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
-def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target) -> str:
-    """The up / down phases' MMA the prefill lowering gives a routed call with ``DS4C_PREFILL_MOE_MMA=wgmma``:
+def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target, want: str = "wgmma") -> str:
+    """The up / down phases' MMA the prefill lowering gives a routed call with ``DS4C_PREFILL_MOE_MMA=want``:
     ``wgmma`` where it is built -- MXFP4 weights both ways, stages unset or 3, an sm_90 / sm_90a target
-    (:data:`WGMMA_ARCHS`), any of its widths (:data:`WG_BNS`) -- else ``sync``."""
-    ok = (fmt == down_fmt == "mxfp4" and bn in (0,) + WG_BNS and stages in (0, 3) and target.vendor == "cuda"
-          and target.arch in WGMMA_ARCHS)
-    return "wgmma" if ok else "sync"
+    (:data:`WGMMA_ARCHS`), any of its widths (:data:`WG_BNS`); ``fp8`` for MXFP4 weights both ways on CUDA (every
+    width and stage count); else ``sync``."""
+    mx = fmt == down_fmt == "mxfp4" and target.vendor == "cuda"
+    if want == "wgmma":
+        ok = mx and bn in (0,) + WG_BNS and stages in (0, 3) and target.arch in WGMMA_ARCHS
+    else:
+        ok = want == "fp8" and mx
+    return want if ok else "sync"
+
+
+def act_form(spec: MoeGemmSpec) -> str:
+    """The actq form of ``spec``'s quantized activations (``xq`` / ``hq``): ``bf16p`` (wgmma), ``e4m3s`` (``xfmt``
+    e4m3) or ``f16s``; two calls of one form can share a quantized x."""
+    return "bf16p" if spec.mma == "wgmma" else "e4m3s" if spec.xfmt == "e4m3" else "f16s"
 
 
 def kernel_names(spec: MoeGemmSpec, target: Target) -> list[str]:
@@ -486,14 +536,18 @@ def _min_blocks(spec: MoeGemmSpec, pl: PhasePlan) -> int:
     return launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt)
 
 
-def _width(pl: PhasePlan) -> dict[str, int]:
+def _width(pl: PhasePlan, xfmt: str) -> dict[str, Any]:
     """The template's width parameters of an up / down phase: ``bn`` weight rows, ``threads`` (``2 * bn``),
-    ``half`` (``bn / 2``: the W1 / W3 rows of an up CTA, its output columns), the X staging ``rstep`` (rows per pass,
-    16 threads a row) and ``xi`` (passes: 16-byte registers per thread), the warp split ``wshift`` (log2 of the
-    ``bn / 32`` warps along the weight rows) and the epilogue's shifts ``hshift`` / ``bshift`` (log2 of half, bn)."""
+    ``half`` (``bn / 2``: the W1 / W3 rows of an up CTA, its output columns), the X staging ``xch`` (16-byte chunks of
+    a tile row: 16 of f16, 8 of e4m3 codes; ``xsh`` its log2), ``rstep`` (rows per pass, ``xch`` threads a row) and
+    ``xi`` (passes: 16-byte registers per thread), ``e4x`` / ``xt`` (e4m3 tiles, the activation pointers' element
+    type), the warp split ``wshift`` (log2 of the ``bn / 32`` warps along the weight rows) and the epilogue's shifts
+    ``hshift`` / ``bshift`` (log2 of half, bn)."""
     bn = pl.bn
     threads = 2 * bn
-    return dict(bn=bn, threads=threads, half=bn // 2, rstep=threads // 16, xi=TM * 16 // threads,
+    xch = 8 if xfmt == "e4m3" else 16
+    return dict(bn=bn, threads=threads, half=bn // 2, rstep=threads // xch, xi=TM * xch // threads, xch=xch,
+                xsh=xch.bit_length() - 1, e4x=xfmt == "e4m3", xt="u8" if xfmt == "e4m3" else "u16",
                 wshift=(bn // 32).bit_length() - 1, hshift=(bn // 2).bit_length() - 1, bshift=bn.bit_length() - 1)
 
 
@@ -506,7 +560,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
     """
     name = name or f"moe_gemm_{spec.key()}"
     wg = spec.mma == "wgmma"
-    form = "bf16p" if wg else "f16s"
+    form = act_form(spec)
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq_x":
@@ -521,8 +575,8 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
                           stages=pl.stages, min_blocks=_min_blocks(spec, pl),
-                          wg=wg, prefetch=spec.prefetch, cols_first=spec.cols_first,
-                          matrix=HIP_MATRIX.get(target.arch, ""), **_width(pl))
+                          wg=wg, f8=spec.mma == "fp8", prefetch=spec.prefetch, cols_first=spec.cols_first,
+                          matrix=HIP_MATRIX.get(target.arch, ""), **_width(pl, spec.xfmt))
             # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
             tgt = make_target("sm_90a") if wg else target
             out.append(render(TEMPLATE, f"{name}_{kn}", FAMILY, tgt, params))
@@ -584,7 +638,8 @@ def arg_shapes(spec: MoeGemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     bf16 [C, D] when ``dense`` or ``shared``; ``shared`` bf16 [C, D] with ``shared``)."""
     C, D, I, k, E, P = spec.rows, spec.hidden, spec.inter, spec.k, spec.n_experts, spec.pairs
     u8 = torch.uint8
-    q16 = torch.bfloat16 if spec.mma == "wgmma" else torch.float16  # actq form bf16p / f16s
+    # actq form bf16p / e4m3s / f16s
+    q16 = torch.bfloat16 if spec.mma == "wgmma" else torch.float8_e4m3fn if spec.xfmt == "e4m3" else torch.float16
     if spec.dense:
         return {"x": ((C, D), torch.bfloat16), "w1": ((1, I, row_bytes(spec.fmt, D)), u8),
                 "w3": ((1, I, row_bytes(spec.fmt, D)), u8), "w2": ((1, D, row_bytes(spec.down_fmt, I)), u8),

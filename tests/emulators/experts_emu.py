@@ -145,6 +145,7 @@ struct EmuBlock {
   float fx[1024];
   float wgA[8][64][16];  // per warpgroup: the wgmma A operand, assembled from its threads' fragments
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
+  float qA[32][16][32], qB[32][32][8];  // per warp: the m16n8k32 (8-bit) mma operands
   float xB[32][16][16];                 // per wave: a HIP matrix op's B (A in mA)
   bool xSet[32][16][16];                // per wave: the A elements the lanes gave (guards this file's layouts)
   const u8* px[1024];                     // ldmatrix: every lane's row address
@@ -305,6 +306,32 @@ DS4C_DEVICE void xp_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b
 DS4C_DEVICE void xp_mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
                              float c2, float c3) {
   emu_mma16<emu_bf16>(d, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+
+// m16n8k32 with e4m3 A/B elements (mma.sync ... .f32.e4m3.e4m3.f32, sm_89+): a0 / a1 row g / g + 8, k 4t + i; a2 / a3
+// the same rows, k 16 + 4t + i; b0 k 4t + i, b1 k 16 + 4t + i, column g (byte i of each register). The sum over k in
+// fp64, + c, to fp32: the exact sum (the hardware's narrower internal accumulation is not modelled)
+DS4C_DEVICE void xp_mma_e4m3(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
+                             float c2, float c3) {
+  const int lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  float (*A)[32] = g_blk->qA[t_tid >> 5];
+  float (*B)[8] = g_blk->qB[t_tid >> 5];
+  const u32 ar[4] = {a0, a1, a2, a3}, br[2] = {b0, b1};
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 4; ++i) A[(r & 1) ? g + 8 : g][(r >> 1) * 16 + 4 * t + i] = emu_e4m3((ar[r] >> (8 * i)) & 0xffu);
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 4; ++i) B[r * 16 + 4 * t + i][g] = emu_e4m3((br[r] >> (8 * i)) & 0xffu);
+  __syncwarp();
+  const float c[4] = {c0, c1, c2, c3};
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
+    double s = 0;
+    for (int k = 0; k < 32; ++k) s += (double)A[row][k] * B[k][col];
+    out[i] = (float)(s + c[i]);
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 // ldmatrix .x4 (.trans): lane l gives the address of row l % 8 of matrix l / 8 (8 rows of 8 16-bit elements);

@@ -42,6 +42,8 @@ _DT = {"perm": np.int32, "tiles": np.int32, "xq": np.float16, "xs": np.float32, 
 def _outputs(spec: MG.MoeGemmSpec) -> dict[str, tuple[str, int, str]]:
     """The written buffers of ``spec``'s call (:func:`moe_gemm.workspaces` and ``out``, bf16 when dense / shared)."""
     out = {n: _OUT[n] for n in MG.workspaces(spec)}
+    if spec.xfmt == "e4m3":  # actq form e4m3s: one byte a value, poisoned with the e4m3fn NaN
+        out.update({n: ("u8", 1, "(u8)0x7f") for n in ("xq", "hq")})
     out["out"] = ("u16", 2, "(u16)0x7fc1") if spec.dense or spec.shared else _OUT["out"]
     return out
 
@@ -96,10 +98,11 @@ def run(spec: MG.MoeGemmSpec, inputs: dict[str, torch.Tensor], workdir: Path, ar
     shapes = MG.arg_shapes(spec)
     out = {}
     for n, (ct, _, _) in _outputs(spec).items():
-        bf16 = shapes[n][1] == torch.bfloat16  # hbuf, ybuf, a bf16 out, and xq / hq of a wgmma call (form bf16p)
-        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=np.int16 if bf16 else _DT[n]).copy())
-        if bf16:
-            a = a.view(torch.bfloat16)
+        dt = shapes[n][1]  # bf16: hbuf, ybuf, a bf16 out, and xq / hq of a wgmma call (form bf16p); e4m3: form e4m3s
+        raw = np.int16 if dt == torch.bfloat16 else np.uint8 if dt == torch.float8_e4m3fn else _DT[n]
+        a = torch.from_numpy(np.frombuffer((workdir / n).read_bytes(), dtype=raw).copy())
+        if dt in (torch.bfloat16, torch.float8_e4m3fn):
+            a = a.view(dt)
         out[n] = a.view(shapes[n][0])
     return out
 

@@ -15,7 +15,9 @@ and the dense Q8_0 shared expert (cases ``*_bn128``, next to their 64-wide twins
 the same card: ``DS4C_MG_CASES=c2048`` selects the pairs; a filter matches case-name substrings, or with a leading
 ``=`` one name exactly: :func:`picked`), and the 3-stage
 cp.async pipeline (``MoeGemmSpec.stages = 3``; ``DS4C_PREFILL_STAGES=3``) at both widths (cases ``*_st3``), and the
-up / down phases on wgmma (``MoeGemmSpec.mma``, cases ``*_wg``: compared with their twin by relative L2). Every
+up / down phases on wgmma (``MoeGemmSpec.mma``, cases ``*_wg``: compared with their twin by relative L2), the
+activations staged as e4m3 codes (``MoeGemmSpec.xfmt``, cases ``*_x8``: bit for bit) and the MXFP4 products on fp8
+``mma.sync`` (cases ``*_f8``: by relative L2). Every
 case draws its inputs from a generator seeded by its name less the variant suffixes (:func:`_base`), so a variant
 has its twin's inputs; when the twin ran first, the variant's ``out`` must equal the twin's bit for bit
 (``twin_equal``, part of ``ok``).
@@ -117,6 +119,24 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_c2048_wg_bn128_cf", MG.MoeGemmSpec(2048, mma="wgmma", bn=128, cols_first=True), "uniform"),
             ("flash_c2048_wg_bn256_cf", MG.MoeGemmSpec(2048, mma="wgmma", bn=256, cols_first=True), "uniform"),
             ("flash_shared_c2048_wg_bn128", MG.MoeGemmSpec(2048, shared=True, mma="wgmma", bn=128), "uniform"),
+            # the activations staged as one-byte e4m3 codes (MoeGemmSpec.xfmt, docs/perf.md Optimisation 21): half the
+            # bytes a K step, the same MMAs on the same values, so the twin's bits (routed, fused shared combine, K-quant,
+            # the dense shared expert, the wide tile, the pipeline)
+            ("flash_c2048_x8", MG.MoeGemmSpec(2048, xfmt="e4m3"), "uniform"),
+            ("flash_shared_c2048_x8", MG.MoeGemmSpec(2048, shared=True, xfmt="e4m3"), "uniform"),
+            ("flash_q3k_c2048_x8", MG.MoeGemmSpec(2048, fmt="q3_k", xfmt="e4m3"), "uniform"),
+            ("flash_shexp_dense_c2048_x8", MG.MoeGemmSpec(2048, k=1, n_experts=1, fmt="q8_0", dense=True, xfmt="e4m3"),
+             "dense"),
+            ("flash_c2048_bn128_x8", MG.MoeGemmSpec(2048, bn=128, xfmt="e4m3"), "uniform"),
+            ("flash_c2048_st3_x8", MG.MoeGemmSpec(2048, stages=3, xfmt="e4m3"), "uniform"),
+            # and the MXFP4 products on mma.sync m16n8k32 e4m3 (MoeGemmSpec.mma fp8): another summation inside a block,
+            # compared with the mma.sync twin by relative L2 (twin_rel), and with the reference like every case
+            ("tiny_uneven_c77_f8", MG.MoeGemmSpec(77, mma="fp8", xfmt="e4m3", **TINY), "uneven"),
+            ("flash_c2048_f8", MG.MoeGemmSpec(2048, mma="fp8", xfmt="e4m3"), "uniform"),
+            ("flash_skew_c2048_f8", MG.MoeGemmSpec(2048, mma="fp8", xfmt="e4m3"), "skew"),
+            ("flash_shared_c2048_f8", MG.MoeGemmSpec(2048, shared=True, mma="fp8", xfmt="e4m3"), "uniform"),
+            ("flash_c2048_bn128_f8", MG.MoeGemmSpec(2048, bn=128, mma="fp8", xfmt="e4m3"), "uniform"),
+            ("flash_c2048_st3_f8", MG.MoeGemmSpec(2048, stages=3, mma="fp8", xfmt="e4m3"), "uniform"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -162,22 +182,23 @@ def _median_us(fn: Any) -> float:
     return median_us(fn, ITERS, WARMUP)
 
 
-_VARIANT = r"(_bn128|_bn256|_st3|_wg|_pf128|_pf256|_cf)+$"
-#: relative L2 a wgmma case's out may differ from its mma.sync twin's (another fp32 summation order; a few bf16
-#: roundings of g, u, h or y flip: observed 1.1-1.5e-4 on the flash shapes)
+_VARIANT = r"(_bn128|_bn256|_st3|_wg|_pf128|_pf256|_cf|_x8|_f8)+$"
+#: relative L2 a wgmma or fp8 case's out may differ from its mma.sync twin's (another fp32 summation order; a few bf16
+#: roundings of g, u, h or y flip: observed 1.1-1.5e-4 on the flash shapes with wgmma)
 WG_TWIN_TOL = 1e-3
 
 
 def _base(name: str) -> str:
     """The measured kernel a variant case derives from: its name less the variant suffixes ``_bn128`` / ``_bn256`` /
-    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` (64 wide, 2 stages, mma.sync); its inputs are the variant's."""
+    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` / ``_x8`` / ``_f8`` (64 wide, 2 stages, mma.sync, f16 tiles); its
+    inputs are the variant's."""
     return re.sub(_VARIANT, "", name)
 
 
 def _twin(name: str) -> str:
     """The case a variant is compared with: a wgmma variant of the width, prefetch or grid order with the plain
-    wgmma case (``<base>_wg``: bit for bit, the same MMAs), the plain wgmma case and every mma.sync variant with the
-    base (the wgmma one by relative L2, :data:`WG_TWIN_TOL`; the others bit for bit)."""
+    wgmma case (``<base>_wg``: bit for bit, the same MMAs), the plain wgmma case, the fp8 ones and every mma.sync
+    variant with the base (wgmma and fp8 by relative L2, :data:`WG_TWIN_TOL`; the others bit for bit)."""
     base = _base(name)
     return base + "_wg" if "_wg" in name and name != base + "_wg" else base
 
@@ -228,7 +249,7 @@ def _case(name: str, spec: MG.MoeGemmSpec, routing: str, kerns: list, use: dict,
         if tw == name or name == _base(name) + "_wg":  # the twin of later variants
             outs[name] = b["out"].cpu()
         if tw != name and tw in outs:
-            if spec.mma == "wgmma" and "_wg" not in tw:  # another summation order: compared by relative L2
+            if spec.mma != "sync" and "_wg" not in tw:  # another summation order: compared by relative L2
                 twin_rel = MG.rel_l2(b["out"].cpu().float(), outs[tw].float())
                 twin = twin_rel < WG_TWIN_TOL
             else:
