@@ -57,7 +57,7 @@ variable                       default                     what it does (reader)
                                                            (mma.sync everywhere), wgmma or fp8 (where
                                                            moe_gemm.auto_mma allows: MXFP4; wgmma sm_90 / sm_90a)
                                                            (:func:`prefill_moe_mma`)
-``DS4C_PREFILL_MOE_XQ``        ``f16``                     the grouped experts' quantized activations: f16 or e4m3
+``DS4C_PREFILL_MOE_XQ``        ``e4m3``                    the grouped experts' quantized activations: f16 or e4m3
                                                            (one-byte codes; CUDA mma.sync) (:func:`prefill_moe_xq`)
 ``DS4C_PREFILL_MOE_WG_BN``     ``128``                     weight rows per CTA of the routed experts on wgmma: 64,
                                                            128 or 256 (1, 2 or 4 warpgroups)
@@ -327,8 +327,9 @@ def prefill_moe_mma() -> str:
     default, the f16 mma.sync kernels everywhere; ``wgmma``: Hopper's wgmma, and ``fp8``: mma.sync on e4m3 operands
     (with e4m3 activation tiles), each for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible
     -- MXFP4 weights both ways; wgmma on an sm_90 / sm_90a target -- and mma.sync for the rest. wgmma is not the
-    default: on an H100 and an H200 it ran the routed experts no faster than mma.sync (docs/perf.md Optimisation 19);
-    fp8 is not measured yet (Optimisation 21).
+    default: on an H100 and an H200 it ran the routed experts no faster than mma.sync with one warpgroup a CTA
+    (docs/perf.md Optimisation 19; with 2 / 4 warpgroups it is 0.71x at the kernel level, not yet measured in a chunk:
+    Optimisation 21 measured); fp8 ran slower than f16 mma.sync on e4m3 tiles on an H100 (the same section).
 
     Raises:
         SettingsError: any value but sync, wgmma or fp8.
@@ -337,15 +338,16 @@ def prefill_moe_mma() -> str:
 
 
 def prefill_moe_xq() -> str:
-    """``MoeGemmSpec.xfmt`` of the prefill chunks' grouped experts on CUDA mma.sync (``$DS4C_PREFILL_MOE_XQ``): ``f16``,
-    the default (the quantized activations as f16, 16 KB a staged tile), or ``e4m3`` (the codes, one byte a value:
-    half the bytes staged per K step, the same outputs bit for bit; docs/perf.md Optimisation 21). The fp8 MMA
+    """``MoeGemmSpec.xfmt`` of the prefill chunks' grouped experts on CUDA mma.sync (``$DS4C_PREFILL_MOE_XQ``): ``e4m3``,
+    the default (the codes, one byte a value: half the bytes staged per K step, the same outputs bit for bit; on an
+    H100 the routed up / down 0.86x / 0.81x, prefill at 4096 1.07x: docs/perf.md Optimisation 21), or ``f16`` (the
+    quantized activations as f16, 16 KB a staged tile: the kernels measured before). The fp8 MMA
     (``DS4C_PREFILL_MOE_MMA=fp8``) always stages e4m3; wgmma and the HIP body keep their own forms.
 
     Raises:
         SettingsError: any value but f16 or e4m3.
     """
-    return _choice("DS4C_PREFILL_MOE_XQ", {"f16": "f16", "e4m3": "e4m3"}, "f16")
+    return _choice("DS4C_PREFILL_MOE_XQ", {"f16": "f16", "e4m3": "e4m3"}, "e4m3")
 
 
 def prefill_moe_wg_bn() -> int:
@@ -426,7 +428,7 @@ SETTINGS: tuple[Setting, ...] = (
             "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)", prefill_stages),
     Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma / fp8 where it "
             "applies", prefill_moe_mma),
-    Setting("DS4C_PREFILL_MOE_XQ", "f16", "the grouped experts' quantized activations: f16 or e4m3 (one byte a value)",
+    Setting("DS4C_PREFILL_MOE_XQ", "e4m3", "the grouped experts' quantized activations: e4m3 (one byte a value) or f16",
             prefill_moe_xq),
     Setting("DS4C_PREFILL_MOE_WG_BN", "128", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",
             prefill_moe_wg_bn),

@@ -446,9 +446,9 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
     auto, sync = entries("wgmma"), entries(None)
     assert [e for e, _, _, wg in auto if wg] == ["gemm_up", "gemm_down"]
     assert all(a == ("sm_90a" if wg else "sm_90") for _, a, _, wg in auto)
-    # the routed activations in form bf16p; the Q8_0 shared expert quantizes x again in form f16s (one more launch)
+    # the routed activations in form bf16p; the Q8_0 shared expert quantizes x again in form e4m3s (one more launch)
     assert [(e, f) for e, _, f, _ in auto if f] == [("gemm_actq_x", "bf16p"), ("gemm_actq_h", "bf16p"),
-                                                    ("shexp_actq_x", "f16s"), ("shexp_actq_h", "f16s")]
+                                                    ("shexp_actq_x", "e4m3s"), ("shexp_actq_h", "e4m3s")]
     assert not any(wg for *_, wg in sync) and all(a == "sm_90" for _, a, _, _ in sync)
     assert [e for e, *_ in sync] == [e for e, *_ in auto if e != "shexp_actq_x"]
     assert entries("sync") == sync
@@ -466,9 +466,9 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_prefill_lowering_moe_xq(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DS4C_PREFILL_MOE_XQ=e4m3: both grouped-experts calls (routed, shared expert) stage e4m3 tiles (actq form
-    e4m3s, u8 activation pointers) on f16 mma.sync, the shared expert reading the routed call's x; their workspaces
-    ``xq`` / ``hq`` take one byte a value; on HIP the knob is ignored (its body reads f16); a bad word: one line."""
+    """DS4C_PREFILL_MOE_XQ=e4m3 (the default): both grouped-experts calls (routed, shared expert) stage e4m3 tiles
+    (actq form e4m3s, u8 activation pointers) on f16 mma.sync, the shared expert reading the routed call's x; ``f16``:
+    form f16s, the same launches; on HIP the knob is ignored (its body reads f16); a bad word: one line."""
     from ds4c.config import preset
     from ds4c.ir import build_step
     from ds4c.passes.manager import run_pipeline
@@ -483,7 +483,8 @@ def test_prefill_lowering_moe_xq(monkeypatch: pytest.MonkeyPatch) -> None:
         ks = [k for k in lower_graph(g, preset("tiny"), target(arch), pending=[]) if k.family == "moe_gemm"]
         return ks[0].launches
 
-    e4, f16 = calls("e4m3"), calls(None)
+    e4, f16 = calls("e4m3"), calls("f16")
+    assert [la.kernel.source for la in calls(None)] == [la.kernel.source for la in e4]  # the default
     assert [la.kernel.params.get("form") for la in e4 if la.kernel.params.get("form")] == ["e4m3s"] * 3
     assert [la.kernel.params.get("e4x") for la in e4 if "e4x" in la.kernel.params] == [True] * 4
     assert not any(la.kernel.params.get("f8") for la in e4)

@@ -156,11 +156,13 @@ def _check_moe_experts(cfg, g, ks, c: int, names: dict) -> None:
         sh_i = int(next(b for b in op.body if b.kind == "swiglu").outputs[0].type.shape[-1])
         assert [la.kernel.entry.removeprefix("ds4c_moe_") for la in k.launches] == MOE_ORDER
         assert all(la.kernel.family == "moe_gemm" for la in k.launches)
+        # the defaults: the grid with the column blocks first, e4m3 activation tiles (one byte a value)
         rs = MG.MoeGemmSpec(c, cfg.hidden_size, cfg.moe_inter, cfg.n_active_experts, cfg.n_experts, "mxfp4",
-                            shared=True, cols_first=True)
-        ds = MG.MoeGemmSpec(c, cfg.hidden_size, sh_i, 1, 1, "q8_0", dense=True, cols_first=True)
+                            shared=True, cols_first=True, xfmt="e4m3")
+        ds = MG.MoeGemmSpec(c, cfg.hidden_size, sh_i, 1, 1, "q8_0", dense=True, cols_first=True, xfmt="e4m3")
         route, actq_x, up, actq_h, down, s_up, s_actq, s_down, comb = k.launches
         assert not up.kernel.params["wg"] and up.kernel.params["cols_first"] and s_up.kernel.params["cols_first"]
+        assert up.kernel.params["e4x"] and s_down.kernel.params["e4x"] and actq_x.kernel.params["form"] == "e4m3s"
         want = {"ds4c_moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n): MG.arg_shapes(rs)[n] for n in MG.workspaces(rs)}
         want.update({"ds4c_moe_sh_" + {"hbuf": "h"}.get(n, n): MG.arg_shapes(ds)[n] for n in ("hbuf", "hq", "hs")})
         want["ds4c_moe_shared"] = MG.arg_shapes(ds)["out"]
