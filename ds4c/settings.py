@@ -45,6 +45,8 @@ variable                       default                     what it does (reader)
 ``DS4C_PREFILL_GEMM_BN``       ``64``                      weight rows per CTA of the prefill chunks' GEMMs
                                                            (projections, grouped wo_a, FFN router, an all-logits
                                                            head), 64 or 128 (an A/B knob) (:func:`prefill_gemm_bn`)
+``DS4C_PREFILL_GEMM_XQ``       ``f16``                     the prefill chunks' projection GEMMs' quantized x: f16
+                                                           or e4m3 (one-byte codes) (:func:`prefill_gemm_xq`)
 ``DS4C_PREFILL_MOE_BN``        ``64``                      weight rows per CTA of the prefill chunks' grouped
                                                            experts GEMM, 64 or 128 (an A/B knob)
                                                            (:func:`prefill_moe_bn`)
@@ -298,6 +300,17 @@ def prefill_gemm_bn() -> int:
     return _tile_width("DS4C_PREFILL_GEMM_BN")
 
 
+def prefill_gemm_xq() -> str:
+    """``GemmSpec.xfmt`` of the prefill chunks' prequant projection GEMMs (``$DS4C_PREFILL_GEMM_XQ``): ``f16``, the
+    default (actq's e4m3 values as f16, 16 KB an X tile per K step), or ``e4m3`` (the codes, one byte a value: half
+    the bytes staged, the same outputs bit for bit; docs/perf.md Optimisation 22, not yet measured on a GPU).
+
+    Raises:
+        SettingsError: any value but f16 or e4m3.
+    """
+    return _choice("DS4C_PREFILL_GEMM_XQ", {"f16": "f16", "e4m3": "e4m3"}, "f16")
+
+
 def prefill_moe_bn() -> int:
     """``MoeGemmSpec.bn`` of the prefill chunks' grouped experts GEMM (``$DS4C_PREFILL_MOE_BN``, 64 or 128; default
     64): weight rows per CTA of the up and down phases (an A/B knob until a GPU run picks).
@@ -422,6 +435,8 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_attn_threads),
     Setting("DS4C_PREFILL_GEMM_BN", "64", "weight rows per CTA of the prefill chunks' GEMMs (64 or 128)",
             prefill_gemm_bn),
+    Setting("DS4C_PREFILL_GEMM_XQ", "f16", "the prefill chunks' projection GEMMs' quantized x: f16 or e4m3 (one byte)",
+            prefill_gemm_xq),
     Setting("DS4C_PREFILL_MOE_BN", "64", "weight rows per CTA of the prefill chunks' grouped experts GEMM (64 or 128)",
             prefill_moe_bn),
     Setting("DS4C_PREFILL_STAGES", "auto",

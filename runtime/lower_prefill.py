@@ -132,7 +132,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
         spec = _gm.GemmSpec(rows, int(lin.outputs[0].type.shape[-1]), k, fmt, mode,
                             act_quant=bool(act_quant and lin.attrs.get("act_quant", True)) if mode == "fp8act" else True,
                             out_dtype=lin.outputs[0].type.dtype, prequant=True, bn=c.gemm_bn,
-                            stages=c.stages or 2)
+                            stages=c.stages or 2, xfmt=c.gemm_xq)
         if fmt in _gm.KQUANTS:  # the f16 MMA path (CUDA sm_89+) and wave-64 xm decode them (fp8act): pending elsewhere
             try:
                 _gm.plan(spec, c.target)
@@ -143,7 +143,7 @@ def _gemm_linears(c: _Ctx, name: str, x: Value, linears: list[Op], act_quant: bo
         ws = _gm.workspaces(spec, c.target)
         b = {"x": c.arg(x), "w": Arg("weight", w, form="raw"), "y": Arg("value", c.names[lin.outputs[0]])}
         if ws:
-            nb = {n: sh[0][0] * sh[0][1] * (2 if n == "xq" else 4) for n, sh in ws.items()}
+            nb = {n: math.prod(sh) * dt.itemsize for n, (sh, dt) in ws.items()}
             b["xq"] = Arg("workspace", "ds4c_gemm_xq", nbytes=nb["xq"])
             b["xs"] = Arg("workspace", "ds4c_gemm_xs", nbytes=nb["xs"])
         for src, la in zip(srcs, _gm.launch_shapes(spec, c.target)):
@@ -560,6 +560,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # DS4C_PREFILL_MOE_WG_BN weight rows a CTA
     c.moe_mma = settings.prefill_moe_mma()
     c.moe_xq = settings.prefill_moe_xq()
+    # the projection GEMMs' quantized x as e4m3 codes (DS4C_PREFILL_GEMM_XQ: f16 or e4m3)
+    c.gemm_xq = settings.prefill_gemm_xq()
     c.moe_wg_bn = settings.prefill_moe_wg_bn()
     # the L2 prefetch size of the grouped experts' cp.async copies (DS4C_PREFILL_L2_PREFETCH: 0, 128 or 256)
     c.l2_prefetch = settings.prefill_l2_prefetch()

@@ -100,6 +100,8 @@ class _Ctx:
         #: quantized activations' storage (MoeGemmSpec.xfmt: f16, e4m3) (runtime/lower_prefill.py)
         self.moe_mma = "sync"
         self.moe_xq = "f16"
+        #: the prefill chunks' projection GEMMs' quantized x (GemmSpec.xfmt: f16, e4m3)
+        self.gemm_xq = "f16"
         self.moe_wg_bn = 128
         self.l2_prefetch = 0
         self.moe_cols_first = False

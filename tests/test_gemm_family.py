@@ -447,6 +447,74 @@ def test_pipeline_emulated_equals_two_stages(kw: dict, eager: bool, tmp_path: Pa
     assert "gm_issue" not in GM.render_gemm(plain, t, "k").source and "gm_issue" in GM.render_gemm(spec, t, "k").source
 
 
+#: e4m3 X tiles (GemmSpec.xfmt): MXFP4 with partial C / N tiles, Q8_0 at bn 128 with fp32 out, a K-quant, the
+#: pipeline with 4-byte weight units
+E4_CASES = [dict(rows=77, n=96, k=512, fmt="mxfp4"), dict(rows=65, n=40, k=384, fmt="q8_0", bn=128, out_dtype="f32"),
+            dict(rows=70, n=72, k=512, fmt="q3_k"), dict(rows=70, n=200, k=256, fmt="mxfp4", stages=3)]
+
+
+@pytest.mark.parametrize("kw", E4_CASES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_e4m3_tiles_emulated_equal_f16_tiles(kw: dict, tmp_path: Path) -> None:
+    """``xfmt`` e4m3 (actq form e4m3s, the X tile of one-byte codes, B fragments by the exact e4m3 -> f16 cvt) on the
+    CPU emulator: ``xq`` holds act_quant_fp8's values as e4m3 bytes (every element written over the NaN poison), y is
+    the f16-tile call's bit for bit, rows past C unwritten; the plan's stage is 64 x 128 bytes smaller; off the form-0
+    path (HIP) the request falls back with prequant."""
+    E = gemm_emu
+    why = E.host_unavailable()
+    if why:
+        pytest.skip(why)
+    t = target("sm_90")
+    spec, base = GM.GemmSpec(**kw, prequant=True, xfmt="e4m3"), GM.GemmSpec(**kw, prequant=True)
+    pl = GM.plan(spec, t)
+    assert pl.e4x and GM.plan(base, t).stage_bytes - pl.stage_bytes == GM.BM * 128 and "_x8" in spec.key()
+    assert GM.workspaces(spec, t)["xq"] == ((spec.rows, spec.k), torch.float8_e4m3fn)
+    srcs = GM.render_call(spec, t, "k")
+    assert srcs[0].params["form"] == "e4m3s" and "const u8* DS4C_RESTRICT xq" in srcs[1].source
+    assert not GM.uses_prequant(spec, target("gfx942")) and not GM.plan(spec, target("gfx942")).e4x
+    x, w = _inputs(spec, 31)
+    y, guard = E.run(spec, x, w, tmp_path / "e4")
+    yb, _ = E.run(base, x, w, tmp_path / "f16")
+    xq, xs = E.read_prequant(spec, tmp_path / "e4")
+    qx, sx = quant.act_quant_fp8(x)
+    assert xq.dtype == torch.float8_e4m3fn and torch.equal(xq.float(), qx) and torch.equal(xs, sx)
+    assert not torch.isnan(y.float()).any(), "unwritten output elements"
+    assert torch.isnan(guard.float()).all(), "a kernel wrote rows beyond C"
+    iv = torch.int16 if y.dtype == BF16 else torch.int32
+    assert torch.equal(y.view(iv), yb.view(iv)), "the e4m3 tiles differ from the f16 tiles"
+
+
+def test_prefill_lowering_gemm_xq(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DS4C_PREFILL_GEMM_XQ=e4m3: every prequant projection GEMM of a prefill chunk reads e4m3 tiles (its actq
+    launches form e4m3s, the ``ds4c_gemm_xq`` workspace one byte a value); unset: f16 (the default until its GPU
+    run); a bad word: one line."""
+    from ds4c.config import preset
+    from ds4c.ir import build_step
+    from ds4c.passes.manager import run_pipeline
+    from ds4c.runtime.lower import lower_graph
+    from ds4c.settings import SettingsError
+
+    g = run_pipeline(build_step(preset("tiny"), 64, max_ctx=128, prefill=True), "default", context=128).graph
+
+    def launches(value: str | None) -> list:
+        monkeypatch.setenv("DS4C_PREFILL_GEMM_XQ", value) if value else monkeypatch.delenv("DS4C_PREFILL_GEMM_XQ",
+                                                                                           raising=False)
+        return [la for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "gemm"
+                for la in k.launches]
+
+    e4, f16 = launches("e4m3"), launches(None)
+    pq = [la for la in e4 if la.kernel.params.get("prequant")]
+    assert pq and all(la.kernel.params["e4x"] for la in pq)
+    assert {la.kernel.params["form"] for la in e4 if "form" in la.kernel.params and la.kernel.entry.endswith("actq")
+            } == {"e4m3s"}
+    assert not any(la.kernel.params.get("e4x") for la in f16) and len(f16) == len(e4)
+    xq = {a.nbytes for la in pq for a in la.args if a.name == "ds4c_gemm_xq"}
+    xq16 = {a.nbytes for la in f16 for a in la.args if a.name == "ds4c_gemm_xq"}
+    assert xq and {2 * n for n in xq} == xq16
+    with pytest.raises(SettingsError) as ei:
+        launches("bf16")
+    assert "DS4C_PREFILL_GEMM_XQ" in str(ei.value) and "\n" not in str(ei.value)
+
+
 def test_prequant_emulated_one_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The single-stage pipeline with prequant (the copies of step k+1 issued only after the barrier that ends
     step k's reads), forced by a smaller shared-memory limit."""
@@ -497,6 +565,9 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     # prequant (on gfx942 the in-tile fallback): the GEMM copying xq / xs, and (CUDA) its actq launch
     specs += [GM.GemmSpec(4096, 4096, 4096, f, prequant=True) for f in ("mxfp4", "q8_0")]
     specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", bn=128, prequant=True))
+    # e4m3 X tiles (CUDA; elsewhere the in-tile fallback): Q8_0 (the most registers) and the pipelined MXFP4
+    specs += [GM.GemmSpec(4096, 4096, 4096, "q8_0", prequant=True, xfmt="e4m3"),
+              GM.GemmSpec(4096, 4096, 4096, "mxfp4", prequant=True, stages=3, xfmt="e4m3")]
     if arch != "gfx1151":
         specs.append(GM.GemmSpec(4096, 4096, 4096, "q8_0", engine="simt"))
     if t.vendor == "cuda" or t.wave == 64:
@@ -550,6 +621,8 @@ def test_device_compile(arch: str, tmp_path: Path) -> None:
     (dict(rows=64, n=64, k=256, bn=128.0), "bn 128.0 (expected 0 or one of (64, 128))"),
     (dict(rows=64, n=64, k=256, prequant=1), "prequant 1 (expected a bool)"),
     (dict(rows=64, n=64, k=256, prequant=True, x_prequant=True), "prequant with x_prequant (expected at most one"),
+    (dict(rows=64, n=64, k=256, xfmt="e4m3"), "xfmt e4m3 without prequant"),
+    (dict(rows=64, n=64, k=256, prequant=True, xfmt="e5m2"), "xfmt 'e5m2' (expected one of ('f16', 'e4m3'))"),
 ])
 def test_bad_spec(kw: dict, needle: str) -> None:
     with pytest.raises(RenderError) as ei:
@@ -595,6 +668,10 @@ def test_gpu_check_cases_build_on_cpu() -> None:
                and dataclasses.replace(names[pq], prequant=False) == names[it] for pq, it in gemm_check.PQ_TWINS)
     assert all(names[st].stages == 3 and dataclasses.replace(names[st], stages=0) == names[two]
                for st, two in gemm_check.ST_TWINS)
+    assert all(names[x8].xfmt == "e4m3" and dataclasses.replace(names[x8], xfmt="f16") == names[f16]
+               for x8, f16 in gemm_check.X8_TWINS)
+    assert torch.isnan(gemm_check.workspace_buffers(names["pq_x8_partial_q8_c77"], target("sm_90"),
+                                                    "cpu")["xq"].float()).all()  # e4m3fn NaN poison
     for n, s in cs:
         ks = GM.render_call(s, target("sm_90"), f"gemm_{n}")
         assert len(ks) == (2 if s.prequant else 1)

@@ -140,7 +140,9 @@ STAGES = (2, 3)
 PIPE_REGS = 168
 SM_SMEM = 228 * 1024  # shared memory of an sm_90 SM, CTAs' reservations included
 KSTEP = 128
-XST = 272  # bytes between X tile rows in shared memory
+XST = 272  # bytes between X tile rows in shared memory (128 f16 + 16; 144 with e4m3 codes: GemmSpec.xfmt)
+XST_E4M3 = 144
+XFMTS = ("f16", "e4m3")
 #: dynamic shared memory a block may use (CUDA sm_90 opt-in maximum; HIP LDS per workgroup)
 SMEM_LIMIT = {"cuda": 227 * 1024, "hip": HIP_LDS}
 #: registers per thread the CUDA build may use: __launch_bounds__(threads, 65536 // (threads * this)), i.e. 2
@@ -202,6 +204,12 @@ class GemmSpec:
             the cp.async pipeline: weights, X tile and scales of every step copied straight into shared memory,
             two steps in flight, no staging registers (the same MMAs in the same order: the same output bits).
             A request like ``prequant``: elsewhere the kernel is the 2-stage one.
+        xfmt: how a prequant call (:func:`uses_prequant`) stores and stages ``xq``: ``f16`` (the default: actq form
+            ``f16s``, the e4m3 values as f16) | ``e4m3`` (form ``e4m3s``: the codes, one byte a value; the X tile of a
+            K step 8 KB instead of 16 KB, its B fragments turned into f16 by the exact cvt the MXFP4 weights use:
+            the same MMAs on the same values, the same output bits; the grouped experts' ``MoeGemmSpec.xfmt``,
+            docs/perf.md Optimisation 22). Only with ``prequant``; moot where the call falls back to the in-tile
+            kernel.
 
     Raises:
         RenderError: a field out of range; the message names it, what was expected and what was found.
@@ -226,6 +234,7 @@ class GemmSpec:
     tile ``y % ceil(N/bn)`` of group ``y // ceil(N/bn)``). Not with ``prequant`` / ``x_prequant`` (their x is
     ``[C, K]``). 1 renders the ungrouped kernel byte for byte."""
     stages: int = 0
+    xfmt: str = "f16"
 
     def __post_init__(self) -> None:
         if self.out_dtype is None:
@@ -267,6 +276,10 @@ class GemmSpec:
             bad.append(f"groups {self.groups} with prequant / x_prequant (expected groups 1: their x is [C, K])")
         if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
             bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
+        if self.xfmt not in XFMTS:
+            bad.append(f"xfmt {self.xfmt!r} (expected one of {XFMTS})")
+        elif self.xfmt == "e4m3" and self.prequant is not True:
+            bad.append("xfmt e4m3 without prequant (the e4m3 codes are actq's output, which only a prequant call reads)")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -286,14 +299,15 @@ class GemmSpec:
                 + (f"_bn{self.bn}" if self.bn else "") + ("_pq" if self.prequant else "")
                 + (f"_g{self.groups}" if self.groups > 1 else "")
                 + (f"_st{self.stages}" if self.stages > 2 and self.prequant else "")
-                + f"_{self.out_dtype}")
+                + ("_x8" if self.xfmt == "e4m3" else "") + f"_{self.out_dtype}")
 
     def short(self) -> str:
         return (f"C={self.rows} N={self.n} K={self.k} {self.fmt}/{self.mode}"
                 + ("" if self.act_quant else " noaq") + (" xpre" if self.x_prequant else "")
                 + (" swq" if self.sw_quant else "")
                 + (f" bn{self.bn}" if self.bn else "") + (" pq" if self.prequant else "")
-                + (f" {self.stages} stages" if self.stages > 2 else "") + f"->{self.out_dtype}")
+                + (f" {self.stages} stages" if self.stages > 2 else "") + (" e4m3 tiles" if self.xfmt == "e4m3" else "")
+                + f"->{self.out_dtype}")
 
 
 def resolve_engine(spec: GemmSpec, target: Target) -> str:
@@ -335,6 +349,8 @@ class GemmPlan:
     K-quants staged in 4-byte units: Q2_K, Q3_K, Q6_K, as in the grouped experts GEMM)."""
     pipe: bool = False
     """The cp.async pipeline: ``GemmSpec.stages`` 3 on a prequant call (``nstage`` 3; :func:`uses_prequant`)."""
+    e4x: bool = False
+    """The X tile holds e4m3 codes (``GemmSpec.xfmt`` e4m3 on a prequant call)."""
 
 
 def plan(spec: GemmSpec, target: Target) -> GemmPlan:
@@ -360,7 +376,8 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     while (rbp // 4) % want[0] != want[1] and engine != "xm":  # (xm reads by element: no fragment bank rule)
         rbp += 16
     bn = spec.bn or BN
-    stage = _round16(BM * XST + BM * 4 + bn * rbp)
+    e4x = spec.xfmt == "e4m3" and spec.prequant and form == 0  # uses_prequant's condition
+    stage = _round16(BM * (XST_E4M3 if e4x else XST) + BM * 4 + bn * rbp)
     lim = SMEM_LIMIT[target.vendor]
     epi = BM * (bn + 4) * 4
     pipe = spec.stages == 3 and spec.prequant and form == 0  # uses_prequant's condition
@@ -371,7 +388,7 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
                           f"is {lim}")
     grid = (-(-spec.rows // BM), spec.groups * -(-spec.n // bn), 1)
     return GemmPlan(engine, form, bn, sb, v, rbp, stage, nstage, smem, grid, (2 * bn, 1, 1),
-                    kq and v == 4 and target.vendor == "cuda", pipe)
+                    kq and v == 4 and target.vendor == "cuda", pipe, e4x)
 
 
 def launch_min_blocks(threads: int, smem: int, pipe: bool, fmt: str) -> int:
@@ -405,7 +422,7 @@ def render_gemm(spec: GemmSpec, target: Target, name: str | None = None) -> Kern
         out_f32=spec.out_dtype == "f32", bb=SUPER_BYTES.get(spec.fmt) or BLOCK_BYTES[spec.fmt], sb=pl.sb,
         kq_id=_XP_FMT_ID[spec.fmt], w_async=pl.w_async,
         rs=row_bytes(spec.fmt, spec.k), rbp=pl.rbp, v=pl.v, stage_bytes=pl.stage_bytes, nstage=pl.nstage,
-        smem=pl.smem, bn=pl.bn, threads=pl.block[0], pipe=pl.pipe,
+        smem=pl.smem, bn=pl.bn, threads=pl.block[0], pipe=pl.pipe, e4x=pl.e4x,
         min_blocks=launch_min_blocks(pl.block[0], pl.smem, pl.pipe, spec.fmt),
         **({"groups": spec.groups, "ntn": -(-spec.n // pl.bn)} if spec.groups > 1 else {}))
     return render(TEMPLATE, name, FAMILY, target, params)
@@ -473,7 +490,8 @@ def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list
     out = []
     for kn in kernel_names(spec, target):
         if kn == "actq":
-            out.append(render_actq(f"{name}_actq", FAMILY, target, spec.k, spec.rows))
+            out.append(render_actq(f"{name}_actq", FAMILY, target, spec.k, spec.rows,
+                                   "e4m3s" if spec.xfmt == "e4m3" else "f16s"))
         else:
             out.append(render_gemm(spec, target, name))
     return out
@@ -508,11 +526,13 @@ def arg_names(spec: GemmSpec, target: Target | None = None) -> dict[str, list[st
 
 def arg_shapes(spec: GemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every argument name of :func:`arg_names`: ``x`` bf16 ``[C, K]``, ``w``
-    :func:`weight_shape`, ``y`` ``[C, N]`` in ``out_dtype``, ``xq`` f16 ``[C, K]``, ``xs`` fp32 ``[C, K/128]``."""
+    :func:`weight_shape`, ``y`` ``[C, N]`` in ``out_dtype``, ``xq`` f16 ``[C, K]`` (float8_e4m3fn with ``xfmt``
+    e4m3), ``xs`` fp32 ``[C, K/128]``."""
     g = spec.groups
     return {"x": ((spec.rows, g * spec.k), torch.bfloat16), "w": weight_shape(spec),
             "y": ((spec.rows, g * spec.n), spec.torch_out_dtype),
-            "xq": ((spec.rows, spec.k), torch.float16), "xs": ((spec.rows, spec.k // KSTEP), torch.float32)}
+            "xq": ((spec.rows, spec.k), torch.float8_e4m3fn if spec.xfmt == "e4m3" else torch.float16),
+            "xs": ((spec.rows, spec.k // KSTEP), torch.float32)}
 
 
 def workspaces(spec: GemmSpec, target: Target) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -100,16 +100,18 @@ def build(spec: GM.GemmSpec, workdir: Path, arch: str = "sm_90") -> Path:
         args = ", ".join(expr[n] for n in names[ln.kernel])
         calls.append(f"  run_grid({ln.grid[0]}, {ln.grid[1]}, {ln.block[0]}, [&] {{ {ns}::{src.entry}({args}); }});\n")
     nq, ns_ = spec.rows * spec.k, spec.rows * (spec.k // GM.KSTEP)
+    # prequant's xq: f16 NaN poison, or (xfmt e4m3: actq form e4m3s) the e4m3fn NaN byte
+    qt, qb, qp = ("u8", 1, "(u8)0x7f") if spec.xfmt == "e4m3" else ("u16", 2, "(u16)0x7e01")
     main = "#include <limits>\n" + "".join(spaces) + f"""
 int main(int argc, char** argv) {{
   const char* d = argv[1];
   auto x = load(d, "x"), w = load(d, "w");
   std::vector<{ytype}> y({ny}, {poison});
-  std::vector<u16> xq({nq}, 0x7e01);  // f16 NaN poison (prequant's workspaces)
+  std::vector<{qt}> xq({nq}, {qp});  // NaN poison (prequant's workspaces)
   std::vector<float> xs({ns_}, NAN);
   (void)x;
 {"".join(calls)}  save(d, "y", y.data(), y.size() * {outb});
-  save(d, "xq", xq.data(), xq.size() * 2);
+  save(d, "xq", xq.data(), xq.size() * {qb});
   save(d, "xs", xs.data(), xs.size() * 4);
   return 0;
 }}
@@ -133,11 +135,13 @@ def run(spec: GM.GemmSpec, x: torch.Tensor, w: torch.Tensor, workdir: Path, arch
 
 
 def read_prequant(spec: GM.GemmSpec, workdir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """After :func:`run` in ``workdir``: the prequant workspaces ``(xq f16 [C, K], xs fp32 [C, K/128])`` as the
-    actq launch left them (NaN poison where nothing wrote, e.g. a call without prequant)."""
-    xq = np.frombuffer((workdir / "xq").read_bytes(), dtype=np.float16).copy()
+    """After :func:`run` in ``workdir``: the prequant workspaces ``(xq f16 [C, K] (float8_e4m3fn with xfmt e4m3),
+    xs fp32 [C, K/128])`` as the actq launch left them (NaN poison where nothing wrote, e.g. a call without
+    prequant)."""
+    e4 = spec.xfmt == "e4m3"
+    xq = torch.from_numpy(np.frombuffer((workdir / "xq").read_bytes(), dtype=np.uint8 if e4 else np.float16).copy())
     xs = np.frombuffer((workdir / "xs").read_bytes(), dtype=np.float32).copy()
-    return (torch.from_numpy(xq).view(spec.rows, spec.k),
+    return ((xq.view(torch.float8_e4m3fn) if e4 else xq).view(spec.rows, spec.k),
             torch.from_numpy(xs).view(spec.rows, spec.k // GM.KSTEP))
 
 

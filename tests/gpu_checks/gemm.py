@@ -116,7 +116,16 @@ def cases() -> list[tuple[str, GM.GemmSpec]]:
             ("pq_st3_bn128_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", bn=128, prequant=True, stages=3)),
             ("pq_st3_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", prequant=True, stages=3)),
             ("pq_st3_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", prequant=True, stages=3)),
-            ("pq_st3_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True, stages=3))]
+            ("pq_st3_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True, stages=3)),
+            # e4m3 X tiles (GemmSpec.xfmt, docs/perf.md Optimisation 22): X8_TWINS compares each with its f16-tile
+            # prequant twin bit for bit (the chunk's shapes at 2048 rows, a K-quant, the pipeline, partial tiles)
+            ("pq_x8_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", prequant=True, xfmt="e4m3")),
+            ("pq_x8_bn128_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", bn=128, prequant=True, xfmt="e4m3")),
+            ("pq_x8_wq_b_c2048", GM.GemmSpec(2048, 32768, 1024, "q8_0", prequant=True, xfmt="e4m3")),
+            ("pq_x8_expert_w1_c4096", GM.GemmSpec(4096, 2048, 4096, "mxfp4", prequant=True, xfmt="e4m3")),
+            ("pq_x8_st3_wq_a_c2048", GM.GemmSpec(2048, 1024, 4096, "q8_0", prequant=True, stages=3, xfmt="e4m3")),
+            ("pq_x8_partial_q8_c77", GM.GemmSpec(77, 1000, 2048, "q8_0", out_dtype="f32", prequant=True, xfmt="e4m3")),
+            ("kq_x8_wq_a_q3_k_c2048", GM.GemmSpec(2048, 1024, 4096, "q3_k", prequant=True, xfmt="e4m3"))]
     return out
 
 
@@ -131,6 +140,11 @@ PQ_TWINS = [("pq_wq_a_c512", "wq_a_c512"), ("pq_wq_a_c4096", "wq_a_c4096"), ("pq
 ST_TWINS = [("pq_st3_wq_a_c2048", "pq_wq_a_c2048"), ("pq_st3_bn128_wq_a_c2048", "pq_bn128_wq_a_c2048"),
             ("pq_st3_wq_b_c2048", "pq_wq_b_c2048"), ("pq_st3_expert_w1_c4096", "pq_expert_w1_c4096"),
             ("pq_st3_partial_q8_c77", "pq_partial_q8_c77")]
+#: (e4m3-tile case, its f16-tile twin): the same MMAs on the same values, so the same bits
+X8_TWINS = [("pq_x8_wq_a_c2048", "pq_wq_a_c2048"), ("pq_x8_bn128_wq_a_c2048", "pq_bn128_wq_a_c2048"),
+            ("pq_x8_wq_b_c2048", "pq_wq_b_c2048"), ("pq_x8_expert_w1_c4096", "pq_expert_w1_c4096"),
+            ("pq_x8_st3_wq_a_c2048", "pq_st3_wq_a_c2048"), ("pq_x8_partial_q8_c77", "pq_partial_q8_c77"),
+            ("kq_x8_wq_a_q3_k_c2048", "kq_wq_a_q3_k_c2048")]
 
 
 def case_buffers(spec: GM.GemmSpec, g: torch.Generator, device: str = "cuda"
@@ -212,7 +226,7 @@ def _median_us(fn: Any) -> float:
 def run(arch: str = "sm_90") -> list[dict]:
     """Run every case; one dict per case: spec, detail, ok, all_written, guard_ok, deterministic, rel_err, us,
     TFLOPs, GBps, bytes, grid, smem, regs, spills, compile_s (prequant cases also us_gemm, us_actq); then one
-    per twin pair (:data:`TWINS`, :data:`PQ_TWINS`, :data:`ST_TWINS`)."""
+    per twin pair (:data:`TWINS`, :data:`PQ_TWINS`, :data:`ST_TWINS`, :data:`X8_TWINS`)."""
     from gpu_checks.common import compile_source, load
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -258,9 +272,10 @@ def run(arch: str = "sm_90") -> list[dict]:
             rows.append({"spec": n, "detail": spec.short(), "ok": False, "error": repr(ex)[:300],
                          "rel_err": float("nan"), "us": float("nan"), "GBps": float("nan")})
         torch.cuda.empty_cache()
-    for sw, hw in [tw for tw in TWINS + PQ_TWINS + ST_TWINS if tw[0] in specs and tw[1] in specs]:
+    for sw, hw in [tw for tw in TWINS + PQ_TWINS + ST_TWINS + X8_TWINS if tw[0] in specs and tw[1] in specs]:
         what = ("software vs cvt e4m3 rounding" if (sw, hw) in TWINS else "prequant vs in-tile quant"
-                if (sw, hw) in PQ_TWINS else "3-stage pipeline vs 2 stages") + ", bit for bit"
+                if (sw, hw) in PQ_TWINS else "3-stage pipeline vs 2 stages" if (sw, hw) in ST_TWINS
+                else "e4m3 vs f16 X tiles") + ", bit for bit"
         try:
             spec = specs[sw]
             x, w, ybuf = case_buffers(spec, g)
