@@ -337,7 +337,8 @@ def prefill_stages() -> int:
 
 def prefill_moe_mma() -> str:
     """The MMA of the prefill chunks' routed experts' up / down phases (``$DS4C_PREFILL_MOE_MMA``): ``sync``, the
-    default, the f16 mma.sync kernels everywhere; ``wgmma``: Hopper's wgmma, and ``fp8``: mma.sync on e4m3 operands
+    default, the f16 mma.sync kernels everywhere; ``wgmma``: Hopper's wgmma on bf16 operands, ``wgmma8``: its FP8
+    form (e4m3 operands, a per-128 promotion; docs/perf.md Optimisation 23), and ``fp8``: mma.sync on e4m3 operands
     (with e4m3 activation tiles), each for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible
     -- MXFP4 weights both ways; wgmma on an sm_90 / sm_90a target -- and mma.sync for the rest. wgmma is not the
     default: on an H100 and an H200 it ran the routed experts no faster than mma.sync with one warpgroup a CTA
@@ -345,9 +346,9 @@ def prefill_moe_mma() -> str:
     Optimisation 21 measured); fp8 ran slower than f16 mma.sync on e4m3 tiles on an H100 (the same section).
 
     Raises:
-        SettingsError: any value but sync, wgmma or fp8.
+        SettingsError: any value but sync, wgmma, fp8 or wgmma8.
     """
-    return _choice("DS4C_PREFILL_MOE_MMA", {"sync": "sync", "wgmma": "wgmma", "fp8": "fp8"}, "sync")
+    return _choice("DS4C_PREFILL_MOE_MMA", {m: m for m in ("sync", "wgmma", "fp8", "wgmma8")}, "sync")
 
 
 def prefill_moe_xq() -> str:

@@ -459,12 +459,13 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
                                                                  c.moe_mma)
         # the quantized activations as one-byte e4m3 codes (DS4C_PREFILL_MOE_XQ=e4m3; always under the fp8 MMA): both
         # calls, so the shared expert reads the routed call's x (not on HIP, nor the wgmma call's bf16 tile)
-        e4 = not hip and (c.moe_xq == "e4m3" or rmma == "fp8")
+        e4 = not hip and (c.moe_xq == "e4m3" or rmma in ("fp8", "wgmma8"))
         # HIP: the CUDA A/B knobs (stages 3, the L2 prefetch) do not apply; its body has the 2-stage loop
-        rstages = 2 if hip else c.stages or (0 if rmma == "wgmma" else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
+        wgm = rmma in _mg.WG_MMAS
+        rstages = 2 if hip else c.stages or (0 if wgm else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
         pf = 0 if hip else c.l2_prefetch
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_wg_bn if rmma == "wgmma" else c.moe_bn, mma=rmma,
+                                shared=True, bn=c.moe_wg_bn if wgm else c.moe_bn, mma=rmma,
                                 prefetch=pf, cols_first=c.moe_cols_first, stages=rstages,
                                 xfmt="e4m3" if e4 and rmma != "wgmma" else "f16")
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],

@@ -365,6 +365,51 @@ def test_emulated_wgmma_widths(bn: int, eager: bool, monkeypatch: pytest.MonkeyP
     _check_routed_call(wide, inp, got, "skew")
 
 
+#: the FP8 wgmma (MoeGemmSpec.mma wgmma8): (C, routing, sizes, bn, eager, scales); "wide": the MXFP4 exponent bytes
+#: drawn from 1..160 (blocks up to 2^159 apart inside a row's K step: the rounded table past 2^12, E past 128)
+W8_CASES = [(77, "uneven", TINY, 64, False, ""),
+            (70, "skew", SMALL, 128, True, ""),
+            (40, "skew", W, 256, False, "wide")]
+
+
+@pytest.mark.parametrize("C,routing,sizes,bn,eager,scales", W8_CASES)
+def test_emulated_wgmma8(C: int, routing: str, sizes: dict, bn: int, eager: bool, scales: str,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mma`` wgmma8 (e4m3 A and B, one promotion a K step): against the reference as every call
+    (:func:`_check_routed_call`) and against the mma.sync f16 call on the same inputs: bit for bit where every block of
+    a row's K step is within 2^12 of its largest (the table is exact; the emulator sums exactly), within two bf16 ulps
+    (relative L2) with "wide" scales; ``xq`` / ``hq`` the e4m3 codes; ``eager``: cp.async copies landing at issue."""
+    why = EMU.host_unavailable()
+    if why:
+        pytest.skip(why)
+    if eager:
+        monkeypatch.setenv("DS4C_EMU_CP_EAGER", "1")
+    spec = MG.MoeGemmSpec(rows=C, mma="wgmma8", xfmt="e4m3", bn=bn, **sizes)
+    sync = MG.MoeGemmSpec(rows=C, **sizes)
+    tgt = target("sm_90")
+    src = {s.entry.rsplit("_", 1)[-1]: s for s in MG.render_moe_gemm(spec, tgt)}
+    assert src["up"].target == target("sm_90a") and MG.act_form(spec) == "e4m3s" and "_w8" in spec.key()
+    body = src["down"].source.split("---- shape")[1]
+    assert "xp_wg8_m64n64k32(" in body and "mma.sync" not in body and "m64n64k16" not in body
+    inp = _emu_inputs(spec, routing)
+    if scales == "wide":  # every exponent byte of every block of the three matrices
+        g = torch.Generator().manual_seed(11)
+        for n in ("w1", "w3", "w2"):
+            b = inp[n].view(-1, 17)
+            b[:, 0] = torch.randint(1, 161, (b.shape[0],), generator=g, dtype=torch.uint8)
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    with tempfile.TemporaryDirectory() as d:
+        old = EMU.run(sync, inp, Path(d))
+    assert got["xq"].dtype == torch.float8_e4m3fn and torch.equal(got["xq"].float(), old["xq"].float())
+    _check_routed_call(spec, inp, got, routing)
+    if scales == "wide":
+        assert MG.rel_l2(got["out"], old["out"]) <= 2 * BF16_ULP
+    else:
+        for n in ("hbuf", "ybuf", "out"):
+            assert torch.equal(got[n].view(torch.uint8), old[n].view(torch.uint8)), n
+
+
 @pytest.mark.parametrize("drop, why", [("  xp_wg_fence();\n", "no wgmma.fence"),
                                        ("  xp_wg_wait<0>();\n", "still reads"),
                                        ("sbase + (u32)", "")])
@@ -413,6 +458,10 @@ def test_auto_mma() -> None:
     for args in (("mxfp4", "q8_0", 0, 0, t90), ("q3_k", "q3_k", 0, 0, t90), ("mxfp4", "mxfp4", 0, 0, target("gfx942"))):
         assert MG.auto_mma(*args, want="fp8") == "sync", args
     assert MG.auto_mma("mxfp4", "mxfp4", 0, 0, t90, want="sync") == "sync"
+    # wgmma8: where wgmma is built
+    assert MG.auto_mma("mxfp4", "mxfp4", 256, 0, t90, want="wgmma8") == "wgmma8"
+    assert MG.auto_mma("mxfp4", "mxfp4", 0, 2, t90, want="wgmma8") == "sync" == MG.auto_mma(
+        "mxfp4", "mxfp4", 0, 0, t100, want="wgmma8")
 
 
 def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -463,6 +512,10 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
     ks = [k for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "moe_gemm"]
     assert [la.kernel.params.get("f8") for la in ks[0].launches if la.kernel.params.get("kernel") in ("up", "down")
             ] == [True, True, False, False]  # the routed up / down, then the shared expert's (Q8_0: mma.sync)
+    # wgmma8: the routed up / down on the FP8 wgmma (sm_90a, DS4C_PREFILL_MOE_WG_BN wide), e4m3 tiles both calls
+    w8 = entries("wgmma8")
+    assert [e for e, *_ in w8] == [e for e, *_ in sync] and {f for _, _, f, _ in w8 if f} == {"e4m3s"}
+    assert [(e, a) for e, a, _, wg in w8 if wg] == [("gemm_up", "sm_90a"), ("gemm_down", "sm_90a")]
 
 
 def test_prefill_lowering_moe_xq(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -810,7 +863,10 @@ def test_device_compile_sm90(tmp_path: Path) -> None:
                  MG.MoeGemmSpec(rows=2048, xfmt="e4m3"), MG.MoeGemmSpec(rows=2048, xfmt="e4m3", stages=3),
                  MG.MoeGemmSpec(rows=2048, fmt="q3_k", xfmt="e4m3"), MG.MoeGemmSpec(rows=2048, bn=128, xfmt="e4m3"),
                  MG.MoeGemmSpec(rows=2048, mma="fp8", xfmt="e4m3"),
-                 MG.MoeGemmSpec(rows=2048, mma="fp8", xfmt="e4m3", bn=128, stages=3)):
+                 MG.MoeGemmSpec(rows=2048, mma="fp8", xfmt="e4m3", bn=128, stages=3),
+                 # the FP8 wgmma (sm_90a) at 1 and 4 warpgroups
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma8", xfmt="e4m3"),
+                 MG.MoeGemmSpec(rows=2048, mma="wgmma8", xfmt="e4m3", bn=256)):
         srcs = MG.render_moe_gemm(spec, tgt)
         if spec.shared:
             srcs = srcs[-1:]  # only the combine differs
@@ -942,7 +998,9 @@ def test_unsupported_target_raises(arch: str) -> None:
                                 dict(mma="wgmma", down_fmt="q8_0"), dict(bn=256), dict(mma="wgmma", bn=512),
                                 dict(mma="wgmma", stages=2), dict(prefetch=64), dict(prefetch=True), dict(xfmt="e5m2"),
                                 dict(mma="fp8"), dict(mma="fp8", xfmt="e4m3", down_fmt="q8_0"),
-                                dict(mma="wgmma", xfmt="e4m3")])
+                                dict(mma="wgmma", xfmt="e4m3"), dict(mma="wgmma8"),
+                                dict(mma="wgmma8", xfmt="e4m3", stages=2),
+                                dict(mma="wgmma8", xfmt="e4m3", bn=256, hidden=384)])
 def test_bad_spec_raises(kw: dict) -> None:
     base = dict(rows=64, **TINY)
     base.update(kw)
@@ -983,8 +1041,8 @@ def test_gpu_check_imports_on_cpu() -> None:
         twin = m._base(n)
         assert (by[n].bn == 128) == ("_bn128" in n) and (by[n].stages == 3) == ("_st3" in n)
         assert (by[n].mma == "wgmma") == ("_wg" in n) and (by[n].cols_first == n.endswith("_cf"))
-        assert (by[n].prefetch > 0) == ("_pf" in n) and (by[n].xfmt == "e4m3") == n.endswith(("_x8", "_f8"))
-        assert (by[n].mma == "fp8") == n.endswith("_f8")
+        assert (by[n].prefetch > 0) == ("_pf" in n) and (by[n].xfmt == "e4m3") == n.endswith(("_x8", "_f8", "_w8"))
+        assert (by[n].mma == "fp8") == n.endswith("_f8") and (by[n].mma == "wgmma8") == n.endswith("_w8")
         assert by[twin] == MG.MoeGemmSpec(**{**by[n].__dict__, "bn": 0, "stages": 0, "mma": "sync", "prefetch": 0,
                                              "cols_first": False, "xfmt": "f16"})
         assert m._seed(n) == m._seed(twin)

@@ -169,7 +169,9 @@ WG_REGS = 128  # registers a thread the wgmma kernels are bounded to from 2 warp
 # flight). The launch bounds (registers a thread, CTAs a SM) of both families: gemm.launch_min_blocks.
 SMEM_LIMIT = 227 * 1024
 KERNELS = ("route", "actq_x", "up", "actq_h", "down", "combine")
-MMAS = ("sync", "wgmma", "fp8")
+MMAS = ("sync", "wgmma", "fp8", "wgmma8")
+#: the MMAs on Hopper's warpgroup instructions (sm_90a code, WGMMA_ARCHS, 1 / 2 / 4 warpgroups a CTA, 3 stages)
+WG_MMAS = ("wgmma", "wgmma8")
 XFMTS = ("f16", "e4m3")
 XFMT_E4M3 = """MoeGemmSpec.xfmt = "e4m3" (issue 33; docs/perf.md Optimisation 21). The activation quant launches write form
 ``e4m3s`` (the e4m3 codes, one byte a value, and the per-128 scales) instead of ``f16s`` (the same values as f16), and
@@ -186,7 +188,19 @@ arithmetic of the f16 path, without its cvt), B = the staged codes as read; one 
 instead of two, no operand conversion. Per 32-block and warp: 8 MMAs and ~40 other instructions where ``sync`` runs
 16 MMAs and ~70. The block's fp32 partial times the weight block scale as before. Not bit-identical: the tensor core
 sums a 32-block's 32 exact products in its own precision (Hopper's FP8 MMA keeps fewer bits than fp32 inside the
-instruction), as the reference's TileLang FP8 GEMMs do."""
+instruction), as the reference's TileLang FP8 GEMMs do.
+
+``mma`` wgmma8 (MXFP4 both ways, sm_90 / sm_90a, ``bn`` 64 / 128 / 256, 3 stages; docs/perf.md Optimisation 23): the
+FP8 form of :data:`WGMMA`, ``wgmma.mma_async.m64n64k32.f32.e4m3.e4m3``, B = the staged e4m3 tile (core matrices of 8
+pairs x 16 codes, stride byte offset 1024) with the pairs' activation scales beside it, A from registers. The A
+operand must be e4m3 and the MXFP4 blocks of a row carry their own power of two, so per row and K step the largest
+exponent byte E of its four blocks sets the step's scale and block b's codes become e4m3 codes of e2m1 *
+2^(6 - (E - E_b)) through a prmt table (the MXFP4 nibble's 3-bit magnitude indexes the 8 codes; exact while E - E_b <=
+14, rounded beyond, where the block is 2^-15 of the row's largest); four wgmma (one per block, the first overwriting
+the step's accumulator), one wait, then ``acc += tmp * 2^(E - 133) * x_scale`` per element: a promotion per K step of
+128, as DeepGEMM promotes its FP8 accumulators. Staged bytes a K step per 64 outputs: half the bf16 tile's; the
+tensor core at its FP8 rate. Not bit-identical to ``sync`` (the tensor core's FP8 sum inside a step; identical on the
+emulator, which sums exactly)."""
 PREFETCH = (0, 128, 256)
 #: the targets whose up / down phases can run on wgmma, and the arch those kernels compile for (sm_90 binaries
 #: run only on compute capability 9.0, the Hopper parts, all of which have sm_90a's wgmma)
@@ -324,9 +338,9 @@ class MoeGemmSpec:
             bad.append(f"limit {self.limit!r} (expected a positive finite float)")
         if self.act_quant is not True:
             bad.append("act_quant False (only the FP8 activation path, the reference's emulate=True, is built)")
-        bns = WG_BNS if self.mma == "wgmma" else BNS
+        bns = WG_BNS if self.mma in WG_MMAS else BNS
         if type(self.bn) is not int or self.bn not in (0,) + bns:  # noqa: E721 (128.0, True are not widths)
-            also = "" if self.mma == "wgmma" else "; 256 with wgmma"
+            also = "" if self.mma in WG_MMAS else "; 256 with wgmma"
             bad.append(f"bn {self.bn!r} (expected 0 or one of {bns}{also})")
         if type(self.stages) is not int or self.stages not in (0,) + STAGES:  # noqa: E721
             bad.append(f"stages {self.stages!r} (expected 0 or one of {STAGES})")
@@ -339,15 +353,17 @@ class MoeGemmSpec:
         elif self.mma != "sync" and (self.fmt != "mxfp4" or self.down_fmt != "mxfp4"):
             bad.append(f"mma {self.mma} with {self.fmt}/{self.down_fmt} weights (expected MXFP4 both ways: its A "
                        f"fragments are built from MXFP4 bytes)")
-        if self.mma == "wgmma":
-            if self.stages not in (0, 3):
-                bad.append(f"mma wgmma with stages {self.stages} (expected 0 / 3: its 3-stage cp.async pipeline)")
+        if self.bn == 256 and isinstance(self.hidden, int) and self.hidden % 256:
+            bad.append(f"bn 256 with hidden {self.hidden} (expected a multiple of 256: the down phase's CTA columns "
+                       f"are 256 wide, a partial one would leave outputs unwritten)")
+        if self.mma in WG_MMAS and self.stages not in (0, 3):
+            bad.append(f"mma {self.mma} with stages {self.stages} (expected 0 / 3: its 3-stage cp.async pipeline)")
         if self.xfmt not in XFMTS:
             bad.append(f"xfmt {self.xfmt!r} (expected one of {XFMTS})")
         elif self.xfmt == "e4m3" and self.mma == "wgmma":
             bad.append("xfmt e4m3 with mma wgmma (its B operand is the bf16 tile of actq form bf16p)")
-        elif self.mma == "fp8" and self.xfmt != "e4m3":
-            bad.append(f"mma fp8 with xfmt {self.xfmt} (its B operand is the staged e4m3 codes: xfmt e4m3)")
+        elif self.mma in ("fp8", "wgmma8") and self.xfmt != "e4m3":
+            bad.append(f"mma {self.mma} with xfmt {self.xfmt} (its B operand is the staged e4m3 codes: xfmt e4m3)")
         if self.dense and (self.k != 1 or self.n_experts != 1 or self.shared):
             bad.append(f"dense with k {self.k}, n_experts {self.n_experts}, shared {self.shared} (a dense call is "
                        f"k = 1, n_experts = 1, shared False)")
@@ -371,7 +387,8 @@ class MoeGemmSpec:
                 + ("" if self.limit == 10.0 else f"_l{self.limit:g}".replace(".", "p"))
                 + ("_dense" if self.dense else "") + ("_sh" if self.shared else "")
                 + (f"_bn{self.bn}" if self.bn > 64 else "") + (f"_st{self.stages}" if self.stages > 2 else "")
-                + {"sync": "", "wgmma": "_wg", "fp8": "_f8"}.get(self.mma, "") + (f"_pf{self.prefetch}" if self.prefetch else "")
+                + {"sync": "", "wgmma": "_wg", "fp8": "_f8", "wgmma8": "_w8"}.get(self.mma, "")
+                + (f"_pf{self.prefetch}" if self.prefetch else "")
                 + ("_cf" if self.cols_first else "") + ("_x8" if self.xfmt == "e4m3" else ""))
 
     def short(self) -> str:
@@ -419,7 +436,7 @@ def check_target(target: Target, spec: MoeGemmSpec | None = None) -> None:
     if target.arch not in E4M3_ARCHS:
         raise RenderError(f"moe_gemm: {target.slug} is not supported (needs CUDA {'/'.join(E4M3_ARCHS)}: the f16 "
                           f"mma.sync on e4m3 activations; or AMD matrix cores on {'/'.join(HIP_MATRIX)})")
-    if spec is not None and spec.mma == "wgmma" and target.arch not in WGMMA_ARCHS:
+    if spec is not None and spec.mma in WG_MMAS and target.arch not in WGMMA_ARCHS:
         raise RenderError(f"moe_gemm {spec.short()}: wgmma runs on {'/'.join(WGMMA_ARCHS)} only, not {target.slug}")
 
 
@@ -470,6 +487,9 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
     if spec.mma == "wgmma":
         stages = 3
         stage = _round16(TM * 256 + bn * rbp)  # the bf16 activation tile, no scales
+    elif spec.mma == "wgmma8":
+        stages = 3
+        stage = _round16(TM * 128 + TM * 4 + bn * rbp)  # the e4m3 tile and the pairs' scales
     else:
         stage = _round16(TM * x_stride(spec.xfmt) + TM * 4 + bn * rbp)
     smem = max(stages * stage, TM * (bn + 4) * 4)
@@ -478,7 +498,7 @@ def plan(spec: MoeGemmSpec, target: Target, phase: str) -> PhasePlan:
         raise RenderError(f"moe_gemm {spec.short()} {phase}: needs {smem} bytes of shared memory, the limit is "
                           f"{limit} on {target.slug}")
     # up: bn / 2 intermediate columns per CTA (bn / 2 rows of W1, the same of W3); down: bn columns. I and D are
-    # multiples of 128 (MoeGemmSpec), so both widths divide them: no partial CTA column
+    # multiples of 128 and D of 256 at bn 256 (MoeGemmSpec), so every width divides them: no partial CTA column
     ny = spec.inter // (bn // 2) if phase == "up" else spec.hidden // bn
     nb = -(-bn * (sb // v) // threads) * v // 4  # MG_NJ loads of v bytes: MG_NB words
     grid = (ny, tile_slots(spec), 1) if spec.cols_first else (tile_slots(spec), ny, 1)
@@ -502,7 +522,7 @@ def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target, want
     (:data:`WGMMA_ARCHS`), any of its widths (:data:`WG_BNS`); ``fp8`` for MXFP4 weights both ways on CUDA (every
     width and stage count); else ``sync``."""
     mx = fmt == down_fmt == "mxfp4" and target.vendor == "cuda"
-    if want == "wgmma":
+    if want in WG_MMAS:
         ok = mx and bn in (0,) + WG_BNS and stages in (0, 3) and target.arch in WGMMA_ARCHS
     else:
         ok = want == "fp8" and mx
@@ -531,7 +551,7 @@ def _min_blocks(spec: MoeGemmSpec, pl: PhasePlan) -> int:
     """The ``__launch_bounds__`` minimum CTAs a SM: :func:`gemm.launch_min_blocks`; the wgmma kernels of 2 or 4
     warpgroups as many as the shared memory fits with :data:`WG_REGS` registers a thread (their 32 accumulator and 32
     A-fragment registers leave room; 2 CTAs of 8 warps a SM at bn 128)."""
-    if spec.mma == "wgmma" and pl.bn > 64:
+    if spec.mma in WG_MMAS and pl.bn > 64:
         return max(1, min(SM_SMEM // (pl.smem + 1024), 65536 // (pl.block[0] * WG_REGS)))
     return launch_min_blocks(pl.block[0], pl.smem, pl.stages > 2, pl.fmt)
 
@@ -559,7 +579,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
         RenderError: see :func:`plan`.
     """
     name = name or f"moe_gemm_{spec.key()}"
-    wg = spec.mma == "wgmma"
+    wg = spec.mma in WG_MMAS
     form = act_form(spec)
     out = []
     for kn in kernel_names(spec, target):
@@ -575,7 +595,7 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
                           stages=pl.stages, min_blocks=_min_blocks(spec, pl),
-                          wg=wg, f8=spec.mma == "fp8", prefetch=spec.prefetch, cols_first=spec.cols_first,
+                          wg=wg, wg8=spec.mma == "wgmma8", f8=spec.mma == "fp8", prefetch=spec.prefetch, cols_first=spec.cols_first,
                           matrix=HIP_MATRIX.get(target.arch, ""), **_width(pl, spec.xfmt))
             # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
             tgt = make_target("sm_90a") if wg else target

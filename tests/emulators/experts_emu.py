@@ -144,6 +144,7 @@ struct EmuBlock {
   EmuBarrier* gbar[8];  // per warpgroup (wgmma)
   float fx[1024];
   float wgA[8][64][16];  // per warpgroup: the wgmma A operand, assembled from its threads' fragments
+  float wgA8[8][64][32];  // per warpgroup: the FP8 wgmma's A operand (k32)
   float mA[32][16][16], mB[32][16][8];  // per warp: the mma operands, assembled from the lanes' fragments
   float qA[32][16][32], qB[32][32][8];  // per warp: the m16n8k32 (8-bit) mma operands
   float xB[32][16][16];                 // per wave: a HIP matrix op's B (A in mA)
@@ -482,6 +483,40 @@ DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3,
         s += (double)A[row][k] * emu_bf16(b);
       }
       out[4 * j + i] = (float)(s + d[4 * j + i]);
+    }
+  g_blk->gbar[wg]->arrive_and_wait();
+  for (int i = 0; i < 32; ++i) d[i] = out[i];
+}
+// the FP8 form, m64n64k32 e4m3 x e4m3 (A from registers: warp w rows 16w .., the mma.sync m16n8k32 A fragment; B k32 x
+// n64 e4m3 codes from shared memory, core matrices of 8 rows of n x 16 bytes of k); acc 0: D = A . B (scale-d 0), else
+// D += A . B. The k sum in fp64 to fp32 (the tensor core's narrower FP8 accumulation is not modelled)
+DS4C_DEVICE void xp_wg8_m64n64k32(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, int acc) {
+  const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  if (!emu_wg_fenced[t_tid]) {
+    fprintf(stderr, "emulator: thread %d issues a wgmma with no wgmma.fence since its last wait_group\n", t_tid);
+    abort();
+  }
+  if ((desc >> 46) != 0ull || (desc & 0xc000c000ull) != 0ull) {
+    fprintf(stderr, "emulator: wgmma descriptor %llx: swizzle / base offset / reserved bits set\n", desc);
+    abort();
+  }
+  ++emu_wg_open[t_tid];
+  float (*A)[32] = g_blk->wgA8[wg];
+  const u32 ar[4] = {a0, a1, a2, a3};
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 4; ++i)
+      A[16 * w + ((r & 1) ? g + 8 : g)][(r >> 1) * 16 + 4 * t + i] = emu_e4m3((ar[r] >> (8 * i)) & 0xffu);
+  g_blk->gbar[wg]->arrive_and_wait();
+  const u8* base = emu_smem0 + (((desc & 0x3fffull) << 4) - EMU_SMEM_ADDR);
+  const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
+  emu_wg_reads[t_tid].push_back({emu_wg_groups[t_tid], base, base + 7 * sbo + lbo + 128});  // 8 x 2 core matrices
+  float out[32];
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
+      double s = 0;
+      for (int k = 0; k < 32; ++k) s += (double)A[row][k] * emu_e4m3(base[(n >> 3) * sbo + (k >> 4) * lbo + (n & 7) * 16 + (k & 15)]);
+      out[4 * j + i] = (float)(s + (acc ? d[4 * j + i] : 0.0f));
     }
   g_blk->gbar[wg]->arrive_and_wait();
   for (int i = 0; i < 32; ++i) d[i] = out[i];

@@ -137,6 +137,15 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_shared_c2048_f8", MG.MoeGemmSpec(2048, shared=True, mma="fp8", xfmt="e4m3"), "uniform"),
             ("flash_c2048_bn128_f8", MG.MoeGemmSpec(2048, bn=128, mma="fp8", xfmt="e4m3"), "uniform"),
             ("flash_c2048_st3_f8", MG.MoeGemmSpec(2048, stages=3, mma="fp8", xfmt="e4m3"), "uniform"),
+            # the FP8 wgmma (MoeGemmSpec.mma wgmma8, docs/perf.md Optimisation 23): e4m3 A and B, one promotion a K
+            # step, 1 / 2 / 4 warpgroups; compared with the mma.sync twin by relative L2
+            ("tiny_uneven_c77_w8", MG.MoeGemmSpec(77, mma="wgmma8", xfmt="e4m3", **TINY), "uneven"),
+            ("flash_c2048_w8", MG.MoeGemmSpec(2048, mma="wgmma8", xfmt="e4m3"), "uniform"),
+            ("flash_c2048_bn128_w8", MG.MoeGemmSpec(2048, mma="wgmma8", xfmt="e4m3", bn=128), "uniform"),
+            ("flash_c2048_bn256_w8", MG.MoeGemmSpec(2048, mma="wgmma8", xfmt="e4m3", bn=256), "uniform"),
+            ("flash_skew_c2048_bn256_w8", MG.MoeGemmSpec(2048, mma="wgmma8", xfmt="e4m3", bn=256), "skew"),
+            ("flash_shared_c2048_bn256_w8", MG.MoeGemmSpec(2048, shared=True, mma="wgmma8", xfmt="e4m3", bn=256),
+             "uniform"),
             # every other K-quant: Q4_K gate / up with Q6_K down (a Q4_K_M file's experts), Q2_K / Q5_K and IQ4_XS
             ("flash_q4k_q6k_c2048", MG.MoeGemmSpec(2048, fmt="q4_k", down_fmt="q6_k"), "uniform"),
             ("q2k_q5k_c77", MG.MoeGemmSpec(77, fmt="q2_k", down_fmt="q5_k", hidden=512, inter=512, k=3, n_experts=16),
@@ -182,7 +191,7 @@ def _median_us(fn: Any) -> float:
     return median_us(fn, ITERS, WARMUP)
 
 
-_VARIANT = r"(_bn128|_bn256|_st3|_wg|_pf128|_pf256|_cf|_x8|_f8)+$"
+_VARIANT = r"(_bn128|_bn256|_st3|_wg|_pf128|_pf256|_cf|_x8|_f8|_w8)+$"
 #: relative L2 a wgmma or fp8 case's out may differ from its mma.sync twin's (another fp32 summation order; a few bf16
 #: roundings of g, u, h or y flip: observed 1.1-1.5e-4 on the flash shapes with wgmma)
 WG_TWIN_TOL = 1e-3
@@ -190,7 +199,7 @@ WG_TWIN_TOL = 1e-3
 
 def _base(name: str) -> str:
     """The measured kernel a variant case derives from: its name less the variant suffixes ``_bn128`` / ``_bn256`` /
-    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` / ``_x8`` / ``_f8`` (64 wide, 2 stages, mma.sync, f16 tiles); its
+    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` / ``_x8`` / ``_f8`` / ``_w8`` (64 wide, 2 stages, mma.sync, f16 tiles); its
     inputs are the variant's."""
     return re.sub(_VARIANT, "", name)
 
