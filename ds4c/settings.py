@@ -56,8 +56,9 @@ variable                       default                     what it does (reader)
                                                            experts whose weights are K-quants staged by cp.async
                                                            (Q2_K, Q3_K, Q6_K), else 2 (:func:`prefill_stages`)
 ``DS4C_PREFILL_MOE_MMA``       ``sync``                    the prefill chunks' routed experts' up / down MMA: sync
-                                                           (mma.sync everywhere), wgmma or fp8 (where
-                                                           moe_gemm.auto_mma allows: MXFP4; wgmma sm_90 / sm_90a)
+                                                           (mma.sync everywhere), wgmma, wgmma8 or fp8 (where
+                                                           moe_gemm.auto_mma allows: MXFP4; wgmma / wgmma8 on
+                                                           sm_90 / sm_90a)
                                                            (:func:`prefill_moe_mma`)
 ``DS4C_PREFILL_MOE_XQ``        ``e4m3``                    the grouped experts' quantized activations: f16 or e4m3
                                                            (one-byte codes; CUDA mma.sync) (:func:`prefill_moe_xq`)
@@ -342,7 +343,7 @@ def prefill_moe_mma() -> str:
     (with e4m3 activation tiles), each for every call :func:`ds4c.runtime.families.moe_gemm.auto_mma` finds eligible
     -- MXFP4 weights both ways; wgmma on an sm_90 / sm_90a target -- and mma.sync for the rest. wgmma is not the
     default: on an H100 and an H200 it ran the routed experts no faster than mma.sync with one warpgroup a CTA
-    (docs/perf.md Optimisation 19; with 2 / 4 warpgroups it is 0.71x at the kernel level, not yet measured in a chunk:
+    (docs/perf.md Optimisation 19; with 2 / 4 warpgroups it is 0.74x / 0.71x at the kernel level, not yet in a chunk:
     Optimisation 21 measured); fp8 ran slower than f16 mma.sync on e4m3 tiles on an H100 (the same section).
 
     Raises:
@@ -352,11 +353,11 @@ def prefill_moe_mma() -> str:
 
 
 def prefill_moe_xq() -> str:
-    """``MoeGemmSpec.xfmt`` of the prefill chunks' grouped experts on CUDA mma.sync (``$DS4C_PREFILL_MOE_XQ``): ``e4m3``,
-    the default (the codes, one byte a value: half the bytes staged per K step, the same outputs bit for bit; on an
-    H100 the routed up / down 0.86x / 0.81x, prefill at 4096 1.07x: docs/perf.md Optimisation 21), or ``f16`` (the
-    quantized activations as f16, 16 KB a staged tile: the kernels measured before). The fp8 MMA
-    (``DS4C_PREFILL_MOE_MMA=fp8``) always stages e4m3; wgmma and the HIP body keep their own forms.
+    """``MoeGemmSpec.xfmt`` of the prefill chunks' grouped experts on CUDA mma.sync (``$DS4C_PREFILL_MOE_XQ``):
+    ``e4m3``, the default (the codes, one byte a value: half the bytes staged per K step, the same outputs bit for
+    bit; on an H100 the routed up / down 0.86x / 0.81x, prefill at 4096 1.07x: docs/perf.md Optimisation 21), or
+    ``f16`` (the quantized activations as f16, 16 KB a staged tile: the kernels measured before). The fp8 MMAs
+    (``DS4C_PREFILL_MOE_MMA=fp8`` / ``wgmma8``) always stage e4m3; wgmma and the HIP body keep their own forms.
 
     Raises:
         SettingsError: any value but f16 or e4m3.
@@ -365,7 +366,7 @@ def prefill_moe_xq() -> str:
 
 
 def prefill_moe_wg_bn() -> int:
-    """``MoeGemmSpec.bn`` of the prefill chunks' routed experts when they run on wgmma (``DS4C_PREFILL_MOE_MMA=wgmma``;
+    """``MoeGemmSpec.bn`` of the prefill chunks' routed experts on wgmma (``DS4C_PREFILL_MOE_MMA=wgmma`` or ``wgmma8``;
     ``$DS4C_PREFILL_MOE_WG_BN``: 64, 128, the default, or 256): weight rows per CTA, 1, 2 or 4 warpgroups on one
     tile, so the tile's activation rows are staged once for that many outputs (docs/perf.md Optimisation 20).
 
@@ -442,8 +443,8 @@ SETTINGS: tuple[Setting, ...] = (
             prefill_moe_bn),
     Setting("DS4C_PREFILL_STAGES", "auto",
             "K-step stages of the prefill chunks' GEMMs and grouped experts (2, 3 or auto)", prefill_stages),
-    Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma / fp8 where it "
-            "applies", prefill_moe_mma),
+    Setting("DS4C_PREFILL_MOE_MMA", "sync", "the prefill chunks' routed experts' MMA: sync, or wgmma / wgmma8 / fp8 "
+            "where it applies", prefill_moe_mma),
     Setting("DS4C_PREFILL_MOE_XQ", "e4m3", "the grouped experts' quantized activations: e4m3 (one byte a value) or f16",
             prefill_moe_xq),
     Setting("DS4C_PREFILL_MOE_WG_BN", "128", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",

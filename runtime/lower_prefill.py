@@ -456,7 +456,7 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
     hip = c.target.vendor == "hip"
     try:
         rmma = "sync" if c.moe_mma == "sync" else _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target,
-                                                                 c.moe_mma)
+                                                                 c.moe_mma, hidden=d)
         # the quantized activations as one-byte e4m3 codes (DS4C_PREFILL_MOE_XQ=e4m3; always under the fp8 MMA): both
         # calls, so the shared expert reads the routed call's x (not on HIP, nor the wgmma call's bf16 tile)
         e4 = not hip and (c.moe_xq == "e4m3" or rmma in ("fp8", "wgmma8"))
@@ -489,7 +489,8 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
           **{n: ws(rspec, n, "moe_" + {"hbuf": "h", "ybuf": "y"}.get(n, n)) for n in _mg.workspaces(rspec)},
           "shared": shared, "out": Arg("value", c.names[moe.outputs[0]])}
     # the shared expert reads the routed call's quantized x when both take the same form (mma.sync: f16s or e4m3s); a
-    # routed call on wgmma holds x in form bf16p, so the shared expert (Q8_0: mma.sync) quantizes x once more, its own way
+    # routed call on wgmma holds x in form bf16p, so the shared expert (Q8_0: mma.sync) quantizes x once more, its own
+    # way
     same_x = _mg.act_form(rspec) == _mg.act_form(dspec)
     xq = ({"xq": rb["xq"], "xs": rb["xs"]} if same_x else {n: ws(dspec, n, "moe_sh_" + n) for n in ("xq", "xs")})
     db = {"x": rb["x"], **xq, **{n: Arg("weight", w, form="raw") for n, w in zip(("w1", "w3", "w2"), sh)},
@@ -557,8 +558,9 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # K-step stages (DS4C_PREFILL_STAGES; unset: 0, auto per launch: the cp.async pipeline for the grouped experts
     # whose weights are cp.async-staged K-quants, 2 stages elsewhere)
     c.stages = settings.prefill_stages()
-    # the routed experts' up / down on wgmma where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA=wgmma; default sync),
-    # DS4C_PREFILL_MOE_WG_BN weight rows a CTA
+    # the routed experts' up / down MMA where moe_gemm.auto_mma allows (DS4C_PREFILL_MOE_MMA: sync, the default, wgmma,
+    # wgmma8 or fp8), DS4C_PREFILL_MOE_WG_BN weight rows a CTA on wgmma / wgmma8; the grouped experts' quantized
+    # activations as e4m3 codes (DS4C_PREFILL_MOE_XQ: e4m3, the default, or f16)
     c.moe_mma = settings.prefill_moe_mma()
     c.moe_xq = settings.prefill_moe_xq()
     # the projection GEMMs' quantized x as e4m3 codes (DS4C_PREFILL_GEMM_XQ: f16 or e4m3)

@@ -96,7 +96,7 @@ class _Ctx:
         #: K-step stages of both (GemmSpec.stages, MoeGemmSpec.stages)
         self.gemm_bn = self.moe_bn = 64
         self.stages = 2
-        #: the prefill chunks' routed experts' MMA where moe_gemm.auto_mma allows (sync, wgmma, fp8), and their
+        #: the prefill chunks' routed experts' MMA where moe_gemm.auto_mma allows (sync, wgmma, wgmma8, fp8), and their
         #: quantized activations' storage (MoeGemmSpec.xfmt: f16, e4m3) (runtime/lower_prefill.py)
         self.moe_mma = "sync"
         self.moe_xq = "f16"

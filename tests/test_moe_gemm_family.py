@@ -278,6 +278,16 @@ def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, s
     assert float((got["out"] != ref).double().mean()) <= 2 * flip_fraction_bound(wide.inter)
 
 
+def _widen_scales(inp: dict) -> None:
+    """Every exponent byte of every MXFP4 block of ``w1`` / ``w3`` / ``w2`` drawn from 1..160 (seed 11): blocks up to
+    2^159 apart inside a row, some past 2^127 (bf16's second factor in wgmma, the rounded table in wgmma8)."""
+    g = torch.Generator().manual_seed(11)
+    for n in ("w1", "w3", "w2"):
+        b = inp[n].view(-1, 17)
+        b[:, 0] = torch.randint(1, 161, (b.shape[0],), generator=g, dtype=torch.uint8)
+    assert any(bool((inp[n].view(-1, 17)[:, 0] > 128).any()) for n in ("w1", "w3", "w2"))
+
+
 #: the up / down phases on wgmma (MoeGemmSpec.mma): (C, routing, sizes, shared, eager, scales); ``scales`` "wide":
 #: the MXFP4 exponent bytes drawn from 1..160 instead of 118..124 (the second bf16 factor of E > 128, tiny blocks)
 WG_CASES = [(77, "uneven", TINY, False, False, ""),   # the hot expert in two tiles, one unused, a partial tile
@@ -311,12 +321,8 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     assert src["up"].target == target("sm_90a") and src["route"].target == tgt  # wgmma needs sm_90a code
     assert "wgmma.mma_async" in src["down"].source and "mma.sync" not in src["down"].source.split("---- shape")[1]
     inp = _emu_inputs(spec, routing)
-    if scales == "wide":  # every exponent byte of every block of the three matrices
-        g = torch.Generator().manual_seed(11)
-        for n in ("w1", "w3", "w2"):
-            b = inp[n].view(-1, 17)
-            b[:, 0] = torch.randint(1, 161, (b.shape[0],), generator=g, dtype=torch.uint8)
-        assert any(bool((inp[n].view(-1, 17)[:, 0] > 128).any()) for n in ("w1", "w3", "w2"))
+    if scales == "wide":
+        _widen_scales(inp)
     with tempfile.TemporaryDirectory() as d:
         got = EMU.run(spec, inp, Path(d))
     with tempfile.TemporaryDirectory() as d:
@@ -392,11 +398,8 @@ def test_emulated_wgmma8(C: int, routing: str, sizes: dict, bn: int, eager: bool
     body = src["down"].source.split("---- shape")[1]
     assert "xp_wg8_m64n64k32(" in body and "mma.sync" not in body and "m64n64k16" not in body
     inp = _emu_inputs(spec, routing)
-    if scales == "wide":  # every exponent byte of every block of the three matrices
-        g = torch.Generator().manual_seed(11)
-        for n in ("w1", "w3", "w2"):
-            b = inp[n].view(-1, 17)
-            b[:, 0] = torch.randint(1, 161, (b.shape[0],), generator=g, dtype=torch.uint8)
+    if scales == "wide":
+        _widen_scales(inp)
     with tempfile.TemporaryDirectory() as d:
         got = EMU.run(spec, inp, Path(d))
     with tempfile.TemporaryDirectory() as d:

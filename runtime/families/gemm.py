@@ -279,7 +279,8 @@ class GemmSpec:
         if self.xfmt not in XFMTS:
             bad.append(f"xfmt {self.xfmt!r} (expected one of {XFMTS})")
         elif self.xfmt == "e4m3" and self.prequant is not True:
-            bad.append("xfmt e4m3 without prequant (the e4m3 codes are actq's output, which only a prequant call reads)")
+            bad.append("xfmt e4m3 without prequant (the e4m3 codes are actq's output, which only a prequant call "
+                       "reads)")
         if bad:
             raise RenderError("GemmSpec: bad " + "; ".join(bad))
 
@@ -480,7 +481,8 @@ def kernel_names(spec: GemmSpec, target: Target) -> list[str]:
 
 def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
     """The call's kernels for ``target`` in launch order (:func:`kernel_names`): the actq kernel (entry
-    ``name + "_actq"``, form ``f16s``, ``k = K``) and :func:`render_gemm`'s kernel (entry ``name``; default
+    ``name + "_actq"``, form ``f16s``, ``e4m3s`` with ``xfmt`` e4m3, ``k = K``) and :func:`render_gemm`'s kernel (entry
+    ``name``; default
     ``"gemm_" + spec.key() + "_" + engine``).
 
     Raises:
@@ -537,8 +539,8 @@ def arg_shapes(spec: GemmSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 def workspaces(spec: GemmSpec, target: Target) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The call's scratch tensors (written by one launch, read by a later one of the same call, dead after it):
-    with :func:`uses_prequant` ``{"xq": f16 [C, K], "xs": fp32 [C, K/128]}``, else ``{}``. 16-byte aligned,
-    contiguous.
+    with :func:`uses_prequant` ``{"xq": f16 [C, K] (float8_e4m3fn with xfmt e4m3), "xs": fp32 [C, K/128]}``, else
+    ``{}``. 16-byte aligned, contiguous.
 
     Raises:
         RenderError: see :func:`plan`.
@@ -550,7 +552,8 @@ def workspaces(spec: GemmSpec, target: Target) -> dict[str, tuple[tuple[int, ...
 
 
 def workspace_bytes(spec: GemmSpec, target: Target) -> int:
-    """Bytes of :func:`workspaces`: ``2 C K + 4 C K / 128`` with prequant, else 0."""
+    """Bytes of :func:`workspaces`: ``2 C K + 4 C K / 128`` with prequant (``C K + ...`` with ``xfmt`` e4m3), else
+    0."""
     return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in workspaces(spec, target).values())
 
 

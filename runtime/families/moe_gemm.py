@@ -173,14 +173,15 @@ MMAS = ("sync", "wgmma", "fp8", "wgmma8")
 #: the MMAs on Hopper's warpgroup instructions (sm_90a code, WGMMA_ARCHS, 1 / 2 / 4 warpgroups a CTA, 3 stages)
 WG_MMAS = ("wgmma", "wgmma8")
 XFMTS = ("f16", "e4m3")
-XFMT_E4M3 = """MoeGemmSpec.xfmt = "e4m3" (issue 33; docs/perf.md Optimisation 21). The activation quant launches write form
-``e4m3s`` (the e4m3 codes, one byte a value, and the per-128 scales) instead of ``f16s`` (the same values as f16), and
-the up / down phases stage those bytes: a 64-pair tile of one K step is 8 KB instead of 16 KB (X rows of 144 bytes:
+XFMT_E4M3 = """MoeGemmSpec.xfmt = "e4m3" (issue 33; docs/perf.md Optimisation 21). The activation quant launches write
+form ``e4m3s`` (the e4m3 codes, one byte a value, and the per-128 scales) instead of ``f16s`` (the same values as f16),
+and the up / down phases stage those bytes: a 64-pair tile of one K step is 8 KB instead of 16 KB (X rows of 144 bytes:
 128 codes + 16, so the 8 rows of a B fragment read on distinct banks), 8 instead of 16 threads a row, half the
 16-byte copies. Each B fragment is one 32-bit shared read of four codes turned into two f16x2 by
 ``cvt.rn.f16x2.e4m3x2`` (exact), so the MMAs see the f16 operands of the ``f16`` tile: the same outputs bit for bit.
 Also half the bytes of ``xq`` / ``hq`` in global memory (the down phase's ``hq``: C * k * I bytes, 50 MB -> 25 MB at
-C 2048). CUDA, ``mma`` sync (every format, width and stage count); the HIP body and wgmma read f16 / bf16.
+C 2048). CUDA, ``mma`` sync (every format, width and stage count), fp8 and wgmma8; the HIP body and wgmma read f16 /
+bf16.
 
 ``mma`` fp8 (MXFP4 weights both ways) goes one step further: the K step's products run on ``mma.sync
 .m16n8k32.row.col.f32.e4m3.e4m3.f32`` (sm_89+), A = the MXFP4 codes turned into e4m3 codes of e2m1 * 2^-6 (the byte
@@ -279,9 +280,11 @@ class MoeGemmSpec:
             MXFP4 weights both ways, ``bn`` 64 / 128 / 256 (1, 2 or 4 warpgroups), 3 stages: :data:`WGMMA` has the
             design) | ``fp8`` (``mma.sync`` m16n8k32 on e4m3 operands, one MMA per 32-block where ``sync`` runs two
             and converts both operands to f16: the MXFP4 codes as e4m3, the staged e4m3 tile as read; MXFP4 both
-            ways, ``xfmt`` e4m3, every width and stage count: :data:`XFMT_E4M3`). Neither is bit-identical to
-            ``sync`` (the fp32 sums run in another order, and fp8 MMAs sum a block in the tensor core's own
-            precision, as the reference's FP8 GEMMs do); all are within the reference's bounds.
+            ways, ``xfmt`` e4m3, every width and stage count: :data:`XFMT_E4M3`) | ``wgmma8`` (the FP8 wgmma,
+            m64n64k32 e4m3 with a promotion per K step; MXFP4 both ways, ``xfmt`` e4m3, the widths and stages of
+            ``wgmma``: :data:`XFMT_E4M3`). None is bit-identical to ``sync`` (the fp32 sums run in another order,
+            and the FP8 MMAs sum in the tensor core's own precision, as the reference's FP8 GEMMs do); all are
+            within the reference's bounds.
         prefetch: the L2 prefetch size of the up / down phases' cp.async copies: 0 (none: the measured text) | 128 |
             256 bytes (``cp.async ... .L2::256B``: a copy of a weight row's 68-byte piece of a K step brings the
             row's next bytes into L2 in the same DRAM burst). Only the cp.async paths copy with it (``mma`` wgmma,
@@ -292,8 +295,9 @@ class MoeGemmSpec:
         xfmt: how the quantized activations (``xq``, ``hq``) are stored and staged: ``f16`` (the default: actq form
             ``f16s``, the e4m3 values as f16, 16 KB a 64-row tile per K step) | ``e4m3`` (form ``e4m3s``: the codes
             themselves, one byte a value, 8 KB a tile; the B fragments turned into f16 in registers by the same exact
-            cvt as the MXFP4 weights). The same MMAs on the same values: bit-identical outputs. CUDA ``mma`` sync
-            only (:data:`XFMT_E4M3`).
+            cvt as the MXFP4 weights). The same MMAs on the same values: bit-identical outputs. CUDA: with ``mma``
+            sync (every format), and required by ``fp8`` / ``wgmma8``; not with ``wgmma`` (bf16p) nor on HIP
+            (:data:`XFMT_E4M3`).
 
     Raises:
         RenderError: a field out of range or unsupported; the message names it and what was expected.
@@ -395,7 +399,8 @@ class MoeGemmSpec:
         return (f"C={self.rows} D={self.hidden} I={self.inter} k={self.k} E={self.n_experts} "
                 f"{self.fmt}/{self.down_fmt}" + (" dense" if self.dense else "") + (" +shared" if self.shared else "")
                 + (f" bn{self.bn}" if self.bn > 64 else "") + (f" {self.stages} stages" if self.stages > 2 else "")
-                + ("" if self.mma == "sync" else f" {self.mma}") + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
+                + ("" if self.mma == "sync" else f" {self.mma}")
+                + (f" L2 prefetch {self.prefetch}" if self.prefetch else "")
                 + (" columns first" if self.cols_first else "") + (" e4m3 tiles" if self.xfmt == "e4m3" else ""))
 
 
@@ -516,14 +521,16 @@ def auto_stages(fmt: str, down_fmt: str, bn: int = 0) -> int:
     return 3 if fmt in W_ASYNC and down_fmt in W_ASYNC and bn in (0, 64) else 2
 
 
-def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target, want: str = "wgmma") -> str:
+def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target, want: str = "wgmma",
+             hidden: int = 4096) -> str:
     """The up / down phases' MMA the prefill lowering gives a routed call with ``DS4C_PREFILL_MOE_MMA=want``:
-    ``wgmma`` where it is built -- MXFP4 weights both ways, stages unset or 3, an sm_90 / sm_90a target
-    (:data:`WGMMA_ARCHS`), any of its widths (:data:`WG_BNS`); ``fp8`` for MXFP4 weights both ways on CUDA (every
-    width and stage count); else ``sync``."""
+    ``wgmma`` / ``wgmma8`` where they are built -- MXFP4 weights both ways, stages unset or 3, an sm_90 / sm_90a
+    target (:data:`WGMMA_ARCHS`), any of their widths (:data:`WG_BNS`; 256 only when ``hidden``, the D of the call,
+    is a multiple of 256); ``fp8`` for MXFP4 weights both ways on CUDA (every width and stage count); else ``sync``."""
     mx = fmt == down_fmt == "mxfp4" and target.vendor == "cuda"
     if want in WG_MMAS:
-        ok = mx and bn in (0,) + WG_BNS and stages in (0, 3) and target.arch in WGMMA_ARCHS
+        ok = (mx and bn in (0,) + WG_BNS and stages in (0, 3) and target.arch in WGMMA_ARCHS
+              and not (bn == 256 and hidden % 256))
     else:
         ok = want == "fp8" and mx
     return want if ok else "sync"
@@ -595,7 +602,8 @@ def render_moe_gemm(spec: MoeGemmSpec, target: Target, name: str | None = None) 
                           stage_bytes=pl.stage_bytes, nb=pl.nb, w_async=pl.w_async,
                           limit=_float_literal(spec.limit),
                           stages=pl.stages, min_blocks=_min_blocks(spec, pl),
-                          wg=wg, wg8=spec.mma == "wgmma8", f8=spec.mma == "fp8", prefetch=spec.prefetch, cols_first=spec.cols_first,
+                          wg=wg, wg8=spec.mma == "wgmma8", f8=spec.mma == "fp8", prefetch=spec.prefetch,
+                          cols_first=spec.cols_first,
                           matrix=HIP_MATRIX.get(target.arch, ""), **_width(pl, spec.xfmt))
             # wgmma needs sm_90a code; an sm_90 target's binaries run on Hopper only, which has it (WGMMA_ARCHS)
             tgt = make_target("sm_90a") if wg else target

@@ -268,6 +268,23 @@ DS4C_DEVICE void xp_i8x4_f16(u32 w, u32& lo, u32& hi) {
   hi = h[2] | (h[3] << 16);
 }
 DS4C_DEVICE float xp_h2f(u32 h) { return emu_f16(h & 0xffffu); }
+// the end of an emulated m16n8kK: once the warp's lanes placed their fragments in A [16][K] / B [K][8], each lane's 4
+// outputs (rows g, g + 8 x columns 2t, 2t + 1) as fp64 sums over k in order, + c, to fp32
+template <int K>
+static inline void emu_mma_out(float (&d)[4], float (*A)[K], float (*B)[8], float c0, float c1, float c2, float c3) {
+  const int lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  __syncwarp();
+  const float c[4] = {c0, c1, c2, c3};
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
+    double s = 0;
+    for (int k = 0; k < K; ++k) s += (double)A[row][k] * B[k][col];
+    out[i] = (float)(s + c[i]);
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
 // m16n8k16 with 16-bit A/B elements (conv: bits -> float): each lane places its own fragment's elements in the
 // warp's A [16][16] / B [16][8], then computes its 4 outputs (fp64 sums over k in order, + c, to fp32)
 template <float (*conv)(u32)>
@@ -288,17 +305,7 @@ static inline void emu_mma16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 
     const int k = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
     B[k][g] = conv(h);
   }
-  __syncwarp();
-  const float c[4] = {c0, c1, c2, c3};
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
-    double s = 0;
-    for (int k = 0; k < 16; ++k) s += (double)A[row][k] * B[k][col];
-    out[i] = (float)(s + c[i]);
-  }
-  __syncwarp();
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
+  emu_mma_out<16>(d, A, B, c0, c1, c2, c3);
 }
 DS4C_DEVICE void xp_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
                             float c2, float c3) {
@@ -319,20 +326,11 @@ DS4C_DEVICE void xp_mma_e4m3(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 
   float (*B)[8] = g_blk->qB[t_tid >> 5];
   const u32 ar[4] = {a0, a1, a2, a3}, br[2] = {b0, b1};
   for (int r = 0; r < 4; ++r)
-    for (int i = 0; i < 4; ++i) A[(r & 1) ? g + 8 : g][(r >> 1) * 16 + 4 * t + i] = emu_e4m3((ar[r] >> (8 * i)) & 0xffu);
+    for (int i = 0; i < 4; ++i)
+      A[(r & 1) ? g + 8 : g][(r >> 1) * 16 + 4 * t + i] = emu_e4m3((ar[r] >> (8 * i)) & 0xffu);
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < 4; ++i) B[r * 16 + 4 * t + i][g] = emu_e4m3((br[r] >> (8 * i)) & 0xffu);
-  __syncwarp();
-  const float c[4] = {c0, c1, c2, c3};
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = i < 2 ? g : g + 8, col = t * 2 + (i & 1);
-    double s = 0;
-    for (int k = 0; k < 32; ++k) s += (double)A[row][k] * B[k][col];
-    out[i] = (float)(s + c[i]);
-  }
-  __syncwarp();
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
+  emu_mma_out<32>(d, A, B, c0, c1, c2, c3);
 }
 
 // ldmatrix .x4 (.trans): lane l gives the address of row l % 8 of matrix l / 8 (8 rows of 8 16-bit elements);
@@ -515,7 +513,8 @@ DS4C_DEVICE void xp_wg8_m64n64k32(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3
     for (int i = 0; i < 4; ++i) {
       const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
       double s = 0;
-      for (int k = 0; k < 32; ++k) s += (double)A[row][k] * emu_e4m3(base[(n >> 3) * sbo + (k >> 4) * lbo + (n & 7) * 16 + (k & 15)]);
+      for (int k = 0; k < 32; ++k)
+        s += (double)A[row][k] * emu_e4m3(base[(n >> 3) * sbo + (k >> 4) * lbo + (n & 7) * 16 + (k & 15)]);
       out[4 * j + i] = (float)(s + (acc ? d[4 * j + i] : 0.0f));
     }
   g_blk->gbar[wg]->arrive_and_wait();

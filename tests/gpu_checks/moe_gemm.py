@@ -120,8 +120,8 @@ def cases() -> list[tuple[str, MG.MoeGemmSpec, str]]:
             ("flash_c2048_wg_bn256_cf", MG.MoeGemmSpec(2048, mma="wgmma", bn=256, cols_first=True), "uniform"),
             ("flash_shared_c2048_wg_bn128", MG.MoeGemmSpec(2048, shared=True, mma="wgmma", bn=128), "uniform"),
             # the activations staged as one-byte e4m3 codes (MoeGemmSpec.xfmt, docs/perf.md Optimisation 21): half the
-            # bytes a K step, the same MMAs on the same values, so the twin's bits (routed, fused shared combine, K-quant,
-            # the dense shared expert, the wide tile, the pipeline)
+            # bytes a K step, the same MMAs on the same values, so the twin's bits (routed, fused shared combine,
+            # K-quant, the dense shared expert, the wide tile, the pipeline)
             ("flash_c2048_x8", MG.MoeGemmSpec(2048, xfmt="e4m3"), "uniform"),
             ("flash_shared_c2048_x8", MG.MoeGemmSpec(2048, shared=True, xfmt="e4m3"), "uniform"),
             ("flash_q3k_c2048_x8", MG.MoeGemmSpec(2048, fmt="q3_k", xfmt="e4m3"), "uniform"),
@@ -199,8 +199,8 @@ WG_TWIN_TOL = 1e-3
 
 def _base(name: str) -> str:
     """The measured kernel a variant case derives from: its name less the variant suffixes ``_bn128`` / ``_bn256`` /
-    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` / ``_x8`` / ``_f8`` / ``_w8`` (64 wide, 2 stages, mma.sync, f16 tiles); its
-    inputs are the variant's."""
+    ``_st3`` / ``_wg`` / ``_pf128`` / ``_pf256`` / ``_cf`` / ``_x8`` / ``_f8`` / ``_w8`` (64 wide, 2 stages, mma.sync,
+    f16 tiles); its inputs are the variant's."""
     return re.sub(_VARIANT, "", name)
 
 
