@@ -62,7 +62,7 @@ variable                       default                     what it does (reader)
                                                            (:func:`prefill_moe_mma`)
 ``DS4C_PREFILL_MOE_XQ``        ``e4m3``                    the grouped experts' quantized activations: f16 or e4m3
                                                            (one-byte codes; CUDA mma.sync) (:func:`prefill_moe_xq`)
-``DS4C_PREFILL_MOE_WG_BN``     ``128``                     weight rows per CTA of the routed experts on wgmma: 64,
+``DS4C_PREFILL_MOE_WG_BN``     ``256``                     weight rows per CTA of the routed experts on wgmma: 64,
                                                            128 or 256 (1, 2 or 4 warpgroups)
                                                            (:func:`prefill_moe_wg_bn`)
 ``DS4C_PREFILL_L2_PREFETCH``   ``0``                       L2 prefetch size of the grouped experts' cp.async
@@ -367,13 +367,15 @@ def prefill_moe_xq() -> str:
 
 def prefill_moe_wg_bn() -> int:
     """``MoeGemmSpec.bn`` of the prefill chunks' routed experts on wgmma (``DS4C_PREFILL_MOE_MMA=wgmma`` or ``wgmma8``;
-    ``$DS4C_PREFILL_MOE_WG_BN``: 64, 128, the default, or 256): weight rows per CTA, 1, 2 or 4 warpgroups on one
-    tile, so the tile's activation rows are staged once for that many outputs (docs/perf.md Optimisation 20).
+    ``$DS4C_PREFILL_MOE_WG_BN``: 64, 128 or 256, the default): weight rows per CTA, 1, 2 or 4 warpgroups on one
+    tile, so the tile's activation rows are staged once for that many outputs (docs/perf.md Optimisation 20; on an
+    H100 the routed up + down 5767 / 4090 / 3888 us at 2048 rows: Optimisation 21 measured). 256 needs the hidden
+    width a multiple of 256; elsewhere the lowering takes 128 (:func:`ds4c.runtime.families.moe_gemm.wg_width`).
 
     Raises:
         SettingsError: any value but 64, 128 or 256.
     """
-    return _choice("DS4C_PREFILL_MOE_WG_BN", {"64": 64, "128": 128, "256": 256}, "128")
+    return _choice("DS4C_PREFILL_MOE_WG_BN", {"64": 64, "128": 128, "256": 256}, "256")
 
 
 def prefill_l2_prefetch() -> int:
@@ -447,7 +449,7 @@ SETTINGS: tuple[Setting, ...] = (
             "where it applies", prefill_moe_mma),
     Setting("DS4C_PREFILL_MOE_XQ", "e4m3", "the grouped experts' quantized activations: e4m3 (one byte a value) or f16",
             prefill_moe_xq),
-    Setting("DS4C_PREFILL_MOE_WG_BN", "128", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",
+    Setting("DS4C_PREFILL_MOE_WG_BN", "256", "weight rows per CTA of the routed experts on wgmma (64, 128 or 256)",
             prefill_moe_wg_bn),
     Setting("DS4C_PREFILL_L2_PREFETCH", "0", "L2 prefetch size of the grouped experts' cp.async copies (0, 128, 256)",
             prefill_l2_prefetch),

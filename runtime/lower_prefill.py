@@ -455,7 +455,8 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
             _experts_fmt(c, tuple(sh[:2]), "shared gate/up"), _experts_fmt(c, (sh[2],), "shared down"))
     hip = c.target.vendor == "hip"
     try:
-        rmma = "sync" if c.moe_mma == "sync" else _mg.auto_mma(fmts[0], fmts[1], c.moe_wg_bn, c.stages, c.target,
+        wg_bn = _mg.wg_width(c.moe_wg_bn, d)
+        rmma = "sync" if c.moe_mma == "sync" else _mg.auto_mma(fmts[0], fmts[1], wg_bn, c.stages, c.target,
                                                                  c.moe_mma, hidden=d)
         # the quantized activations as one-byte e4m3 codes (DS4C_PREFILL_MOE_XQ=e4m3; always under the fp8 MMA): both
         # calls, so the shared expert reads the routed call's x (not on HIP, nor the wgmma call's bf16 tile)
@@ -465,7 +466,7 @@ def lower_routed_experts(c: _Ctx, op: Op) -> list[Launch]:
         rstages = 2 if hip else c.stages or (0 if wgm else _mg.auto_stages(fmts[0], fmts[1], c.moe_bn))
         pf = 0 if hip else c.l2_prefetch
         rspec = _mg.MoeGemmSpec(rows, d, cfg.moe_inter, k, cfg.n_experts, fmts[0], fmts[1], limit=re_.attrs["limit"],
-                                shared=True, bn=c.moe_wg_bn if wgm else c.moe_bn, mma=rmma,
+                                shared=True, bn=wg_bn if wgm else c.moe_bn, mma=rmma,
                                 prefetch=pf, cols_first=c.moe_cols_first, stages=rstages,
                                 xfmt="e4m3" if e4 and rmma != "wgmma" else "f16")
         dspec = _mg.MoeGemmSpec(rows, d, int(gate.outputs[0].type.shape[-1]), 1, 1, fmts[2], fmts[3],

@@ -102,7 +102,7 @@ class _Ctx:
         self.moe_xq = "f16"
         #: the prefill chunks' projection GEMMs' quantized x (GemmSpec.xfmt: f16, e4m3)
         self.gemm_xq = "f16"
-        self.moe_wg_bn = 128
+        self.moe_wg_bn = 256
         self.l2_prefetch = 0
         self.moe_cols_first = False
         #: the lowering of a group of linears sharing an input x: (ctx, name, x, linears, act_quant) -> launches

@@ -469,7 +469,7 @@ def test_auto_mma() -> None:
 
 def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
     """DS4C_PREFILL_MOE_MMA=wgmma: the chunk's routed MXFP4 up / down run on wgmma (sm_90a code, actq form bf16p,
-    DS4C_PREFILL_MOE_WG_BN wide: 128 by default, 256 threads), the Q8_0 shared expert on mma.sync; unset or ``sync``:
+    DS4C_PREFILL_MOE_WG_BN wide: 256 by default, 512 threads), the Q8_0 shared expert on mma.sync; unset or ``sync``:
     every call on mma.sync; another word: a one-line SettingsError."""
     from ds4c.config import preset
     from ds4c.ir import build_step
@@ -493,7 +493,8 @@ def test_prefill_lowering_moe_mma(monkeypatch: pytest.MonkeyPatch) -> None:
         ks = [k for k in lower_graph(g, preset("tiny"), target("sm_90"), pending=[]) if k.family == "moe_gemm"]
         return [la.block[0] for la in ks[0].launches if la.kernel.params.get("wg")]
 
-    assert threads(None) == [256, 256] and threads("64") == [128, 128] and threads("256") == [512, 512]
+    assert threads(None) == [512, 512] and threads("64") == [128, 128] and threads("128") == [256, 256]
+    assert MG.wg_width(256, 4096) == 256 and MG.wg_width(256, 384) == 128 and MG.wg_width(64, 384) == 64
     monkeypatch.delenv("DS4C_PREFILL_MOE_WG_BN")
     auto, sync = entries("wgmma"), entries(None)
     assert [e for e, _, _, wg in auto if wg] == ["gemm_up", "gemm_down"]

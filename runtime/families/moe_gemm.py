@@ -536,6 +536,13 @@ def auto_mma(fmt: str, down_fmt: str, bn: int, stages: int, target: Target, want
     return want if ok else "sync"
 
 
+def wg_width(bn: int, hidden: int) -> int:
+    """The wgmma width the prefill lowering gives a routed call asked for ``bn`` (``DS4C_PREFILL_MOE_WG_BN``): ``bn``,
+    but 128 where 256 does not divide the hidden width D (the down phase's CTA columns; :class:`MoeGemmSpec` refuses
+    the pair)."""
+    return 128 if bn == 256 and hidden % 256 else bn
+
+
 def act_form(spec: MoeGemmSpec) -> str:
     """The actq form of ``spec``'s quantized activations (``xq`` / ``hq``): ``bf16p`` (wgmma), ``e4m3s`` (``xfmt``
     e4m3) or ``f16s``; two calls of one form can share a quantized x."""
