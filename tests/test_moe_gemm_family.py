@@ -278,6 +278,20 @@ def test_emulated_tile_variants(C: int, fmt: str, down_fmt: str, routing: str, s
     assert float((got["out"] != ref).double().mean()) <= 2 * flip_fraction_bound(wide.inter)
 
 
+def _emulate_beside(spec: MG.MoeGemmSpec, base: MG.MoeGemmSpec, routing: str, wide: bool = False
+                    ) -> tuple[dict, dict, dict]:
+    """``(inputs, spec's buffers, base's buffers)``: both calls emulated on the same inputs (:func:`_emu_inputs` of
+    ``routing``, with ``wide`` the exponents of :func:`_widen_scales`)."""
+    inp = _emu_inputs(spec, routing)
+    if wide:
+        _widen_scales(inp)
+    with tempfile.TemporaryDirectory() as d:
+        got = EMU.run(spec, inp, Path(d))
+    with tempfile.TemporaryDirectory() as d:
+        old = EMU.run(base, inp, Path(d))
+    return inp, got, old
+
+
 def _widen_scales(inp: dict) -> None:
     """Every exponent byte of every MXFP4 block of ``w1`` / ``w3`` / ``w2`` drawn from 1..160 (seed 11): blocks up to
     2^159 apart inside a row, some past 2^127 (bf16's second factor in wgmma, the rounded table in wgmma8)."""
@@ -320,13 +334,7 @@ def test_emulated_wgmma(C: int, routing: str, sizes: dict, shared: bool, eager: 
     src = {s.entry.rsplit("_", 1)[-1]: s for s in MG.render_moe_gemm(spec, tgt)}
     assert src["up"].target == target("sm_90a") and src["route"].target == tgt  # wgmma needs sm_90a code
     assert "wgmma.mma_async" in src["down"].source and "mma.sync" not in src["down"].source.split("---- shape")[1]
-    inp = _emu_inputs(spec, routing)
-    if scales == "wide":
-        _widen_scales(inp)
-    with tempfile.TemporaryDirectory() as d:
-        got = EMU.run(spec, inp, Path(d))
-    with tempfile.TemporaryDirectory() as d:
-        old = EMU.run(sync, inp, Path(d))
+    inp, got, old = _emulate_beside(spec, sync, routing, scales == "wide")
     assert got["xq"].dtype == torch.bfloat16 and old["xq"].dtype == torch.float16
     # xq / hq: the FP8 quant of x / the call's own h (quant.act_quant_fp8), e4m3 * 2^k as bf16 at the bf16p positions
     for src, q, sc, k in ((inp["x"], "xq", "xs", spec.hidden), (got["hbuf"], "hq", "hs", spec.inter)):
@@ -397,13 +405,7 @@ def test_emulated_wgmma8(C: int, routing: str, sizes: dict, bn: int, eager: bool
     assert src["up"].target == target("sm_90a") and MG.act_form(spec) == "e4m3s" and "_w8" in spec.key()
     body = src["down"].source.split("---- shape")[1]
     assert "xp_wg8_m64n64k32(" in body and "mma.sync" not in body and "m64n64k16" not in body
-    inp = _emu_inputs(spec, routing)
-    if scales == "wide":
-        _widen_scales(inp)
-    with tempfile.TemporaryDirectory() as d:
-        got = EMU.run(spec, inp, Path(d))
-    with tempfile.TemporaryDirectory() as d:
-        old = EMU.run(sync, inp, Path(d))
+    inp, got, old = _emulate_beside(spec, sync, routing, scales == "wide")
     assert got["xq"].dtype == torch.float8_e4m3fn and torch.equal(got["xq"].float(), old["xq"].float())
     _check_routed_call(spec, inp, got, routing)
     if scales == "wide":
@@ -582,11 +584,7 @@ def test_emulated_e4m3_tiles(C: int, fmt: str, down_fmt: str, routing: str, size
     # half the bytes of a stage's activation tile
     assert MG.plan(f16, tgt, "up").stage_bytes - MG.plan(e4, tgt, "up").stage_bytes == MG.TM * 128
     assert MG.arg_shapes(e4)["hq"][1] == torch.float8_e4m3fn and MG.act_form(e4) == "e4m3s"
-    inp = _emu_inputs(f16, routing)
-    with tempfile.TemporaryDirectory() as d:
-        got = EMU.run(e4, inp, Path(d))
-    with tempfile.TemporaryDirectory() as d:
-        ref16 = EMU.run(f16, inp, Path(d))
+    inp, got, ref16 = _emulate_beside(e4, f16, routing)
     assert set(got) == set(ref16)
     for n in ("xq", "hq"):  # the same e4m3 values, one byte each (every element written: the NaN poison is gone)
         assert got[n].dtype == torch.float8_e4m3fn and torch.equal(got[n].float(), ref16[n].float()), n

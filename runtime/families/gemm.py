@@ -377,11 +377,12 @@ def plan(spec: GemmSpec, target: Target) -> GemmPlan:
     while (rbp // 4) % want[0] != want[1] and engine != "xm":  # (xm reads by element: no fragment bank rule)
         rbp += 16
     bn = spec.bn or BN
-    e4x = spec.xfmt == "e4m3" and spec.prequant and form == 0  # uses_prequant's condition
+    pq = spec.prequant and form == 0  # uses_prequant's condition
+    e4x = pq and spec.xfmt == "e4m3"
     stage = _round16(BM * (XST_E4M3 if e4x else XST) + BM * 4 + bn * rbp)
     lim = SMEM_LIMIT[target.vendor]
     epi = BM * (bn + 4) * 4
-    pipe = spec.stages == 3 and spec.prequant and form == 0  # uses_prequant's condition
+    pipe = pq and spec.stages == 3
     nstage = 3 if pipe else 2 if max(2 * stage, epi) <= lim else 1
     smem = max(nstage * stage, epi)
     if smem > lim:
@@ -481,9 +482,8 @@ def kernel_names(spec: GemmSpec, target: Target) -> list[str]:
 
 def render_call(spec: GemmSpec, target: Target, name: str | None = None) -> list[KernelSource]:
     """The call's kernels for ``target`` in launch order (:func:`kernel_names`): the actq kernel (entry
-    ``name + "_actq"``, form ``f16s``, ``e4m3s`` with ``xfmt`` e4m3, ``k = K``) and :func:`render_gemm`'s kernel (entry
-    ``name``; default
-    ``"gemm_" + spec.key() + "_" + engine``).
+    ``name + "_actq"``, form ``f16s``, ``e4m3s`` with ``xfmt`` e4m3, ``k = K``) and :func:`render_gemm`'s kernel
+    (entry ``name``; default ``"gemm_" + spec.key() + "_" + engine``).
 
     Raises:
         RenderError: see :func:`plan`.

@@ -447,8 +447,8 @@ static void emu_wg_check_drained() {
   }
   emu_wg_fenced[t_tid] = false;
 }
-DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
-  const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+// a wgmma's issue: the ordering and descriptor checks, one more MMA in the thread's open group
+static void emu_wg_issue(u64 desc) {
   if (!emu_wg_fenced[t_tid]) {
     fprintf(stderr, "emulator: thread %d issues a wgmma with no wgmma.fence since its last wait_group\n", t_tid);
     abort();
@@ -458,6 +458,31 @@ DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3,
     abort();
   }
   ++emu_wg_open[t_tid];
+}
+// the rest of an m64n64kK, once the warpgroup's threads placed their A fragments in A [64][K]: B through the
+// descriptor (the read registered for the hazard checks; bval(base, lbo, sbo, n, k) is element (k, n)), each thread's
+// 32 outputs as fp64 sums over k in order, + d (acc) or from 0 (scale-d 0), to fp32
+template <int K, class BV>
+static void emu_wg_product(float (&d)[32], float (*A)[K], u64 desc, bool acc, BV bval) {
+  const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  g_blk->gbar[wg]->arrive_and_wait();
+  const u8* base = emu_smem0 + (((desc & 0x3fffull) << 4) - EMU_SMEM_ADDR);
+  const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
+  emu_wg_reads[t_tid].push_back({emu_wg_groups[t_tid], base, base + 7 * sbo + lbo + 128});  // 8 x 2 core matrices
+  float out[32];
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
+      double s = 0;
+      for (int k = 0; k < K; ++k) s += (double)A[row][k] * bval(base, lbo, sbo, n, k);
+      out[4 * j + i] = (float)(s + (acc ? d[4 * j + i] : 0.0f));
+    }
+  g_blk->gbar[wg]->arrive_and_wait();
+  for (int i = 0; i < 32; ++i) d[i] = out[i];
+}
+DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
+  emu_wg_issue(desc);
   float (*A)[16] = g_blk->wgA[wg];
   const u32 ar[4] = {a0, a1, a2, a3};
   for (int i = 0; i < 8; ++i) {
@@ -466,59 +491,26 @@ DS4C_DEVICE void xp_wg_m64n64k16(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3,
     const int col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
     A[row][col] = emu_bf16(h);
   }
-  g_blk->gbar[wg]->arrive_and_wait();
-  const u8* base = emu_smem0 + (((desc & 0x3fffull) << 4) - EMU_SMEM_ADDR);
-  const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
-  emu_wg_reads[t_tid].push_back({emu_wg_groups[t_tid], base, base + 7 * sbo + lbo + 128});  // 8 x 2 core matrices
-  float out[32];
-  for (int j = 0; j < 8; ++j)
-    for (int i = 0; i < 4; ++i) {
-      const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
-      double s = 0;
-      for (int k = 0; k < 16; ++k) {
-        u16 b;
-        std::memcpy(&b, base + (n >> 3) * sbo + (k >> 3) * lbo + (n & 7) * 16 + (k & 7) * 2, 2);
-        s += (double)A[row][k] * emu_bf16(b);
-      }
-      out[4 * j + i] = (float)(s + d[4 * j + i]);
-    }
-  g_blk->gbar[wg]->arrive_and_wait();
-  for (int i = 0; i < 32; ++i) d[i] = out[i];
+  emu_wg_product<16>(d, A, desc, true, [](const u8* base, u64 lbo, u64 sbo, int n, int k) {
+    u16 b;
+    std::memcpy(&b, base + (n >> 3) * sbo + (k >> 3) * lbo + (n & 7) * 16 + (k & 7) * 2, 2);
+    return emu_bf16(b);
+  });
 }
 // the FP8 form, m64n64k32 e4m3 x e4m3 (A from registers: warp w rows 16w .., the mma.sync m16n8k32 A fragment; B k32 x
 // n64 e4m3 codes from shared memory, core matrices of 8 rows of n x 16 bytes of k); acc 0: D = A . B (scale-d 0), else
 // D += A . B. The k sum in fp64 to fp32 (the tensor core's narrower FP8 accumulation is not modelled)
 DS4C_DEVICE void xp_wg8_m64n64k32(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc, int acc) {
   const int wg = t_tid >> 7, w = (t_tid >> 5) & 3, lane = t_tid & 31, g = lane >> 2, t = lane & 3;
-  if (!emu_wg_fenced[t_tid]) {
-    fprintf(stderr, "emulator: thread %d issues a wgmma with no wgmma.fence since its last wait_group\n", t_tid);
-    abort();
-  }
-  if ((desc >> 46) != 0ull || (desc & 0xc000c000ull) != 0ull) {
-    fprintf(stderr, "emulator: wgmma descriptor %llx: swizzle / base offset / reserved bits set\n", desc);
-    abort();
-  }
-  ++emu_wg_open[t_tid];
+  emu_wg_issue(desc);
   float (*A)[32] = g_blk->wgA8[wg];
   const u32 ar[4] = {a0, a1, a2, a3};
   for (int r = 0; r < 4; ++r)
     for (int i = 0; i < 4; ++i)
       A[16 * w + ((r & 1) ? g + 8 : g)][(r >> 1) * 16 + 4 * t + i] = emu_e4m3((ar[r] >> (8 * i)) & 0xffu);
-  g_blk->gbar[wg]->arrive_and_wait();
-  const u8* base = emu_smem0 + (((desc & 0x3fffull) << 4) - EMU_SMEM_ADDR);
-  const u64 lbo = ((desc >> 16) & 0x3fffull) << 4, sbo = ((desc >> 32) & 0x3fffull) << 4;
-  emu_wg_reads[t_tid].push_back({emu_wg_groups[t_tid], base, base + 7 * sbo + lbo + 128});  // 8 x 2 core matrices
-  float out[32];
-  for (int j = 0; j < 8; ++j)
-    for (int i = 0; i < 4; ++i) {
-      const int row = 16 * w + g + (i >= 2 ? 8 : 0), n = 8 * j + 2 * t + (i & 1);
-      double s = 0;
-      for (int k = 0; k < 32; ++k)
-        s += (double)A[row][k] * emu_e4m3(base[(n >> 3) * sbo + (k >> 4) * lbo + (n & 7) * 16 + (k & 15)]);
-      out[4 * j + i] = (float)(s + (acc ? d[4 * j + i] : 0.0f));
-    }
-  g_blk->gbar[wg]->arrive_and_wait();
-  for (int i = 0; i < 32; ++i) d[i] = out[i];
+  emu_wg_product<32>(d, A, desc, acc != 0, [](const u8* base, u64 lbo, u64 sbo, int n, int k) {
+    return emu_e4m3(base[(n >> 3) * sbo + (k >> 4) * lbo + (n & 7) * 16 + (k & 15)]);
+  });
 }
 static inline u32 emu_bf16_bits(float f) {  // round to nearest even (finite values)
   const u32 u = ds4c_as_u32(f);
