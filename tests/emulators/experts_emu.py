@@ -13,6 +13,9 @@ internal precision, or timing. Used by ``tests/test_experts_family.py`` and runn
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -31,19 +34,54 @@ from ds4c.runtime.families import experts as X  # noqa: E402
 from ds4c.runtime.targets import target as make_target  # noqa: E402
 
 FIBERS = r"""
-// ---- GPU threads as fibers (ucontext) on one OS thread: a fiber runs until it waits at a barrier, which parks it
-// until the barrier's last arrival makes every waiter ready again; ready fibers run in FIFO order. (OS threads
-// meeting at std::barriers spent their time in the kernel's scheduler, ~10x slower on a busy 2-core machine.)
+// ---- GPU threads as fibers on one OS thread: a fiber runs until it waits at a barrier, which parks it until the
+// barrier's last arrival makes every waiter ready again; ready fibers run in FIFO order. (OS threads meeting at
+// std::barriers spent their time in the kernel's scheduler, ~10x slower on a busy 2-core machine.) On x86-64 a switch
+// saves the callee-saved registers on the fiber's stack and swaps stack pointers (emu_switch, below): glibc's
+// swapcontext also saves the signal mask with a system call on every switch, and the emulators switch at every
+// barrier and every emulated warp instruction (elsewhere ucontext, as before).
 // Needs <cstdio> <cstdlib> <vector> <ucontext.h>; no <thread> / <functional> / <memory>, which cost ~1 s each
 // of every emulator's compile.
+#include <cstdint>
 static int emu_cur = 0;  // the running fiber: its GPU thread index in the block
 static int emu_nfib = 0, emu_live = 0;
-static ucontext_t* emu_ctx = nullptr;
-static ucontext_t emu_main_ctx;
 static int* emu_ready = nullptr;  // ring of ready fibers (each fiber is in it at most once)
 static unsigned long long emu_rhead = 0, emu_rtail = 0;
 static void (*emu_body)(void*, int) = nullptr;
 static void* emu_body_arg = nullptr;
+static void emu_entry();
+#if defined(__x86_64__)
+// emu_switch(&from_sp, to_sp): push rbp rbx r12-r15, save rsp in from_sp, load to_sp, pop them, return there
+extern "C" void emu_switch(void** from, void* to);
+asm(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+    ".size emu_switch, .-emu_switch\n");
+typedef void* EmuCtx;  // a parked fiber's stack pointer
+static EmuCtx* emu_ctx = nullptr;
+static EmuCtx emu_main_ctx;
+static void emu_go(EmuCtx* from, EmuCtx* to) { emu_switch(from, *to); }
+static void emu_make(EmuCtx* c, char* stack, size_t size) {  // the first switch to it "returns" into emu_entry
+  void** top = (void**)(((uintptr_t)(stack + size)) & ~(uintptr_t)15);
+  top[-1] = nullptr;             // emu_entry's return address slot (never used): rsp % 16 == 8 at its entry
+  top[-2] = (void*)&emu_entry;   // emu_switch's ret
+  for (int i = 3; i <= 8; ++i) top[-i] = nullptr;  // rbp rbx r12-r15
+  *c = (void*)(top - 8);
+}
+#else
+typedef ucontext_t EmuCtx;
+static EmuCtx* emu_ctx = nullptr;
+static EmuCtx emu_main_ctx;
+static void emu_go(EmuCtx* from, EmuCtx* to) { swapcontext(from, to); }
+static void emu_make(EmuCtx* c, char* stack, size_t size) {
+  getcontext(c);
+  c->uc_stack.ss_sp = stack;
+  c->uc_stack.ss_size = size;
+  c->uc_link = nullptr;
+  makecontext(c, emu_entry, 0);
+}
+#endif
 static void emu_push(int f) { emu_ready[emu_rtail++ % emu_nfib] = f; }
 static int emu_pop() {
   if (emu_rhead == emu_rtail) {
@@ -56,16 +94,17 @@ static int emu_pop() {
 static void emu_park() {  // the running fiber waits (it is in a barrier's list): run the next ready one
   const int me = emu_cur, nx = emu_pop();
   emu_cur = nx;
-  swapcontext(&emu_ctx[me], &emu_ctx[nx]);
+  emu_go(&emu_ctx[me], &emu_ctx[nx]);
   emu_cur = me;
 }
-static void emu_entry() {
+static void emu_entry() {  // a fiber's life; its end switches to the next ready fiber, or back to emu_run_fibers
   emu_body(emu_body_arg, emu_cur);
   --emu_live;
-  const int nx = emu_pop();
-  if (nx < 0) setcontext(&emu_main_ctx);
+  const int me = emu_cur, nx = emu_pop();
+  if (nx < 0) emu_go(&emu_ctx[me], &emu_main_ctx);
   emu_cur = nx;
-  setcontext(&emu_ctx[nx]);
+  emu_go(&emu_ctx[me], &emu_ctx[nx]);
+  abort();  // an ended fiber is never resumed
 }
 struct EmuBarrier {  // std::barrier's arrive_and_wait, between fibers
   int n, count = 0;
@@ -80,22 +119,18 @@ struct EmuBarrier {  // std::barrier's arrive_and_wait, between fibers
 };
 static void emu_run_fibers(int n, void (*body)(void*, int), void* arg) {  // body(arg, t), t < n; returns when all end
   const size_t stack = 512 * 1024;
-  std::vector<ucontext_t> ctx(n);
+  std::vector<EmuCtx> ctx(n);
   std::vector<int> ready(n);
   char* stacks = (char*)malloc(stack * n);  // untouched pages stay unmapped
   if (!stacks) { fprintf(stderr, "emulator: no memory for %d fiber stacks\n", n); abort(); }
   emu_ctx = ctx.data(); emu_ready = ready.data(); emu_nfib = emu_live = n; emu_rhead = emu_rtail = 0;
   emu_body = body; emu_body_arg = arg;
   for (int t = 0; t < n; ++t) {
-    getcontext(&ctx[t]);
-    ctx[t].uc_stack.ss_sp = stacks + stack * t;
-    ctx[t].uc_stack.ss_size = stack;
-    ctx[t].uc_link = nullptr;
-    makecontext(&ctx[t], emu_entry, 0);
+    emu_make(&ctx[t], stacks + stack * t, stack);
     emu_push(t);
   }
   emu_cur = emu_pop();
-  swapcontext(&emu_main_ctx, &ctx[emu_cur]);
+  emu_go(&emu_main_ctx, &ctx[emu_cur]);
   free(stacks);
 }
 template <class F>
@@ -639,6 +674,27 @@ def host_cxx() -> str | None:
     return shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
 
 
+HOST_FLAGS = ("-std=c++20", "-O1", "-w")
+
+
+@functools.lru_cache(maxsize=None)
+def _cxx_identity(cxx: str) -> str:
+    """The compiler's path and ``--version`` banner: part of every cached program's key."""
+    p = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    return f"{cxx}\n{p.stdout}"
+
+
+def _program_cache() -> Path | None:
+    """Where compiled emulator programs are kept by content (``$DS4C_EMU_CACHE``, default a per-user folder under the
+    system temp dir; ``0`` or empty: none). Tests that emulate the same kernels with other inputs, and runs after the
+    first, reuse a program instead of compiling it again (~1 s each)."""
+    v = os.environ.get("DS4C_EMU_CACHE")
+    if v is None:
+        return Path(tempfile.gettempdir()) / f"ds4c-emu-cache-{os.getuid()}"
+    return Path(v) if v not in ("", "0") else None
+
+
+@functools.lru_cache(maxsize=None)
 def host_unavailable() -> str | None:
     """Why the emulators cannot run here (no host C++ compiler, or no C++20 mode or ``<ucontext.h>``, which the
     fibers need), or None: the skip reason of the tests that emulate kernels."""
@@ -657,15 +713,29 @@ def compile_host(main: str, workdir: Path, who: str, defines: str = "") -> Path:
     Raises:
         RuntimeError: no g++ / clang++, or the compile failed (its log attached)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "emu.cpp").write_text(defines + HOST_PRELUDE + main)
+    text = defines + HOST_PRELUDE + main
+    (workdir / "emu.cpp").write_text(text)
     cxx = host_cxx()
     if not cxx:
         raise RuntimeError(f"{who}: no host C++ compiler (g++ / clang++)")
-    p = subprocess.run([cxx, "-std=c++20", "-O1", "-w", "-o", "emu", "emu.cpp"], cwd=workdir,
-                       capture_output=True, text=True)
+    exe, cache = workdir / "emu", _program_cache()
+    key = hashlib.sha256(f"{_cxx_identity(cxx)}\n{HOST_FLAGS}\n{text}".encode()).hexdigest()
+    hit = cache / key[:2] / key if cache is not None else None
+    if hit is not None and hit.is_file():
+        shutil.copy2(hit, exe)
+        return exe
+    p = subprocess.run([cxx, *HOST_FLAGS, "-o", "emu", "emu.cpp"], cwd=workdir, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{who}: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
-    return workdir / "emu"
+    if hit is not None:  # published whole (a copy, then an atomic rename): a concurrent reader sees none or all of it
+        try:
+            hit.parent.mkdir(parents=True, exist_ok=True)
+            tmp = hit.with_name(f"{key}.{os.getpid()}.tmp")
+            shutil.copy2(exe, tmp)
+            os.replace(tmp, hit)
+        except OSError:
+            pass  # a cache that cannot be written only costs the next compile
+    return exe
 
 
 def run_host(exe: Path, workdir: Path, inputs: dict[str, torch.Tensor], who: str, timeout: int = 3600) -> None:
