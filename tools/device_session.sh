@@ -22,8 +22,9 @@
 #   spec      tools/spec_table.py $MODEL: tokens/s against ALPHA, fixed widths and auto, host-accept A/B
 #   prefill   ds4c bench $MODEL --prefill $LENGTHS $PREFILL_ARGS (chunk graphs vs verify steps, TTFT, the compute
 #             roofline), once per word of PREFILL_ENVS (as LANE_ENVS; e.g. "DS4C_PREFILL_ATTN_MMA=0 -": an A/B)
-#   chunkprof tools/gpu_step_profile.py --prefill $CHUNK (2048) at pos 2048: every launch of one chunk timed alone,
-#             by family, once per word of PREFILL_ENVS
+#   chunkprof tools/gpu_step_profile.py --prefill $CHUNK (2048) at pos $CHUNK_POS (2048; the graph is built for
+#             CHUNK_CTX, default 4096, raised to hold the chunk): every launch of one chunk timed alone, by family,
+#             once per word of PREFILL_ENVS
 #   llama     ds4c bench $FILE --prefill $LLAMA_LENGTHS --llama-bench: llama.cpp's pp on the same file and GPU;
 #             needs .peers/{build_llama.sh,llama.cpp-src.tar.xz} (from ../shared/peers, git-ignored: name .peers
 #             in the device call's carry); the build (~5 min) and $FILE start in the background at once
@@ -206,9 +207,11 @@ prefill_one() {
 }
 stage_prefill() { each_env "${PREFILL_ENVS:--}" prefill_one; }  # PREFILL_ENVS: settings per run, as LANE_ENVS
 
-chunkprof_one() {  # every launch of one 2048-row chunk at pos 2048 timed alone
+chunkprof_one() {  # every launch of one chunk (CHUNK rows at CHUNK_POS) timed alone
+  local pos=${CHUNK_POS:-2048} ctx=${CHUNK_CTX:-4096}
+  [ $((pos + ${CHUNK:-2048})) -le "$ctx" ] || ctx=$((pos + ${CHUNK:-2048}))
   env ${1//,/ } timeout "${CHUNKPROF_S:-300}" python3 tools/gpu_step_profile.py --model flash-l4 --gguf "$MODEL" \
-      --widths 5 --pos 2048 --prefill "${CHUNK:-2048}" > "$OUTDIR/chunkprof-$2.log" 2>&1
+      --widths 5 --pos "$pos" --max-ctx "$ctx" --prefill "${CHUNK:-2048}" > "$OUTDIR/chunkprof-$2.log" 2>&1
   check $? "chunk profile ${1:-defaults}"; grep -iE "family|attention|moe_gemm|gemm|compressor|sum|total" \
       "$OUTDIR/chunkprof-$2.log" | tail -14
 }

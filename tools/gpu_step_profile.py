@@ -47,6 +47,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(3)
     toks = torch.randint(0, mf.config.vocab_size, (a.pos + max(chunks, default=8) + 8,), generator=g).tolist()
     p = 0
+    if chunks and a.pos:  # fill through the chunk graphs: a long position in seconds, not thousands of steps
+        ex.prefill(toks[:a.pos], 0, chunks)
+        p = a.pos
     while p < a.pos:  # fill the sequence up to pos with the widest step
         q = min(max(widths), a.pos - p)
         if q not in widths:
