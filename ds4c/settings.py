@@ -33,6 +33,10 @@ variable                       default                     what it does (reader)
                                                            (the decode kernel at C rows) instead of tensor cores
                                                            (an A/B knob; HIP always takes the CUDA-core kernel)
                                                            (:func:`prefill_attn_mma`)
+``DS4C_PREFILL_INDEXER_MMA``   ``0``                       ``1``: the prefill chunks' indexer scores on tensor
+                                                           cores instead of CUDA cores (the decode stage at C
+                                                           rows); off until a GPU has timed it (HIP always takes
+                                                           the CUDA-core stage) (:func:`prefill_indexer_mma`)
 ``DS4C_PREFILL_CMP_PARALLEL``  ``1``                       ``0``: the prefill chunks' compressors one block per
                                                            compressor walking the rows instead of one block per
                                                            flush (the same bits; an A/B knob)
@@ -247,6 +251,14 @@ def prefill_attn_mma() -> bool:
     return _flag("DS4C_PREFILL_ATTN_MMA", True)
 
 
+def prefill_indexer_mma() -> bool:
+    """The prefill chunks' indexer scores on tensor cores (runtime/families/chunk_indexer.py) where the target has
+    them (``$DS4C_PREFILL_INDEXER_MMA=1``; off by default until a GPU has run and timed it: docs/perf.md,
+    Optimisation 24; off runs the decode SIMT scores stage at C rows). Bit-identical scores for the model's FP4
+    inputs."""
+    return _flag("DS4C_PREFILL_INDEXER_MMA", False)
+
+
 def prefill_cmp_parallel() -> bool:
     """The prefill chunks' compressors parallel over the chunk's flushes (templates/compressor/compress_chunk.cu.j2;
     ``$DS4C_PREFILL_CMP_PARALLEL``, on by default since its GPU check and measurement: docs/perf.md, Optimisation
@@ -430,6 +442,9 @@ SETTINGS: tuple[Setting, ...] = (
             lane_batch),
     Setting("DS4C_PREFILL_ATTN_MMA", "1", "0: the prefill chunks' attention on CUDA cores, not tensor cores (A/B knob)",
             prefill_attn_mma),
+    Setting("DS4C_PREFILL_INDEXER_MMA", "0",
+            "1: the prefill chunks' indexer scores on tensor cores, not CUDA cores (not yet run on a GPU)",
+            prefill_indexer_mma),
     Setting("DS4C_PREFILL_CMP_PARALLEL", "1",
             "0: the prefill chunks' compressors one block walking the rows, not one per flush (A/B knob)",
             prefill_cmp_parallel),

@@ -61,6 +61,7 @@ from ds4c.quant import GGMLType
 from ds4c.runtime import lower_step as L
 from ds4c.runtime.families import attention as _att
 from ds4c.runtime.families import chunk_attention as _ca
+from ds4c.runtime.families import chunk_indexer as _ci
 from ds4c.runtime.families import compressor as _cmp
 from ds4c.runtime.families import gemm as _gm
 from ds4c.runtime.families import hc as _hc
@@ -259,6 +260,20 @@ def _lower_attention(c: _Ctx, op: Op) -> list[Launch]:
         return L._lower_attention(c, op)
     b = L.attention_bindings(c, op, sa, spec)
     return [_launch(src, la.grid, la.block, la.smem, [b[n] for n in _att.arg_names(spec)["main"]])]
+
+
+def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
+    """``indexer_topk`` at C rows: the scores on tensor cores (:mod:`ds4c.runtime.families.chunk_indexer`) where the
+    target has them and ``DS4C_PREFILL_INDEXER_MMA=1`` (off by default until a GPU has timed it), then the decode
+    select stage; else both decode stages at q = C. The two scores kernels take the same arguments."""
+    def scores(spec):
+        try:
+            return (_ci.render_chunk_scores(spec, c.target, c.name(op, "indexer_mma_scores")),
+                    _ci.launch_shape(spec))
+        except _RenderError:
+            return None
+
+    return L._lower_indexer(c, op, scores if c.indexer_mma else None)
 
 
 def _lower_grouped(c: _Ctx, op: Op) -> list[Launch]:
@@ -511,7 +526,7 @@ _PATTERNS = {
     "hc_embed_pre": _lower_hc, "hc_post_pre": _lower_hc, "hc_post_head": _lower_hc, "hc_pre": _lower_hc,
     "hc_post_out": _lower_hc,
     "multi_gemv": _lower_linears, "linear": _lower_linears,
-    "compressor": _lower_compressor, "indexer_topk": L._lower_indexer, "sparse_attention": _lower_attention,
+    "compressor": _lower_compressor, "indexer_topk": _lower_indexer, "sparse_attention": _lower_attention,
     "route": L._lower_route, "moe_experts": lower_routed_experts,
     "grouped_linear": _lower_grouped,
     "dspark_tap": _lower_tap, "record_hc": _lower_tap,
@@ -550,6 +565,8 @@ def lower_prefill(g: Graph, cfg: Ds4Config, target: Target, weight_types: dict[s
     # the matrix-unit chunk attention (the default on CUDA and the HIP archs with a matrix body; DS4C_PREFILL_ATTN_MMA=0
     # and gfx1201 keep the SIMT kernel, whose settings the two above are)
     c.attn_mma = settings.prefill_attn_mma()
+    # the indexer's scores on tensor cores (CUDA, DS4C_PREFILL_INDEXER_MMA=1; else and on HIP: the SIMT stage)
+    c.indexer_mma = settings.prefill_indexer_mma()
     # the chunk's compressors parallel over its flushes (the default; DS4C_PREFILL_CMP_PARALLEL=0: row-serial)
     c.cmp_parallel = settings.prefill_cmp_parallel()
     # weight rows per CTA of the projection GEMMs and of the grouped experts (DS4C_PREFILL_GEMM_BN / _MOE_BN: A/B

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 from ds4c import settings
 from ds4c.config import Ds4Config
@@ -90,6 +90,8 @@ class _Ctx:
         self.attn_threads = 0
         #: the prefill chunks' attention on tensor cores (runtime/lower_prefill.py; decode keeps the SIMT kernel)
         self.attn_mma = False
+        #: the prefill chunks' indexer scores on tensor cores (runtime/lower_prefill.py; decode keeps the SIMT stage)
+        self.indexer_mma = False
         #: the prefill chunks' compressors parallel over the flushes (runtime/lower_prefill.py)
         self.cmp_parallel = False
         #: weight rows per CTA of the prefill chunks' GEMMs and grouped experts (GemmSpec.bn / MoeGemmSpec.bn), the
@@ -396,7 +398,9 @@ def _lower_compressor(c: _Ctx, op: Op) -> list[Launch]:
     return [_launch(src, la.grid, la.block, la.smem, binding)]
 
 
-def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
+def indexer_spec(c: _Ctx, op: Op) -> tuple[_idx.IndexerSpec, dict[str, Arg]]:
+    """The :class:`IndexerSpec` of plan kernel ``op``'s ``indexer_topk`` op and the bindings of its kernels'
+    arguments by name (the prefill lowering swaps the scores kernel and binds the same names)."""
     it = next(b for b in (op.body or [op]) if b.kind == "indexer_topk")
     qi, keys, hw = it.inputs[0], it.inputs[1], it.inputs[2]
     cap = int(keys.type.shape[0])
@@ -406,14 +410,25 @@ def _lower_indexer(c: _Ctx, op: Op) -> list[Launch]:
                             f"{_idx.MAX_CAP * 4} (ask for a smaller --max-ctx)")
     q = int(qi.type.shape[0])
     spec = _idx.IndexerSpec(q, int(qi.type.shape[1]), int(qi.type.shape[2]), it.attrs["topk"], cap, 4)
-    srcs = _idx.render_indexer(spec, c.target, c.name(op, "indexer"))
     mask = c.prod[it.inputs[3]]  # span_mask(span, positions, live)
     b = {"qi": c.arg(qi), "keys": c.arg(keys), "hw": c.arg(hw), "positions": c.arg(mask.inputs[1]),
          "live": c.arg(mask.inputs[2]), "out": c.arg(it.outputs[0]),
          "scores": Arg("workspace", c.name(op, "idx_scores"), nbytes=2 * q * cap)}
+    return spec, b
+
+
+def _lower_indexer(c: _Ctx, op: Op, scores: Callable[[_idx.IndexerSpec], tuple[Any, Any] | None] | None = None
+                   ) -> list[Launch]:
+    """The indexer's two launches (scores, select); ``scores``: a function of the spec giving another scores kernel
+    and its launch shape (same arguments), or None to keep the SIMT stage (the prefill lowering's hook)."""
+    spec, b = indexer_spec(c, op)
+    srcs = _idx.render_indexer(spec, c.target, c.name(op, "indexer"))
+    shapes = _idx.launch_shapes(spec)
+    alt = scores(spec) if scores is not None else None
+    if alt is not None:
+        srcs[0], shapes[0] = alt
     names = _idx.arg_names(spec)
-    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]])
-            for s, la in zip(srcs, _idx.launch_shapes(spec))]
+    return [_launch(s, la.grid, la.block, la.smem, [b[n] for n in names[la.kernel]]) for s, la in zip(srcs, shapes)]
 
 
 def attention_spec(c: _Ctx, op: Op) -> tuple[Op, _att.AttentionSpec]:

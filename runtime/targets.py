@@ -20,6 +20,8 @@ HIP_ARCHS = {"gfx90a": 64, "gfx942": 64, "gfx1100": 32, "gfx1151": 32, "gfx1201"
 HIP_MATRIX = {"gfx90a": "mfma", "gfx942": "mfma", "gfx1100": "wmma", "gfx1151": "wmma"}
 #: LDS (shared memory) one HIP workgroup may use, every arch above
 HIP_LDS = 64 * 1024
+#: the most dynamic shared memory one CUDA block may have (opted in), per arch
+CUDA_SMEM = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
 
 
 class TargetError(Ds4cError):

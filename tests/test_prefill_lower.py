@@ -260,10 +260,12 @@ def test_prefill_kernels_compile(arch, tool, tmp_path):
 
 # ------------------------------------------------------------------------------- emulated plan kernels (CPU)
 def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block: int | None = None,
-               attn_mma: bool = False, cmp_parallel: bool = False, arch: str = "sm_90", **graph_kw):
+               attn_mma: bool = False, cmp_parallel: bool = False, arch: str = "sm_90", indexer_mma: bool = False,
+               **graph_kw):
     """The graph, context, fused op and lowered launches of plan kernel ``pattern`` of ``layer`` for ``arch``
     (``attn_mma``: the matrix-unit chunk attention, as ``lower_prefill`` chooses by default; ``cmp_parallel``: the
-    compressors parallel over the flushes, DS4C_PREFILL_CMP_PARALLEL=1)."""
+    compressors parallel over the flushes, DS4C_PREFILL_CMP_PARALLEL=1; ``indexer_mma``: the indexer scores on tensor
+    cores, DS4C_PREFILL_INDEXER_MMA=1)."""
     import ds4c.runtime.lower_prefill as LP
     from ds4c.runtime.lower_step import _Ctx
     from ds4c.tensors import storage_types
@@ -275,6 +277,7 @@ def _plan_case(name: str, c: int, ctx: int, pattern: str, layer: int, row_block:
     cx.linears = LP._gemm_linears
     cx.attn_mma = attn_mma
     cx.cmp_parallel = cmp_parallel
+    cx.indexer_mma = indexer_mma
     op = next(o for o in g.ops if o.kind == "fused" and o.attrs.get("pattern") == pattern and o.layer == layer)
     return cfg, g, cx, op, LP._PATTERNS[pattern](cx, op)
 
@@ -484,7 +487,8 @@ def test_attention_at_chunk_rows_emulated(layer, kind, mma, arch, tmp_path):
 def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
     """lower_prefill picks the matrix-unit chunk attention by default on CUDA and on the HIP archs with a matrix body
     (gfx942 MFMA, gfx1151 WMMA; gfx1201 keeps the SIMT kernel) and the flush / state compressor pair;
-    DS4C_PREFILL_ATTN_MMA=0 keeps the SIMT attention, DS4C_PREFILL_CMP_PARALLEL=0 the row-serial compressor."""
+    DS4C_PREFILL_ATTN_MMA=0 keeps the SIMT attention, DS4C_PREFILL_CMP_PARALLEL=0 the row-serial compressor; the
+    indexer's scores on tensor cores on CUDA with DS4C_PREFILL_INDEXER_MMA=1 (unset, and HIP: the SIMT stage)."""
     from ds4c.runtime.lower_prefill import lower_prefill
 
     cfg = preset("tiny")
@@ -494,12 +498,24 @@ def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
         ks = lower_prefill(g, cfg, target(arch), pending=[])
         return sorted({la.kernel.entry for k in ks if k.family == "attention" for la in k.launches})
 
+    def indexer_entries(arch):
+        ks = lower_prefill(g, cfg, target(arch), pending=[])
+        return [la.kernel.entry for k in ks if k.family == "indexer" for la in k.launches]
+
     def comp_entries(arch):
         ks = lower_prefill(g, cfg, target(arch), pending=[])
         return [la.kernel.entry.rsplit("_", 1)[-1] for k in ks if k.family == "compressor" for la in k.launches]
 
     monkeypatch.delenv("DS4C_PREFILL_ATTN_MMA", raising=False)
     monkeypatch.delenv("DS4C_PREFILL_CMP_PARALLEL", raising=False)
+    monkeypatch.delenv("DS4C_PREFILL_INDEXER_MMA", raising=False)
+    assert indexer_entries("sm_90") and not any("mma" in e for e in indexer_entries("sm_90"))  # off by default
+    monkeypatch.setenv("DS4C_PREFILL_INDEXER_MMA", "1")
+    # the indexer: tensor-core scores then the decode select on CUDA; both decode stages on HIP
+    ix = indexer_entries("sm_90")
+    assert ix and [e.split("_")[-1] for e in ix] == ["scores", "select"] * (len(ix) // 2)
+    assert all("indexer_mma_scores" in e for e in ix[0::2]) and not any("mma" in e for e in ix[1::2])
+    assert indexer_entries("gfx942") and not any("mma" in e for e in indexer_entries("gfx942"))
     assert attn_entries("sm_90") and all("attn_mma_" in e for e in attn_entries("sm_90"))
     for arch in ("gfx942", "gfx1151"):
         assert attn_entries(arch) and all("attn_mma_" in e for e in attn_entries(arch)), arch
@@ -507,7 +523,9 @@ def test_prefill_kernel_choices_follow_the_target_and_settings(monkeypatch):
     assert comp_entries("sm_90") and comp_entries("sm_90") == ["flush", "state"] * (len(comp_entries("sm_90")) // 2)
     monkeypatch.setenv("DS4C_PREFILL_ATTN_MMA", "0")
     monkeypatch.setenv("DS4C_PREFILL_CMP_PARALLEL", "0")
+    monkeypatch.setenv("DS4C_PREFILL_INDEXER_MMA", "0")
     assert attn_entries("sm_90") and all("attn_mma_" not in e for e in attn_entries("sm_90"))
+    assert indexer_entries("sm_90") and not any("mma" in e for e in indexer_entries("sm_90"))
     assert set(comp_entries("sm_90")) == {"compressor"}
 
 
@@ -537,14 +555,16 @@ def test_prefill_gemm_tile_width_follows_its_setting(monkeypatch):
         gemms()
 
 
-def test_indexer_at_chunk_rows_emulated(tmp_path):
-    """The decode indexer kernels (scores, select) at q = C = 64 rows of a tiny chunk's CSA layer, on CPU threads,
-    against the IR indexer_topk: every valid row's selected ids (per-row causal limit (p+1)//4, live =
-    (pos + n_valid)//4) equal."""
+@pytest.mark.parametrize("mma", [False, True], ids=["simt", "mma"])
+def test_indexer_at_chunk_rows_emulated(mma, tmp_path):
+    """The indexer kernels (scores: the decode SIMT stage or the tensor-core one, DS4C_PREFILL_INDEXER_MMA; then the
+    decode select) at q = C = 64 rows of a tiny chunk's CSA layer, on CPU threads, against the IR indexer_topk: every
+    valid row's selected ids (per-row causal limit (p+1)//4, live = (pos + n_valid)//4) equal."""
     _skip_without_host()
     pos, nv = 21, 50
-    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "indexer_topk", 2)
-    assert [la.grid[1] for la in launches] == [64, 1] and launches[1].grid[0] == 64
+    _, _, cx, op, launches = _plan_case("tiny", 64, 128, "indexer_topk", 2, indexer_mma=mma)
+    assert ("indexer_mma_scores" in launches[0].kernel.entry) == mma
+    assert [la.grid[1] for la in launches] == [1 if mma else 64, 1] and launches[1].grid[0] == 64
     env = _random_inputs(cx, op, pos, nv, seed=11)
     want = _ir_body(op, env)
     bufs, seq = _emulate(cx, launches, env, pos, nv, tmp_path)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from ds4c.runtime.families import Launch
 from ds4c.runtime.families.attention import AttentionSpec
 from ds4c.runtime.render import KernelSource, RenderError, render
-from ds4c.runtime.targets import HIP_LDS, HIP_MATRIX, Target
+from ds4c.runtime.targets import CUDA_SMEM, HIP_LDS, HIP_MATRIX, Target
 
 TEMPLATE = "attention/chunk_mma.cu.j2"
 HIP_TEMPLATE = "attention/chunk_hip_matrix.cu.j2"
@@ -45,8 +45,7 @@ KINDS = ("swa", "csa", "hca")
 HEADS_PER_BLOCK = 64   # the MMA's M side: 4 tiles of 16 heads
 THREADS = 256          # 8 warps
 CHUNK = 64             # list entries per chunk (P9)
-#: the most dynamic shared memory one block may have, per CUDA arch
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+SMEM_LIMIT = CUDA_SMEM  # the most dynamic shared memory one block may have, per CUDA arch
 HIP_CHUNK = 32  # list entries per chunk of the HIP body
 
 

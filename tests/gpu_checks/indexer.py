@@ -20,6 +20,12 @@ the selection of the kernel's own scores must be exact and the scores within one
 and a CUDA-graph replay: both launches captured once, then positions and live changed in device memory and
 the graph replayed (the per-step scalars are read through pointers).
 
+Chunk cases (runtime/families/chunk_indexer.py, the scores of a 2048-row prefill chunk on tensor cores): official
+heads at a 4K and a 32K context's key count, the chunk at the end of the context; the tensor-core scores must be
+bit-identical to the SIMT stage's on the same device (FP4 inputs: every partial sum exact, so the order does not
+matter; the SIMT stage itself is checked against the CPU model above), every element written; both timed, and the
+select stage on the tensor-core scores.
+
 Usage: ``python tests/gpu_checks/indexer.py [--arch sm_90]`` (prints a table), or through
 ``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
 through ds4c's toolchain); compiles and loads through tests/gpu_checks/common.py.
@@ -36,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: tests/, for gpu_checks.common
 
 import torch
 
+from ds4c.runtime.families import chunk_indexer as CI
 from ds4c.runtime.families import indexer as I
 from ds4c.runtime.targets import target as make_target
 from gpu_checks.common import compile_all, median_us, standalone
@@ -157,6 +164,7 @@ def run(arch: str = "sm_90") -> list[dict]:
                      "regs": f"{use_sc.get('registers')}/{use_sel.get('registers')}",
                      "spills": bool(use_sc.get("spills") or use_sel.get("spills")), "compile_s": s_sc + s_sel})
     rows.append(_graph_case(kernels, dev, g))
+    rows += _chunk_cases(tgt, dev, g)
     for r in rows:
         r["compile_total_s"] = compile_wall
     return rows
@@ -204,6 +212,58 @@ def _graph_case(kernels: dict, dev: torch.device, g: torch.Generator) -> dict:
             "ids_equal": ok, "ids_own": ok, "scores_bitexact_model": ok, "all_written": ok,
             "us": float("nan"), "us_scores": float("nan"), "us_select": float("nan"), "GBps": float("nan"),
             "bytes": 0, "regs": "", "spills": False, "compile_s": 0.0, "detail": "; ".join(detail)}
+
+
+#: (label, cap, pos of the chunk's first row): the chunk at the end of a 4K and of a 32K context
+CHUNK_CASES = (("chunk C=2048 cap=1024 pos=2048", 1024, 2048), ("chunk C=2048 cap=8192 pos=30720", 8192, 30720))
+CHUNK_ROWS = 2048
+
+
+def _chunk_cases(tgt: Any, dev: torch.device, g: torch.Generator) -> list[dict]:
+    """The tensor-core scores of a prefill chunk against the SIMT stage on the same inputs and device (bit-identical
+    for FP4 inputs), both timed; the select stage after them."""
+    specs = [I.IndexerSpec(q=CHUNK_ROWS, cap=cap, **OFFICIAL) for _, cap, _ in CHUNK_CASES]
+    srcs = []
+    for s in specs:
+        srcs += I.render_indexer(s, tgt, f"cix_{s.kernel_key()}")
+        srcs.append(CI.render_chunk_scores(s, tgt, f"cix_{s.kernel_key()}_mma"))
+    kernels, _ = compile_all(srcs, "ds4c-chunk-indexer-",
+                             smem={f"cix_{s.kernel_key()}_mma": CI.launch_shape(s).smem for s in specs})
+    rows = []
+    for (label, cap, pos), spec in zip(CHUNK_CASES, specs):
+        key = f"cix_{spec.kernel_key()}"
+        (ksc, _, _), (ksel, _, _), (kmma, use, sec) = (kernels[key + "_scores"], kernels[key + "_select"],
+                                                      kernels[key + "_mma"])
+        ls, lsel = I.launch_shapes(spec)
+        lm = CI.launch_shape(spec)
+        names = I.arg_names(spec)
+        inputs = I.random_inputs(spec, g, pos=pos)
+        vals = {k: v.to(dev).contiguous() for k, v in inputs.items()}
+        vals["out"] = torch.full((spec.q, spec.kout), POISON_ID, dtype=torch.int64, device=dev)
+        got = {}
+        for which in ("simt", "mma"):
+            vals["scores"] = torch.full((spec.q, cap), POISON_BF16, dtype=torch.int16, device=dev).view(torch.bfloat16)
+            sargs = [vals[n] for n in names["scores"]]
+            if which == "simt":
+                ksc(ls.grid, ls.block, sargs)
+            else:
+                kmma(lm.grid, lm.block, sargs, lm.smem)
+            torch.cuda.synchronize()
+            got[which] = vals["scores"].cpu()
+        written = not bool(got["mma"].isnan().any())
+        bit = torch.equal(got["mma"].view(torch.int16), got["simt"].view(torch.int16))
+        sargs = [vals[n] for n in names["scores"]]
+        selargs = [vals[n] for n in names["select"]]
+        us_simt = median_us(lambda: ksc(ls.grid, ls.block, sargs))
+        us_mma = median_us(lambda: kmma(lm.grid, lm.block, sargs, lm.smem))
+        us_sel = median_us(lambda: ksel(lsel.grid, lsel.block, selargs))
+        rows.append({"spec": label, "ok": written and bit, "rel_err": 0.0, "ids_equal": bit, "ids_own": bit,
+                     "scores_bitexact_model": bit, "all_written": written, "us": us_mma + us_sel, "us_scores": us_mma,
+                     "us_select": us_sel, "GBps": float("nan"), "bytes": 0, "regs": f"{use.get('registers')}",
+                     "spills": bool(use.get("spills")), "compile_s": sec, "us_scores_simt": us_simt,
+                     "detail": f"tensor-core scores {us_mma:.1f} us vs SIMT {us_simt:.1f} us "
+                               f"({us_simt / us_mma:.1f}x), bit-identical: {bit}"})
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
