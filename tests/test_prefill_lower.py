@@ -897,3 +897,22 @@ def test_kquant_experts_lower_or_refuse_in_one_line(fmt, pending):
     lower_graph(g, cfg, target("gfx1151"), storage_types(cfg, fmt), pending=pend)
     assert {p.pattern for p in pend} == {"moe_experts"} and all("on wave 32" in p.message and "\n" not in p.message
                                                                  for p in pend)
+
+
+def test_the_43_layer_flash_lowers_its_32k_chunk_with_tensor_core_indexer_scores(monkeypatch):
+    """The issue-33 target's shape: the 43-layer flash with Q3_K experts, a 2048-row chunk at a 32K context, lowers
+    every plan kernel on sm_90 (nothing pending) with DS4C_PREFILL_INDEXER_MMA=1: each CSA layer's indexer is the
+    tensor-core scores over the context's 8192 keys (grid (64, 32)) then the decode select."""
+    from ds4c.runtime.lower_prefill import lower_prefill
+    from ds4c.tensors import storage_types
+
+    monkeypatch.setenv("DS4C_PREFILL_INDEXER_MMA", "1")
+    cfg = preset("flash")
+    pend: list = []
+    ks = lower_prefill(_graph("flash", 2048, 32768), cfg, target("sm_90"), storage_types(cfg, "q3_k"), pending=pend)
+    assert not pend, pend[0].message
+    ix = [la for k in ks if k.family == "indexer" for la in k.launches]
+    n_csa = sum(1 for r in cfg.compress_ratios[:cfg.n_layers] if r == 4)
+    assert n_csa > 10 and len(ix) == 2 * n_csa
+    assert all("indexer_mma_scores" in la.kernel.entry and la.grid == (64, 32, 1) for la in ix[0::2])
+    assert all(la.kernel.entry.endswith("_select") and la.grid[0] == 2048 for la in ix[1::2])
