@@ -255,7 +255,7 @@ def prefill_indexer_mma() -> bool:
     """The prefill chunks' indexer scores on tensor cores (runtime/families/chunk_indexer.py) where the target has
     them (``$DS4C_PREFILL_INDEXER_MMA=1``; off by default until a GPU has run and timed it: docs/perf.md,
     Optimisation 24; off runs the decode SIMT scores stage at C rows). Bit-identical scores for the model's FP4
-    inputs."""
+    inputs on the CPU emulator."""
     return _flag("DS4C_PREFILL_INDEXER_MMA", False)
 
 

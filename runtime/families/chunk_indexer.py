@@ -18,10 +18,12 @@ has run and timed it).
 
 Supported: CUDA sm_80 / sm_90 / sm_90a / sm_100a, ``dim`` a multiple of 16. HIP keeps the SIMT stage.
 
-Numerics: the SIMT stage's epilogue and head order; the dot products summed in the MMA's order. Bit-identical to it
-(and to :func:`ds4c.runtime.families.indexer.kernel_scores`) whenever every partial sum of a dot is exact in fp32,
-which holds for the model's FP4 fake-quantized ``qi`` and keys; otherwise within one bf16 rounding of a dot
-(tests/test_chunk_indexer.py).
+Numerics: the SIMT stage's epilogue and head order; the dot products summed in the MMA's order. On the CPU emulator
+(whose MMA sums exactly) bit-identical to it and to :func:`ds4c.runtime.families.indexer.kernel_scores` for the
+model's FP4 fake-quantized ``qi`` and keys, every partial sum of a dot being exact in fp32; otherwise within one bf16
+rounding of a dot (tests/test_chunk_indexer.py). On the GPU the tensor cores align each k16 step's terms to the
+largest and truncate: exact while the terms span few binades, as FP4 blocks of similar scale do; the GPU check
+(tests/gpu_checks/indexer.py, chunk cases) compares the two stages bit for bit, and its selected ids.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -50,14 +51,15 @@ static unsigned long long emu_rhead = 0, emu_rtail = 0;
 static void (*emu_body)(void*, int) = nullptr;
 static void* emu_body_arg = nullptr;
 static void emu_entry();
-#if defined(__x86_64__)
-// emu_switch(&from_sp, to_sp): push rbp rbx r12-r15, save rsp in from_sp, load to_sp, pop them, return there
+#if defined(__x86_64__) && defined(__ELF__)
+// emu_switch(&from_sp, to_sp): push rbp rbx r12-r15, save rsp in from_sp, load to_sp, pop them, return there (a
+// return the CPU's shadow stack would refuse: the program is built with -fcf-protection=none, HOST_FLAGS)
 extern "C" void emu_switch(void** from, void* to);
-asm(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
+asm(".pushsection .text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
     "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
     "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
     "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
-    ".size emu_switch, .-emu_switch\n");
+    ".size emu_switch, .-emu_switch\n.popsection\n");
 typedef void* EmuCtx;  // a parked fiber's stack pointer
 static EmuCtx* emu_ctx = nullptr;
 static EmuCtx emu_main_ctx;
@@ -674,7 +676,10 @@ def host_cxx() -> str | None:
     return shutil.which("g++") or shutil.which("clang++-19") or shutil.which("clang++")
 
 
-HOST_FLAGS = ("-std=c++20", "-O1", "-w")
+#: the emulators' host build: on x86-64 without CET branch protection, whose shadow stack would refuse the fibers'
+#: stack switch (FIBERS' emu_switch) where the kernel and glibc enforce it
+HOST_FLAGS = ("-std=c++20", "-O1", "-w") + (("-fcf-protection=none",) if platform.machine() in ("x86_64", "AMD64")
+                                             else ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -687,11 +692,18 @@ def _cxx_identity(cxx: str) -> str:
 def _program_cache() -> Path | None:
     """Where compiled emulator programs are kept by content (``$DS4C_EMU_CACHE``, default a per-user folder under the
     system temp dir; ``0`` or empty: none). Tests that emulate the same kernels with other inputs, and runs after the
-    first, reuse a program instead of compiling it again (~1 s each)."""
+    first, reuse a program instead of compiling it again (~1 s each). The folder must be this user's and writable by
+    no one else (its programs are run): else no cache."""
     v = os.environ.get("DS4C_EMU_CACHE")
-    if v is None:
-        return Path(tempfile.gettempdir()) / f"ds4c-emu-cache-{os.getuid()}"
-    return Path(v) if v not in ("", "0") else None
+    if v in ("", "0"):
+        return None
+    d = Path(v) if v is not None else Path(tempfile.gettempdir()) / f"ds4c-emu-cache-{os.getuid()}"
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = d.stat()
+    except OSError:
+        return None
+    return d if st.st_uid == os.getuid() and not st.st_mode & 0o022 else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -721,16 +733,20 @@ def compile_host(main: str, workdir: Path, who: str, defines: str = "") -> Path:
     exe, cache = workdir / "emu", _program_cache()
     key = hashlib.sha256(f"{_cxx_identity(cxx)}\n{HOST_FLAGS}\n{text}".encode()).hexdigest()
     hit = cache / key[:2] / key if cache is not None else None
-    if hit is not None and hit.is_file():
-        shutil.copy2(hit, exe)
-        return exe
+    if hit is not None:
+        try:
+            shutil.copy2(hit, exe)
+            return exe
+        except OSError:
+            pass  # not cached (or removed meanwhile): compile
     p = subprocess.run([cxx, *HOST_FLAGS, "-o", "emu", "emu.cpp"], cwd=workdir, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{who}: host compile failed:\n{p.stdout}{p.stderr[-6000:]}")
-    if hit is not None:  # published whole (a copy, then an atomic rename): a concurrent reader sees none or all of it
+    if hit is not None:  # published whole (a private temp copy, then an atomic rename): a reader sees none or all of it
         try:
-            hit.parent.mkdir(parents=True, exist_ok=True)
-            tmp = hit.with_name(f"{key}.{os.getpid()}.tmp")
+            hit.parent.mkdir(mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=hit.parent, prefix=f"{key}.", suffix=".tmp")
+            os.close(fd)
             shutil.copy2(exe, tmp)
             os.replace(tmp, hit)
         except OSError:

@@ -20,11 +20,11 @@ the selection of the kernel's own scores must be exact and the scores within one
 and a CUDA-graph replay: both launches captured once, then positions and live changed in device memory and
 the graph replayed (the per-step scalars are read through pointers).
 
-Chunk cases (runtime/families/chunk_indexer.py, the scores of a 2048-row prefill chunk on tensor cores): official
-heads at a 4K and a 32K context's key count, the chunk at the end of the context; the tensor-core scores must be
-bit-identical to the SIMT stage's on the same device (FP4 inputs: every partial sum exact, so the order does not
-matter; the SIMT stage itself is checked against the CPU model above), every element written; both timed, and the
-select stage on the tensor-core scores.
+Chunk cases (runtime/families/chunk_indexer.py, the scores of a prefill chunk on tensor cores; official heads): 70
+rows x 200 keys (partial row and key tiles), the same at position 0 (rows that see no key), 2048 rows at the end of a
+4K and of a 32K context. The tensor-core scores must be bit-identical to the SIMT stage's on the same device (FP4
+inputs: every partial sum exact), every element written, and the select stage on them must give the same ids; the
+small cases also equal the CPU model and the reference's ids. Both scores kernels and the select are timed.
 
 Usage: ``python tests/gpu_checks/indexer.py [--arch sm_90]`` (prints a table), or through
 ``python tests/gpu_checks`` (every family). Needs a CUDA GPU, torch, cuda-python (cuda.bindings) and nvcc (or NVRTC
@@ -214,55 +214,73 @@ def _graph_case(kernels: dict, dev: torch.device, g: torch.Generator) -> dict:
             "bytes": 0, "regs": "", "spills": False, "compile_s": 0.0, "detail": "; ".join(detail)}
 
 
-#: (label, cap, pos of the chunk's first row): the chunk at the end of a 4K and of a 32K context
-CHUNK_CASES = (("chunk C=2048 cap=1024 pos=2048", 1024, 2048), ("chunk C=2048 cap=8192 pos=30720", 8192, 30720))
-CHUNK_ROWS = 2048
+#: (label, C, cap, pos of the chunk's first row): partial row and key tiles, the prompt's first chunk (rows that see
+#: no key), the chunk at the end of a 4K and of a 32K context
+CHUNK_CASES = (("chunk C=70 cap=200 pos=467 (partial tiles)", 70, 200, 467),
+               ("chunk C=70 cap=200 pos=0 (first chunk)", 70, 200, 0),
+               ("chunk C=2048 cap=1024 pos=2048", 2048, 1024, 2048),
+               ("chunk C=2048 cap=8192 pos=30720", 2048, 8192, 30720))
+MODEL_CHECK_ROWS = 128  # cases this small are also held to the CPU model (kernel_scores) and the reference's ids
 
 
 def _chunk_cases(tgt: Any, dev: torch.device, g: torch.Generator) -> list[dict]:
     """The tensor-core scores of a prefill chunk against the SIMT stage on the same inputs and device (bit-identical
-    for FP4 inputs), both timed; the select stage after them."""
-    specs = [I.IndexerSpec(q=CHUNK_ROWS, cap=cap, **OFFICIAL) for _, cap, _ in CHUNK_CASES]
+    for FP4 inputs), then the select stage on each: the same ids; small cases also against the CPU model and the
+    reference. Both scores kernels timed, and the select."""
+    specs = [I.IndexerSpec(q=q, cap=cap, **OFFICIAL) for _, q, cap, _ in CHUNK_CASES]
+    names_of = {}
     srcs = []
     for s in specs:
-        srcs += I.render_indexer(s, tgt, f"cix_{s.kernel_key()}")
-        srcs.append(CI.render_chunk_scores(s, tgt, f"cix_{s.kernel_key()}_mma"))
-    kernels, _ = compile_all(srcs, "ds4c-chunk-indexer-",
-                             smem={f"cix_{s.kernel_key()}_mma": CI.launch_shape(s).smem for s in specs})
+        base, mma = f"cix_{s.kernel_key()}", f"cix_{s.kernel_key()}_q{s.q}_mma"
+        names_of[id(s)] = (base, mma)
+        if not any(k.entry.startswith(base + "_") for k in srcs):
+            srcs += I.render_indexer(s, tgt, base)
+        if not any(k.entry == mma for k in srcs):
+            srcs.append(CI.render_chunk_scores(s, tgt, mma))
+    kernels, wall = compile_all(srcs, "ds4c-chunk-indexer-",
+                                smem={names_of[id(s)][1]: CI.smem_bytes(s) for s in specs})
     rows = []
-    for (label, cap, pos), spec in zip(CHUNK_CASES, specs):
-        key = f"cix_{spec.kernel_key()}"
-        (ksc, _, _), (ksel, _, _), (kmma, use, sec) = (kernels[key + "_scores"], kernels[key + "_select"],
-                                                      kernels[key + "_mma"])
+    for (label, q, cap, pos), spec in zip(CHUNK_CASES, specs):
+        base, mma = names_of[id(spec)]
+        (ksc, _, _), (ksel, _, _), (kmma, use, sec) = kernels[base + "_scores"], kernels[base + "_select"], kernels[mma]
         ls, lsel = I.launch_shapes(spec)
         lm = CI.launch_shape(spec)
         names = I.arg_names(spec)
         inputs = I.random_inputs(spec, g, pos=pos)
         vals = {k: v.to(dev).contiguous() for k, v in inputs.items()}
-        vals["out"] = torch.full((spec.q, spec.kout), POISON_ID, dtype=torch.int64, device=dev)
-        got = {}
+        got: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for which in ("simt", "mma"):
-            vals["scores"] = torch.full((spec.q, cap), POISON_BF16, dtype=torch.int16, device=dev).view(torch.bfloat16)
+            vals["scores"] = torch.full((q, cap), POISON_BF16, dtype=torch.int16, device=dev).view(torch.bfloat16)
+            vals["out"] = torch.full((q, spec.kout), POISON_ID, dtype=torch.int64, device=dev)
             sargs = [vals[n] for n in names["scores"]]
             if which == "simt":
                 ksc(ls.grid, ls.block, sargs)
             else:
                 kmma(lm.grid, lm.block, sargs, lm.smem)
+            ksel(lsel.grid, lsel.block, [vals[n] for n in names["select"]])
             torch.cuda.synchronize()
-            got[which] = vals["scores"].cpu()
-        written = not bool(got["mma"].isnan().any())
-        bit = torch.equal(got["mma"].view(torch.int16), got["simt"].view(torch.int16))
+            got[which] = (vals["scores"].cpu(), vals["out"].cpu())
+        (s_simt, i_simt), (s_mma, i_mma) = got["simt"], got["mma"]
+        written = not bool(s_mma.isnan().any()) and not bool((i_mma == POISON_ID).any())
+        bit = torch.equal(s_mma.view(torch.int16), s_simt.view(torch.int16))
+        ids = torch.equal(i_mma, i_simt)
+        ok = written and bit and ids
+        if q <= MODEL_CHECK_ROWS:
+            model = I.kernel_scores(spec, **inputs)
+            ok = ok and torch.equal(s_mma.view(torch.int16), model.view(torch.int16))
+            ok = ok and torch.equal(i_mma, I.reference(spec, **inputs)["out"])
         sargs = [vals[n] for n in names["scores"]]
         selargs = [vals[n] for n in names["select"]]
         us_simt = median_us(lambda: ksc(ls.grid, ls.block, sargs))
         us_mma = median_us(lambda: kmma(lm.grid, lm.block, sargs, lm.smem))
         us_sel = median_us(lambda: ksel(lsel.grid, lsel.block, selargs))
-        rows.append({"spec": label, "ok": written and bit, "rel_err": 0.0, "ids_equal": bit, "ids_own": bit,
+        rows.append({"spec": label, "ok": ok, "rel_err": 0.0, "ids_equal": ids, "ids_own": ids,
                      "scores_bitexact_model": bit, "all_written": written, "us": us_mma + us_sel, "us_scores": us_mma,
                      "us_select": us_sel, "GBps": float("nan"), "bytes": 0, "regs": f"{use.get('registers')}",
-                     "spills": bool(use.get("spills")), "compile_s": sec, "us_scores_simt": us_simt,
+                     "spills": bool(use.get("spills")), "compile_s": sec, "chunk_compile_wall_s": wall,
+                     "us_scores_simt": us_simt,
                      "detail": f"tensor-core scores {us_mma:.1f} us vs SIMT {us_simt:.1f} us "
-                               f"({us_simt / us_mma:.1f}x), bit-identical: {bit}"})
+                               f"({us_simt / us_mma:.1f}x); scores bit-identical: {bit}, ids equal: {ids}"})
     return rows
 
 
