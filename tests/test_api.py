@@ -35,6 +35,12 @@ def model(tiny_path) -> Model:
 
 
 @pytest.fixture(scope="module")
+def full24(model):
+    """PROMPT's greedy completion of 24 tokens (shared: tests only read it)."""
+    return model.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
 def eos_case(model) -> tuple[int, int]:
     """(seed, position + 1) of a sampled run of EOS_PROMPT that ends at eos before EOS_MAX tokens."""
     for seed in (10, *range(10), *range(11, 40)):
@@ -108,8 +114,8 @@ def test_generate_greedy_equals_the_generate_function(model, tiny_weights):
     assert c.as_dict()["text"] == c.text and c.as_dict()["ids"] == c.ids
 
 
-def test_streaming_pieces_join_to_the_text(model):
-    full = model.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+def test_streaming_pieces_join_to_the_text(model, full24):
+    full = full24
     s = model.generate(PROMPT, max_new_tokens=24, ignore_eos=True, stream=True)
     assert isinstance(s, CompletionStream) and not s.done
     pieces = list(s)
@@ -141,8 +147,8 @@ def _ascii_stop(text: str) -> str:
     pytest.skip(f"no ASCII stop string in {text!r}")
 
 
-def test_stop_string_cuts_the_text(model):
-    full = model.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+def test_stop_string_cuts_the_text(model, full24):
+    full = full24
     stop = _ascii_stop(full.text)
     c = model.generate(PROMPT, max_new_tokens=24, ignore_eos=True, stop=[stop, "never-in-the-text"])
     assert c.stop_reason == "stop"
@@ -158,8 +164,8 @@ def test_stop_string_cuts_the_text(model):
     assert "".join(pieces) == c.text and s.completion.stop_reason == "stop" and s.completion.ids == c.ids
 
 
-def test_stop_string_made_of_several_tokens_is_held_back(model):
-    full = model.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+def test_stop_string_made_of_several_tokens_is_held_back(model, full24):
+    full = full24
     # a stop string spanning the text of two tokens (its start is held back, never emitted)
     for i in range(3, 22):
         a, b = model.detokenize(full.ids[:i]), model.detokenize(full.ids[:i + 2])

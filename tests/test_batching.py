@@ -5,8 +5,8 @@ Every equality here is bit for bit: the reference's primitives are row-invariant
 must equal the same sequence run alone (the one-sequence loop, ``ds4c.generate``). The pools poison freed pages
 with NaN, so a read of a page a sequence no longer holds shows as non-finite logits or a changed token.
 
-The tiny preset (window 16, ratios 4 and 16) pages every 16 positions: 256 tokens cross 16 window wraps, 16 HCA
-and 64 CSA flushes and 16 page boundaries.
+The tiny preset (window 16, ratios 4 and 16) pages every 16 positions: 128 tokens cross 8 window wraps, 8 HCA
+and 32 CSA flushes and 8 page boundaries.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _alone(ref, prompt, n, **kw):
 
 
 def test_continuous_batching_equals_each_request_alone(ref):
-    """Requests join and leave the running batch at different positions (256 new tokens for the longest, greedy
+    """Requests join and leave the running batch at different positions (128 new tokens for the longest, greedy
     and seeded sampling, a stop id, one cancelled in its prompt, one prompt that starts from the prefix cache):
     each request's tokens equal the same request alone; the pool's pages are all back (but the cache's) at the
     end, and a freed page is poisoned."""
@@ -178,12 +178,12 @@ def test_continuous_batching_equals_each_request_alone(ref):
     late = [(ids(7, 12), dict(temperature=0.9, top_k=40, seed=3)),
             (ids(33, 13), dict(temperature=1.0, top_p=0.8, seed=4))]
     eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=3, max_rows=8, poison=True))
-    want_a = _alone(ref, long_a, 256)
+    want_a = _alone(ref, long_a, 128)
     want_b = _alone(ref, long_b, 90, temperature=0.7, seed=1)
     eos = want_b[50]  # a stop id the sampled request meets at its 51st token (or earlier, where it also occurs)
     want_b_eos = want_b[:want_b.index(eos) + 1]  # generate's stop: the same draws, up to and with the stop id
     want_late = [_alone(ref, p, 40, **kw) for p, kw in late]
-    a = eng.submit(long_a, 256)
+    a = eng.submit(long_a, 128)
     b = eng.submit(long_b, 90, temperature=0.7, seed=1, stop_ids=(eos,))
     doomed = eng.submit(ids(200, 14), 10)  # the third lane; cancelled in its prompt
     for _ in range(12):
@@ -200,7 +200,7 @@ def test_continuous_batching_equals_each_request_alone(ref):
     want_t2 = _alone(ref, turn2, 20)
     t2 = eng.submit(turn2, 20)
     res = {k: r.run() for k, r in dict(a=a, b=b, c=c, d=d, t2=t2).items()}
-    assert res["a"].tokens == want_a and len(want_a) == 256
+    assert res["a"].tokens == want_a and len(want_a) == 128
     assert res["b"].tokens == want_b_eos and res["b"].stop_reason == "eos"
     assert res["c"].tokens == want_late[0] and res["d"].tokens == want_late[1]
     assert res["t2"].tokens == want_t2 and t2.prefix_reused == 64  # 70 positions were cached: 4 full pages
@@ -439,13 +439,13 @@ def test_speculative_lanes_equal_each_request_alone(ref):
 
     pa, pb, pc, pd = ids(21, 70), ids(30, 71), ids(9, 72), ids(90, 73)
     kb = dict(temperature=0.8, top_p=0.9, seed=2)
-    want_a = generate(ref, pa, 40, draft=oracle(5), spec_width=5).tokens
+    want_a = generate(ref, pa, 30, draft=oracle(5), spec_width=5).tokens
     eos = want_a[25]  # generate's stop: the same steps, the tokens up to and with the stop id's first occurrence
     want_a = want_a[:want_a.index(eos) + 1]
     want_b = generate(ref, pb, 30, draft=oracle(6), spec_width=3, **kb).tokens
     want_c, want_d = _alone(ref, pc, 24), _alone(ref, pd, 8)
     eng = BatchEngine(ref, MAX_CTX, BatchConfig(max_lanes=4, max_rows=12, poison=True))
-    a = eng.submit(pa, 40, draft=oracle(5), spec_width=5, stop_ids=(eos,))
+    a = eng.submit(pa, 30, draft=oracle(5), spec_width=5, stop_ids=(eos,))
     b = eng.submit(pb, 30, draft=oracle(6), spec_width=3, **kb)
     c = eng.submit(pc, 24)
     next(c)
@@ -509,8 +509,8 @@ def test_model_lanes_with_a_drafter(tiny_path):
     one = Model(tiny_path, max_ctx=128, threads=1, draft="oracle:0.8")
     m = Model(tiny_path, max_ctx=128, threads=1, lanes=2, draft="oracle:0.8")
     prompts = ["The quick brown fox", "def main():", "Hello there"]
-    want = [one.generate(p, 12, temperature=0.7, seed=k).text for k, p in enumerate(prompts)]
+    want = [one.generate(p, 8, temperature=0.7, seed=k).text for k, p in enumerate(prompts)]
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda k: m.generate(prompts[k], 12, temperature=0.7, seed=k).text, range(3)))
+        got = list(pool.map(lambda k: m.generate(prompts[k], 8, temperature=0.7, seed=k).text, range(3)))
     assert got == want and m.batch.stats()["spec_steps"] > 0
     m.close()

@@ -6,7 +6,7 @@
 * The reference: taps equal the mean over the HC streams after the tap layers (a spied forward), block shapes,
   determinism, the non-causal block attention (row 0 sees the noise rows; causally it would not), the Markov chain
   and confidence by hand.
-* The loop: greedy speculative decoding with the DSpark drafter equals greedy autoregressive decoding over 100
+* The loop: greedy speculative decoding with the DSpark drafter equals greedy autoregressive decoding over 60
   tokens at several widths; the rings get exactly one row per committed position, equal to rings built from the
   autoregressive run's taps; sampling runs, is seeded and drafts from the returned ``q``.
 """
@@ -45,7 +45,7 @@ TINY = preset("tiny")
 TAPS = (3, 4, 5)  # the default: the last three of tiny's 6 layers (official 40, 41, 42 of 43)
 PROMPT = [5, 17, 301, 42, 7, 99]
 LONG = PROMPT + list(range(30, 50))  # 26 tokens: longer than tiny's 16-row window (the drafter's prefill keeps 16)
-N_NEW = 100
+N_NEW = 60  # 26 + 60 positions: the 16-row rings wrap 5 times
 PEER_TARBALL = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama.cpp-src.tar.xz"
 
 # names as llama.cpp writes them: MODEL_TENSOR -> TENSOR_NAMES (gguf-py/gguf/constants.py l. 1428-2001), root names

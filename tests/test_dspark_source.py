@@ -138,9 +138,9 @@ def test_greedy_speculative_through_make_drafter_equals_the_file(files, tiny_wei
     d_syn = make_drafter("dspark:synthetic:tiny", 512, config=TINY)
     assert isinstance(d_syn, DSparkDrafter) and isinstance(d_syn.file, SyntheticDSpark)
     assert d_syn.name == "dspark:synthetic:tiny:official:0"
-    a = generate(Reference(tiny_weights, max_ctx=128), PROMPT, 24, draft=d_file, spec_width=4)
-    b = generate(Reference(tiny_weights, max_ctx=128), PROMPT, 24, draft=d_syn, spec_width=4)
-    assert a.tokens == b.tokens == generate(Reference(tiny_weights, max_ctx=128), PROMPT, 24).tokens
+    a = generate(Reference(tiny_weights, max_ctx=128), PROMPT, 16, draft=d_file, spec_width=4)
+    b = generate(Reference(tiny_weights, max_ctx=128), PROMPT, 16, draft=d_syn, spec_width=4)
+    assert a.tokens == b.tokens == generate(Reference(tiny_weights, max_ctx=128), PROMPT, 16).tokens
     assert b.speculative["drafter"] == "dspark:synthetic:tiny:official:0"
     for k in ("steps", "acceptance_by_depth", "tokens"):
         assert a.speculative[k] == b.speculative[k], k

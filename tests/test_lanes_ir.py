@@ -73,7 +73,9 @@ def test_lanes_step_equals_each_lane_alone(tiny_weights, passes: bool) -> None:
     alone = _Alone(tiny_weights, passes)
     starts = (0, 15, 63, 70)
     solo = [_start(tiny_weights, alone, n, seed=j) for j, n in enumerate(starts)]
-    batch = [_start(tiny_weights, alone, n, seed=j) for j, n in enumerate(starts)]
+    batch = [Reference(tiny_weights, max_ctx=MAX_CTX) for _ in starts]  # the same starts: copies of solo's states
+    for b, s in zip(batch, solo):
+        b.restore(s.snapshot())
     g = build_step(TINY, sum(lanes), MAX_CTX, lanes=lanes)
     verify(g)
     graphs = {}

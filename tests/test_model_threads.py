@@ -18,6 +18,12 @@ def model(tiny_path) -> Model:
     return Model(tiny_path, max_ctx=64)
 
 
+@pytest.fixture(scope="module")
+def solos(model: Model) -> tuple:
+    """The new ids of each prompt generated alone (a tuple of lists; tests only compare them)."""
+    return tuple(model.generate(p, max_new_tokens=N_NEW, ignore_eos=True).ids for p in PROMPTS)
+
+
 def _run_both(model: Model, stream: bool) -> list:
     """Both prompts at once, one thread each (started together by a barrier); the new ids of each, or the
     exception a thread raised."""
@@ -47,8 +53,8 @@ def _run_both(model: Model, stream: bool) -> list:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["completion", "stream"])
-def test_two_threads_on_one_model_get_their_solo_outputs(model, stream):
-    solo = [model.generate(p, max_new_tokens=N_NEW, ignore_eos=True).ids for p in PROMPTS]
+def test_two_threads_on_one_model_get_their_solo_outputs(model, solos, stream):
+    solo = list(solos)
     assert solo[0] != solo[1]
     for trial in range(4):
         got = _run_both(model, stream)
@@ -63,10 +69,10 @@ def _in_thread(model: Model, prompt: str) -> tuple[threading.Thread, list]:
 
 
 @pytest.mark.parametrize("how", ["close", "drop", "exhaust"])
-def test_an_unfinished_stream_holds_the_model_until_it_ends(model, how):
+def test_an_unfinished_stream_holds_the_model_until_it_ends(model, solos, how):
     """Another thread's generation waits while a stream is unfinished and runs once it is closed, dropped
     (garbage-collected) or read to its end; the stream's own tokens are its solo ones."""
-    solo = [model.generate(p, max_new_tokens=N_NEW, ignore_eos=True).ids for p in PROMPTS]
+    solo = solos
     s = model.generate(PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True, stream=True)
     next(s)
     t, out = _in_thread(model, PROMPTS[1])
@@ -83,12 +89,12 @@ def test_an_unfinished_stream_holds_the_model_until_it_ends(model, how):
     assert not t.is_alive() and out == [solo[1]]
 
 
-def test_the_same_thread_ends_its_own_stream_without_waiting(model):
+def test_the_same_thread_ends_its_own_stream_without_waiting(model, solos):
     """On the thread that holds the Model a new generation starts at once and ends that thread's unfinished
     stream (whose next read is a one-line StepError); a stream closed before its first piece ends cleanly."""
     from ds4c.errors import StepError
 
-    solo = model.generate(PROMPTS[1], max_new_tokens=N_NEW, ignore_eos=True).ids
+    solo = solos[1]
     s = model.generate(PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True, stream=True)
     next(s)
     assert model.generate(PROMPTS[1], max_new_tokens=N_NEW, ignore_eos=True).ids == solo
