@@ -102,7 +102,7 @@ def test_official_shapes_render_and_refuse():
     (64, 32); HIP and a dim that is not a multiple of 16 refused in one line."""
     spec = IX.IndexerSpec(2048, 64, 128, 512, 8192, 4)
     la = CI.launch_shape(spec)
-    assert la.grid == (64, 32, 1) and la.block == (256, 1, 1) and la.smem == CI.smem_bytes(spec) == 86272
+    assert la.grid == (64, 32, 1) and la.block == (256, 1, 1) and la.smem == CI.smem_bytes(spec) == 86528
     src = CI.render_chunk_scores(spec, target("sm_90"), "ds4c_ix")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src.source and "ldmatrix" in src.source
     with pytest.raises(RenderError, match="gfx942 is not supported"):

@@ -42,9 +42,10 @@ THREADS = 256    # 8 warps
 
 def smem_bytes(spec: IndexerSpec) -> int:
     """Dynamic shared memory (the template's layout): keys [128][D + 8] bf16, query rows [2][64][D + 8] bf16, the
-    head weights [H][64] f32, nvalid [64] ints."""
+    head weights [64][H + 1] f32 (rows on distinct banks for both their writes and the epilogue's reads), nvalid [64]
+    ints."""
     ld = spec.dim + 8
-    return KEY_TILE * ld * 2 + 2 * ROW_TILE * ld * 2 + spec.heads * ROW_TILE * 4 + ROW_TILE * 4
+    return KEY_TILE * ld * 2 + 2 * ROW_TILE * ld * 2 + ROW_TILE * (spec.heads + 1) * 4 + ROW_TILE * 4
 
 
 def check(spec: IndexerSpec, target: Target) -> None:
