@@ -98,7 +98,7 @@ def test_a_nan_query_stays_in_its_row(tmp_path):
 
 
 def test_official_shapes_render_and_refuse():
-    """Official widths (64 heads of 128, a 32K context's 8192 keys, a 2048-row chunk): 84 KiB of shared memory, grid
+    """Official widths (64 heads of 128, a 32K context's 8192 keys, a 2048-row chunk): 84.5 KiB of shared memory, grid
     (64, 32); HIP and a dim that is not a multiple of 16 refused in one line."""
     spec = IX.IndexerSpec(2048, 64, 128, 512, 8192, 4)
     la = CI.launch_shape(spec)

@@ -10,7 +10,7 @@ rows x 128 keys, keeps the key tile in shared memory and, head by head in order,
 rows against it with ``mma.sync`` bf16 (fp32 accumulation) and folds the per-head epilogue (bf16, ReLU, times the
 head weight, bf16, fp32 sum in head order) into registers.
 
-One launch: grid ``(ceil(cap / 128), ceil(C / 64))``, 256 threads, :func:`smem_bytes` of dynamic shared memory (84
+One launch: grid ``(ceil(cap / 128), ceil(C / 64))``, 256 threads, :func:`smem_bytes` of dynamic shared memory (84.5
 KiB at D = 128, H = 64: two blocks per SM on sm_90). Arguments: the scores stage's
 (:func:`ds4c.runtime.families.indexer.arg_names`), so the lowering swaps one for the other
 (:func:`ds4c.runtime.lower_prefill._lower_indexer`, with ``DS4C_PREFILL_INDEXER_MMA=1``: off by default until a GPU
